@@ -1,0 +1,252 @@
+"""The one checkpoint reader and the one checkpoint writer.
+
+Every read (seed, stage load, resume, inspect) goes through ``CheckpointReader`` and every write
+through ``write_checkpoint``, so validation, safety and crash-safety live in one place each:
+
+* **Safety.** DCP's ``.metadata`` is a raw pickle, and stock ``FileSystemReader.read_metadata``
+  would run arbitrary code from a crafted file. ``SafeFileSystemReader`` unpickles it with an
+  allow-list of the classes DCP metadata consists of. (Tensor payloads are already read by DCP with
+  ``torch.load(weights_only=True)``.)
+* **Crash-safety.** A checkpoint is written into a hidden sibling ``.NAME.partial`` and renamed to
+  ``NAME`` only when complete (DCP files and manifest fsynced), so any directory with the final
+  name is complete, and a killed writer leaves only a ``.partial`` that nothing accepts.
+* **Validation.** ``CheckpointReader.check_model_args`` compares the manifest with a config before
+  anything is allocated, and ``check_covers`` compares wanted tensors (name, shape, dtype) with
+  the metadata -- because ``dcp.load`` silently casts dtypes, ignores extra keys and reports a
+  missing key as a ``BaseException``.
+
+Layout: a DCP directory (``.metadata`` + ``*.distcp``, readable by stock ``dcp.load``) plus
+``seedckpt.json``, the manifest (format version, kind, model name + full ModelArgs, seed, dtype,
+parameter count, per-tensor shape/dtype, torch and seedckpt versions).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import pickle
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+import seedckpt
+from models.llama import ModelArgs
+from seedckpt.errors import SeedckptError
+
+MANIFEST_NAME = "seedckpt.json"
+FORMAT_VERSION = 1
+PARTIAL_SUFFIX = ".partial"
+
+# ModelArgs fields that decide tensor shapes: a config must agree with the checkpoint on these.
+SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "ffn_dim_multiplier")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata and nothing else (no arbitrary callables)."""
+
+    _ALLOWED_MODULES = {"torch.distributed.checkpoint.metadata"}
+    _ALLOWED = {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch.serialization", "_get_layout"),
+        ("torch", "Size"),
+        ("collections", "OrderedDict"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PurePosixPath"),
+    }
+
+    def find_class(self, module: str, name: str):
+        if (module in self._ALLOWED_MODULES or (module, name) in self._ALLOWED
+                or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """``FileSystemReader`` whose metadata read cannot execute code."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with open(path, "rb") as f:
+            try:
+                metadata = _MetadataUnpickler(f).load()
+            except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
+                raise SeedckptError(f"{path} is not valid DCP metadata ({e}); the checkpoint is "
+                                    "corrupt or not a DCP checkpoint") from None
+        if not isinstance(metadata, Metadata):
+            raise SeedckptError(f"{path} does not hold DCP metadata")
+        if metadata.storage_meta is not None:
+            metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class CheckpointReader:
+    """An opened, validated checkpoint directory."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        if self.path.name.endswith(PARTIAL_SUFFIX):
+            raise SeedckptError(f"{self.path} is an incomplete checkpoint left by an interrupted write; "
+                                "delete it and write the checkpoint again")
+        if not self.path.is_dir():
+            raise SeedckptError(f"no checkpoint directory at {self.path}; create one with "
+                                "`seedckpt seed --config CONFIG --output DIR`")
+        if not (self.path / ".metadata").is_file():
+            raise SeedckptError(f"{self.path} is not a complete DCP checkpoint (no .metadata); "
+                                "it may be an interrupted write -- write it again")
+        self.metadata = SafeFileSystemReader(self.path).read_metadata()
+        manifest_path = self.path / MANIFEST_NAME
+        self.manifest: dict | None = None
+        if manifest_path.is_file():
+            try:
+                self.manifest = json.loads(manifest_path.read_text())
+            except json.JSONDecodeError as e:
+                raise SeedckptError(f"{manifest_path} is not valid JSON ({e})") from None
+
+    def tensors(self) -> dict[str, TensorInfo]:
+        return {fqn: TensorInfo(tuple(md.size), md.properties.dtype)
+                for fqn, md in self.metadata.state_dict_metadata.items()
+                if isinstance(md, TensorStorageMetadata)}
+
+    def model_args(self) -> ModelArgs | None:
+        if self.manifest is None:
+            return None
+        return ModelArgs.from_dict(self.manifest["model"]["args"])
+
+    def check_model_args(self, args: ModelArgs) -> None:
+        """Fail (before any allocation) if ``args`` does not describe the checkpoint's model."""
+        saved = self.model_args()
+        if saved is None:
+            return  # a foreign DCP checkpoint: per-tensor checks at load time still apply
+        diffs = [f"{f}: checkpoint {getattr(saved, f)!r}, config {getattr(args, f)!r}"
+                 for f in SHAPE_FIELDS if getattr(saved, f) != getattr(args, f)]
+        if diffs:
+            flavor = self.manifest["model"].get("flavor")
+            raise SeedckptError(f"config does not match checkpoint {self.path} ({'; '.join(diffs)}); "
+                                f"use the config it was made with (model.flavor={flavor!r}) or "
+                                "create a new seed for this config")
+
+    def check_covers(self, wanted: dict[str, torch.Tensor]) -> None:
+        """Every wanted tensor is in the checkpoint with the same global shape and dtype."""
+        have = self.tensors()
+        problems = []
+        for fqn, t in wanted.items():
+            info = have.get(fqn)
+            if info is None:
+                problems.append(f"{fqn}: missing from checkpoint")
+            elif info.shape != tuple(t.shape):
+                problems.append(f"{fqn}: shape {list(info.shape)} in checkpoint, {list(t.shape)} in model")
+            elif info.dtype != t.dtype:
+                problems.append(f"{fqn}: dtype {dtype_name(info.dtype)} in checkpoint, "
+                                f"{dtype_name(t.dtype)} in model")
+        if problems:
+            raise SeedckptError(f"checkpoint {self.path} does not cover the model: " + "; ".join(problems))
+
+    def load(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load ``state_dict`` in place via DCP; each rank reads only the entries it asks for.
+
+        Collective across the default process group when one is initialized.
+        """
+        self.check_covers(state_dict)
+        try:
+            dcp.load(state_dict, storage_reader=SafeFileSystemReader(self.path),
+                     planner=DefaultLoadPlanner(allow_partial_load=False))
+        except BaseException as e:  # DCP's CheckpointException derives from BaseException
+            if isinstance(e, (KeyboardInterrupt, SystemExit, SeedckptError)):
+                raise
+            raise SeedckptError(f"reading {self.path} failed: {e}") from e
+
+
+def make_manifest(kind: str, model_name: str, flavor: str | None, args: ModelArgs,
+                  state_dict: dict[str, torch.Tensor], **extra) -> dict:
+    return {
+        "format_version": FORMAT_VERSION,
+        "kind": kind,
+        "model": {"name": model_name, "flavor": flavor, "args": args.to_dict()},
+        "num_params": sum(t.numel() for t in state_dict.values()),
+        "tensors": {fqn: {"shape": list(t.shape), "dtype": dtype_name(t.dtype)}
+                    for fqn, t in state_dict.items()},
+        "torch_version": torch.__version__,
+        "seedckpt_version": seedckpt.__version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **extra,
+    }
+
+
+def check_destination(path: str | os.PathLike, force: bool) -> Path:
+    """Fail early (before any work) when ``path`` exists and ``force`` is not set."""
+    path = Path(path)
+    if path.exists() and not force:
+        raise SeedckptError(f"{path} already exists; pass --force to replace it or choose another --output")
+    if path.exists() and not path.is_dir():
+        raise SeedckptError(f"{path} exists and is not a directory; choose another --output")
+    return path
+
+
+def write_checkpoint(path: str | os.PathLike, state_dict: dict[str, torch.Tensor], manifest: dict,
+                     force: bool = False) -> Path:
+    """Write a DCP checkpoint plus manifest to ``path`` atomically (single process).
+
+    The data goes to ``.NAME.partial`` first; only a complete, fsynced directory is renamed to
+    ``NAME``. With ``force`` an existing ``NAME`` is replaced only after the new one is complete.
+    """
+    path = check_destination(path, force)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.parent / f".{path.name}{PARTIAL_SUFFIX}"
+    shutil.rmtree(partial, ignore_errors=True)  # left by an earlier interrupted write
+    try:
+        dcp.save(state_dict, storage_writer=FileSystemWriter(partial, sync_files=True), no_dist=True)
+        _write_json_synced(partial / MANIFEST_NAME, manifest)
+        _publish(partial, path)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return path
+
+
+def _write_json_synced(path: Path, obj: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _publish(partial: Path, path: Path) -> None:
+    """Rename the complete ``partial`` to ``path``, replacing an existing one last."""
+    old = path.parent / f".{path.name}.old"
+    if path.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        path.rename(old)
+    partial.rename(path)
+    shutil.rmtree(old, ignore_errors=True)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)

@@ -1,0 +1,157 @@
+"""The ``seedckpt`` command: seed, inspect, plan.
+
+User errors (``SeedckptError``) print one line with the fix and exit 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import textwrap
+
+from seedckpt.errors import SeedckptError
+
+EXAMPLES = {
+    "seed": """
+        examples:
+          seedckpt seed --config configs/debug.toml --output seeds/debug
+          seedckpt seed --config configs/llama3_8b.toml --output /shared/seeds/8b --dtype bfloat16
+          seedckpt seed --config configs/debug.toml --output /tmp/s --model.n_layers 8 --force""",
+    "inspect": """
+        examples:
+          seedckpt inspect seeds/debug
+          seedckpt inspect seeds/debug --json | python -m json.tool""",
+    "plan": """
+        examples:
+          seedckpt plan --config configs/llama3_8b.toml
+          seedckpt plan --config configs/llama3_70b.toml --world-size 64 --parallelism.pipeline_parallel_degree 8
+          seedckpt plan --config configs/debug.toml --model.flavor 405B --parallelism.pipeline_parallel_degree 16""",
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="seedckpt", description="Seed checkpoints for pipeline x FSDP2 LLM training.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="run `seedckpt COMMAND --help` for each command's options and examples")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, epilog=textwrap.dedent(EXAMPLES[name]),
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    seed = add("seed", "Initialize the full model on CPU and write a DCP seed checkpoint. "
+                       "Any config key can be overridden with --section.key value.")
+    seed.add_argument("--config", required=True, help="job config TOML, e.g. configs/debug.toml")
+    seed.add_argument("--output", help="checkpoint directory (default: checkpoint.seed_checkpoint)")
+    seed.add_argument("--seed", type=int, help="init seed (default: training.seed)")
+    seed.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
+    seed.add_argument("--force", action="store_true", help="replace an existing checkpoint")
+    seed.add_argument("--quiet", action="store_true", help="no progress output")
+
+    inspect = add("inspect", "List a checkpoint's tensors (shape, dtype, bytes) and manifest.")
+    inspect.add_argument("checkpoint", help="checkpoint directory")
+    inspect.add_argument("--json", action="store_true", help="machine-readable output")
+
+    plan = add("plan", "Show which layers, parameters and bytes each pipeline stage and rank gets "
+                       "(computed on meta: no memory, works for 405B).")
+    plan.add_argument("--config", required=True, help="job config TOML")
+    plan.add_argument("--world-size", type=int, help="resolve data_parallel_shard_degree = -1 against this")
+    plan.add_argument("--json", action="store_true", help="machine-readable output")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    opts, rest = parser.parse_known_args(argv)
+    if rest and opts.command == "inspect":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    try:
+        return {"seed": _seed, "inspect": _inspect, "plan": _plan}[opts.command](opts, rest)
+    except SeedckptError as e:
+        print(f"seedckpt {opts.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _seed(opts, overrides) -> int:
+    from seedckpt.config import load_config
+    from seedckpt.seed import create_seed_checkpoint
+
+    cfg = load_config(opts.config, overrides)
+    output = opts.output or cfg.checkpoint.seed_checkpoint
+    if not output:
+        raise SeedckptError("no output directory: pass --output DIR or set checkpoint.seed_checkpoint")
+    seed = cfg.training.seed if opts.seed is None else opts.seed
+    path = create_seed_checkpoint(cfg, output, seed=seed, dtype=opts.dtype, force=opts.force,
+                                  progress=not opts.quiet)
+    print(f"wrote seed checkpoint {path} (model {cfg.model.name} {cfg.model.flavor}, seed {seed}, {opts.dtype})")
+    return 0
+
+
+def _inspect(opts, _rest) -> int:
+    from seedckpt.checkpoint import CheckpointReader, dtype_name
+
+    reader = CheckpointReader(opts.checkpoint)
+    tensors = reader.tensors()
+    total = sum(t.nbytes for t in tensors.values())
+    if opts.json:
+        print(json.dumps({
+            "path": str(reader.path), "manifest": reader.manifest, "num_tensors": len(tensors),
+            "total_bytes": total,
+            "tensors": {fqn: {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "bytes": t.nbytes}
+                        for fqn, t in tensors.items()},
+        }, indent=1))
+        return 0
+    m = reader.manifest or {}
+    print(f"checkpoint {reader.path}")
+    if m:
+        model = m.get("model", {})
+        print(f"  kind {m.get('kind')}  model {model.get('name')} {model.get('flavor')}  seed {m.get('seed')}  "
+              f"dtype {m.get('dtype')}  created {m.get('created')}  torch {m.get('torch_version')}")
+        print(f"  args {json.dumps(model.get('args'))}")
+    else:
+        print("  no seedckpt.json manifest (a plain DCP checkpoint)")
+    print(f"  {len(tensors)} tensors, {sum(t.numel for t in tensors.values()):,} elements, "
+          f"{_gib(total)}")
+    width = max((len(f) for f in tensors), default=0)
+    for fqn, t in tensors.items():
+        print(f"  {fqn:<{width}}  {str(list(t.shape)):<16} {dtype_name(t.dtype):<9} {t.nbytes:>14,}")
+    return 0
+
+
+def _plan(opts, overrides) -> int:
+    from seedckpt.config import load_config
+    from seedckpt.plan import make_plan
+
+    plan = make_plan(load_config(opts.config, overrides), opts.world_size)
+    if opts.json:
+        print(json.dumps(plan, indent=1))
+        return 0
+    print(f"{plan['model']} {plan['flavor']}: {plan['total_params']:,} params, {_gib(plan['total_bytes'])}; "
+          f"pp={plan['pipeline_parallel_degree']} x {plan['stages_per_rank']} stage(s)/rank, "
+          f"dp_shard={plan['data_parallel_shard_degree']}, dp_replicate={plan['data_parallel_replicate_degree']}")
+    print(f"  {'stage':>5} {'pp_rank':>7}  {'layers':<12} {'extra':<12} {'params':>16} {'bytes':>12}")
+    for s in plan["stages"]:
+        extra = "+".join(x for x, on in (("embed", s["has_embeddings"]), ("output", s["has_output"])) if on)
+        print(f"  {s['stage']:>5} {s['pp_rank']:>7}  {_span(s['layers']):<12} {extra:<12} "
+              f"{s['params']:>16,} {_gib(s['param_bytes']):>12}")
+    print(f"  {'pp_rank':>7} {'stages':<10} {'params':>16} {'bytes':>12} {'per dp shard':>13} {'train/GPU':>12}")
+    for r in plan["ranks"]:
+        print(f"  {r['pp_rank']:>7} {str(r['stages']):<10} {r['params']:>16,} {_gib(r['param_bytes']):>12} "
+              f"{_gib(r['param_bytes_per_dp_shard']):>13} {_gib(r['train_state_bytes_per_gpu']):>12}")
+    print("  train/GPU = fp32 params + grads + AdamW moments (16 B/param) sharded over dp_shard; "
+          "activations not included")
+    return 0
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**26 else f"{n / 2**20:.2f} MiB"
+
+
+def _span(layers: list[int]) -> str:
+    return f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else str(layers[0])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""Small views over ``nn.Module`` state that init, stage loading and checks share.
+
+"State" means what a checkpoint holds: parameters and *persistent* buffers, by FQN.
+Non-persistent buffers are not in checkpoints and must be recomputed (``init_buffers``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def state_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers by FQN, as the live objects (not detached copies)."""
+    out = dict(module.named_parameters())
+    out.update((fqn, buf) for fqn, buf in _named_buffers(module, persistent=True))
+    return out
+
+
+def nonpersistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    return dict(_named_buffers(module, persistent=False))
+
+
+def _named_buffers(module: nn.Module, persistent: bool):
+    for mod_name, mod in module.named_modules():
+        for name, buf in mod.named_buffers(recurse=False):
+            if buf is not None and (name not in mod._non_persistent_buffers_set) == persistent:
+                yield (f"{mod_name}.{name}" if mod_name else name), buf
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of ``tensor`` this rank stores (the local shard of a DTensor)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -1,0 +1,98 @@
+"""Where every parameter goes, computed on ``meta``: per stage and per rank, no allocation.
+
+The full model is built once on ``meta`` (free even for 405B) and each tensor is attributed to the
+stage that owns it: ``tok_embeddings`` to the first stage, ``norm``/``output`` to the last,
+``layers.i`` to the stage whose layers include ``i``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from seedckpt.config import JobConfig
+from seedckpt.errors import SeedckptError
+from seedckpt.modules import state_tensors
+from seedckpt.stages import split_layers, stage_ids_for_rank
+
+# fp32 parameter + fp32 gradient + two fp32 AdamW moments.
+TRAIN_BYTES_PER_PARAM = 16
+
+
+@dataclass
+class StagePlan:
+    stage: int
+    pp_rank: int
+    layers: list[int]
+    has_embeddings: bool
+    has_output: bool
+    params: int
+    param_bytes: int
+
+
+@dataclass
+class RankPlan:
+    pp_rank: int
+    stages: list[int]
+    params: int
+    param_bytes: int
+    param_bytes_per_dp_shard: int
+    train_state_bytes_per_gpu: int  # params + grads + AdamW moments, sharded over dp_shard
+
+
+def resolve_dp_shard(cfg: JobConfig, world_size: int | None) -> int:
+    par = cfg.parallelism
+    if par.data_parallel_shard_degree != -1:
+        return par.data_parallel_shard_degree
+    if world_size is None:
+        return 1
+    rest, rem = divmod(world_size, par.pipeline_parallel_degree * par.data_parallel_replicate_degree)
+    if rem or rest < 1:
+        raise SeedckptError(f"world size {world_size} is not divisible by pipeline_parallel_degree x "
+                            f"data_parallel_replicate_degree = "
+                            f"{par.pipeline_parallel_degree * par.data_parallel_replicate_degree}")
+    return rest
+
+
+def make_plan(cfg: JobConfig, world_size: int | None = None) -> dict:
+    args = cfg.model_args()
+    par = cfg.parallelism
+    pp, per_rank = par.pipeline_parallel_degree, par.pipeline_parallel_stages_per_rank
+    dp_shard = resolve_dp_shard(cfg, world_size)
+    num_stages = pp * per_rank
+    layers = split_layers(args.n_layers, num_stages, par.pipeline_parallel_split_points)
+    owner = {s: r for r in range(pp)
+             for s in stage_ids_for_rank(r, pp, per_rank, par.pipeline_parallel_schedule)}
+    with torch.device("meta"):
+        model = cfg.build_model()
+    stage_of_layer = {i: s for s, ids in enumerate(layers) for i in ids}
+    counts = [0] * num_stages
+    nbytes = [0] * num_stages
+    for fqn, t in state_tensors(model).items():
+        top = fqn.split(".")[0]
+        if top == "layers":
+            stage = stage_of_layer[int(fqn.split(".")[1])]
+        elif top == "tok_embeddings":
+            stage = 0
+        else:
+            stage = num_stages - 1
+        counts[stage] += t.numel()
+        nbytes[stage] += t.numel() * t.element_size()
+    stages = [StagePlan(s, owner[s], list(layers[s]), s == 0, s == num_stages - 1, counts[s], nbytes[s])
+              for s in range(num_stages)]
+    ranks = []
+    for r in range(pp):
+        mine = [s for s in stages if s.pp_rank == r]
+        params = sum(s.params for s in mine)
+        ranks.append(RankPlan(r, [s.stage for s in mine], params, sum(s.param_bytes for s in mine),
+                              -(-sum(s.param_bytes for s in mine) // dp_shard),
+                              -(-params * TRAIN_BYTES_PER_PARAM // dp_shard)))
+    return {
+        "model": cfg.model.name, "flavor": cfg.model.flavor, "args": args.to_dict(),
+        "total_params": sum(counts), "total_bytes": sum(nbytes),
+        "pipeline_parallel_degree": pp, "stages_per_rank": per_rank,
+        "data_parallel_shard_degree": dp_shard,
+        "data_parallel_replicate_degree": par.data_parallel_replicate_degree,
+        "stages": [asdict(s) for s in stages], "ranks": [asdict(r) for r in ranks],
+    }

@@ -1,0 +1,191 @@
+"""Pipeline stages: which layers a stage owns, and building a stage from a checkpoint.
+
+A stage is the full model built on ``meta`` with every layer it does not own deleted (``layers``
+is an ``nn.ModuleDict``, so surviving layers keep their FQNs) and ``tok_embeddings`` / ``norm`` /
+``output`` set to ``None`` where another stage owns them. Then, in order:
+
+1. optional FSDP2 sharding (``shard_fn``), still on ``meta``: nothing is allocated yet;
+2. ``to_empty`` on the target device, and every floating tensor is poisoned with NaN;
+3. non-persistent buffers are recomputed by the modules' ``init_buffers()``;
+4. parameters and persistent buffers are loaded by FQN through DCP (each rank reads only the
+   tensors it owns) -- or, for direct init, filled by ``seedckpt.init``;
+5. ``verify_initialized`` scans every local tensor: any NaN poison left means some tensor was
+   never written, and the run stops with the list of FQNs.
+
+Seed, resume and fine-tuning all use this one path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from models.llama import ModelArgs, Transformer
+from seedckpt.checkpoint import CheckpointReader
+from seedckpt.errors import SeedckptError
+from seedckpt.init import init_model
+from seedckpt.modules import local, nonpersistent_buffers, state_tensors
+
+# Schedules whose stages are placed in a "V": rank r holds stages r and 2*pp - 1 - r.
+V_SCHEDULES = {"ZBVZeroBubble", "DualPipeV"}
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    stage_id: int
+    num_stages: int
+    layers: tuple[int, ...]
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_id == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_id == self.num_stages - 1
+
+
+def split_layers(n_layers: int, num_stages: int,
+                 split_points: Sequence[str | int] = ()) -> list[tuple[int, ...]]:
+    """Layer ids per stage.
+
+    With ``split_points`` (``"layers.4"`` or ``4``: the first layer of each stage after the first)
+    the split is explicit. Otherwise the embedding and the output projection each count as one
+    layer's weight and the ``n_layers + 2`` units are cut into ``num_stages`` contiguous, nearly
+    equal runs -- so the first and last stages get one block fewer. If that would leave a stage
+    without a transformer block, the blocks alone are split evenly.
+    """
+    if num_stages < 1:
+        raise SeedckptError(f"number of pipeline stages must be >= 1, got {num_stages}")
+    if num_stages > n_layers:
+        raise SeedckptError(f"cannot split {n_layers} layers into {num_stages} pipeline stages; "
+                            "lower parallelism.pipeline_parallel_degree or "
+                            "pipeline_parallel_stages_per_rank")
+    if split_points:
+        starts = [_split_point_layer(p) for p in split_points]
+        if len(starts) != num_stages - 1:
+            raise SeedckptError(f"{len(starts)} split points give {len(starts) + 1} stages but the "
+                                f"pipeline has {num_stages}; give exactly {num_stages - 1} split points")
+        if starts != sorted(set(starts)) or starts[0] < 1 or starts[-1] > n_layers - 1:
+            raise SeedckptError(f"split points {list(split_points)} must be strictly increasing layer "
+                                f"starts within layers.1..layers.{n_layers - 1}")
+        bounds = [0, *starts, n_layers]
+        return [tuple(range(bounds[s], bounds[s + 1])) for s in range(num_stages)]
+    units = n_layers + 2
+    cuts = [(2 * s * units + num_stages) // (2 * num_stages) for s in range(num_stages + 1)]
+    stages = [tuple(u - 1 for u in range(cuts[s], cuts[s + 1]) if 1 <= u <= n_layers)
+              for s in range(num_stages)]
+    if all(stages):
+        return stages
+    cuts = [(2 * s * n_layers + num_stages) // (2 * num_stages) for s in range(num_stages + 1)]
+    return [tuple(range(cuts[s], cuts[s + 1])) for s in range(num_stages)]
+
+
+def _split_point_layer(point: str | int) -> int:
+    text = str(point)
+    number = text.removeprefix("layers.")
+    if not number.isdigit():
+        raise SeedckptError(f"split point {point!r} must look like 'layers.N' (or N)")
+    return int(number)
+
+
+def stage_ids_for_rank(pp_rank: int, pp_degree: int, stages_per_rank: int, schedule: str) -> list[int]:
+    """Stages a pipeline rank runs: looped (``r, r + pp, ...``) or V-shaped for V schedules."""
+    if schedule in V_SCHEDULES:
+        if stages_per_rank != 2:
+            raise SeedckptError(f"{schedule} needs exactly 2 stages per rank; set "
+                                "parallelism.pipeline_parallel_stages_per_rank = 2")
+        return [pp_rank, 2 * pp_degree - 1 - pp_rank]
+    return [pp_rank + k * pp_degree for k in range(stages_per_rank)]
+
+
+def plan_rank_stages(args: ModelArgs, pp_rank: int, pp_degree: int, stages_per_rank: int = 1,
+                     schedule: str = "1F1B", split_points: Sequence[str | int] = ()) -> list[StageSpec]:
+    num_stages = pp_degree * stages_per_rank
+    layers = split_layers(args.n_layers, num_stages, split_points)
+    return [StageSpec(s, num_stages, layers[s])
+            for s in stage_ids_for_rank(pp_rank, pp_degree, stages_per_rank, schedule)]
+
+
+def build_stage_model(args: ModelArgs, spec: StageSpec) -> Transformer:
+    """The stage's part of the model, on ``meta`` (nothing allocated)."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    owned = {str(i) for i in spec.layers}
+    for name in list(model.layers):
+        if name not in owned:
+            del model.layers[name]
+    if not spec.is_first:
+        model.tok_embeddings = None
+    if not spec.is_last:
+        model.norm = None
+        model.output = None
+    return model
+
+
+def materialize(modules: Sequence[nn.Module], device: torch.device | str) -> None:
+    """``to_empty`` + NaN poison + recompute non-persistent buffers, verifying the recompute."""
+    for module in modules:
+        module.to_empty(device=device)
+        derived = nonpersistent_buffers(module)
+        with torch.no_grad():
+            for fqn, t in {**state_tensors(module), **derived}.items():
+                if t.is_floating_point() or t.is_complex():
+                    local(t).fill_(float("nan"))
+                elif fqn in derived:
+                    raise SeedckptError(f"non-persistent buffer {fqn} has dtype {t.dtype}: its recompute "
+                                        "cannot be verified; make it floating point or persistent")
+            for mod in module.modules():
+                if hasattr(mod, "init_buffers"):
+                    mod.init_buffers()
+        stale = [fqn for fqn, buf in nonpersistent_buffers(module).items() if _has_nan(buf)]
+        if stale:
+            raise SeedckptError(f"non-persistent buffers not recomputed after to_empty: {stale}; the "
+                                "modules that own them must recompute them in init_buffers()")
+
+
+def verify_initialized(modules: Sequence[nn.Module]) -> None:
+    """Stop if any parameter or buffer still holds the NaN poison from ``materialize``."""
+    bad = [fqn for module in modules
+           for fqn, t in {**state_tensors(module), **nonpersistent_buffers(module)}.items() if _has_nan(t)]
+    if bad:
+        raise SeedckptError(f"tensors left uninitialized (or NaN in the checkpoint): {bad}")
+
+
+def _has_nan(t: torch.Tensor) -> bool:
+    t = local(t)
+    return (t.is_floating_point() or t.is_complex()) and bool(torch.isnan(t).any())
+
+
+def build_stages(args: ModelArgs, specs: Sequence[StageSpec], device: torch.device | str,
+                 checkpoint: str | None = None, seed: int | None = None,
+                 shard_fn: Callable[[nn.Module], None] | None = None) -> list[Transformer]:
+    """Build this rank's stage modules and give every tensor a value.
+
+    Exactly one of ``checkpoint`` (load by FQN, the normal path) or ``seed`` (direct per-rank init,
+    bitwise equal to loading the seed made with that seed) must be given. The checkpoint is checked
+    against ``args`` before anything is allocated. ``shard_fn`` (e.g. FSDP2) is applied on ``meta``.
+    """
+    if (checkpoint is None) == (seed is None):
+        raise ValueError("give exactly one of checkpoint= or seed=")
+    reader = CheckpointReader(checkpoint) if checkpoint is not None else None
+    if reader is not None:
+        reader.check_model_args(args)
+    modules = [build_stage_model(args, spec) for spec in specs]
+    if shard_fn is not None:
+        for module in modules:
+            shard_fn(module)
+    materialize(modules, device)
+    if reader is not None:
+        state = {}
+        for module in modules:
+            state.update(module.state_dict())
+        reader.load(state)
+    else:
+        for module in modules:
+            init_model(module, seed)
+    verify_initialized(modules)
+    return modules
