@@ -22,12 +22,14 @@ parameter count, per-tensor shape/dtype, torch and seedckpt versions).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
 import os
 import pickle
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -175,12 +177,21 @@ class CheckpointReader:
         """
         self.check_covers(state_dict)
         try:
-            dcp.load(state_dict, storage_reader=SafeFileSystemReader(self.path),
-                     planner=DefaultLoadPlanner(allow_partial_load=False))
+            with _quiet_single_process_dcp():
+                dcp.load(state_dict, storage_reader=SafeFileSystemReader(self.path),
+                         planner=DefaultLoadPlanner(allow_partial_load=False))
         except BaseException as e:  # DCP's CheckpointException derives from BaseException
             if isinstance(e, (KeyboardInterrupt, SystemExit, SeedckptError)):
                 raise
             raise SeedckptError(f"reading {self.path} failed: {e}") from e
+
+
+@contextlib.contextmanager
+def _quiet_single_process_dcp():
+    """DCP warns on every single-process call that it assumes a single process; we mean it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def make_manifest(kind: str, model_name: str, flavor: str | None, args: ModelArgs,
@@ -221,7 +232,8 @@ def write_checkpoint(path: str | os.PathLike, state_dict: dict[str, torch.Tensor
     partial = path.parent / f".{path.name}{PARTIAL_SUFFIX}"
     shutil.rmtree(partial, ignore_errors=True)  # left by an earlier interrupted write
     try:
-        dcp.save(state_dict, storage_writer=FileSystemWriter(partial, sync_files=True), no_dist=True)
+        with _quiet_single_process_dcp():
+            dcp.save(state_dict, storage_writer=FileSystemWriter(partial, sync_files=True), no_dist=True)
         _write_json_synced(partial / MANIFEST_NAME, manifest)
         _publish(partial, path)
     except BaseException:

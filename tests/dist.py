@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -26,7 +27,8 @@ def _worker(fn, rank, world_size, init_file, results, args):
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=120))
-        results.put((rank, None, fn(rank, world_size, *args)))
+        # Plain pickle: torch's queue pickler would share tensors through memory that dies with us.
+        results.put((rank, None, pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:
         results.put((rank, traceback.format_exc(), None))
     finally:
@@ -62,7 +64,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 240.0) -> list:
                 if err:
                     errors.append(f"rank {rank}:\n{err}")  # others may now hang in a collective
                 else:
-                    out[rank] = value
+                    out[rank] = pickle.loads(value)
         finally:
             for p in procs:
                 p.join(timeout=10 if not errors else 0.1)

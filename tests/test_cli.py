@@ -1,0 +1,84 @@
+"""The `seedckpt` command line: inspect, plan, help examples and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from seedckpt.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "seedckpt.cli", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+
+
+def test_inspect_json_lists_tensors_and_manifest(debug_seed, capsys):
+    assert main(["inspect", str(debug_seed), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["manifest"]["kind"] == "seed"
+    assert out["num_tensors"] == 57 and len(out["tensors"]) == 57
+    wq = out["tensors"]["layers.0.attention.wq.weight"]
+    assert wq == {"shape": [128, 128], "dtype": "float32", "bytes": 128 * 128 * 4}
+    assert out["total_bytes"] == sum(t["bytes"] for t in out["tensors"].values())
+
+
+def test_inspect_text(debug_seed, capsys):
+    assert main(["inspect", str(debug_seed)]) == 0
+    out = capsys.readouterr().out
+    assert "kind seed  model llama3 debug  seed 0" in out
+    assert "layers.5.feed_forward.w2.weight" in out and "57 tensors" in out
+
+
+def test_plan_405b_on_meta(capsys):
+    code = main(["plan", "--config", str(REPO / "configs/llama3_70b.toml"), "--model.flavor", "405B",
+                 "--parallelism.pipeline_parallel_degree", "16", "--parallelism.pipeline_parallel_stages_per_rank",
+                 "1", "--parallelism.pipeline_parallel_schedule", "1F1B", "--world-size", "1024", "--json"])
+    assert code == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["total_params"] == 405_853_388_800
+    assert plan["data_parallel_shard_degree"] == 64
+    assert sum(s["params"] for s in plan["stages"]) == plan["total_params"]
+    assert [layer for s in plan["stages"] for layer in s["layers"]] == list(range(126))
+    assert plan["stages"][0]["has_embeddings"] and plan["stages"][-1]["has_output"]
+    rank0 = plan["ranks"][0]
+    assert rank0["param_bytes_per_dp_shard"] == -(-rank0["param_bytes"] // 64)
+
+
+def test_plan_text_for_interleaved_stages(capsys):
+    assert main(["plan", "--config", str(REPO / "configs/debug.toml"),
+                 "--parallelism.pipeline_parallel_stages_per_rank", "2",
+                 "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", "--world-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "pp=2 x 2 stage(s)/rank, dp_shard=2" in out
+    assert "[0, 2]" in out and "[1, 3]" in out
+
+
+@pytest.mark.parametrize("command", ["seed", "inspect", "plan"])
+def test_help_shows_examples(command):
+    proc = _run(command, "--help")
+    assert proc.returncode == 0
+    assert "examples:" in proc.stdout and f"seedckpt {command} " in proc.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["plan", "--config", "nope.toml"], "config file nope.toml not found"),
+    (["plan", "--config", "configs/debug.toml", "--training.stpes", "3"], "did you mean 'steps'"),
+    (["plan", "--config", "configs/debug.toml", "--training.steps", "many"], "training.steps expects int"),
+    (["plan", "--config", "configs/debug.toml", "--model.flavor", "7B"], "unknown model.flavor '7B'"),
+    (["plan", "--config", "configs/debug.toml", "--parallelism.pipeline_parallel_degree", "8"],
+     "cannot split 6 layers into 8 pipeline stages"),
+    (["inspect", "/nonexistent/ckpt"], "no checkpoint directory at /nonexistent/ckpt"),
+    (["seed", "--config", "configs/debug.toml", "--output", "/tmp/x", "--dtype", "float8"], "--dtype float8"),
+])
+def test_user_errors_are_one_line_without_traceback(args, message):
+    proc = _run(*args)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1

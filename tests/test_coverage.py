@@ -1,0 +1,130 @@
+"""Nothing uninitialized survives: every tensor of a stage is loaded, recomputed, or the run stops."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+import torch
+
+from seedckpt import stages as stages_module
+from seedckpt.checkpoint import CheckpointReader, make_manifest, write_checkpoint
+from seedckpt.errors import SeedckptError
+from seedckpt.stages import build_stages, plan_rank_stages
+from tests.conftest import tiny_config
+
+ARGS = tiny_config().model_args()
+FULL = plan_rank_stages(ARGS, 0, 1)
+
+
+def _seed_state(seed_path) -> dict[str, torch.Tensor]:
+    reader = CheckpointReader(seed_path)
+    state = {fqn: torch.zeros(info.shape, dtype=info.dtype) for fqn, info in reader.tensors().items()}
+    reader.load(state)
+    return state
+
+
+def _write_variant(path, state):
+    return write_checkpoint(path, state, make_manifest("seed", "llama3", "debug", ARGS, state))
+
+
+def test_missing_tensor_is_named(debug_seed, tmp_path):
+    state = _seed_state(debug_seed)
+    del state["layers.2.feed_forward.w3.weight"]
+    bad = _write_variant(tmp_path / "missing", state)
+    with pytest.raises(SeedckptError, match=r"layers\.2\.feed_forward\.w3\.weight: missing from checkpoint"):
+        build_stages(ARGS, FULL, "cpu", checkpoint=bad)
+
+
+def test_wrong_shape_is_named(debug_seed, tmp_path):
+    state = _seed_state(debug_seed)
+    state["layers.1.attention.wk.weight"] = torch.zeros(32, ARGS.dim)
+    bad = _write_variant(tmp_path / "shape", state)
+    with pytest.raises(SeedckptError, match=r"layers\.1\.attention\.wk\.weight: shape \[32, 128\] in checkpoint"):
+        build_stages(ARGS, FULL, "cpu", checkpoint=bad)
+
+
+def test_wrong_dtype_is_named_not_silently_cast(debug_seed, tmp_path):
+    state = _seed_state(debug_seed)
+    state["norm.weight"] = state["norm.weight"].to(torch.bfloat16)
+    bad = _write_variant(tmp_path / "dtype", state)
+    with pytest.raises(SeedckptError, match=r"norm\.weight: dtype bfloat16 in checkpoint, float32 in model"):
+        build_stages(ARGS, FULL, "cpu", checkpoint=bad)
+
+
+def test_entries_of_other_stages_are_fine(debug_seed, tmp_path):
+    state = _seed_state(debug_seed)
+    del state["tok_embeddings.weight"]  # only the first stage needs it
+    partial = _write_variant(tmp_path / "no_embed", state)
+    [last] = build_stages(ARGS, plan_rank_stages(ARGS, 1, 2), "cpu", checkpoint=partial)
+    assert torch.equal(last.output.weight, state["output.weight"])
+
+
+def test_uncomputed_buffer_is_named(debug_seed):
+    def add_buffer_nobody_recomputes(module):
+        module.layers["0"].register_buffer("scale", torch.empty(4, device="meta"), persistent=False)
+
+    with pytest.raises(SeedckptError, match=r"not recomputed after to_empty: \['layers\.0\.scale'\]"):
+        build_stages(ARGS, FULL, "cpu", checkpoint=debug_seed, shard_fn=add_buffer_nobody_recomputes)
+
+
+def test_to_empty_garbage_is_never_kept(debug_seed, monkeypatch):
+    # Simulate a loader that silently skips a tensor: the NaN poison must be caught.
+    original = CheckpointReader.load
+
+    def skipping_load(self, state_dict):
+        original(self, {k: v for k, v in state_dict.items() if k != "layers.4.ffn_norm.weight"})
+
+    monkeypatch.setattr(CheckpointReader, "load", skipping_load)
+    with pytest.raises(SeedckptError, match=r"uninitialized.*\['layers\.4\.ffn_norm\.weight'\]"):
+        build_stages(ARGS, FULL, "cpu", checkpoint=debug_seed)
+
+
+def test_a_load_that_writes_nothing_lists_every_tensor(debug_seed, monkeypatch):
+    monkeypatch.setattr(CheckpointReader, "load", lambda self, state_dict: None)
+    with pytest.raises(SeedckptError, match="uninitialized") as err:
+        build_stages(ARGS, FULL, "cpu", checkpoint=debug_seed)
+    for fqn in ("tok_embeddings.weight", "layers.5.attention.wq.weight", "output.weight"):
+        assert fqn in str(err.value)
+
+
+def test_config_mismatch_fails_before_allocation(debug_seed, monkeypatch):
+    def no_allocation(*_):
+        raise AssertionError("a stage was built before the manifest check")
+
+    monkeypatch.setattr(stages_module, "build_stage_model", no_allocation)
+    args = tiny_config("--model.n_layers", "8", "--model.vocab_size", "1024").model_args()
+    with pytest.raises(SeedckptError, match=r"n_layers: checkpoint 6, config 8; vocab_size: checkpoint 512, "
+                                            r"config 1024.*flavor='debug'"):
+        build_stages(args, plan_rank_stages(args, 0, 1), "cpu", checkpoint=debug_seed)
+
+
+def test_interrupted_or_foreign_directories_are_refused(tmp_path, debug_seed):
+    partial = tmp_path / ".seed.partial"
+    partial.mkdir()
+    with pytest.raises(SeedckptError, match="interrupted write"):
+        CheckpointReader(partial)
+    no_metadata = tmp_path / "half"
+    no_metadata.mkdir()
+    (no_metadata / "__0_0.distcp").write_bytes(b"")
+    with pytest.raises(SeedckptError, match=r"no \.metadata"):
+        CheckpointReader(no_metadata)
+    with pytest.raises(SeedckptError, match="no checkpoint directory"):
+        CheckpointReader(tmp_path / "absent")
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (os.system, (f"touch {os.environ['EXPLOIT_MARKER']}",))
+
+
+def test_crafted_metadata_pickle_is_not_executed(tmp_path, monkeypatch):
+    marker = tmp_path / "pwned"
+    monkeypatch.setenv("EXPLOIT_MARKER", str(marker))
+    ckpt = tmp_path / "evil"
+    ckpt.mkdir()
+    (ckpt / ".metadata").write_bytes(pickle.dumps(_Exploit()))
+    with pytest.raises(SeedckptError, match="not allowed in DCP metadata"):
+        CheckpointReader(ckpt)
+    assert not marker.exists()

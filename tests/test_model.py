@@ -1,0 +1,113 @@
+"""The Llama-3 model: shapes of the released flavors, RoPE scaling, GQA, pipeline-friendliness."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from models.llama import LLAMA3_FLAVORS, ModelArgs, RopeScaling, Transformer, rope_frequencies
+from seedckpt.init import init_model
+from tests.conftest import tiny_config
+
+
+def _model(args: ModelArgs, seed: int = 0) -> Transformer:
+    model = Transformer(args)
+    init_model(model, seed)
+    return model
+
+
+# Published parameter counts (HF configs; 1B/3B there tie embeddings, ours are untied, so add
+# one vocab x dim output matrix).
+@pytest.mark.parametrize("flavor,params", [
+    ("1B", 1_235_814_400 + 128256 * 2048),
+    ("3B", 3_212_749_824 + 128256 * 3072),
+    ("8B", 8_030_261_248),
+    ("70B", 70_553_706_496),
+    ("405B", 405_853_388_800),
+])
+def test_flavor_shapes_match_released_models(flavor, params):
+    with torch.device("meta"):
+        model = Transformer(LLAMA3_FLAVORS[flavor])
+    assert sum(p.numel() for p in model.parameters()) == params
+
+
+def test_rope_scaling_matches_llama31_rule():
+    args = ModelArgs(dim=256, n_heads=2, rope_theta=500000.0,
+                     rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                              original_max_position_embeddings=8192))
+    got = rope_frequencies(args)
+    head_dim = args.head_dim
+    for i in range(head_dim // 2):
+        freq = 1.0 / (500000.0 ** (2 * i / head_dim))
+        wavelen = 2 * math.pi / freq
+        if wavelen < 8192 / 4.0:
+            want = freq
+        elif wavelen > 8192 / 1.0:
+            want = freq / 8.0
+        else:
+            smooth = (8192 / wavelen - 1.0) / (4.0 - 1.0)
+            want = (1 - smooth) * freq / 8.0 + smooth * freq
+        assert got[i].item() == pytest.approx(want, rel=1e-6), i
+    # At least one frequency in each regime for this head_dim.
+    plain = rope_frequencies(ModelArgs(dim=256, n_heads=2, rope_theta=500000.0))
+    ratio = plain / got
+    assert (ratio == 1).any() and (ratio == 8).any() and ((ratio > 1) & (ratio < 8)).any()
+
+
+def test_forward_is_causal_with_gqa():
+    args = tiny_config().model_args()
+    assert args.n_kv_heads < args.n_heads
+    model = _model(args)
+    tokens = torch.randint(0, args.vocab_size, (2, 12))
+    logits = model(tokens)
+    assert logits.shape == (2, 12, args.vocab_size)
+    changed = tokens.clone()
+    changed[:, 8:] = (changed[:, 8:] + 1) % args.vocab_size
+    out = model(changed)
+    assert torch.equal(out[:, :8], logits[:, :8])
+    assert not torch.allclose(out[:, 8:], logits[:, 8:])
+
+
+def test_gqa_equals_mha_with_repeated_kv_heads():
+    args = tiny_config().model_args()
+    gqa = _model(args)
+    mha_args = ModelArgs(**{**args.to_dict(), "n_kv_heads": args.n_heads})
+    mha = Transformer(mha_args)
+    state = gqa.state_dict()
+    repeats, hd = args.n_heads // args.n_kv_heads, args.head_dim
+    for fqn, t in list(state.items()):
+        if fqn.endswith(("wk.weight", "wv.weight")):
+            state[fqn] = t.view(args.n_kv_heads, hd, args.dim).repeat_interleave(repeats, 0).reshape(-1, args.dim)
+    mha.load_state_dict(state)
+    tokens = torch.randint(0, args.vocab_size, (2, 10))
+    torch.testing.assert_close(mha(tokens), gqa(tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_missing_top_level_modules_are_skipped():
+    args = tiny_config().model_args()
+    model = _model(args)
+    tokens = torch.randint(0, args.vocab_size, (1, 6))
+    hidden = model.tok_embeddings(tokens)
+    ref = model(tokens)
+    model.tok_embeddings = None
+    assert torch.equal(model(hidden), ref)
+    model.norm, model.output = None, None
+    assert model(hidden).shape == (1, 6, args.dim)
+
+
+def test_freqs_cis_is_recomputed_and_not_checkpointed():
+    args = tiny_config().model_args()
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    model.freqs_cis.fill_(float("nan"))
+    model.init_buffers()
+    assert torch.equal(model.freqs_cis, Transformer(args).freqs_cis)
+    assert "freqs_cis" not in model.state_dict()
+
+
+def test_invalid_model_args_are_rejected():
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        ModelArgs(dim=64, n_heads=4, n_kv_heads=3)

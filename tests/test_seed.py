@@ -1,0 +1,107 @@
+"""The seed command: deterministic, stock-DCP readable, atomic, CPU-only, single-process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import seedckpt.checkpoint as checkpoint_module
+from seedckpt.checkpoint import MANIFEST_NAME
+from seedckpt.cli import main
+from seedckpt.errors import SeedckptError
+from seedckpt.seed import create_seed_checkpoint
+from tests.conftest import tiny_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _stock_load(path) -> dict[str, torch.Tensor]:
+    """Read a checkpoint with stock DCP only (no seedckpt code)."""
+    manifest = json.loads((Path(path) / MANIFEST_NAME).read_text())
+    state = {fqn: torch.zeros(t["shape"], dtype=getattr(torch, t["dtype"]))
+             for fqn, t in manifest["tensors"].items()}
+    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    return state
+
+
+def test_same_seed_same_tensors_different_seed_different(tmp_path, debug_seed):
+    again = create_seed_checkpoint(tiny_config(), tmp_path / "again", seed=0, progress=False)
+    other = create_seed_checkpoint(tiny_config(), tmp_path / "other", seed=1, progress=False)
+    a, b, c = _stock_load(debug_seed), _stock_load(again), _stock_load(other)
+    assert a.keys() == b.keys() == c.keys()
+    for fqn in a:
+        assert torch.equal(a[fqn], b[fqn]), fqn
+        if "norm" not in fqn:  # norms are ones whatever the seed
+            assert not torch.equal(a[fqn], c[fqn]), fqn
+        assert not torch.isnan(a[fqn]).any()
+
+
+def test_manifest_describes_the_checkpoint(debug_seed):
+    manifest = json.loads((debug_seed / MANIFEST_NAME).read_text())
+    state = _stock_load(debug_seed)
+    assert manifest["kind"] == "seed" and manifest["seed"] == 0 and manifest["dtype"] == "float32"
+    assert manifest["model"]["name"] == "llama3" and manifest["model"]["args"]["n_layers"] == 6
+    assert manifest["num_params"] == sum(t.numel() for t in state.values())
+    assert manifest["torch_version"] == torch.__version__ and manifest["format_version"] == 1
+    assert all(not fqn.startswith("model.") for fqn in state)  # flat FQNs
+
+
+def test_bfloat16_seed_is_the_fp32_seed_cast_per_tensor(tmp_path, debug_seed):
+    bf16 = create_seed_checkpoint(tiny_config(), tmp_path / "bf16", seed=0, dtype="bfloat16", progress=False)
+    fp32, low = _stock_load(debug_seed), _stock_load(bf16)
+    for fqn, t in low.items():
+        assert t.dtype == torch.bfloat16 and torch.equal(t, fp32[fqn].to(torch.bfloat16)), fqn
+
+
+def test_refuses_to_overwrite_without_force(tmp_path, capsys):
+    out = tmp_path / "seed"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    code = main(["seed", "--config", str(REPO / "configs/debug.toml"), "--output", str(out), "--quiet"])
+    assert code == 2
+    assert "--force" in capsys.readouterr().err
+    assert (out / "keep.txt").read_text() == "precious"
+    assert main(["seed", "--config", str(REPO / "configs/debug.toml"), "--output", str(out), "--quiet",
+                 "--force"]) == 0
+    assert not (out / "keep.txt").exists() and (out / ".metadata").is_file()
+    assert [p.name for p in tmp_path.iterdir()] == ["seed"]  # no .partial / .old left behind
+
+
+def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
+    def broken_save(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoint_module.dcp, "save", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        create_seed_checkpoint(tiny_config(), tmp_path / "seed", seed=0, progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_refuses_to_run_under_torchrun(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(SeedckptError, match="not torchrun"):
+        create_seed_checkpoint(tiny_config(), tmp_path / "seed", seed=0, progress=False)
+    assert not (tmp_path / "seed").exists()
+
+
+def test_script_is_cpu_only_and_reports_progress(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    probe = ("import os, sys, runpy; sys.argv = ['create_seed_checkpoint.py', *sys.argv[1:]]\n"
+             "try:\n    runpy.run_path('create_seed_checkpoint.py', run_name='__main__')\n"
+             "except SystemExit as e:\n    assert not e.code, e.code\n"
+             "import torch; print('CUDA_VISIBLE_DEVICES=%r initialized=%s' % "
+             "(os.environ.get('CUDA_VISIBLE_DEVICES'), torch.cuda.is_initialized()))")
+    proc = subprocess.run([sys.executable, "-c", probe, "--config", "configs/debug.toml", "--output",
+                           str(tmp_path / "seed")], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "CUDA_VISIBLE_DEVICES='' initialized=False" in proc.stdout
+    assert "100.0%" in proc.stderr  # the progress line reached the end
+    assert (tmp_path / "seed" / ".metadata").is_file()
