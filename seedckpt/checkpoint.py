@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -46,6 +47,7 @@ from seedckpt.errors import SeedckptError
 MANIFEST_NAME = "seedckpt.json"
 FORMAT_VERSION = 1
 PARTIAL_SUFFIX = ".partial"
+TRAINING_STATE_PREFIXES = ("optimizer.", "train_state", "rng.")
 
 # ModelArgs fields that decide tensor shapes: a config must agree with the checkpoint on these.
 SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "ffn_dim_multiplier")
@@ -108,6 +110,11 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _tensor_infos(metadata: Metadata) -> dict[str, TensorInfo]:
+    return {fqn: TensorInfo(tuple(md.size), md.properties.dtype)
+            for fqn, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
+
+
 class CheckpointReader:
     """An opened, validated checkpoint directory."""
 
@@ -132,9 +139,7 @@ class CheckpointReader:
                 raise SeedckptError(f"{manifest_path} is not valid JSON ({e})") from None
 
     def tensors(self) -> dict[str, TensorInfo]:
-        return {fqn: TensorInfo(tuple(md.size), md.properties.dtype)
-                for fqn, md in self.metadata.state_dict_metadata.items()
-                if isinstance(md, TensorStorageMetadata)}
+        return _tensor_infos(self.metadata)
 
     def model_args(self) -> ModelArgs | None:
         if self.manifest is None:
@@ -154,13 +159,17 @@ class CheckpointReader:
                                 f"use the config it was made with (model.flavor={flavor!r}) or "
                                 "create a new seed for this config")
 
-    def check_covers(self, wanted: dict[str, torch.Tensor]) -> None:
-        """Every wanted tensor is in the checkpoint with the same global shape and dtype."""
+    def check_covers(self, wanted: dict) -> None:
+        """Every wanted tensor is in the checkpoint with the same global shape and dtype (and every
+        wanted non-tensor entry is present)."""
         have = self.tensors()
         problems = []
         for fqn, t in wanted.items():
             info = have.get(fqn)
-            if info is None:
+            if not isinstance(t, torch.Tensor):
+                if fqn not in self.metadata.state_dict_metadata:
+                    problems.append(f"{fqn}: missing from checkpoint")
+            elif info is None:
                 problems.append(f"{fqn}: missing from checkpoint")
             elif info.shape != tuple(t.shape):
                 problems.append(f"{fqn}: shape {list(info.shape)} in checkpoint, {list(t.shape)} in model")
@@ -170,7 +179,7 @@ class CheckpointReader:
         if problems:
             raise SeedckptError(f"checkpoint {self.path} does not cover the model: " + "; ".join(problems))
 
-    def load(self, state_dict: dict[str, torch.Tensor]) -> None:
+    def load(self, state_dict: dict) -> None:
         """Load ``state_dict`` in place via DCP; each rank reads only the entries it asks for.
 
         Collective across the default process group when one is initialized.
@@ -194,20 +203,22 @@ def _quiet_single_process_dcp():
         yield
 
 
-def make_manifest(kind: str, model_name: str, flavor: str | None, args: ModelArgs,
-                  state_dict: dict[str, torch.Tensor], **extra) -> dict:
+def make_manifest(kind: str, model_name: str, flavor: str | None, args: ModelArgs, **extra) -> dict:
+    """The manifest's fixed fields; ``write_checkpoint`` adds the per-tensor table from what it wrote."""
     return {
         "format_version": FORMAT_VERSION,
         "kind": kind,
         "model": {"name": model_name, "flavor": flavor, "args": args.to_dict()},
-        "num_params": sum(t.numel() for t in state_dict.values()),
-        "tensors": {fqn: {"shape": list(t.shape), "dtype": dtype_name(t.dtype)}
-                    for fqn, t in state_dict.items()},
         "torch_version": torch.__version__,
         "seedckpt_version": seedckpt.__version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         **extra,
     }
+
+
+def is_model_key(fqn: str) -> bool:
+    """Model tensors have flat FQNs; training state lives under these reserved prefixes."""
+    return not fqn.startswith(TRAINING_STATE_PREFIXES)
 
 
 def check_destination(path: str | os.PathLike, force: bool) -> Path:
@@ -220,25 +231,42 @@ def check_destination(path: str | os.PathLike, force: bool) -> Path:
     return path
 
 
-def write_checkpoint(path: str | os.PathLike, state_dict: dict[str, torch.Tensor], manifest: dict,
-                     force: bool = False) -> Path:
-    """Write a DCP checkpoint plus manifest to ``path`` atomically (single process).
+def write_checkpoint(path: str | os.PathLike, state_dict: dict, manifest: dict, force: bool = False) -> Path:
+    """Write a DCP checkpoint plus manifest to ``path`` atomically.
 
-    The data goes to ``.NAME.partial`` first; only a complete, fsynced directory is renamed to
-    ``NAME``. With ``force`` an existing ``NAME`` is replaced only after the new one is complete.
+    Collective when a process group is initialized (every rank passes its own entries, e.g. its
+    stage's tensors or shards); otherwise single-process. The data goes to ``.NAME.partial`` first;
+    rank 0 adds the manifest (with the per-tensor table read back from the written metadata) and
+    renames the complete, fsynced directory to ``NAME``. With ``force`` an existing ``NAME`` is
+    replaced only after the new one is complete.
     """
-    path = check_destination(path, force)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = Path(path)
+    distributed = dist.is_available() and dist.is_initialized()
+    leader = not distributed or dist.get_rank() == 0
     partial = path.parent / f".{path.name}{PARTIAL_SUFFIX}"
-    shutil.rmtree(partial, ignore_errors=True)  # left by an earlier interrupted write
+    if leader:
+        check_destination(path, force)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)  # left by an earlier interrupted write
+    if distributed:
+        dist.barrier()
     try:
         with _quiet_single_process_dcp():
-            dcp.save(state_dict, storage_writer=FileSystemWriter(partial, sync_files=True), no_dist=True)
-        _write_json_synced(partial / MANIFEST_NAME, manifest)
-        _publish(partial, path)
+            dcp.save(state_dict, storage_writer=FileSystemWriter(partial, sync_files=True), no_dist=not distributed)
+        if leader:
+            written = _tensor_infos(SafeFileSystemReader(partial).read_metadata())
+            tensors = {fqn: info for fqn, info in written.items() if is_model_key(fqn)}
+            manifest = {**manifest, "num_params": sum(i.numel for i in tensors.values()),
+                        "tensors": {fqn: {"shape": list(i.shape), "dtype": dtype_name(i.dtype)}
+                                    for fqn, i in tensors.items()}}
+            _write_json_synced(partial / MANIFEST_NAME, manifest)
+            _publish(partial, path)
     except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
+        if leader:
+            shutil.rmtree(partial, ignore_errors=True)
         raise
+    if distributed:
+        dist.barrier()
     return path
 
 
@@ -262,3 +290,29 @@ def _publish(partial: Path, path: Path) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def step_dir(folder: str | os.PathLike, step: int) -> Path:
+    return Path(folder) / f"step-{step}"
+
+
+def complete_steps(folder: str | os.PathLike) -> dict[int, Path]:
+    """Training checkpoints in ``folder`` that finished writing (``.partial`` ones never match)."""
+    folder = Path(folder)
+    out = {}
+    if folder.is_dir():
+        for child in folder.iterdir():
+            number = child.name.removeprefix("step-")
+            if (child.name.startswith("step-") and number.isdigit() and (child / ".metadata").is_file()
+                    and (child / MANIFEST_NAME).is_file()):
+                out[int(number)] = child
+    return out
+
+
+def prune_steps(folder: str | os.PathLike, keep: int) -> None:
+    """Delete all but the newest ``keep`` complete step checkpoints (``keep <= 0`` keeps all)."""
+    if keep <= 0:
+        return
+    steps = complete_steps(folder)
+    for step in sorted(steps)[:-keep]:
+        shutil.rmtree(steps[step], ignore_errors=True)

@@ -69,7 +69,8 @@ class Parallelism:
 
 @dataclass
 class ActivationCheckpoint:
-    mode: str = "none"
+    mode: str = "none"  # none | full | selective
+    selective_every: int = 2  # selective: checkpoint every k-th block
 
 
 @dataclass
@@ -82,8 +83,19 @@ class Checkpoint:
 
 @dataclass
 class Data:
-    kind: str = "synthetic"
-    path: str = ""
+    kind: str = "synthetic"  # synthetic | text
+    path: str = ""  # text: a local UTF-8/bytes file; empty = the built-in corpus
+
+
+@dataclass
+class Metrics:
+    enable_tensorboard: bool = False
+    log_freq: int = 1
+
+
+@dataclass
+class Profiling:
+    steps: list = field(default_factory=list)  # e.g. [3, 4] or "3,4": Chrome traces of these steps
 
 
 @dataclass
@@ -104,6 +116,8 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     data: Data = field(default_factory=Data)
     finetune: Finetune = field(default_factory=Finetune)
+    metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
 
     def model_args(self) -> ModelArgs:
         """The flavor's ModelArgs with the ``[model]`` overrides applied."""

@@ -56,6 +56,6 @@ def create_seed_checkpoint(cfg: JobConfig, output: str | os.PathLike, seed: int,
         state[fqn] = generate(specs[fqn], shape, seed, fqn, dtype=torch_dtype)
         bar.update(state[fqn].numel() * torch_dtype.itemsize)
     bar.close()
-    manifest = make_manifest("seed", cfg.model.name, cfg.model.flavor, args, state, seed=seed, dtype=dtype,
+    manifest = make_manifest("seed", cfg.model.name, cfg.model.flavor, args, seed=seed, dtype=dtype,
                              init={"recipe": RECIPE_VERSION, "chunk_numel": CHUNK_NUMEL})
     return write_checkpoint(output, state, manifest, force=force)

@@ -1,0 +1,136 @@
+"""The device mesh and what is applied per stage module: activation checkpointing and FSDP2.
+
+Mesh dimensions are ``(pp, dp_replicate, dp_shard)``. FSDP2 shards over ``dp_shard``, or over the
+2-D ``(dp_replicate, dp_shard)`` sub-mesh (HSDP: replicate across, shard within) when
+``data_parallel_replicate_degree > 1``. Degrees are validated before any process group work so a
+wrong layout fails with the fix, not a hang.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed._composable import checkpoint
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+from seedckpt.config import JobConfig
+from seedckpt.errors import SeedckptError
+from seedckpt.stages import split_layers
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @classmethod
+    def from_config(cls, cfg: JobConfig, world_size: int) -> "ParallelDims":
+        """Resolve ``-1`` and validate everything about the layout that can fail later."""
+        par, train = cfg.parallelism, cfg.training
+        pp, rep, shard = (par.pipeline_parallel_degree, par.data_parallel_replicate_degree,
+                          par.data_parallel_shard_degree)
+        if pp < 1 or rep < 1 or shard == 0 or shard < -1:
+            raise SeedckptError("parallel degrees must be >= 1 (data_parallel_shard_degree may be -1)")
+        if shard == -1:
+            shard, rem = divmod(world_size, pp * rep)
+            if rem or shard < 1:
+                raise SeedckptError(f"world size {world_size} is not divisible by pipeline_parallel_degree "
+                                    f"x data_parallel_replicate_degree = {pp} x {rep}; change the degrees "
+                                    "or --nproc-per-node")
+        if pp * rep * shard != world_size:
+            raise SeedckptError(f"pipeline_parallel_degree x data_parallel_replicate_degree x "
+                                f"data_parallel_shard_degree = {pp} x {rep} x {shard} = {pp * rep * shard}, "
+                                f"but the world size is {world_size}; make them multiply to the world size "
+                                "(or set data_parallel_shard_degree = -1)")
+        dims = cls(pp, rep, shard)
+        split_layers(cfg.model_args().n_layers, pp * par.pipeline_parallel_stages_per_rank,
+                     par.pipeline_parallel_split_points)
+        if pp > 1:
+            try:
+                schedule = get_schedule_class(par.pipeline_parallel_schedule)
+            except ValueError as e:
+                raise SeedckptError(f"parallelism.pipeline_parallel_schedule: {e}") from None
+            single = issubclass(schedule, PipelineScheduleSingle)
+            if single and par.pipeline_parallel_stages_per_rank != 1:
+                raise SeedckptError(f"{par.pipeline_parallel_schedule} runs one stage per rank; set "
+                                    "pipeline_parallel_stages_per_rank = 1 or use Interleaved1F1B")
+            if not single and par.pipeline_parallel_stages_per_rank < 2:
+                raise SeedckptError(f"{par.pipeline_parallel_schedule} runs several stages per rank; set "
+                                    "parallelism.pipeline_parallel_stages_per_rank = 2")
+            microbatches = dims.microbatches(cfg)
+            if microbatches < pp:
+                raise SeedckptError(f"pipeline_parallel_microbatches = {microbatches} is less than the "
+                                    f"{pp} pipeline ranks, which would leave stages idle; use at least {pp}")
+            if train.local_batch_size % microbatches:
+                raise SeedckptError(f"training.local_batch_size = {train.local_batch_size} is not divisible "
+                                    f"by pipeline_parallel_microbatches = {microbatches}")
+        dims.accumulation_steps(cfg)
+        for key in ("mixed_precision_param", "mixed_precision_reduce"):
+            if getattr(train, key) not in DTYPES:
+                raise SeedckptError(f"training.{key} = {getattr(train, key)!r}; choose one of {sorted(DTYPES)}")
+        return dims
+
+    def microbatches(self, cfg: JobConfig) -> int:
+        n = cfg.parallelism.pipeline_parallel_microbatches
+        return n if n > 0 else self.pp * cfg.parallelism.pipeline_parallel_stages_per_rank
+
+    def accumulation_steps(self, cfg: JobConfig) -> int:
+        """Gradient-accumulation steps implied by ``global_batch_size`` (-1: no accumulation)."""
+        train = cfg.training
+        per_step = train.local_batch_size * self.dp
+        if train.global_batch_size in (-1, per_step):
+            return 1
+        if train.global_batch_size % per_step:
+            raise SeedckptError(f"training.global_batch_size = {train.global_batch_size} must be a multiple of "
+                                f"local_batch_size x data-parallel degree = {per_step}")
+        return train.global_batch_size // per_step
+
+    def global_batch_size(self, cfg: JobConfig) -> int:
+        return cfg.training.local_batch_size * self.dp * self.accumulation_steps(cfg)
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        return init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard),
+                                mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str, every: int) -> None:
+    """``full``: recompute every block in backward; ``selective``: every ``every``-th block.
+
+    The composable ``checkpoint`` leaves FQNs unchanged (a wrapper module would add a prefix).
+    """
+    if mode == "none":
+        return
+    if mode not in ("full", "selective"):
+        raise SeedckptError(f"activation_checkpoint.mode = {mode!r}; choose none, full or selective")
+    for layer_id, block in model.layers.items():
+        if mode == "full" or int(layer_id) % every == 0:
+            checkpoint(block)
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+               reshard_after_forward: bool) -> None:
+    """``fully_shard`` each transformer block, then the root (embeddings, norm, output)."""
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+
+
+def reshard_after_forward(policy: str, pp: int) -> bool:
+    """``default``: reshard unless pipelining, where each microbatch would re-gather the weights."""
+    if policy == "default":
+        return pp == 1
+    if policy in ("always", "never"):
+        return policy == "always"
+    raise SeedckptError(f"parallelism.fsdp_reshard_after_forward = {policy!r}; choose default, always or never")

@@ -1,0 +1,317 @@
+"""Pretraining: pipeline parallel x FSDP2 on a ``(pp, dp_replicate, dp_shard)`` mesh.
+
+One run, end to end:
+
+1. validate the layout (``ParallelDims``) before touching a process group;
+2. pick the start: the newest complete ``checkpoint.folder/step-N``, else
+   ``checkpoint.seed_checkpoint`` (which must exist -- a run never silently starts from random);
+3. build this rank's stage(s) through ``stages.build_stages`` -- the same load path for seed and
+   resume -- with activation checkpointing and FSDP2 applied on ``meta``;
+4. for a resume, load optimizer, LR schedule and RNG from the same checkpoint;
+5. each step: the global batch for that step (same for every layout), this DP rank's slice,
+   forward/backward through the pipeline schedule (or directly when pp = 1), clip by the global
+   gradient norm across PP and DP, AdamW, LR schedule, telemetry;
+6. every ``checkpoint.interval`` steps (and at the end) write ``step-N`` atomically and keep the
+   newest ``keep_latest_k``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+from torch.distributed.tensor import DTensor
+
+from seedckpt.checkpoint import (CheckpointReader, complete_steps, make_manifest, prune_steps, step_dir,
+                                 write_checkpoint)
+from seedckpt.config import JobConfig, load_config
+from seedckpt.data import make_dataset
+from seedckpt.errors import SeedckptError
+from seedckpt.metrics import MetricsLogger, peak_memory_bytes
+from seedckpt.parallel import (DTYPES, ParallelDims, apply_activation_checkpointing, apply_fsdp,
+                               reshard_after_forward)
+from seedckpt.stages import build_stages, plan_rank_stages
+
+OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+@dataclass
+class Start:
+    path: Path
+    step: int  # 0 when starting from the seed
+
+
+def find_start(cfg: JobConfig) -> Start:
+    steps = complete_steps(cfg.checkpoint.folder)
+    if steps:
+        newest = max(steps)
+        return Start(steps[newest], newest)
+    seed = cfg.checkpoint.seed_checkpoint
+    if not seed:
+        raise SeedckptError("no checkpoint to start from: set checkpoint.seed_checkpoint (create it with "
+                            "`python create_seed_checkpoint.py --config CONFIG`)")
+    if not Path(seed).is_dir():
+        raise SeedckptError(f"checkpoint.seed_checkpoint {seed} does not exist; create it with "
+                            f"`python create_seed_checkpoint.py --config CONFIG --output {seed}`")
+    return Start(Path(seed), 0)
+
+
+def warmup_cosine(warmup: int, total: int):
+    """Linear warmup to the peak LR, then cosine decay to 10 % of it at ``total``."""
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return factor
+
+
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, pp_group) -> torch.Tensor:
+    """Clip by the norm over *all* gradients of the model: DP shards and pipeline stages."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if isinstance(norm, DTensor):  # partial over the FSDP mesh -> reduce to the full norm
+        norm = norm.full_tensor()
+    if pp_group is not None:
+        squared = norm ** 2
+        dist.all_reduce(squared, group=pp_group)
+        norm = squared.sqrt()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm
+
+
+class Trainer:
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        self.rank, world = dist.get_rank(), dist.get_world_size()
+        self.dims = ParallelDims.from_config(cfg, world)
+        self.device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+                       if torch.cuda.is_available() else torch.device("cpu"))
+        self.mesh = self.dims.build_mesh(self.device.type)
+        self.pp_rank = self.mesh.get_local_rank("pp")
+        self.dp_rank = self.mesh.get_local_rank("dp_replicate") * self.dims.dp_shard + self.mesh.get_local_rank("dp_shard")
+        par, train = cfg.parallelism, cfg.training
+        self.args = cfg.model_args()
+        self.specs = plan_rank_stages(self.args, self.pp_rank, self.dims.pp, par.pipeline_parallel_stages_per_rank,
+                                      par.pipeline_parallel_schedule, par.pipeline_parallel_split_points)
+        self.accum = self.dims.accumulation_steps(cfg)
+        self.global_batch = self.dims.global_batch_size(cfg)
+        self.data = make_dataset(cfg.data.kind, cfg.data.path, self.args.vocab_size, train.seq_len, train.seed)
+
+        start = find_start(cfg)
+        self.log(f"{'resuming from' if start.step else 'starting from seed checkpoint'} {start.path} "
+                 f"(step {start.step}); mesh pp={self.dims.pp} dp_replicate={self.dims.dp_replicate} "
+                 f"dp_shard={self.dims.dp_shard} on {self.device.type}; data: {self.data.description}")
+        self.modules = build_stages(self.args, self.specs, self.device, checkpoint=start.path,
+                                    shard_fn=self._parallelize)
+        self.optimizers = [torch.optim.AdamW(m.parameters(), lr=train.lr, betas=(0.9, 0.95), weight_decay=0.1)
+                           for m in self.modules]
+        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, warmup_cosine(train.warmup_steps, train.steps))
+                           for o in self.optimizers]
+        self.step = start.step
+        if start.step:
+            self._load_training_state(start.path)
+        self.pipeline = self._build_pipeline() if self.dims.pp > 1 else None
+        self.params = [p for m in self.modules for p in m.parameters()]
+
+    # -- setup -------------------------------------------------------------------------------
+    def _parallelize(self, module: nn.Module) -> None:
+        ac = self.cfg.activation_checkpoint
+        apply_activation_checkpointing(module, ac.mode, ac.selective_every)
+        if self.dims.dp > 1:
+            train, par = self.cfg.training, self.cfg.parallelism
+            mesh = self.mesh["dp_replicate", "dp_shard"] if self.dims.dp_replicate > 1 else self.mesh["dp_shard"]
+            apply_fsdp(module, mesh, DTYPES[train.mixed_precision_param], DTYPES[train.mixed_precision_reduce],
+                       reshard_after_forward(par.fsdp_reshard_after_forward, self.dims.pp))
+
+    def _build_pipeline(self):
+        par = self.cfg.parallelism
+        group = self.mesh["pp"].get_group()
+        stages = [PipelineStage(m, s.stage_id, s.num_stages, self.device, group=group)
+                  for m, s in zip(self.modules, self.specs)]
+        schedule = get_schedule_class(par.pipeline_parallel_schedule)
+        n_micro = self.dims.microbatches(self.cfg)
+        if issubclass(schedule, PipelineScheduleSingle):
+            return schedule(stages[0], n_microbatches=n_micro, loss_fn=self._loss)
+        return schedule(stages, n_microbatches=n_micro, loss_fn=self._loss)
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean token cross-entropy, pre-divided by the accumulation steps so gradients sum right."""
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()) / self.accum
+
+    # -- checkpoint state beyond the weights ----------------------------------------------------
+    def _training_state(self) -> dict:
+        state = {}
+        for module, optimizer in zip(self.modules, self.optimizers):
+            optim = get_optimizer_state_dict(module, optimizer, options=OPTIM_OPTIONS)
+            state.update({f"optimizer.{k}": v for k, v in optim.items()})
+        state["train_state"] = {"step": self.step, "lr_scheduler": self.schedulers[0].state_dict(),
+                                "samples_seen": self.step * self.global_batch}
+        state[f"rng.rank{self.rank}"] = torch.get_rng_state()
+        return state
+
+    def _load_training_state(self, path: Path) -> None:
+        state = self._training_state()
+        CheckpointReader(path).load(state)
+        for module, optimizer in zip(self.modules, self.optimizers):
+            prefix = "optimizer."
+            mine = get_optimizer_state_dict(module, optimizer, options=OPTIM_OPTIONS)
+            set_optimizer_state_dict(module, optimizer, {k: state[prefix + k] for k in mine}, options=OPTIM_OPTIONS)
+        for scheduler in self.schedulers:
+            scheduler.load_state_dict(state["train_state"]["lr_scheduler"])
+        torch.set_rng_state(state[f"rng.rank{self.rank}"])
+        if state["train_state"]["step"] != self.step:
+            raise SeedckptError(f"{path} records step {state['train_state']['step']}, its name says {self.step}")
+
+    def save(self) -> None:
+        state = {}
+        for module in self.modules:
+            state.update(module.state_dict())
+        state.update(self._training_state())
+        ckpt = self.cfg.checkpoint
+        manifest = make_manifest("train", self.cfg.model.name, self.cfg.model.flavor, self.args,
+                                 step=self.step, seed=self.cfg.training.seed, dtype="float32")
+        path = write_checkpoint(step_dir(ckpt.folder, self.step), state, manifest, force=True)
+        if self.rank == 0:
+            prune_steps(ckpt.folder, ckpt.keep_latest_k)
+        self.log(f"saved checkpoint {path}")
+
+    # -- the loop -------------------------------------------------------------------------------
+    def local_batches(self, step: int):
+        """This DP rank's ``(inputs, labels)`` for each accumulation micro-step of ``step``."""
+        batch = self.data.global_batch(step, self.global_batch)
+        local = self.cfg.training.local_batch_size
+        for k in range(self.accum):
+            start = (k * self.dims.dp + self.dp_rank) * local
+            rows = batch[start:start + local].to(self.device)
+            yield rows[:, :-1], rows[:, 1:]
+
+    def train_step(self, batches) -> torch.Tensor:
+        """Forward/backward over the accumulation micro-steps; the local mean loss (0 off the last stage)."""
+        total = torch.zeros((), device=self.device)
+        has_first = any(s.is_first for s in self.specs)
+        has_last = any(s.is_last for s in self.specs)
+        for inputs, labels in batches:
+            if self.pipeline is None:
+                loss = self._loss(self.modules[0](inputs), labels)
+                loss.backward()
+                total += loss.detach()
+                continue
+            losses = [] if has_last else None
+            self.pipeline.step(*([inputs] if has_first else []), target=labels if has_last else None,
+                               losses=losses, return_outputs=False)
+            if has_last:
+                total += torch.stack(losses).mean().detach()
+        return total
+
+    def run(self) -> None:
+        train, ckpt = self.cfg.training, self.cfg.checkpoint
+        metrics = MetricsLogger(self.cfg.job.dump_folder, self.cfg.metrics.enable_tensorboard) if self.rank == 0 else None
+        profile_steps = {int(s) for s in self.cfg.profiling.steps}
+        tokens_per_step = self.global_batch * train.seq_len
+        try:
+            while self.step < train.steps:
+                self.step += 1
+                t0 = time.perf_counter()
+                with self._maybe_profile(self.step in profile_steps):
+                    batches = list(self.local_batches(self.step))
+                    data_wait = time.perf_counter() - t0
+                    local_loss = self.train_step(batches)
+                    grad_norm = clip_grad_norm_(self.params, train.max_norm,
+                                                self.mesh["pp"].get_group() if self.dims.pp > 1 else None)
+                    for optimizer, scheduler in zip(self.optimizers, self.schedulers):
+                        optimizer.step()
+                        optimizer.zero_grad(set_to_none=True)
+                        scheduler.step()
+                stats = torch.stack([local_loss.float(), torch.tensor(float(peak_memory_bytes(self.device)),
+                                                                      device=self.device)])
+                dist.all_reduce(stats[:1])  # sum of the last stages' DP-local means
+                dist.all_reduce(stats[1:], op=dist.ReduceOp.MAX)
+                step_time = time.perf_counter() - t0
+                if metrics is not None and (self.step % self.cfg.metrics.log_freq == 0 or self.step == train.steps):
+                    metrics.log({"step": self.step, "steps": train.steps, "loss": stats[0].item() / self.dims.dp,
+                                 "lr": self.schedulers[0].get_last_lr()[0], "grad_norm": grad_norm.item(),
+                                 "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
+                                 "data_wait_s": data_wait, "peak_mem_bytes": int(stats[1].item())})
+                if ckpt.interval > 0 and (self.step % ckpt.interval == 0 or self.step == train.steps):
+                    self.save()
+        finally:
+            if metrics is not None:
+                metrics.close()
+
+    @contextlib.contextmanager
+    def _maybe_profile(self, enabled: bool):
+        if not enabled:
+            yield
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
+            yield
+        trace = Path(self.cfg.job.dump_folder) / "traces" / f"step-{self.step}-rank{self.rank}.json"
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace))
+        self.log(f"wrote Chrome trace {trace}", all_ranks=True)
+
+    def log(self, message: str, all_ranks: bool = False) -> None:
+        if all_ranks or self.rank == 0:
+            print(f"[rank{self.rank}] {message}", flush=True)
+
+
+def _init_process_group() -> None:
+    """torchrun's env:// rendezvous; a plain ``python train.py`` runs as a world of one."""
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    timeout = datetime.timedelta(minutes=10)
+    if "RANK" in os.environ:
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="train.py", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Pipeline x FSDP2 pretraining from a seed checkpoint. Any config key can be "
+                    "overridden with --section.key value.",
+        epilog="examples:\n"
+               "  torchrun --nproc-per-node 4 train.py --config configs/debug.toml\n"
+               "  torchrun --nproc-per-node 4 train.py --config configs/debug.toml --training.steps 50 \\\n"
+               "      --parallelism.pipeline_parallel_schedule Interleaved1F1B "
+               "--parallelism.pipeline_parallel_stages_per_rank 2")
+    parser.add_argument("--config", required=True, help="job config TOML, e.g. configs/debug.toml")
+    opts, overrides = parser.parse_known_args(argv)
+    try:
+        cfg = load_config(opts.config, overrides)
+        ParallelDims.from_config(cfg, int(os.environ.get("WORLD_SIZE", 1)))  # fail before any rendezvous
+        if cfg.parallelism.fsdp_impl != "fsdp2":
+            raise SeedckptError(f"parallelism.fsdp_impl = {cfg.parallelism.fsdp_impl!r}: only fsdp2 is "
+                                "available in this version")
+        _init_process_group()
+        try:
+            Trainer(cfg).run()
+        finally:
+            dist.destroy_process_group()
+    except SeedckptError as e:
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"train.py: error: {e}", file=sys.stderr)
+        return 2
+    return 0
