@@ -18,10 +18,19 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
+DEMO := outputs/demo
 demo: install
-	$(BIN)/python create_seed_checkpoint.py --config configs/debug.toml --output outputs/demo/seed --force
-	$(BIN)/seedckpt inspect outputs/demo/seed
+	rm -rf $(DEMO)
+	$(BIN)/python create_seed_checkpoint.py --config configs/debug.toml --output $(DEMO)/seed
 	$(BIN)/seedckpt plan --config configs/debug.toml --world-size 4
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node 4 train.py --config configs/debug.toml \
+		--checkpoint.seed_checkpoint $(DEMO)/seed --checkpoint.folder $(DEMO)/checkpoints --job.dump_folder $(DEMO)
+	$(BIN)/seedckpt inspect $(DEMO)/checkpoints/step-100 | head -n 12
+	@echo
+	@echo "demo outputs:"
+	@echo "  seed checkpoint      $(DEMO)/seed"
+	@echo "  training checkpoints $(DEMO)/checkpoints/step-50, step-100"
+	@echo "  per-step metrics     $(DEMO)/metrics.jsonl"
 
 test: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests

@@ -166,8 +166,9 @@ class CheckpointReader:
         problems = []
         for fqn, t in wanted.items():
             info = have.get(fqn)
-            if not isinstance(t, torch.Tensor):
-                if fqn not in self.metadata.state_dict_metadata:
+            if not isinstance(t, torch.Tensor):  # DCP stores nested containers as "key.sub..." entries
+                keys = self.metadata.state_dict_metadata
+                if fqn not in keys and not any(k.startswith(fqn + ".") for k in keys):
                     problems.append(f"{fqn}: missing from checkpoint")
             elif info is None:
                 problems.append(f"{fqn}: missing from checkpoint")

@@ -52,6 +52,9 @@ class Training:
     seed: int = 0
     mixed_precision_param: str = "float32"
     mixed_precision_reduce: str = "float32"
+    # Save a checkpoint and exit after this step (0: run to `steps`), e.g. before a job's time
+    # limit; the LR schedule still spans `steps`, so the resumed run continues exactly.
+    stop_after_step: int = 0
 
 
 @dataclass

@@ -249,8 +249,12 @@ class Trainer:
                                  "lr": self.schedulers[0].get_last_lr()[0], "grad_norm": grad_norm.item(),
                                  "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
                                  "data_wait_s": data_wait, "peak_mem_bytes": int(stats[1].item())})
-                if ckpt.interval > 0 and (self.step % ckpt.interval == 0 or self.step == train.steps):
+                stopping = self.step == train.stop_after_step
+                if stopping or (ckpt.interval > 0 and (self.step % ckpt.interval == 0 or self.step == train.steps)):
                     self.save()
+                if stopping:
+                    self.log(f"stopping after step {self.step} (training.stop_after_step); run again to resume")
+                    break
         finally:
             if metrics is not None:
                 metrics.close()

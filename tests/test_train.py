@@ -1,0 +1,154 @@
+"""Pretraining runs under torchrun: cross-layout loss parity, exact resume, crash-safe checkpoints,
+and up-front validation of the parallel layout."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from seedckpt.checkpoint import CheckpointReader, complete_steps
+from seedckpt.errors import SeedckptError
+from tests.dist import run_distributed
+
+REPO = Path(__file__).resolve().parents[1]
+COMMON = ["--training.steps", "10", "--training.global_batch_size", "8", "--training.seq_len", "32",
+          "--data.kind", "synthetic", "--checkpoint.interval", "0"]
+
+
+def _env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def torchrun(run_dir: Path, seed: Path, nproc: int, *overrides: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "train.py", "--config", "configs/debug.toml", "--checkpoint.seed_checkpoint", str(seed),
+           "--checkpoint.folder", str(run_dir / "ckpt"), "--job.dump_folder", str(run_dir), *COMMON, *overrides]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def model_state(path: Path, prefix: str = "") -> dict[str, torch.Tensor]:
+    reader = CheckpointReader(path)
+    state = {k: torch.zeros(i.shape, dtype=i.dtype) for k, i in reader.tensors().items()
+             if k.startswith(prefix) and not k.startswith("rng.")}
+    reader.load(state)
+    return state
+
+
+LAYOUTS = {
+    "pp2": (2, ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "8"]),
+    "dp_shard2": (2, ["--parallelism.pipeline_parallel_degree", "1", "--training.local_batch_size", "4"]),
+    "pp2_x_dp_shard2": (4, ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4",
+                            "--parallelism.pipeline_parallel_microbatches", "2"]),
+    "pp2_interleaved": (2, ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "8",
+                            "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+                            "--parallelism.pipeline_parallel_stages_per_rank", "2"]),
+}
+
+
+def test_loss_parity_across_layouts(tmp_path, debug_seed):
+    torchrun(tmp_path / "single", debug_seed, 1, "--parallelism.pipeline_parallel_degree", "1",
+             "--training.local_batch_size", "8")
+    reference = losses(tmp_path / "single")
+    assert len(reference) == 10
+    assert reference[-1] < reference[0] - 1.0 and reference[-1] < math.log(512)  # it learns
+    for name, (nproc, overrides) in LAYOUTS.items():
+        torchrun(tmp_path / name, debug_seed, nproc, *overrides)
+        got = losses(tmp_path / name)
+        assert len(got) == 10
+        for step, (a, b) in enumerate(zip(got, reference), start=1):
+            assert abs(a - b) <= 1e-5 * abs(b), f"{name} step {step}: {a} vs {b}"
+
+
+def test_resume_is_bitwise_identical(tmp_path, debug_seed):
+    layout = ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4",
+              "--parallelism.pipeline_parallel_microbatches", "2", "--checkpoint.interval", "5"]
+    torchrun(tmp_path / "straight", debug_seed, 4, *layout)
+    first = torchrun(tmp_path / "resumed", debug_seed, 4, *layout, "--training.stop_after_step", "5")
+    assert "stopping after step 5" in first.stdout
+    assert sorted(complete_steps(tmp_path / "resumed" / "ckpt")) == [5]
+    second = torchrun(tmp_path / "resumed", debug_seed, 4, *layout)
+    assert "resuming from" in second.stdout and "step-5" in second.stdout
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")  # bitwise, 10 steps
+    a = model_state(tmp_path / "straight" / "ckpt" / "step-10")
+    b = model_state(tmp_path / "resumed" / "ckpt" / "step-10")
+    assert a.keys() == b.keys() and any(k.startswith("optimizer.") for k in a)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def _killed_mid_checkpoint_worker(rank, world_size, seed, folder, dump):
+    """Train pp=2 with a checkpoint every 2 steps; rank 0 (which would publish the checkpoint) is
+    SIGKILLed while writing step 4, after its data files are written and before ``.metadata``."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from seedckpt.config import load_config
+    from seedckpt.train import Trainer
+
+    original = FileSystemWriter.write_data
+
+    def write_then_die(self, plan, planner):
+        result = original(self, plan, planner)
+        if rank == 0 and "step-4" in str(self.path):
+            os.kill(os.getpid(), signal.SIGKILL)  # data files written, .metadata not yet
+        return result
+
+    FileSystemWriter.write_data = write_then_die
+    cfg = load_config(REPO / "configs/debug.toml", [
+        *COMMON, "--checkpoint.interval", "2", "--checkpoint.seed_checkpoint", seed,
+        "--checkpoint.folder", folder, "--job.dump_folder", dump, "--training.local_batch_size", "8"])
+    Trainer(cfg).run()
+
+
+def test_sigkill_while_writing_leaves_previous_step_loadable(tmp_path, debug_seed):
+    folder = tmp_path / "ckpt"
+    with pytest.raises(AssertionError, match=r"died|Connection reset|Connection closed"):
+        run_distributed(_killed_mid_checkpoint_worker, 2, str(debug_seed), str(folder), str(tmp_path), timeout=120)
+    assert sorted(complete_steps(folder)) == [2]
+    assert [p.name for p in folder.iterdir() if p.name.startswith(".")] == [".step-4.partial"]
+    with pytest.raises(SeedckptError, match="interrupted write"):
+        CheckpointReader(folder / ".step-4.partial")
+    assert model_state(folder / "step-2")["layers.0.attention.wq.weight"].abs().sum() > 0
+    # The next run resumes from step 2 and cleans up the partial write when it saves step 4 again.
+    resumed = torchrun(tmp_path / "again", debug_seed, 2, "--checkpoint.folder", str(folder),
+                       "--checkpoint.interval", "2", "--training.steps", "4", "--training.local_batch_size", "8")
+    assert "resuming from" in resumed.stdout and "step-2" in resumed.stdout
+    assert sorted(complete_steps(folder)) == [2, 4] and not (folder / ".step-4.partial").exists()
+
+
+@pytest.mark.parametrize("world,overrides,message", [
+    (4, ["--parallelism.pipeline_parallel_degree", "3"],
+     "world size 4 is not divisible by pipeline_parallel_degree x data_parallel_replicate_degree = 3 x 1"),
+    (4, ["--parallelism.data_parallel_shard_degree", "4"], "= 2 x 1 x 4 = 8, but the world size is 4"),
+    (8, ["--parallelism.pipeline_parallel_degree", "8"], "cannot split 6 layers into 8 pipeline stages"),
+    (4, ["--parallelism.pipeline_parallel_microbatches", "1"], "microbatches = 1 is less than the 2 pipeline ranks"),
+    (4, ["--parallelism.pipeline_parallel_microbatches", "3"], "not divisible by pipeline_parallel_microbatches = 3"),
+    (4, ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"], "pipeline_parallel_stages_per_rank = 2"),
+    (4, ["--parallelism.pipeline_parallel_schedule", "Sideways"], "Unknown schedule name 'Sideways'"),
+    (4, ["--training.global_batch_size", "12"], "must be a multiple of local_batch_size x data-parallel degree = 16"),
+    (1, ["--parallelism.pipeline_parallel_degree", "1", "--checkpoint.seed_checkpoint", "/nonexistent/seed"],
+     "checkpoint.seed_checkpoint /nonexistent/seed does not exist"),
+])
+def test_layout_validation_errors(world, overrides, message, tmp_path):
+    env = {**_env(), "WORLD_SIZE": str(world)}
+    if world == 1:
+        env.pop("WORLD_SIZE")
+    proc = subprocess.run([sys.executable, "train.py", "--config", "configs/debug.toml", "--job.dump_folder",
+                           str(tmp_path), "--checkpoint.folder", str(tmp_path / "ckpt"), *overrides],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
