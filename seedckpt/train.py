@@ -111,6 +111,9 @@ class Trainer:
         self.specs = plan_rank_stages(self.args, self.pp_rank, self.dims.pp, par.pipeline_parallel_stages_per_rank,
                                       par.pipeline_parallel_schedule, par.pipeline_parallel_split_points)
         self.accum = self.dims.accumulation_steps(cfg)
+        # Every micro-batch loss is divided by the number of micro-batches in the step, so the
+        # summed gradients are the global-batch mean.
+        self.loss_divisor = self.accum * (self.dims.microbatches(cfg) if self.dims.pp > 1 else 1)
         self.global_batch = self.dims.global_batch_size(cfg)
         self.data = make_dataset(cfg.data.kind, cfg.data.path, self.args.vocab_size, train.seq_len, train.seed)
 
@@ -147,13 +150,15 @@ class Trainer:
                   for m, s in zip(self.modules, self.specs)]
         schedule = get_schedule_class(par.pipeline_parallel_schedule)
         n_micro = self.dims.microbatches(self.cfg)
+        # scale_grads=False: the schedule would rescale *all* gradients at every step() call,
+        # including those accumulated by earlier micro-steps; the loss is pre-scaled instead.
         if issubclass(schedule, PipelineScheduleSingle):
-            return schedule(stages[0], n_microbatches=n_micro, loss_fn=self._loss)
-        return schedule(stages, n_microbatches=n_micro, loss_fn=self._loss)
+            return schedule(stages[0], n_microbatches=n_micro, loss_fn=self._loss, scale_grads=False)
+        return schedule(stages, n_microbatches=n_micro, loss_fn=self._loss, scale_grads=False)
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean token cross-entropy, pre-divided by the accumulation steps so gradients sum right."""
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()) / self.accum
+        """Mean token cross-entropy of one micro-batch, pre-scaled so gradients sum to the step mean."""
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()) / self.loss_divisor
 
     # -- checkpoint state beyond the weights ----------------------------------------------------
     def _training_state(self) -> dict:
@@ -217,7 +222,7 @@ class Trainer:
             self.pipeline.step(*([inputs] if has_first else []), target=labels if has_last else None,
                                losses=losses, return_outputs=False)
             if has_last:
-                total += torch.stack(losses).mean().detach()
+                total += torch.stack(losses).sum().detach()
         return total
 
     def run(self) -> None:
@@ -255,6 +260,8 @@ class Trainer:
                 if stopping:
                     self.log(f"stopping after step {self.step} (training.stop_after_step); run again to resume")
                     break
+            # Let every rank's outstanding pipeline sends complete before the group is torn down.
+            dist.barrier()
         finally:
             if metrics is not None:
                 metrics.close()

@@ -53,6 +53,8 @@ LAYOUTS = {
     "dp_shard2": (2, ["--parallelism.pipeline_parallel_degree", "1", "--training.local_batch_size", "4"]),
     "pp2_x_dp_shard2": (4, ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4",
                             "--parallelism.pipeline_parallel_microbatches", "2"]),
+    "pp2_grad_accumulation": (2, ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4",
+                                  "--parallelism.pipeline_parallel_microbatches", "2"]),
     "pp2_interleaved": (2, ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "8",
                             "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
                             "--parallelism.pipeline_parallel_stages_per_rank", "2"]),
