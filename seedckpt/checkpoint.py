@@ -29,6 +29,8 @@ import math
 import os
 import pickle
 import shutil
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +40,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 import seedckpt
 from models.llama import ModelArgs
@@ -90,6 +96,77 @@ class SafeFileSystemReader(FileSystemReader):
         if metadata.storage_meta is not None:
             metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+class StreamingFileSystemWriter(FileSystemWriter):
+    """A ``FileSystemWriter`` whose memory is bounded by the items in flight, not the model.
+
+    Why not the stock writer: its write loop keeps every tensor of a file referenced until the file
+    is closed (measured: a lazily materialized 4.3 GB save peaked at 4.36 GB RSS), and ``torch.save``'s
+    zip CRC32 caps it at ~0.35-0.4 GB/s here (3.9 GB/s without). This writer resolves items in plan
+    order on ``workers`` threads, at most ``lookahead`` ahead of the one being written, writes each
+    with ``torch.save`` (CRC off: files are fsynced and published atomically instead) and drops it.
+    The files and ``.metadata`` are the stock format: stock ``dcp.load`` reads them.
+    """
+
+    def __init__(self, path: str | os.PathLike, lookahead: int = 4, workers: int = 2):
+        super().__init__(path, single_file_per_rank=True, sync_files=True)
+        self.lookahead, self.workers = lookahead, workers
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        file_name = f"{plan.storage_data.prefix}0.distcp"
+        results = []
+        crc = torch.serialization.get_crc32_options()
+        torch.serialization.set_crc32_options(False)
+        try:
+            with ThreadPoolExecutor(self.workers) as pool, open(Path(self.path) / file_name, "wb") as stream:
+                items, pending = iter(plan.items), deque()
+
+                def submit_next() -> None:
+                    item = next(items, None)
+                    if item is not None:
+                        pending.append((item, pool.submit(planner.resolve_data, item)))
+
+                for _ in range(self.lookahead):
+                    submit_next()
+                while pending:
+                    item, future = pending.popleft()
+                    data = future.result()
+                    submit_next()
+                    offset = stream.tell()
+                    if item.type == WriteItemType.BYTE_IO:
+                        stream.write(data.getbuffer())
+                    else:
+                        torch.save(_compact_cpu(data), stream)
+                    length = stream.tell() - offset
+                    results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                               storage_data=_StorageInfo(file_name, offset, length)))
+                    del data
+                    _start_writeback(stream, offset, length)
+                stream.flush()
+                os.fsync(stream.fileno())
+        finally:
+            torch.serialization.set_crc32_options(crc)
+        future: Future = Future()
+        future.set_result(results)
+        return future
+
+
+def _start_writeback(stream, offset: int, length: int) -> None:
+    """Push the bytes just written towards the disk now, not all at the final fsync.
+
+    ``POSIX_FADV_DONTNEED`` starts asynchronous writeback of the range (and lets the kernel drop
+    it from the page cache once clean), so the disk works while the next blocks are generated.
+    """
+    if hasattr(os, "posix_fadvise"):
+        stream.flush()
+        os.posix_fadvise(stream.fileno(), offset, length, os.POSIX_FADV_DONTNEED)
+
+
+def _compact_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor owning exactly its bytes (``torch.save`` writes a view's whole storage)."""
+    tensor = tensor.detach().cpu()
+    return tensor if tensor.untyped_storage().nbytes() == tensor.nbytes else tensor.clone()
 
 
 @dataclass(frozen=True)
@@ -232,14 +309,16 @@ def check_destination(path: str | os.PathLike, force: bool) -> Path:
     return path
 
 
-def write_checkpoint(path: str | os.PathLike, state_dict: dict, manifest: dict, force: bool = False) -> Path:
+def write_checkpoint(path: str | os.PathLike, state_dict: dict, manifest: dict, force: bool = False,
+                     planner: SavePlanner | None = None) -> Path:
     """Write a DCP checkpoint plus manifest to ``path`` atomically.
 
     Collective when a process group is initialized (every rank passes its own entries, e.g. its
     stage's tensors or shards); otherwise single-process. The data goes to ``.NAME.partial`` first;
     rank 0 adds the manifest (with the per-tensor table read back from the written metadata) and
     renames the complete, fsynced directory to ``NAME``. With ``force`` an existing ``NAME`` is
-    replaced only after the new one is complete.
+    replaced only after the new one is complete. A custom ``planner`` may produce the data lazily
+    (the seed writer generates each item when the writer asks for it).
     """
     path = Path(path)
     distributed = dist.is_available() and dist.is_initialized()
@@ -253,7 +332,8 @@ def write_checkpoint(path: str | os.PathLike, state_dict: dict, manifest: dict, 
         dist.barrier()
     try:
         with _quiet_single_process_dcp():
-            dcp.save(state_dict, storage_writer=FileSystemWriter(partial, sync_files=True), no_dist=not distributed)
+            dcp.save(state_dict, storage_writer=StreamingFileSystemWriter(partial), planner=planner,
+                     no_dist=not distributed)
         if leader:
             written = _tensor_infos(SafeFileSystemReader(partial).read_metadata())
             tensors = {fqn: info for fqn, info in written.items() if is_model_key(fqn)}

@@ -22,6 +22,7 @@ elements from the same generator until none remain. ``nn.init.trunc_normal_`` (i
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -91,12 +92,27 @@ class InitSpec:
 def generate(spec: InitSpec, shape: torch.Size | tuple, seed: int, fqn: str,
              dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The full tensor for ``fqn``, on CPU: fp32 values, cast to ``dtype`` at the end."""
-    out = torch.empty(shape, dtype=torch.float32)
-    flat = out.view(-1)
-    for chunk, start in enumerate(range(0, flat.numel(), CHUNK_NUMEL)):
-        part = flat[start:start + CHUNK_NUMEL]
+    flat = generate_flat(spec, seed, fqn, 0, math.prod(shape))
+    return flat.view(shape) if dtype == torch.float32 else flat.view(shape).to(dtype)
+
+
+def generate_flat(spec: InitSpec, seed: int, fqn: str, start: int, stop: int) -> torch.Tensor:
+    """Elements ``[start, stop)`` of the flattened fp32 tensor ``fqn``.
+
+    Only the generator chunks that overlap the range are drawn; a range on chunk boundaries
+    wastes nothing, which is how the streaming seed writer cuts its items.
+    """
+    if stop <= start:
+        return torch.empty(0)
+    first, last = start // CHUNK_NUMEL, (stop - 1) // CHUNK_NUMEL
+    base = first * CHUNK_NUMEL
+    out = torch.empty(min(stop, (last + 1) * CHUNK_NUMEL) - base, dtype=torch.float32)
+    for chunk in range(first, last + 1):
+        part = out[(chunk - first) * CHUNK_NUMEL:(chunk - first + 1) * CHUNK_NUMEL]
         spec.fill_chunk(part, None if spec.kind == "ones" else chunk_generator(seed, fqn, chunk))
-    return out if dtype == torch.float32 else out.to(dtype)
+    if start == base and out.numel() == stop - start:
+        return out
+    return out[start - base:stop - base].clone()
 
 
 class Initializer:

@@ -95,12 +95,11 @@ def test_resume_is_bitwise_identical(tmp_path, debug_seed):
 def _killed_mid_checkpoint_worker(rank, world_size, seed, folder, dump):
     """Train pp=2 with a checkpoint every 2 steps; rank 0 (which would publish the checkpoint) is
     SIGKILLed while writing step 4, after its data files are written and before ``.metadata``."""
-    from torch.distributed.checkpoint import FileSystemWriter
-
+    from seedckpt.checkpoint import StreamingFileSystemWriter
     from seedckpt.config import load_config
     from seedckpt.train import Trainer
 
-    original = FileSystemWriter.write_data
+    original = StreamingFileSystemWriter.write_data
 
     def write_then_die(self, plan, planner):
         result = original(self, plan, planner)
@@ -108,7 +107,7 @@ def _killed_mid_checkpoint_worker(rank, world_size, seed, folder, dump):
             os.kill(os.getpid(), signal.SIGKILL)  # data files written, .metadata not yet
         return result
 
-    FileSystemWriter.write_data = write_then_die
+    StreamingFileSystemWriter.write_data = write_then_die
     cfg = load_config(REPO / "configs/debug.toml", [
         *COMMON, "--checkpoint.interval", "2", "--checkpoint.seed_checkpoint", seed,
         "--checkpoint.folder", folder, "--job.dump_folder", dump, "--training.local_batch_size", "8"])
