@@ -39,10 +39,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties,
+                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
@@ -56,7 +57,7 @@ PARTIAL_SUFFIX = ".partial"
 TRAINING_STATE_PREFIXES = ("optimizer.", "train_state", "rng.")
 
 # ModelArgs fields that decide tensor shapes: a config must agree with the checkpoint on these.
-SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "ffn_dim_multiplier")
+SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden_dim")
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -110,6 +111,7 @@ class StreamingFileSystemWriter(FileSystemWriter):
     """
 
     def __init__(self, path: str | os.PathLike, lookahead: int = 4, workers: int = 2):
+        """``lookahead``: items resolved ahead of the one being written; ``workers``: resolving threads."""
         super().__init__(path, single_file_per_rank=True, sync_files=True)
         self.lookahead, self.workers = lookahead, workers
 
@@ -150,6 +152,40 @@ class StreamingFileSystemWriter(FileSystemWriter):
         future: Future = Future()
         future.set_result(results)
         return future
+
+
+class LazySavePlanner(DefaultSavePlanner):
+    """Plans tensors as row blocks and produces each block only when the writer asks for it.
+
+    The state dict handed to ``dcp.save`` holds ``meta`` tensors of at least one dimension;
+    ``produce(fqn, row_start, row_stop)`` returns the rows, and ``rows_per_block(shape)`` decides the
+    cut. Blocks are ordinary DCP chunks, exactly what a sharded save writes, so stock ``dcp.load``
+    reassembles them. With the streaming writer, memory is bounded by the blocks in flight.
+    """
+
+    def __init__(self, produce, rows_per_block=lambda shape: shape[0]):
+        super().__init__()
+        self.produce, self.rows_per_block = produce, rows_per_block
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for fqn, meta in self.state_dict.items():
+            shape = meta.shape
+            rows = max(1, self.rows_per_block(shape))
+            for start in range(0, shape[0], rows):
+                offsets = torch.Size([start] + [0] * (len(shape) - 1))
+                sizes = torch.Size([min(rows, shape[0] - start), *shape[1:]])
+                items.append(WriteItem(
+                    index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets, sizes),
+                                                properties=TensorProperties(dtype=meta.dtype), size=shape)))
+        self.plan = SavePlan(items, planner_data=self.mappings)  # FQN mapping, as the default planner
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+        chunk = write_item.tensor_data.chunk
+        dtype = self.state_dict[write_item.index.fqn].dtype
+        return self.produce(write_item.index.fqn, chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0]).to(dtype)
 
 
 def _start_writeback(stream, offset: int, length: int) -> None:
@@ -310,7 +346,7 @@ def check_destination(path: str | os.PathLike, force: bool) -> Path:
 
 
 def write_checkpoint(path: str | os.PathLike, state_dict: dict, manifest: dict, force: bool = False,
-                     planner: SavePlanner | None = None) -> Path:
+                     planner: SavePlanner | None = None, lookahead: int = 4) -> Path:
     """Write a DCP checkpoint plus manifest to ``path`` atomically.
 
     Collective when a process group is initialized (every rank passes its own entries, e.g. its
@@ -332,7 +368,7 @@ def write_checkpoint(path: str | os.PathLike, state_dict: dict, manifest: dict, 
         dist.barrier()
     try:
         with _quiet_single_process_dcp():
-            dcp.save(state_dict, storage_writer=StreamingFileSystemWriter(partial), planner=planner,
+            dcp.save(state_dict, storage_writer=StreamingFileSystemWriter(partial, lookahead=lookahead), planner=planner,
                      no_dist=not distributed)
         if leader:
             written = _tensor_infos(SafeFileSystemReader(partial).read_metadata())

@@ -1,7 +1,7 @@
 """Create a seed checkpoint: the full model, initialized with the real recipe, on CPU, streamed.
 
 The model is built on ``meta`` and run through every ``init_weights`` without allocating, which
-yields each tensor's recipe by FQN. Nothing else is materialized up front: ``SeedSavePlanner``
+yields each tensor's recipe by FQN. Nothing else is materialized up front: a ``LazySavePlanner``
 cuts every tensor into row blocks (DCP "chunks", exactly as a sharded save would) and generates a
 block only when the writer asks for it, from (seed, FQN, recipe) via ``seedckpt.init`` -- the same
 function a rank uses to initialize its stage directly, so the values are bitwise identical. The
@@ -21,14 +21,11 @@ import os
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from seedckpt.checkpoint import check_destination, make_manifest, write_checkpoint
+from seedckpt.checkpoint import LazySavePlanner, check_destination, make_manifest, write_checkpoint
 from seedckpt.config import JobConfig
 from seedckpt.errors import SeedckptError
-from seedckpt.init import CHUNK_NUMEL, RECIPE_VERSION, InitSpec, generate_flat, init_model
+from seedckpt.init import CHUNK_NUMEL, RECIPE_VERSION, generate_flat, init_model
 from seedckpt.modules import state_tensors
 from seedckpt.progress import Progress
 
@@ -63,38 +60,6 @@ def block_rows(shape: torch.Size) -> int:
     return max(1, BLOCK_NUMEL // width)
 
 
-class SeedSavePlanner(DefaultSavePlanner):
-    """Plans each tensor as row blocks and generates a block's values in ``resolve_data``."""
-
-    def __init__(self, specs: dict[str, InitSpec], seed: int, dtype: torch.dtype, progress: Progress):
-        super().__init__()
-        self.specs, self.seed, self.dtype, self.progress = specs, seed, dtype, progress
-
-    def create_local_plan(self) -> SavePlan:
-        items = []
-        for fqn, meta in self.state_dict.items():
-            shape = meta.shape
-            rows = block_rows(shape) if len(shape) > 1 else max(1, shape[0] if shape else 1)
-            for start in range(0, shape[0] if shape else 1, rows):
-                offsets = torch.Size([start] + [0] * (len(shape) - 1))
-                sizes = torch.Size([min(rows, shape[0] - start), *shape[1:]]) if shape else torch.Size([])
-                items.append(WriteItem(
-                    index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
-                    tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets, sizes),
-                                                properties=TensorProperties(dtype=self.dtype), size=shape)))
-        self.plan = SavePlan(items, planner_data=self.mappings)  # FQN mapping, as the default planner
-        return self.plan
-
-    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
-        fqn = write_item.index.fqn
-        chunk = write_item.tensor_data.chunk
-        width = math.prod(chunk.sizes[1:])
-        start = chunk.offsets[0] * width if len(chunk.offsets) else 0
-        block = generate_flat(self.specs[fqn], self.seed, fqn, start, start + math.prod(chunk.sizes))
-        self.progress.update(block.numel() * self.dtype.itemsize)
-        return block.view(chunk.sizes).to(self.dtype)
-
-
 def create_seed_checkpoint(cfg: JobConfig, output: str | os.PathLike, seed: int,
                            dtype: str = "float32", force: bool = False, progress: bool = True) -> Path:
     ensure_cpu_only_single_process()
@@ -109,6 +74,14 @@ def create_seed_checkpoint(cfg: JobConfig, output: str | os.PathLike, seed: int,
              for fqn, t in state_tensors(model).items()}
     bar = Progress(sum(t.numel() for t in state.values()) * torch_dtype.itemsize, f"seed {cfg.model.flavor}",
                    enabled=progress)
+
+    def produce(fqn: str, row_start: int, row_stop: int) -> torch.Tensor:
+        shape = state[fqn].shape
+        width = math.prod(shape[1:])
+        block = generate_flat(specs[fqn], seed, fqn, row_start * width, row_stop * width)
+        bar.update(block.numel() * torch_dtype.itemsize)
+        return block.view(row_stop - row_start, *shape[1:])
+
     manifest = make_manifest("seed", cfg.model.name, cfg.model.flavor, cfg.model_args(), seed=seed, dtype=dtype,
                              init={"recipe": RECIPE_VERSION, "chunk_numel": CHUNK_NUMEL})
     # The writer's threads do the parallelism; intra-op threads would only contend with them.
@@ -116,7 +89,7 @@ def create_seed_checkpoint(cfg: JobConfig, output: str | os.PathLike, seed: int,
     torch.set_num_threads(1)
     try:
         path = write_checkpoint(output, state, manifest, force=force,
-                                planner=SeedSavePlanner(specs, seed, torch_dtype, bar))
+                                planner=LazySavePlanner(produce, block_rows))
     finally:
         torch.set_num_threads(threads)
         bar.close()
