@@ -223,6 +223,17 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+class _KnownMetadataReader(SafeFileSystemReader):
+    """Reuses metadata already read, so reading tensors one by one does not re-read ``.metadata``."""
+
+    def __init__(self, path: Path, metadata: Metadata):
+        super().__init__(path)
+        self._metadata = metadata
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        return self._metadata
+
+
 def _tensor_infos(metadata: Metadata) -> dict[str, TensorInfo]:
     return {fqn: TensorInfo(tuple(md.size), md.properties.dtype)
             for fqn, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
@@ -293,6 +304,14 @@ class CheckpointReader:
         if problems:
             raise SeedckptError(f"checkpoint {self.path} does not cover the model: " + "; ".join(problems))
 
+    def read_tensor(self, fqn: str) -> torch.Tensor:
+        """One whole tensor on CPU, read by this process alone (conversion, diff)."""
+        info = self.tensors()[fqn]
+        out = {fqn: torch.empty(info.shape, dtype=info.dtype)}
+        with quiet_single_process_dcp():
+            dcp.load(out, storage_reader=_KnownMetadataReader(self.path, self.metadata), no_dist=True)
+        return out[fqn]
+
     def load(self, state_dict: dict) -> None:
         """Load ``state_dict`` in place via DCP; each rank reads only the entries it asks for.
 
@@ -300,7 +319,7 @@ class CheckpointReader:
         """
         self.check_covers(state_dict)
         try:
-            with _quiet_single_process_dcp():
+            with quiet_single_process_dcp():
                 dcp.load(state_dict, storage_reader=SafeFileSystemReader(self.path),
                          planner=DefaultLoadPlanner(allow_partial_load=False))
         except BaseException as e:  # DCP's CheckpointException derives from BaseException
@@ -310,7 +329,7 @@ class CheckpointReader:
 
 
 @contextlib.contextmanager
-def _quiet_single_process_dcp():
+def quiet_single_process_dcp():
     """DCP warns on every single-process call that it assumes a single process; we mean it."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -340,8 +359,6 @@ def check_destination(path: str | os.PathLike, force: bool) -> Path:
     path = Path(path)
     if path.exists() and not force:
         raise SeedckptError(f"{path} already exists; pass --force to replace it or choose another --output")
-    if path.exists() and not path.is_dir():
-        raise SeedckptError(f"{path} exists and is not a directory; choose another --output")
     return path
 
 
@@ -367,7 +384,7 @@ def write_checkpoint(path: str | os.PathLike, state_dict: dict, manifest: dict, 
     if distributed:
         dist.barrier()
     try:
-        with _quiet_single_process_dcp():
+        with quiet_single_process_dcp():
             dcp.save(state_dict, storage_writer=StreamingFileSystemWriter(partial, lookahead=lookahead), planner=planner,
                      no_dist=not distributed)
         if leader:
@@ -387,6 +404,34 @@ def write_checkpoint(path: str | os.PathLike, state_dict: dict, manifest: dict, 
     return path
 
 
+@contextlib.contextmanager
+def atomic_output(path: str | os.PathLike, force: bool = False, directory: bool = True):
+    """Yield a hidden ``.NAME.partial`` sibling to write into; publish it as ``NAME`` on success.
+
+    For single-process outputs (conversions). On any error the partial output is removed, so a
+    failed or rejected conversion leaves nothing behind.
+    """
+    path = check_destination(path, force)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.parent / f".{path.name}{PARTIAL_SUFFIX}"
+    _remove(partial)
+    if directory:
+        partial.mkdir()
+    try:
+        yield partial
+        _publish(partial, path)
+    except BaseException:
+        _remove(partial)
+        raise
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists():
+        path.unlink()
+
+
 def _write_json_synced(path: Path, obj: dict) -> None:
     with open(path, "w") as f:
         json.dump(obj, f, indent=1)
@@ -398,10 +443,10 @@ def _publish(partial: Path, path: Path) -> None:
     """Rename the complete ``partial`` to ``path``, replacing an existing one last."""
     old = path.parent / f".{path.name}.old"
     if path.exists():
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
         path.rename(old)
     partial.rename(path)
-    shutil.rmtree(old, ignore_errors=True)
+    _remove(old)
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)

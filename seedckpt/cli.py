@@ -1,4 +1,4 @@
-"""The ``seedckpt`` command: seed, inspect, plan.
+"""The ``seedckpt`` command: seed, inspect, plan, convert, diff.
 
 User errors (``SeedckptError``) print one line with the fix and exit 2; no traceback.
 """
@@ -27,6 +27,17 @@ EXAMPLES = {
           seedckpt plan --config configs/llama3_8b.toml
           seedckpt plan --config configs/llama3_70b.toml --world-size 64 --parallelism.pipeline_parallel_degree 8
           seedckpt plan --config configs/debug.toml --model.flavor 405B --parallelism.pipeline_parallel_degree 16""",
+    "convert": """
+        examples:
+          seedckpt convert outputs/demo/checkpoints/step-100 exported/ --to hf --dtype bfloat16
+          seedckpt convert Llama-3.2-1B/ seeds/llama1b --to dcp        # an HF download, for SFT
+          seedckpt convert seeds/debug debug.safetensors --to safetensors
+          seedckpt convert seeds/debug debug.pt --to torch""",
+    "diff": """
+        examples:
+          seedckpt diff seeds/debug exported/               # a DCP checkpoint vs its HF export
+          seedckpt diff run/step-100 run/step-200 --atol 1e-3
+        exit status: 0 equal, 1 different, 2 error""",
 }
 
 
@@ -59,16 +70,36 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--config", required=True, help="job config TOML")
     plan.add_argument("--world-size", type=int, help="resolve data_parallel_shard_degree = -1 against this")
     plan.add_argument("--json", action="store_true", help="machine-readable output")
+
+    convert = add("convert", "Convert a checkpoint between DCP, Hugging Face (sharded safetensors + index + "
+                             "config.json), one safetensors file and torch.save, one tensor at a time. The "
+                             "source format is detected.")
+    convert.add_argument("src", help="DCP dir, HF dir, .safetensors file or torch.save file")
+    convert.add_argument("dst", help="output directory (dcp, hf) or file (safetensors, torch)")
+    convert.add_argument("--to", required=True, help="dcp | hf | safetensors | torch")
+    convert.add_argument("--dtype", help="cast every tensor: float32 | bfloat16 | float16")
+    convert.add_argument("--max-shard-size", default="5GB", help="hf shard size (default 5GB)")
+    convert.add_argument("--config", help="job config describing the model, for sources without a manifest")
+    convert.add_argument("--force", action="store_true", help="replace an existing output")
+    convert.add_argument("--quiet", action="store_true", help="no progress output")
+
+    diff = add("diff", "Compare two checkpoints of any supported formats tensor by tensor (HF names and the "
+                       "q/k permutation are mapped, so a checkpoint equals its HF export).")
+    diff.add_argument("a")
+    diff.add_argument("b")
+    diff.add_argument("--atol", type=float, default=0.0, help="largest |difference| still called equal")
+    diff.add_argument("--config", help="job config describing the model, for sources without a manifest")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     opts, rest = parser.parse_known_args(argv)
-    if rest and opts.command == "inspect":
+    if rest and opts.command in ("inspect", "convert", "diff"):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
-        return {"seed": _seed, "inspect": _inspect, "plan": _plan}[opts.command](opts, rest)
+        commands = {"seed": _seed, "inspect": _inspect, "plan": _plan, "convert": _convert, "diff": _diff}
+        return commands[opts.command](opts, rest)
     except SeedckptError as e:
         print(f"seedckpt {opts.command}: error: {e}", file=sys.stderr)
         return 2
@@ -143,6 +174,29 @@ def _plan(opts, overrides) -> int:
     print("  train/GPU = fp32 params + grads + AdamW moments (16 B/param) sharded over dp_shard; "
           "activations not included")
     return 0
+
+
+def _model_args(config: str | None):
+    from seedckpt.config import load_config
+
+    return load_config(config).model_args() if config else None
+
+
+def _convert(opts, _rest) -> int:
+    from seedckpt.convert import convert
+
+    path = convert(opts.src, opts.dst, opts.to, dtype=opts.dtype, max_shard_size=opts.max_shard_size,
+                   force=opts.force, progress=not opts.quiet, args=_model_args(opts.config))
+    print(f"wrote {opts.to} checkpoint {path}")
+    return 0
+
+
+def _diff(opts, _rest) -> int:
+    from seedckpt.convert import diff
+
+    equal, lines = diff(opts.a, opts.b, atol=opts.atol, args=_model_args(opts.config))
+    print("\n".join(lines))
+    return 0 if equal else 1
 
 
 def _gib(n: int) -> str:

@@ -27,9 +27,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
-
-from seedckpt.modules import state_tensors
+from seedckpt.modules import copy_full_into, state_tensors
 
 CHUNK_NUMEL = 1 << 20
 RECIPE_VERSION = "seedckpt-init-v1"
@@ -149,16 +147,7 @@ class Initializer:
         self.specs[fqn] = spec
         if self.materialize:
             with torch.no_grad():
-                _copy_full_into(tensor, generate(spec, tensor.shape, self.seed, fqn))
-
-
-def _copy_full_into(tensor: torch.Tensor, full: torch.Tensor) -> None:
-    full = full.to(device=tensor.device, dtype=tensor.dtype)
-    if isinstance(tensor, DTensor):
-        # src_data_rank=None: every rank slices its own shard locally, no communication.
-        full = distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None).to_local()
-        tensor = tensor.to_local()
-    tensor.copy_(full)
+                copy_full_into(tensor, generate(spec, tensor.shape, self.seed, fqn))
 
 
 def init_model(module: nn.Module, seed: int, materialize: bool = True) -> dict[str, InitSpec]:

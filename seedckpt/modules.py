@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 
 def state_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -32,3 +32,13 @@ def _named_buffers(module: nn.Module, persistent: bool):
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """The part of ``tensor`` this rank stores (the local shard of a DTensor)."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def copy_full_into(tensor: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy the full (unsharded) value ``full`` into ``tensor``, or into this rank's shard of it."""
+    full = full.to(device=tensor.device, dtype=tensor.dtype)
+    if isinstance(tensor, DTensor):
+        # src_data_rank=None: every rank slices its own shard locally, no communication.
+        full = distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None).to_local()
+        tensor = tensor.to_local()
+    tensor.copy_(full)

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from models.llama import ModelArgs, Transformer
-from seedckpt.checkpoint import CheckpointReader
+from seedckpt.formats import open_checkpoint
 from seedckpt.errors import SeedckptError
 from seedckpt.init import init_model
 from seedckpt.modules import local, nonpersistent_buffers, state_tensors
@@ -165,13 +165,14 @@ def build_stages(args: ModelArgs, specs: Sequence[StageSpec], device: torch.devi
                  shard_fn: Callable[[nn.Module], None] | None = None) -> list[Transformer]:
     """Build this rank's stage modules and give every tensor a value.
 
-    Exactly one of ``checkpoint`` (load by FQN, the normal path) or ``seed`` (direct per-rank init,
+    Exactly one of ``checkpoint`` (load by FQN, the normal path: a DCP checkpoint or a Hugging Face
+    Llama directory) or ``seed`` (direct per-rank init,
     bitwise equal to loading the seed made with that seed) must be given. The checkpoint is checked
     against ``args`` before anything is allocated. ``shard_fn`` (e.g. FSDP2) is applied on ``meta``.
     """
     if (checkpoint is None) == (seed is None):
         raise ValueError("give exactly one of checkpoint= or seed=")
-    reader = CheckpointReader(checkpoint) if checkpoint is not None else None
+    reader = open_checkpoint(checkpoint) if checkpoint is not None else None
     if reader is not None:
         reader.check_model_args(args)
     modules = [build_stage_model(args, spec) for spec in specs]

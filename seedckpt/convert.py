@@ -1,0 +1,186 @@
+"""``seedckpt convert`` and ``seedckpt diff``: any supported format to any other, one tensor at a time.
+
+Targets:
+
+* ``dcp``: a DCP checkpoint with our flat FQNs and a manifest (kind ``converted``), through the
+  one streaming writer.
+* ``hf``: ``model-0000k-of-0000n.safetensors`` shards of at most ``--max-shard-size``, HF names,
+  q/k permuted for HF's RoPE, ``model.safetensors.index.json`` and a ``config.json`` that
+  ``transformers`` loads as ``LlamaForCausalLM``.
+* ``safetensors``: one file with our FQNs; the manifest goes into the safetensors metadata.
+* ``torch``: ``torch.save`` of ``{fqn: tensor}`` plus the manifest. ``torch.save`` pickles one
+  object, so this target holds the whole model in memory -- prefer safetensors for large models.
+
+Why a safetensors writer of our own: ``safetensors.torch.save_file`` (and DCP's
+``HuggingFaceStorageWriter``, which calls it per file) needs every tensor of a shard in memory at
+once -- 5 GB per default shard. The format is an 8-byte length, a JSON header computable from
+shapes alone, and raw bytes, so it is streamed here tensor by tensor. Reading uses ``safetensors``
+itself (and DCP's ``HuggingFaceStorageReader`` for stage loading).
+
+Peak memory stays near two tensors (the one being written and the next one being read).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from seedckpt.checkpoint import LazySavePlanner, TensorInfo, atomic_output, dtype_name, make_manifest, write_checkpoint
+from seedckpt.errors import SeedckptError
+from seedckpt.formats import MANIFEST_KEY, Source, open_source
+from seedckpt.hf import hf_config, heads_of, permute_to_hf, to_hf_name
+from seedckpt.progress import Progress
+
+TARGETS = ("dcp", "hf", "safetensors", "torch")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ST_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+             torch.bool: "BOOL"}
+
+
+def parse_size(text: str) -> int:
+    """``"5GB"`` -> 5e9, ``"500MiB"`` -> 500 * 2**20, ``"1000"`` -> 1000 bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*", text, re.IGNORECASE)
+    if not m:
+        raise SeedckptError(f"--max-shard-size {text!r} is not a size like 5GB or 500MiB")
+    base = 1024 if m.group(3) else 1000
+    return int(float(m.group(1)) * base ** " KMGT".index(m.group(2).upper() or " "))
+
+
+def _ordered(fqns) -> list[str]:
+    """Embedding, layers in numeric order, norm, output -- the order HF files and readers expect."""
+    def key(fqn: str):
+        parts = fqn.split(".")
+        if parts[0] == "layers":
+            return (1, int(parts[1]), fqn)
+        return (0 if parts[0] == "tok_embeddings" else 2, 0, fqn)
+    return sorted(fqns, key=key)
+
+
+def write_safetensors(path: Path, infos: dict[str, TensorInfo], read, metadata: dict[str, str],
+                      on_tensor=lambda nbytes: None) -> None:
+    """Stream tensors into a safetensors file: the header first (from shapes), then each tensor's
+    bytes as ``read(name)`` produces it, reading the next one while the current one is written."""
+    header, offset = {}, 0
+    for name, info in infos.items():
+        header[name] = {"dtype": _ST_NAMES[info.dtype], "shape": list(info.shape),
+                        "data_offsets": [offset, offset + info.nbytes]}
+        offset += info.nbytes
+    header["__metadata__"] = metadata
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data must start 8-byte aligned
+    names = list(infos)
+    with open(path, "wb") as f, ThreadPoolExecutor(1) as pool:
+        f.write(len(blob).to_bytes(8, "little") + blob)
+        pending = pool.submit(read, names[0]) if names else None
+        for i, name in enumerate(names):
+            tensor = pending.result()
+            pending = pool.submit(read, names[i + 1]) if i + 1 < len(names) else None
+            tensor = tensor.to(infos[name].dtype).contiguous()
+            if tuple(tensor.shape) != infos[name].shape:
+                raise SeedckptError(f"{name}: read shape {list(tensor.shape)}, expected {list(infos[name].shape)}")
+            f.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
+            on_tensor(infos[name].nbytes)
+            del tensor
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def convert(src: str | Path, dst: str | Path, to: str, dtype: str | None = None, max_shard_size: str = "5GB",
+            force: bool = False, progress: bool = True, args=None) -> Path:
+    """Convert ``src`` (any supported format) into ``dst`` as ``to``; returns ``dst``."""
+    if to not in TARGETS:
+        raise SeedckptError(f"--to {to!r}: choose one of {', '.join(TARGETS)}")
+    if dtype is not None and dtype not in DTYPES:
+        raise SeedckptError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    shard_bytes = parse_size(max_shard_size)
+    source = open_source(src, args)
+    model_args = source.require_args()
+    cast = DTYPES[dtype] if dtype else None
+    infos = {f: TensorInfo(source.infos[f].shape, cast or source.infos[f].dtype) for f in _ordered(source.infos)}
+    out_dtype = cast or next(iter(infos.values())).dtype
+    bar = Progress(sum(i.nbytes for i in infos.values()), f"convert {source.kind}->{to}", enabled=progress)
+    manifest = make_manifest("converted", "llama3", (source.manifest or {}).get("model", {}).get("flavor"),
+                             model_args, dtype=dtype_name(out_dtype), source={"format": source.kind, "path": str(src)})
+    try:
+        if to == "dcp":
+            def produce(fqn: str, start: int, stop: int) -> torch.Tensor:
+                bar.update(infos[fqn].nbytes)
+                return source.read(fqn)[start:stop]
+            state = {f: torch.empty(i.shape, dtype=i.dtype, device="meta") for f, i in infos.items()}
+            return write_checkpoint(dst, state, manifest, force=force, planner=LazySavePlanner(produce), lookahead=1)
+        if to == "hf":
+            return _write_hf(source, Path(dst), infos, out_dtype, shard_bytes, force, bar)
+        if to == "safetensors":
+            with atomic_output(dst, force, directory=False) as partial:
+                write_safetensors(partial, infos, source.read, {MANIFEST_KEY: json.dumps(manifest)}, bar.update)
+            return Path(dst)
+        with atomic_output(dst, force, directory=False) as partial:  # torch: one pickle, whole model
+            state = {f: source.read(f).to(i.dtype) for f, i in infos.items()}
+            bar.update(sum(i.nbytes for i in infos.values()))
+            torch.save({**state, MANIFEST_KEY: json.dumps(manifest)}, partial)
+        return Path(dst)
+    finally:
+        bar.close()
+
+
+def _write_hf(source: Source, dst: Path, infos: dict[str, TensorInfo], dtype: torch.dtype, shard_bytes: int,
+              force: bool, bar: Progress) -> Path:
+    args = source.args
+    shards: list[list[str]] = [[]]
+    size = 0
+    for fqn, info in infos.items():
+        if shards[-1] and size + info.nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(fqn)
+        size += info.nbytes
+
+    def read_hf_layout(hf_name: str) -> torch.Tensor:
+        fqn = by_hf_name[hf_name]
+        heads = heads_of(fqn, args)
+        tensor = source.read(fqn)
+        return permute_to_hf(tensor, heads) if heads else tensor
+
+    by_hf_name = {to_hf_name(f): f for f in infos}
+    weight_map = {}
+    with atomic_output(dst, force) as partial:
+        for k, fqns in enumerate(shards, start=1):
+            file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+            write_safetensors(partial / file, {to_hf_name(f): infos[f] for f in fqns}, read_hf_layout,
+                              {"format": "pt"}, bar.update)
+            weight_map.update({to_hf_name(f): file for f in fqns})
+        index = {"metadata": {"total_size": sum(i.nbytes for i in infos.values())}, "weight_map": weight_map}
+        (partial / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        (partial / "config.json").write_text(json.dumps(hf_config(args, dtype), indent=2))
+    return dst
+
+
+def diff(a: str | Path, b: str | Path, atol: float = 0.0, args=None) -> tuple[bool, list[str]]:
+    """Compare two checkpoints of any formats tensor by tensor; ``(equal, report lines)``."""
+    left, right = open_source(a, args), open_source(b, args)
+    lines, equal = [], True
+    for fqn in _ordered(set(left.infos) | set(right.infos)):
+        if fqn not in right.infos or fqn not in left.infos:
+            lines.append(f"{fqn}: only in {a if fqn in left.infos else b}")
+            equal = False
+            continue
+        li, ri = left.infos[fqn], right.infos[fqn]
+        if li.shape != ri.shape:
+            lines.append(f"{fqn}: shape {list(li.shape)} vs {list(ri.shape)}")
+            equal = False
+            continue
+        x, y = left.read(fqn), right.read(fqn)
+        delta = (x.double() - y.double()).abs().max().item() if x.numel() else 0.0
+        note = f" (dtype {dtype_name(li.dtype)} vs {dtype_name(ri.dtype)})" if li.dtype != ri.dtype else ""
+        if delta > atol or note:
+            equal = False
+            lines.append(f"{fqn}: max |delta| {delta:.3g}{note}")
+    lines.append(f"{'equal' if equal else 'different'}: {len(set(left.infos) | set(right.infos))} tensors compared"
+                 f" ({left.kind} vs {right.kind}, atol {atol:g})")
+    return equal, lines

@@ -1,0 +1,256 @@
+"""Reading every supported checkpoint format tensor by tensor, in our FQNs and layout.
+
+``open_source(path)`` detects the format and returns a ``Source`` whose ``infos`` map our flat
+FQNs to shape/dtype and whose ``read(fqn)`` returns one whole tensor (q/k un-permuted for HF). Only
+one tensor at a time is read, so conversion and diff stay within ~2 tensors of memory.
+
+* ``dcp``: a DCP directory (``.metadata``), read through ``CheckpointReader``.
+* ``hf``: a Hugging Face Llama directory: ``config.json`` + ``*.safetensors`` (+ index).
+  Tied embeddings (no ``lm_head.weight``) give ``output.weight`` the embedding.
+* ``safetensors``: one ``.safetensors`` file with our FQNs (what ``--to safetensors`` writes).
+* ``torch``: a ``torch.save`` file of ``{fqn: tensor}`` (optionally under ``"model"``), read
+  with ``weights_only=True`` and ``mmap=True``.
+
+``open_checkpoint(path)`` is what stage building uses: a DCP ``CheckpointReader``, or for an HF
+directory an ``HFCheckpointReader`` that loads through DCP's ``HuggingFaceStorageReader`` -- each
+rank reads only its own tensors (and rows, for FSDP shards) -- with names mapped and q/k permuted.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+from models.llama import ModelArgs, Transformer
+from seedckpt.checkpoint import (PARTIAL_SUFFIX, SHAPE_FIELDS, CheckpointReader, TensorInfo, is_model_key,
+                                 quiet_single_process_dcp)
+from seedckpt.errors import SeedckptError
+from seedckpt.hf import args_from_hf_config, from_hf_name, heads_of, permute_from_hf, to_hf_name
+from seedckpt.modules import copy_full_into
+
+MANIFEST_KEY = "seedckpt_manifest"  # in safetensors metadata and torch.save files we write
+
+
+def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        return {fqn: tuple(t.shape) for fqn, t in Transformer(args).state_dict().items()}
+
+
+class Source:
+    kind = ""
+
+    def __init__(self, path: Path, infos: dict[str, TensorInfo], args: ModelArgs | None, manifest: dict | None):
+        self.path, self.infos, self.args, self.manifest = path, infos, args, manifest
+
+    def read(self, fqn: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def require_args(self) -> ModelArgs:
+        if self.args is None:
+            raise SeedckptError(f"{self.path} does not record its model configuration; pass --config with the "
+                                "config it was trained with")
+        return self.args
+
+    def check_against_args(self) -> None:
+        """The tensors must be exactly the model that ``args`` describes."""
+        if self.args is None:
+            return
+        want = expected_shapes(self.args)
+        problems = [f"{f}: missing" for f in want if f not in self.infos]
+        problems += [f"{f}: unexpected" for f in self.infos if f not in want]
+        problems += [f"{f}: shape {list(i.shape)}, config implies {list(want[f])}"
+                     for f, i in self.infos.items() if f in want and i.shape != want[f]]
+        if problems:
+            raise SeedckptError(f"{self.path}: weights do not match the model configuration: "
+                                + "; ".join(problems[:10]) + (" ..." if len(problems) > 10 else ""))
+
+
+class DcpSource(Source):
+    kind = "dcp"
+
+    def __init__(self, path: Path, args: ModelArgs | None):
+        self.reader = CheckpointReader(path)
+        infos = {f: i for f, i in self.reader.tensors().items() if is_model_key(f)}
+        super().__init__(path, infos, self.reader.model_args() or args, self.reader.manifest)
+
+    def read(self, fqn: str) -> torch.Tensor:
+        return self.reader.read_tensor(fqn)
+
+
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
+
+
+def _safetensors_header(path: Path) -> tuple[dict, dict]:
+    """(tensor entries, __metadata__) of a safetensors file, validating that the data is all there."""
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        metadata = header.pop("__metadata__", None) or {}
+        end = max((e["data_offsets"][1] for e in header.values()), default=0)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SeedckptError(f"{path} is not a valid safetensors file ({e})") from None
+    if path.stat().st_size < 8 + size + end:
+        raise SeedckptError(f"{path} is truncated: {path.stat().st_size} bytes, its header needs {8 + size + end}")
+    return header, metadata
+
+
+def _read_safetensor(path: Path, name: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return f.get_tensor(name)
+
+
+class HFSource(Source):
+    kind = "hf"
+
+    def __init__(self, path: Path):
+        try:
+            self.config = json.loads((path / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise SeedckptError(f"{path}/config.json cannot be read ({e})") from None
+        args = args_from_hf_config(self.config)
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in path.glob("*.safetensors"))
+            weight_map = None
+        self.location: dict[str, tuple[Path, str]] = {}  # our fqn -> (file, hf name)
+        infos = {}
+        for file in files:
+            if not (path / file).is_file():
+                raise SeedckptError(f"{index} lists {file}, which does not exist")
+            header, _ = _safetensors_header(path / file)
+            for name, entry in header.items():
+                fqn = from_hf_name(name)
+                if fqn is None:
+                    continue
+                self.location[fqn] = (path / file, name)
+                infos[fqn] = TensorInfo(tuple(entry["shape"]), _ST_DTYPES[entry["dtype"]])
+        if weight_map is not None:
+            absent = [n for n, f in weight_map.items() if from_hf_name(n) is not None
+                      and self.location.get(from_hf_name(n), (None, None))[1] != n]
+            if absent:
+                raise SeedckptError(f"{index} lists tensors that its files do not contain: {absent[:5]}")
+        if "output.weight" not in infos and "tok_embeddings.weight" in infos:  # tied embeddings
+            self.location["output.weight"] = self.location["tok_embeddings.weight"]
+            infos["output.weight"] = infos["tok_embeddings.weight"]
+        super().__init__(path, infos, args, None)
+        self.check_against_args()
+
+    def read(self, fqn: str) -> torch.Tensor:
+        file, name = self.location[fqn]
+        tensor = _read_safetensor(file, name)
+        heads = heads_of(fqn, self.args)
+        return permute_from_hf(tensor, heads) if heads else tensor
+
+
+class SafetensorsSource(Source):
+    kind = "safetensors"
+
+    def __init__(self, path: Path, args: ModelArgs | None):
+        header, metadata = _safetensors_header(path)
+        if any(name.startswith("model.") or name == "lm_head.weight" for name in header):
+            raise SeedckptError(f"{path} uses Hugging Face names; pass the directory that holds it and its "
+                                "config.json")
+        manifest = json.loads(metadata[MANIFEST_KEY]) if MANIFEST_KEY in metadata else None
+        if manifest is not None:
+            args = ModelArgs.from_dict(manifest["model"]["args"])
+        infos = {n: TensorInfo(tuple(e["shape"]), _ST_DTYPES[e["dtype"]]) for n, e in header.items()}
+        super().__init__(path, infos, args, manifest)
+        self.check_against_args()
+
+    def read(self, fqn: str) -> torch.Tensor:
+        return _read_safetensor(self.path, fqn)
+
+
+class TorchSource(Source):
+    kind = "torch"
+
+    def __init__(self, path: Path, args: ModelArgs | None):
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:  # torch raises many types for foreign or damaged files
+            raise SeedckptError(f"{path} is not a supported checkpoint (DCP directory, HF directory, "
+                                f".safetensors or torch.save file): {e}") from None
+        if isinstance(obj, dict) and isinstance(obj.get("model"), dict):
+            obj = obj["model"]
+        if not isinstance(obj, dict):
+            raise SeedckptError(f"{path} holds a {type(obj).__name__}, not a dict of tensors")
+        manifest = json.loads(obj[MANIFEST_KEY]) if isinstance(obj.get(MANIFEST_KEY), str) else None
+        if manifest is not None:
+            args = ModelArgs.from_dict(manifest["model"]["args"])
+        self.tensors = {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)}
+        infos = {k: TensorInfo(tuple(v.shape), v.dtype) for k, v in self.tensors.items()}
+        super().__init__(path, infos, args, manifest)
+        self.check_against_args()
+
+    def read(self, fqn: str) -> torch.Tensor:
+        return self.tensors[fqn].clone()  # out of the mmap: callers may keep it past the file
+
+
+def open_source(path: str | Path, args: ModelArgs | None = None) -> Source:
+    """Detect the format of ``path``; ``args`` describes the model when the checkpoint does not."""
+    path = Path(path)
+    if path.name.endswith(PARTIAL_SUFFIX):
+        raise SeedckptError(f"{path} is an incomplete output of an interrupted write; delete it")
+    if path.is_dir():
+        if (path / ".metadata").is_file():
+            return DcpSource(path, args)
+        if (path / "config.json").is_file():
+            return HFSource(path)
+        raise SeedckptError(f"{path} is neither a DCP checkpoint (no .metadata) nor a Hugging Face "
+                            "directory (no config.json)")
+    if not path.is_file():
+        raise SeedckptError(f"{path} does not exist")
+    if path.suffix == ".safetensors":
+        return SafetensorsSource(path, args)
+    return TorchSource(path, args)
+
+
+class HFCheckpointReader:
+    """Stage loading straight from an HF directory, with the interface of ``CheckpointReader``."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.source = HFSource(path)
+
+    def check_model_args(self, args: ModelArgs) -> None:
+        diffs = [f"{f}: checkpoint {getattr(self.source.args, f)!r}, config {getattr(args, f)!r}"
+                 for f in SHAPE_FIELDS if getattr(self.source.args, f) != getattr(args, f)]
+        if diffs:
+            raise SeedckptError(f"config does not match {self.path}/config.json ({'; '.join(diffs)})")
+
+    def load(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """DCP's HF reader fills every tensor it can in place (FSDP shards read only their rows);
+        q/k (which need the per-head permutation) and a tied output are read whole and sliced.
+        HF weights are cast to the model's dtype (e.g. bf16 -> fp32)."""
+        missing = [f"{f}: missing" for f in state_dict if f not in self.source.infos]
+        missing += [f"{f}: shape {list(self.source.infos[f].shape)} in checkpoint, {list(t.shape)} in model"
+                    for f, t in state_dict.items() if f in self.source.infos and self.source.infos[f].shape != tuple(t.shape)]
+        if missing:
+            raise SeedckptError(f"{self.path} does not cover the model: " + "; ".join(missing))
+        tied = self.source.location.get("output.weight") == self.source.location.get("tok_embeddings.weight")
+        direct = {f: t for f, t in state_dict.items() if heads_of(f, self.source.args) or (tied and f == "output.weight")}
+        through_dcp = {to_hf_name(f): t for f, t in state_dict.items() if f not in direct}
+        with quiet_single_process_dcp():
+            dcp.load(through_dcp, storage_reader=HuggingFaceStorageReader(str(self.path)))
+        with torch.no_grad():
+            for fqn, tensor in direct.items():
+                copy_full_into(tensor, self.source.read(fqn))
+
+
+def open_checkpoint(path: str | Path) -> CheckpointReader | HFCheckpointReader:
+    path = Path(path)
+    if path.is_dir() and not (path / ".metadata").exists() and (path / "config.json").is_file():
+        return HFCheckpointReader(path)
+    return CheckpointReader(path)
