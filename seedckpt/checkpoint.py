@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties,
@@ -395,9 +395,11 @@ def write_checkpoint(path: str | os.PathLike, state_dict: dict, manifest: dict, 
                                     for fqn, i in tensors.items()}}
             _write_json_synced(partial / MANIFEST_NAME, manifest)
             _publish(partial, path)
-    except BaseException:
+    except BaseException as e:
         if leader:
             shutil.rmtree(partial, ignore_errors=True)
+        if isinstance(e, CheckpointException):  # a BaseException wrapping each rank's failure
+            raise SeedckptError(f"writing {path} failed: {e}") from e
         raise
     if distributed:
         dist.barrier()

@@ -1,6 +1,7 @@
 """The ``seedckpt`` command: seed, inspect, plan, convert, diff.
 
-User errors (``SeedckptError``) print one line with the fix and exit 2; no traceback.
+User errors (``SeedckptError``) and environment errors (``OSError``: disk full, permission denied)
+print one line and exit 2; no traceback.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         commands = {"seed": _seed, "inspect": _inspect, "plan": _plan, "convert": _convert, "diff": _diff}
         return commands[opts.command](opts, rest)
-    except SeedckptError as e:
+    except (SeedckptError, OSError) as e:  # OSError: disk full, permission denied, ...
         print(f"seedckpt {opts.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -60,7 +60,7 @@ def test_plan_text_for_interleaved_stages(capsys):
     assert "[0, 2]" in out and "[1, 3]" in out
 
 
-@pytest.mark.parametrize("command", ["seed", "inspect", "plan"])
+@pytest.mark.parametrize("command", ["seed", "inspect", "plan", "convert", "diff"])
 def test_help_shows_examples(command):
     proc = _run(command, "--help")
     assert proc.returncode == 0

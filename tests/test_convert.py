@@ -1,0 +1,191 @@
+"""Conversion between DCP, Hugging Face safetensors, safetensors and torch.save; diff; stage loading
+straight from an HF directory. Parity is checked against ``transformers`` itself."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from seedckpt.cli import main
+from seedckpt.config import load_config
+from seedckpt.convert import convert, diff
+from seedckpt.errors import SeedckptError
+from seedckpt.hf import permute_from_hf, permute_to_hf
+from seedckpt.seed import create_seed_checkpoint
+from seedckpt.stages import build_stages, plan_rank_stages
+
+transformers = pytest.importorskip("transformers")
+
+def _hf_llama(tie: bool = False, seed: int = 0):
+    """A small random LlamaForCausalLM (GQA, Llama-3.1 rope scaling), built offline from a config."""
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=8,
+        num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=128,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 16},
+        tie_word_embeddings=tie)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # make every tensor random, norms included, so nothing can hide
+        for p in model.parameters():
+            p.normal_(0, 0.05) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    return model
+
+
+def _our_logits(checkpoint, tokens, pp: int = 1):
+    from seedckpt.formats import open_source
+
+    args = open_source(checkpoint).args
+    h = tokens
+    for rank in range(pp):
+        [stage] = build_stages(args, plan_rank_stages(args, rank, pp), "cpu", checkpoint=checkpoint)
+        h = stage(h)
+    return h
+
+
+TOKENS = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+
+
+def test_hf_to_dcp_to_our_model_matches_transformers(tmp_path):
+    hf = _hf_llama()
+    hf.save_pretrained(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "dcp", "dcp", progress=False)
+    with torch.no_grad():
+        want = hf(TOKENS).logits
+        got = _our_logits(tmp_path / "dcp", TOKENS)
+    assert (got - want).abs().max().item() <= 1e-5
+
+
+def test_stage_loading_straight_from_hf_directory(tmp_path):
+    hf = _hf_llama()
+    hf.save_pretrained(tmp_path / "hf")
+    with torch.no_grad():
+        want = hf(TOKENS).logits
+        for pp in (1, 3):  # each stage reads only its own tensors through DCP's HF reader
+            assert (_our_logits(tmp_path / "hf", TOKENS, pp) - want).abs().max().item() <= 1e-5
+
+
+def test_our_model_to_hf_loads_in_transformers(tmp_path):
+    toml = tmp_path / "job.toml"
+    toml.write_text('[model]\nflavor = "debug"\nrope_theta = 500000.0\n'
+                    '[model.rope_scaling]\nfactor = 8.0\noriginal_max_position_embeddings = 16\n')
+    cfg = load_config(toml)
+    assert cfg.model_args().n_kv_heads < cfg.model_args().n_heads  # GQA
+    seed = create_seed_checkpoint(cfg, tmp_path / "seed", seed=3, progress=False)
+    convert(seed, tmp_path / "hf", "hf", max_shard_size="1MB", progress=False)
+    files = sorted(p.name for p in (tmp_path / "hf").glob("*.safetensors"))
+    assert len(files) > 1 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(files)
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tokens = TOKENS % cfg.model_args().vocab_size
+    with torch.no_grad():
+        assert (hf(tokens).logits - _our_logits(seed, tokens)).abs().max().item() <= 1e-5
+
+
+def test_tied_embeddings_become_an_output_copy(tmp_path):
+    hf = _hf_llama(tie=True)
+    hf.save_pretrained(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "dcp", "dcp", progress=False)
+    from seedckpt.checkpoint import CheckpointReader
+
+    reader = CheckpointReader(tmp_path / "dcp")
+    assert torch.equal(reader.read_tensor("output.weight"), reader.read_tensor("tok_embeddings.weight"))
+    with torch.no_grad():
+        assert (_our_logits(tmp_path / "dcp", TOKENS) - hf(TOKENS).logits).abs().max().item() <= 1e-5
+
+
+def test_permutation_is_per_kv_head_and_invertible():
+    w = torch.arange(8 * 6, dtype=torch.float32).view(8, 6)  # 2 heads of head_dim 4
+    hf = permute_to_hf(w, 2)
+    # Head 0 rows (pairs (0,1), (2,3)) become halves: even rows first, then odd rows.
+    assert hf[:4, 0].tolist() == [0, 12, 6, 18]
+    assert torch.equal(permute_from_hf(hf, 2), w)
+    assert not torch.equal(permute_from_hf(hf, 1), w)  # the head count matters (GQA)
+
+
+@pytest.mark.parametrize("via,dst", [("hf", "hf"), ("torch", "m.pt"), ("safetensors", "m.safetensors")])
+def test_round_trips_are_bitwise_and_diff_agrees(tmp_path, debug_seed, via, dst):
+    convert(debug_seed, tmp_path / dst, via, progress=False)
+    convert(tmp_path / dst, tmp_path / "back", "dcp", progress=False)
+    equal, lines = diff(debug_seed, tmp_path / "back")
+    assert equal, lines
+    equal, lines = diff(debug_seed, tmp_path / dst)  # across formats too
+    assert equal, lines
+
+
+def test_diff_reports_a_planted_change_by_fqn(tmp_path, debug_seed, capsys):
+    convert(debug_seed, tmp_path / "m.pt", "torch", progress=False)
+    state = torch.load(tmp_path / "m.pt", weights_only=True)
+    state["layers.4.feed_forward.w2.weight"][3, 7] += 0.5
+    torch.save(state, tmp_path / "changed.pt")
+    assert main(["diff", str(debug_seed), str(tmp_path / "changed.pt")]) == 1
+    out = capsys.readouterr().out
+    assert "layers.4.feed_forward.w2.weight: max |delta| 0.5" in out
+    assert out.count("max |delta|") == 1 and "different" in out
+    assert main(["diff", str(debug_seed), str(tmp_path / "changed.pt"), "--atol", "0.6"]) == 0
+
+
+def test_bfloat16_export(tmp_path, debug_seed):
+    convert(debug_seed, tmp_path / "hf", "hf", dtype="bfloat16", progress=False)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    equal, lines = diff(debug_seed, tmp_path / "hf", atol=0.02)
+    assert not equal and "dtype float32 vs bfloat16" in "\n".join(lines)
+
+
+def _assert_nothing_written(tmp_path: Path, name: str):
+    assert not (tmp_path / name).exists() and not (tmp_path / f".{name}.partial").exists()
+
+
+def test_missing_index_entry_fails_cleanly(tmp_path):
+    _hf_llama().save_pretrained(tmp_path / "hf", max_shard_size="100KB")
+    index_path = tmp_path / "hf" / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"]["model.layers.9.mlp.up_proj.weight"] = next(iter(index["weight_map"].values()))
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(SeedckptError, match="lists tensors that its files do not contain"):
+        convert(tmp_path / "hf", tmp_path / "out", "dcp", progress=False)
+    _assert_nothing_written(tmp_path, "out")
+
+
+def test_truncated_safetensors_fails_cleanly(tmp_path):
+    _hf_llama().save_pretrained(tmp_path / "hf")
+    [file] = (tmp_path / "hf").glob("*.safetensors")
+    file.write_bytes(file.read_bytes()[:-1000])
+    with pytest.raises(SeedckptError, match="is truncated"):
+        convert(tmp_path / "hf", tmp_path / "out", "dcp", progress=False)
+    _assert_nothing_written(tmp_path, "out")
+
+
+def test_config_weights_mismatch_fails_cleanly(tmp_path):
+    _hf_llama().save_pretrained(tmp_path / "hf")
+    config_path = tmp_path / "hf" / "config.json"
+    config = json.loads(config_path.read_text())
+    config["num_hidden_layers"] = 4
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(SeedckptError, match=r"layers\.3\.attention\.wq\.weight: missing"):
+        convert(tmp_path / "hf", tmp_path / "out", "hf", progress=False)
+    _assert_nothing_written(tmp_path, "out")
+
+
+def test_a_failure_mid_write_leaves_no_output(tmp_path, debug_seed, monkeypatch):
+    from seedckpt.formats import DcpSource
+
+    def broken(self, fqn):
+        raise OSError("disk vanished")
+
+    monkeypatch.setattr(DcpSource, "read", broken)
+    for to, name in (("hf", "hf"), ("safetensors", "m.safetensors"), ("dcp", "dcp")):
+        with pytest.raises((OSError, SeedckptError), match="disk vanished"):
+            convert(debug_seed, tmp_path / name, to, progress=False)
+        _assert_nothing_written(tmp_path, name)
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    assert main(["convert", str(tmp_path / "none"), str(tmp_path / "out"), "--to", "hf"]) == 2
+    assert main(["convert", str(tmp_path), str(tmp_path / "out"), "--to", "onnx"]) == 2
+    err = capsys.readouterr().err
+    assert "does not exist" in err and "--to 'onnx'" in err
