@@ -37,6 +37,7 @@ test: install
 
 bench: install
 	$(BIN)/python benchmarks/seed.py
+	$(BIN)/python benchmarks/convert.py
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

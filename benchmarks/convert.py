@@ -37,15 +37,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import subprocess
+import math
 import sys
-import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from common import emit, measure, output_dir, remove
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 RSS_SLACK_BYTES = 300 << 20
 
@@ -66,44 +63,35 @@ def main() -> None:
     parser.add_argument("--skip-format-utils", action="store_true",
                         help="do not run format_utils.dcp_to_torch_save (it holds the whole model in RAM)")
     opts = parser.parse_args()
-
-    if opts.out_dir:
-        out_dir = Path(opts.out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
+    with output_dir(opts.out_dir, "seedckpt-convert-bench-") as out_dir:
         run_all(opts, out_dir)
-    else:
-        with tempfile.TemporaryDirectory(prefix="seedckpt-convert-bench-", dir="/tmp") as tmp:
-            run_all(opts, Path(tmp))
 
 
 def run_all(opts: argparse.Namespace, out_dir: Path) -> None:
+    labels = {"benchmark": "convert", "flavor": opts.flavor}
     seed_dir, hf_dir, dcp_dir, cp_dir = (out_dir / name for name in ("seed", "hf", "dcp", "cp"))
-    emit(measure(opts, "setup_seed", seed_dir, [
-        sys.executable, "create_seed_checkpoint.py", "--config", "configs/debug.toml", "--model.flavor",
-        opts.flavor, "--output", str(seed_dir), "--quiet", "--force"]))
+
+    def run(impl: str, output: Path, cmd: list[str]) -> dict:
+        remove(output)
+        return measure(cmd, output, **labels, impl=impl)
+
+    emit(run("setup_seed", seed_dir, [sys.executable, "create_seed_checkpoint.py", "--config", "configs/debug.toml",
+                                      "--model.flavor", opts.flavor, "--output", str(seed_dir), "--quiet"]))
     bound = rss_bound_bytes(seed_dir)
-
-    cp = measure(opts, "cp", cp_dir, ["cp", "-r", str(seed_dir), str(cp_dir)])
+    cp = run("cp", cp_dir, ["cp", "-r", str(seed_dir), str(cp_dir)])
     emit(cp)
-
-    to_hf = measure(opts, "dcp_to_hf", hf_dir, [
-        sys.executable, "-m", "seedckpt.cli", "convert", str(seed_dir), str(hf_dir), "--to", "hf", "--quiet"])
+    cli = [sys.executable, "-m", "seedckpt.cli", "convert"]
+    to_hf = run("dcp_to_hf", hf_dir, [*cli, str(seed_dir), str(hf_dir), "--to", "hf", "--quiet"])
     emit({**to_hf, **within(to_hf, bound), "throughput_vs_cp": to_hf["gb_per_s"] / cp["gb_per_s"]})
-
-    to_dcp = measure(opts, "hf_to_dcp", dcp_dir, [
-        sys.executable, "-m", "seedckpt.cli", "convert", str(hf_dir), str(dcp_dir), "--to", "dcp", "--quiet"])
+    to_dcp = run("hf_to_dcp", dcp_dir, [*cli, str(hf_dir), str(dcp_dir), "--to", "dcp", "--quiet"])
     emit({**to_dcp, **within(to_dcp, bound)})
 
     format_utils = None
     if not opts.skip_format_utils:
-        fu_dir = out_dir / "format_utils"
-        shutil.rmtree(fu_dir, ignore_errors=True)
-        fu_dir.mkdir()  # torch.save does not create the parent directory
-        format_utils = measure(opts, "format_utils", fu_dir, [
-            sys.executable, "-c", FORMAT_UTILS, str(seed_dir), str(fu_dir / "model.pt")], clear=False)
+        fu_file = out_dir / "format_utils.pt"
+        format_utils = run("format_utils", fu_file, [sys.executable, "-c", FORMAT_UTILS, str(seed_dir), str(fu_file)])
         emit(format_utils)
-    emit({"benchmark": "convert", "flavor": opts.flavor,
-          "dcp_to_hf_throughput_vs_cp": to_hf["gb_per_s"] / cp["gb_per_s"],
+    emit({**labels, "dcp_to_hf_throughput_vs_cp": to_hf["gb_per_s"] / cp["gb_per_s"],
           "dcp_to_hf_rss_gib": to_hf["peak_rss_gib"],
           "format_utils_rss_gib": format_utils["peak_rss_gib"] if format_utils else None})
 
@@ -111,42 +99,12 @@ def run_all(opts: argparse.Namespace, out_dir: Path) -> None:
 def rss_bound_bytes(seed_dir: Path) -> int:
     """2 x the largest tensor's bytes (from the seed's manifest) + RSS_SLACK_BYTES."""
     tensors = json.loads((seed_dir / "seedckpt.json").read_text())["tensors"]
-    largest = max(DTYPE_BYTES[t["dtype"]] * prod(t["shape"]) for t in tensors.values())
+    largest = max(DTYPE_BYTES[t["dtype"]] * math.prod(t["shape"]) for t in tensors.values())
     return 2 * largest + RSS_SLACK_BYTES
-
-
-def prod(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def within(record: dict, bound: int) -> dict:
     return {"rss_bound_gib": bound / 2**30, "rss_within_bound": record["peak_rss_gib"] * 2**30 <= bound}
-
-
-def measure(opts: argparse.Namespace, impl: str, output: Path, cmd: list[str], clear: bool = True) -> dict:
-    """Run ``cmd`` (which writes ``output``) in a fresh process, then sync; time both and read its peak RSS."""
-    if clear:
-        shutil.rmtree(output, ignore_errors=True)
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=sys.stderr)  # keep stdout for the JSON lines
-    _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage, unlike RUSAGE_CHILDREN
-    os.sync()
-    wall_s = time.perf_counter() - start
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
-        raise subprocess.CalledProcessError(proc.returncode, cmd[:4])
-    bytes_written = sum(f.stat().st_size for f in output.rglob("*") if f.is_file())
-    return {"benchmark": "convert", "flavor": opts.flavor, "impl": impl,
-            "wall_s": wall_s, "peak_rss_gib": usage.ru_maxrss / 2**20,  # ru_maxrss is KiB on Linux
-            "bytes_written": bytes_written, "gb_per_s": bytes_written / wall_s / 1e9,
-            "cpu_count": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
-
-
-def emit(record: dict) -> None:
-    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}), flush=True)
 
 
 if __name__ == "__main__":

@@ -358,7 +358,7 @@ def check_destination(path: str | os.PathLike, force: bool) -> Path:
     """Fail early (before any work) when ``path`` exists and ``force`` is not set."""
     path = Path(path)
     if path.exists() and not force:
-        raise SeedckptError(f"{path} already exists; pass --force to replace it or choose another --output")
+        raise SeedckptError(f"{path} already exists; pass --force to replace it or choose another destination")
     return path
 
 

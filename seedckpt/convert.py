@@ -33,7 +33,7 @@ import torch
 from seedckpt.checkpoint import LazySavePlanner, TensorInfo, atomic_output, dtype_name, make_manifest, write_checkpoint
 from seedckpt.errors import SeedckptError
 from seedckpt.formats import MANIFEST_KEY, Source, open_source
-from seedckpt.hf import hf_config, heads_of, permute_to_hf, to_hf_name
+from seedckpt.hf import flavor_of, hf_config, heads_of, permute_to_hf, to_hf_name
 from seedckpt.progress import Progress
 
 TARGETS = ("dcp", "hf", "safetensors", "torch")
@@ -105,8 +105,8 @@ def convert(src: str | Path, dst: str | Path, to: str, dtype: str | None = None,
     infos = {f: TensorInfo(source.infos[f].shape, cast or source.infos[f].dtype) for f in _ordered(source.infos)}
     out_dtype = cast or next(iter(infos.values())).dtype
     bar = Progress(sum(i.nbytes for i in infos.values()), f"convert {source.kind}->{to}", enabled=progress)
-    manifest = make_manifest("converted", "llama3", (source.manifest or {}).get("model", {}).get("flavor"),
-                             model_args, dtype=dtype_name(out_dtype), source={"format": source.kind, "path": str(src)})
+    flavor = (source.manifest or {}).get("model", {}).get("flavor") or flavor_of(model_args)
+    manifest = make_manifest("converted", "llama3", flavor, model_args, dtype=dtype_name(out_dtype), source={"format": source.kind, "path": str(src)})
     try:
         if to == "dcp":
             def produce(fqn: str, start: int, stop: int) -> torch.Tensor:

@@ -126,8 +126,15 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
         raise SeedckptError(f"config.json lacks {e.args[0]!r}; is it a Llama config?") from None
     if args.ffn_hidden_dim != hidden:
         raise SeedckptError(f"cannot express intermediate_size={hidden} for hidden_size={dim}")
-    for flavor in LLAMA3_FLAVORS.values():  # prefer the canonical spelling of a known shape
-        if all(getattr(flavor, f) == getattr(args, f) for f in SHAPE_FIELDS):
-            return ModelArgs(**{**flavor.to_dict(), "norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
-                                "rope_scaling": args.rope_scaling, "max_seq_len": args.max_seq_len})
-    return args
+    name = flavor_of(args)
+    if name is None:
+        return args
+    canonical = LLAMA3_FLAVORS[name]  # prefer the canonical spelling of a known shape
+    return ModelArgs(**{**canonical.to_dict(), "norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
+                        "rope_scaling": args.rope_scaling, "max_seq_len": args.max_seq_len})
+
+
+def flavor_of(args: ModelArgs) -> str | None:
+    """The released flavor with these tensor shapes, if any."""
+    return next((name for name, flavor in LLAMA3_FLAVORS.items()
+                 if all(getattr(flavor, f) == getattr(args, f) for f in SHAPE_FIELDS)), None)

@@ -111,3 +111,27 @@ def test_fsdp2_sharded_stage_computes_the_same_logits(debug_seed):
     ref = model(tokens)
     for logits in run_distributed(_fsdp_forward_worker, 2, str(debug_seed)):
         torch.testing.assert_close(logits, ref, rtol=0, atol=0)
+
+
+def _hf_stage_worker(rank, world_size, hf_dir, dcp_dir):
+    """pp=2 x dp_shard=2 stages loaded from an HF directory equal those loaded from its DCP copy."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from seedckpt.formats import open_source
+    from seedckpt.stages import build_stages, plan_rank_stages
+
+    args = open_source(dcp_dir).args
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp_shard"))
+    specs = plan_rank_stages(args, mesh.get_local_rank("pp"), 2)
+    [from_hf] = build_stages(args, specs, "cpu", checkpoint=hf_dir, shard_fn=_fsdp(mesh["dp_shard"]))
+    [from_dcp] = build_stages(args, specs, "cpu", checkpoint=dcp_dir, shard_fn=_fsdp(mesh["dp_shard"]))
+    expected = from_dcp.state_dict()
+    return [fqn for fqn, t in from_hf.state_dict().items() if not torch.equal(t.to_local(), expected[fqn].to_local())]
+
+
+def test_fsdp2_stages_load_straight_from_hf(tmp_path, debug_seed):
+    from seedckpt.convert import convert
+
+    convert(debug_seed, tmp_path / "hf", "hf", progress=False)
+    for rank, mismatched in enumerate(run_distributed(_hf_stage_worker, 4, str(tmp_path / "hf"), str(debug_seed))):
+        assert mismatched == [], f"rank {rank}: {mismatched}"

@@ -69,37 +69,55 @@ def test_fsdp_shard_reads_only_overlapping_blocks(tmp_path):
 PEAK_RSS = """
 import resource, sys, torch
 from seedckpt.config import load_config
-mode, out, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
-cfg = load_config(None, overrides)
+mode, args = sys.argv[1], sys.argv[2:]
 if mode == "seed":
     from seedckpt.seed import create_seed_checkpoint
-    create_seed_checkpoint(cfg, out, seed=0, progress=False)
+    create_seed_checkpoint(load_config(None, args[1:]), args[0], seed=0, progress=False)
+elif mode == "convert":
+    from seedckpt.convert import convert
+    convert(args[0], args[1], args[2], progress=False)
 else:
+    import seedckpt.convert
     with torch.device("meta"):
-        cfg.build_model()
+        load_config(None, args).build_model()
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 """
 
+BIG = ["--model.flavor", "debug", "--model.dim", "512", "--model.n_layers", "40", "--model.vocab_size", "2048",
+       "--model.multiple_of", "256"]
 
-def _peak_rss(mode: str, overrides: list[str], out: Path) -> int:
-    """Peak RSS of a fresh process that seeds (``seed``) or only builds the model on meta."""
-    proc = subprocess.run([sys.executable, "-c", PEAK_RSS, mode, str(out), *overrides], cwd=REPO,
+
+def _peak_rss(mode: str, *args: str) -> int:
+    """Peak RSS of a fresh process that seeds, converts, or only imports and builds on meta."""
+    proc = subprocess.run([sys.executable, "-c", PEAK_RSS, mode, *map(str, args)], cwd=REPO,
                           capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr
     return int(proc.stdout.split()[-1])
 
 
+def _big_model_bytes() -> tuple[int, int]:
+    """(model bytes, largest tensor bytes) of BIG in fp32: the model is >100x its largest tensor."""
+    sizes = [4 * p.numel() for p in tiny_config(*BIG[2:]).build_model().parameters()]
+    return sum(sizes), max(sizes)
+
+
 def test_peak_memory_is_bounded_by_blocks_not_model(tmp_path):
-    # 40 layers: the model (~0.5 GB fp32) is >100x its largest tensor (4 MiB).
-    overrides = ["--model.flavor", "debug", "--model.dim", "512", "--model.n_layers", "40",
-                 "--model.vocab_size", "2048", "--model.multiple_of", "256"]
-    model_bytes = 4 * sum(p.numel() for p in tiny_config(*overrides[2:]).build_model().parameters())
-    assert model_bytes > 400e6
-    baseline = _peak_rss("meta", overrides, tmp_path / "unused")
-    seeded = _peak_rss("seed", overrides, tmp_path / "seed")
+    model_bytes, largest = _big_model_bytes()
+    assert model_bytes > 100 * largest
+    baseline = _peak_rss("meta", *BIG)
+    seeded = _peak_rss("seed", tmp_path / "seed", *BIG)
     assert (tmp_path / "seed" / ".metadata").is_file()
     # Lookahead blocks (each <= one tensor here) plus writer/allocator slack: far below the model.
     assert seeded - baseline < model_bytes / 4, (seeded - baseline, model_bytes)
+
+
+def test_conversion_memory_is_two_tensors_not_model(tmp_path):
+    model_bytes, largest = _big_model_bytes()
+    create_seed_checkpoint(tiny_config(*BIG[2:]), tmp_path / "seed", seed=0, progress=False)
+    baseline = _peak_rss("meta", *BIG)
+    for src, dst, to in (("seed", "hf", "hf"), ("hf", "back", "dcp")):
+        peak = _peak_rss("convert", tmp_path / src, tmp_path / dst, to)
+        assert peak - baseline < 2 * largest + 100 * 2**20, (to, peak - baseline, model_bytes)
 
 
 def test_sigkill_mid_write_leaves_nothing_acceptable(tmp_path):

@@ -1,0 +1,74 @@
+"""Shared measurement helpers for the benchmark scripts.
+
+Deliberately free of torch: on Linux a child's ``ru_maxrss`` starts at its parent's RSS when it is
+spawned, so a parent that imported torch (~0.25 GiB) would put a floor under every reading.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DISK_TEST_BYTES = 2 << 30
+DISK_BLOCK_BYTES = 64 << 20
+
+
+@contextlib.contextmanager
+def output_dir(given: str | None, prefix: str):
+    """``given`` (created, kept) or a temporary directory under /tmp (removed at the end)."""
+    if given:
+        Path(given).mkdir(parents=True, exist_ok=True)
+        yield Path(given)
+        return
+    with tempfile.TemporaryDirectory(prefix=prefix, dir="/tmp") as tmp:
+        yield Path(tmp)
+
+
+def measure(cmd: list[str], output: Path, **labels) -> dict:
+    """Run ``cmd`` (which writes ``output``) in a fresh process, then ``sync``; time both and read the
+    child's own peak RSS (``os.wait4``, unlike ``RUSAGE_CHILDREN``). Writes still in the page cache
+    are paid for by whoever made them."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=sys.stderr)  # stdout stays for the JSON lines
+    _, status, usage = os.wait4(proc.pid, 0)
+    os.sync()
+    wall_s = time.perf_counter() - start
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise subprocess.CalledProcessError(os.waitstatus_to_exitcode(status), cmd[:4])
+    written = sum(f.stat().st_size for f in output.rglob("*") if f.is_file()) if output.is_dir() else \
+        output.stat().st_size
+    return {**labels, "wall_s": wall_s, "peak_rss_gib": usage.ru_maxrss / 2**20,  # ru_maxrss: KiB on Linux
+            "bytes_written": written, "gb_per_s": written / wall_s / 1e9,
+            "cpu_count": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+
+
+def disk_write_bandwidth(path: Path) -> float:
+    """GB/s for writing DISK_TEST_BYTES of incompressible data sequentially to ``path`` and fsyncing."""
+    block = os.urandom(DISK_BLOCK_BYTES)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        start = time.perf_counter()
+        for _ in range(DISK_TEST_BYTES // DISK_BLOCK_BYTES):
+            os.write(fd, block)
+        os.fsync(fd)
+        elapsed = time.perf_counter() - start
+    finally:
+        os.close(fd)
+        path.unlink()
+    return DISK_TEST_BYTES / elapsed / 1e9
+
+
+def emit(record: dict) -> None:
+    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}), flush=True)
+
+
+def remove(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
