@@ -81,6 +81,10 @@ class ModelArgs:
             self.rope_scaling = RopeScaling(**self.rope_scaling)
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
+        sizes = dict(dim=self.dim, n_layers=self.n_layers, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
+                     vocab_size=self.vocab_size, multiple_of=self.multiple_of, max_seq_len=self.max_seq_len)
+        if any(v < 1 for v in sizes.values()):
+            raise ValueError(f"sizes must be >= 1: {sizes}")
         if self.dim % self.n_heads:
             raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:

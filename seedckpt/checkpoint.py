@@ -61,11 +61,18 @@ SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_h
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata and nothing else (no arbitrary callables)."""
+    """Unpickles DCP metadata and nothing else: an exact allow-list of (module, name) pairs.
 
-    _ALLOWED_MODULES = {"torch.distributed.checkpoint.metadata"}
+    Names must be plain identifiers -- pickle resolves dotted names attribute by attribute, so
+    ``("torch.distributed.checkpoint.metadata", "os.system")`` would otherwise reach ``os.system``.
+    """
+
     _ALLOWED = {
+        *(("torch.distributed.checkpoint.metadata", name) for name in (
+            "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+            "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch.distributed.checkpoint._hf_utils", "_HFStorageInfo"),
         ("torch.serialization", "_get_layout"),
         ("torch", "Size"),
         ("collections", "OrderedDict"),
@@ -75,8 +82,9 @@ class _MetadataUnpickler(pickle.Unpickler):
     }
 
     def find_class(self, module: str, name: str):
-        if (module in self._ALLOWED_MODULES or (module, name) in self._ALLOWED
-                or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))):
+        allowed = (module, name) in self._ALLOWED or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        if allowed and "." not in name:
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
 
@@ -89,7 +97,7 @@ class SafeFileSystemReader(FileSystemReader):
         with open(path, "rb") as f:
             try:
                 metadata = _MetadataUnpickler(f).load()
-            except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
+            except Exception as e:  # any damage to the pickle: truncation, bad opcodes, wrong types
                 raise SeedckptError(f"{path} is not valid DCP metadata ({e}); the checkpoint is "
                                     "corrupt or not a DCP checkpoint") from None
         if not isinstance(metadata, Metadata):
@@ -234,6 +242,36 @@ class _KnownMetadataReader(SafeFileSystemReader):
         return self._metadata
 
 
+def check_args_match(saved: ModelArgs, args: ModelArgs, where, flavor: str | None = None) -> None:
+    """The tensor shapes that ``saved`` (from a checkpoint) and ``args`` (from a config) imply agree."""
+    diffs = [f"{f}: checkpoint {getattr(saved, f)!r}, config {getattr(args, f)!r}"
+             for f in SHAPE_FIELDS if getattr(saved, f) != getattr(args, f)]
+    if diffs:
+        made_with = f" (model.flavor={flavor!r})" if flavor else ""
+        raise SeedckptError(f"config does not match checkpoint {where} ({'; '.join(diffs)}); use the config it "
+                            f"was made with{made_with} or create a new seed for this config")
+
+
+def widens(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Loading ``src`` values into ``dst`` is exact (e.g. a bf16 seed into fp32 parameters)."""
+    if src == dst:
+        return True
+    if not (src.is_floating_point and dst.is_floating_point):
+        return False
+    s, d = torch.finfo(src), torch.finfo(dst)
+    return d.bits > s.bits and d.eps <= s.eps and d.max >= s.max
+
+
+def tensor_problems(fqn: str, info: TensorInfo, wanted: torch.Tensor) -> list[str]:
+    """Why a checkpoint entry cannot fill ``wanted``: a shape mismatch or a lossy dtype change
+    (stock ``dcp.load`` would cast silently)."""
+    if info.shape != tuple(wanted.shape):
+        return [f"{fqn}: shape {list(info.shape)} in checkpoint, {list(wanted.shape)} in model"]
+    if not widens(info.dtype, wanted.dtype):
+        return [f"{fqn}: dtype {dtype_name(info.dtype)} in checkpoint, {dtype_name(wanted.dtype)} in model"]
+    return []
+
+
 def _tensor_infos(metadata: Metadata) -> dict[str, TensorInfo]:
     return {fqn: TensorInfo(tuple(md.size), md.properties.dtype)
             for fqn, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
@@ -268,39 +306,31 @@ class CheckpointReader:
     def model_args(self) -> ModelArgs | None:
         if self.manifest is None:
             return None
-        return ModelArgs.from_dict(self.manifest["model"]["args"])
+        try:
+            return ModelArgs.from_dict(self.manifest["model"]["args"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise SeedckptError(f"{self.path}/{MANIFEST_NAME} is damaged ({e!r})") from None
 
     def check_model_args(self, args: ModelArgs) -> None:
         """Fail (before any allocation) if ``args`` does not describe the checkpoint's model."""
         saved = self.model_args()
-        if saved is None:
-            return  # a foreign DCP checkpoint: per-tensor checks at load time still apply
-        diffs = [f"{f}: checkpoint {getattr(saved, f)!r}, config {getattr(args, f)!r}"
-                 for f in SHAPE_FIELDS if getattr(saved, f) != getattr(args, f)]
-        if diffs:
-            flavor = self.manifest["model"].get("flavor")
-            raise SeedckptError(f"config does not match checkpoint {self.path} ({'; '.join(diffs)}); "
-                                f"use the config it was made with (model.flavor={flavor!r}) or "
-                                "create a new seed for this config")
+        if saved is not None:  # a foreign DCP checkpoint: per-tensor checks at load time still apply
+            check_args_match(saved, args, self.path, self.manifest["model"].get("flavor"))
 
     def check_covers(self, wanted: dict) -> None:
-        """Every wanted tensor is in the checkpoint with the same global shape and dtype (and every
-        wanted non-tensor entry is present)."""
+        """Every wanted tensor is in the checkpoint with the same global shape and a dtype that loads
+        losslessly (every wanted non-tensor entry is present)."""
         have = self.tensors()
+        keys = self.metadata.state_dict_metadata
         problems = []
         for fqn, t in wanted.items():
-            info = have.get(fqn)
             if not isinstance(t, torch.Tensor):  # DCP stores nested containers as "key.sub..." entries
-                keys = self.metadata.state_dict_metadata
                 if fqn not in keys and not any(k.startswith(fqn + ".") for k in keys):
                     problems.append(f"{fqn}: missing from checkpoint")
-            elif info is None:
+            elif fqn not in have:
                 problems.append(f"{fqn}: missing from checkpoint")
-            elif info.shape != tuple(t.shape):
-                problems.append(f"{fqn}: shape {list(info.shape)} in checkpoint, {list(t.shape)} in model")
-            elif info.dtype != t.dtype:
-                problems.append(f"{fqn}: dtype {dtype_name(info.dtype)} in checkpoint, "
-                                f"{dtype_name(t.dtype)} in model")
+            else:
+                problems += tensor_problems(fqn, have[fqn], t)
         if problems:
             raise SeedckptError(f"checkpoint {self.path} does not cover the model: " + "; ".join(problems))
 
@@ -393,7 +423,7 @@ def write_checkpoint(path: str | os.PathLike, state_dict: dict, manifest: dict, 
             manifest = {**manifest, "num_params": sum(i.numel for i in tensors.values()),
                         "tensors": {fqn: {"shape": list(i.shape), "dtype": dtype_name(i.dtype)}
                                     for fqn, i in tensors.items()}}
-            _write_json_synced(partial / MANIFEST_NAME, manifest)
+            write_json_synced(partial / MANIFEST_NAME, manifest)
             _publish(partial, path)
     except BaseException as e:
         if leader:
@@ -434,7 +464,7 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-def _write_json_synced(path: Path, obj: dict) -> None:
+def write_json_synced(path: Path, obj: dict) -> None:
     with open(path, "w") as f:
         json.dump(obj, f, indent=1)
         f.flush()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import textwrap
 
@@ -101,12 +102,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         commands = {"seed": _seed, "inspect": _inspect, "plan": _plan, "convert": _convert, "diff": _diff}
         return commands[opts.command](opts, rest)
+    except BrokenPipeError:  # output piped into `head` and closed: not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (SeedckptError, OSError) as e:  # OSError: disk full, permission denied, ...
         print(f"seedckpt {opts.command}: error: {e}", file=sys.stderr)
         return 2
 
 
 def _seed(opts, overrides) -> int:
+    # CPU only: hide GPUs before anything could create a CUDA context (and pin memory) on a GPU host.
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     from seedckpt.config import load_config
     from seedckpt.seed import create_seed_checkpoint
 
@@ -122,30 +128,34 @@ def _seed(opts, overrides) -> int:
 
 
 def _inspect(opts, _rest) -> int:
-    from seedckpt.checkpoint import CheckpointReader, dtype_name
+    """DCP: every entry of the metadata (optimizer state included) and the manifest. Other formats
+    (HF directory, .safetensors, torch.save): their model tensors in our names."""
+    from seedckpt.checkpoint import dtype_name
+    from seedckpt.formats import DcpSource, open_source
 
-    reader = CheckpointReader(opts.checkpoint)
-    tensors = reader.tensors()
+    source = open_source(opts.checkpoint)
+    tensors = source.reader.tensors() if isinstance(source, DcpSource) else source.infos
+    args = source.args.to_dict() if source.args else None
     total = sum(t.nbytes for t in tensors.values())
     if opts.json:
         print(json.dumps({
-            "path": str(reader.path), "manifest": reader.manifest, "num_tensors": len(tensors),
-            "total_bytes": total,
+            "path": str(source.path), "format": source.kind, "manifest": source.manifest, "args": args,
+            "num_tensors": len(tensors), "total_bytes": total,
             "tensors": {fqn: {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "bytes": t.nbytes}
                         for fqn, t in tensors.items()},
         }, indent=1))
         return 0
-    m = reader.manifest or {}
-    print(f"checkpoint {reader.path}")
+    m = source.manifest
+    print(f"checkpoint {source.path} ({source.kind})")
     if m:
         model = m.get("model", {})
         print(f"  kind {m.get('kind')}  model {model.get('name')} {model.get('flavor')}  seed {m.get('seed')}  "
               f"dtype {m.get('dtype')}  created {m.get('created')}  torch {m.get('torch_version')}")
-        print(f"  args {json.dumps(model.get('args'))}")
     else:
-        print("  no seedckpt.json manifest (a plain DCP checkpoint)")
-    print(f"  {len(tensors)} tensors, {sum(t.numel for t in tensors.values()):,} elements, "
-          f"{_gib(total)}")
+        print("  no seedckpt manifest")
+    if args:
+        print(f"  args {json.dumps(args)}")
+    print(f"  {len(tensors)} tensors, {sum(t.numel for t in tensors.values()):,} elements, {_gib(total)}")
     width = max((len(f) for f in tensors), default=0)
     for fqn, t in tensors.items():
         print(f"  {fqn:<{width}}  {str(list(t.shape)):<16} {dtype_name(t.dtype):<9} {t.nbytes:>14,}")

@@ -17,6 +17,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from models.llama import LLAMA3_FLAVORS, ModelArgs, Transformer
 from seedckpt.errors import SeedckptError
 
@@ -26,6 +28,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 MODELS = {"llama3": (Transformer, LLAMA3_FLAVORS)}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -98,7 +101,7 @@ class Metrics:
 
 @dataclass
 class Profiling:
-    steps: list = field(default_factory=list)  # e.g. [3, 4] or "3,4": Chrome traces of these steps
+    steps: list = field(default_factory=list)  # e.g. [3, 4] (CLI: 3,4): Chrome traces of these steps
 
 
 @dataclass
@@ -131,7 +134,7 @@ class JobConfig:
         base = flavors[self.model.flavor].to_dict()
         try:
             return ModelArgs.from_dict({**base, **self.model.overrides})
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, ZeroDivisionError) as e:
             raise SeedckptError(f"invalid [model] settings: {e}") from None
 
     def build_model(self):
@@ -164,7 +167,6 @@ def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -
                 _set(cfg, section, key, value, source=str(path))
     for section, key, text in parse_overrides(overrides):
         _set(cfg, section, key, text, source="command line", from_text=True)
-    _flavors(cfg.model.name)
     cfg.model_args()  # validate flavor and overrides now, not deep inside a run
     return cfg
 

@@ -30,17 +30,16 @@ from pathlib import Path
 
 import torch
 
-from seedckpt.checkpoint import LazySavePlanner, TensorInfo, atomic_output, dtype_name, make_manifest, write_checkpoint
+from seedckpt.checkpoint import (LazySavePlanner, TensorInfo, atomic_output, dtype_name, make_manifest, write_checkpoint,
+                                 write_json_synced)
+from seedckpt.config import DTYPES
 from seedckpt.errors import SeedckptError
-from seedckpt.formats import MANIFEST_KEY, Source, open_source
+from seedckpt.formats import MANIFEST_KEY, SAFETENSORS_DTYPES, Source, open_source
 from seedckpt.hf import flavor_of, hf_config, heads_of, permute_to_hf, to_hf_name
 from seedckpt.progress import Progress
 
 TARGETS = ("dcp", "hf", "safetensors", "torch")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_ST_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-             torch.bool: "BOOL"}
+_ST_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
 
 def parse_size(text: str) -> int:
@@ -101,12 +100,16 @@ def convert(src: str | Path, dst: str | Path, to: str, dtype: str | None = None,
     shard_bytes = parse_size(max_shard_size)
     source = open_source(src, args)
     model_args = source.require_args()
+    if not source.infos:
+        raise SeedckptError(f"{src} holds no model tensors")
     cast = DTYPES[dtype] if dtype else None
     infos = {f: TensorInfo(source.infos[f].shape, cast or source.infos[f].dtype) for f in _ordered(source.infos)}
     out_dtype = cast or next(iter(infos.values())).dtype
     bar = Progress(sum(i.nbytes for i in infos.values()), f"convert {source.kind}->{to}", enabled=progress)
-    flavor = (source.manifest or {}).get("model", {}).get("flavor") or flavor_of(model_args)
-    manifest = make_manifest("converted", "llama3", flavor, model_args, dtype=dtype_name(out_dtype), source={"format": source.kind, "path": str(src)})
+    recorded = source.manifest or {}
+    flavor = recorded.get("model", {}).get("flavor") or flavor_of(model_args)
+    manifest = make_manifest("converted", "llama3", flavor, model_args, dtype=dtype_name(out_dtype),
+                             seed=recorded.get("seed"), source={"format": source.kind, "path": str(src)})
     try:
         if to == "dcp":
             def produce(fqn: str, start: int, stop: int) -> torch.Tensor:
@@ -123,7 +126,10 @@ def convert(src: str | Path, dst: str | Path, to: str, dtype: str | None = None,
         with atomic_output(dst, force, directory=False) as partial:  # torch: one pickle, whole model
             state = {f: source.read(f).to(i.dtype) for f, i in infos.items()}
             bar.update(sum(i.nbytes for i in infos.values()))
-            torch.save({**state, MANIFEST_KEY: json.dumps(manifest)}, partial)
+            with open(partial, "wb") as f:
+                torch.save({**state, MANIFEST_KEY: json.dumps(manifest)}, f)
+                f.flush()
+                os.fsync(f.fileno())
         return Path(dst)
     finally:
         bar.close()
@@ -156,8 +162,8 @@ def _write_hf(source: Source, dst: Path, infos: dict[str, TensorInfo], dtype: to
                               {"format": "pt"}, bar.update)
             weight_map.update({to_hf_name(f): file for f in fqns})
         index = {"metadata": {"total_size": sum(i.nbytes for i in infos.values())}, "weight_map": weight_map}
-        (partial / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        (partial / "config.json").write_text(json.dumps(hf_config(args, dtype), indent=2))
+        write_json_synced(partial / "model.safetensors.index.json", index)
+        write_json_synced(partial / "config.json", hf_config(args, dtype))
     return dst
 
 
@@ -175,9 +181,11 @@ def diff(a: str | Path, b: str | Path, atol: float = 0.0, args=None) -> tuple[bo
             lines.append(f"{fqn}: shape {list(li.shape)} vs {list(ri.shape)}")
             equal = False
             continue
-        x, y = left.read(fqn), right.read(fqn)
-        delta = (x.double() - y.double()).abs().max().item() if x.numel() else 0.0
+        x, y = left.read(fqn).double(), right.read(fqn).double()
+        both = ~(x.isnan() | y.isnan())
+        delta = (x[both] - y[both]).abs().max().item() if both.any() else 0.0
         note = f" (dtype {dtype_name(li.dtype)} vs {dtype_name(ri.dtype)})" if li.dtype != ri.dtype else ""
+        note += " (NaN in different places)" if bool((x.isnan() != y.isnan()).any()) else ""
         if delta > atol or note:
             equal = False
             lines.append(f"{fqn}: max |delta| {delta:.3g}{note}")

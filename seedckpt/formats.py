@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.checkpoint import CheckpointException, HuggingFaceStorageReader
 
 from models.llama import ModelArgs, Transformer
-from seedckpt.checkpoint import (PARTIAL_SUFFIX, SHAPE_FIELDS, CheckpointReader, TensorInfo, is_model_key,
-                                 quiet_single_process_dcp)
+from seedckpt.checkpoint import (PARTIAL_SUFFIX, CheckpointReader, TensorInfo, check_args_match, is_model_key,
+                                 quiet_single_process_dcp, tensor_problems)
 from seedckpt.errors import SeedckptError
 from seedckpt.hf import args_from_hf_config, from_hf_name, heads_of, permute_from_hf, to_hf_name
 from seedckpt.modules import copy_full_into
@@ -76,12 +76,13 @@ class DcpSource(Source):
         self.reader = CheckpointReader(path)
         infos = {f: i for f, i in self.reader.tensors().items() if is_model_key(f)}
         super().__init__(path, infos, self.reader.model_args() or args, self.reader.manifest)
+        self.check_against_args()
 
     def read(self, fqn: str) -> torch.Tensor:
         return self.reader.read_tensor(fqn)
 
 
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
               "BOOL": torch.bool}
 
@@ -94,8 +95,11 @@ def _safetensors_header(path: Path) -> tuple[dict, dict]:
             header = json.loads(f.read(size))
         metadata = header.pop("__metadata__", None) or {}
         end = max((e["data_offsets"][1] for e in header.values()), default=0)
+        unknown = {e["dtype"] for e in header.values()} - set(SAFETENSORS_DTYPES)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SeedckptError(f"{path} is not a valid safetensors file ({e})") from None
+    if unknown:
+        raise SeedckptError(f"{path} holds dtypes {sorted(unknown)} that seedckpt does not convert")
     if path.stat().st_size < 8 + size + end:
         raise SeedckptError(f"{path} is truncated: {path.stat().st_size} bytes, its header needs {8 + size + end}")
     return header, metadata
@@ -116,10 +120,16 @@ class HFSource(Source):
             self.config = json.loads((path / "config.json").read_text())
         except (OSError, ValueError) as e:
             raise SeedckptError(f"{path}/config.json cannot be read ({e})") from None
-        args = args_from_hf_config(self.config)
+        try:
+            args = args_from_hf_config(self.config)
+        except (TypeError, ValueError, ZeroDivisionError) as e:
+            raise SeedckptError(f"{path}/config.json describes no valid Llama model ({e})") from None
         index = path / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text()).get("weight_map", {})
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as e:
+                raise SeedckptError(f"{index} is not a valid safetensors index ({e!r})") from None
             files = sorted(set(weight_map.values()))
         else:
             files = sorted(p.name for p in path.glob("*.safetensors"))
@@ -135,7 +145,7 @@ class HFSource(Source):
                 if fqn is None:
                     continue
                 self.location[fqn] = (path / file, name)
-                infos[fqn] = TensorInfo(tuple(entry["shape"]), _ST_DTYPES[entry["dtype"]])
+                infos[fqn] = TensorInfo(tuple(entry["shape"]), SAFETENSORS_DTYPES[entry["dtype"]])
         if weight_map is not None:
             absent = [n for n, f in weight_map.items() if from_hf_name(n) is not None
                       and self.location.get(from_hf_name(n), (None, None))[1] != n]
@@ -162,10 +172,8 @@ class SafetensorsSource(Source):
         if any(name.startswith("model.") or name == "lm_head.weight" for name in header):
             raise SeedckptError(f"{path} uses Hugging Face names; pass the directory that holds it and its "
                                 "config.json")
-        manifest = json.loads(metadata[MANIFEST_KEY]) if MANIFEST_KEY in metadata else None
-        if manifest is not None:
-            args = ModelArgs.from_dict(manifest["model"]["args"])
-        infos = {n: TensorInfo(tuple(e["shape"]), _ST_DTYPES[e["dtype"]]) for n, e in header.items()}
+        manifest, args = _embedded_manifest(metadata.get(MANIFEST_KEY), path, args)
+        infos = {n: TensorInfo(tuple(e["shape"]), SAFETENSORS_DTYPES[e["dtype"]]) for n, e in header.items()}
         super().__init__(path, infos, args, manifest)
         self.check_against_args()
 
@@ -186,9 +194,7 @@ class TorchSource(Source):
             obj = obj["model"]
         if not isinstance(obj, dict):
             raise SeedckptError(f"{path} holds a {type(obj).__name__}, not a dict of tensors")
-        manifest = json.loads(obj[MANIFEST_KEY]) if isinstance(obj.get(MANIFEST_KEY), str) else None
-        if manifest is not None:
-            args = ModelArgs.from_dict(manifest["model"]["args"])
+        manifest, args = _embedded_manifest(obj.get(MANIFEST_KEY), path, args)
         self.tensors = {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)}
         infos = {k: TensorInfo(tuple(v.shape), v.dtype) for k, v in self.tensors.items()}
         super().__init__(path, infos, args, manifest)
@@ -196,6 +202,17 @@ class TorchSource(Source):
 
     def read(self, fqn: str) -> torch.Tensor:
         return self.tensors[fqn].clone()  # out of the mmap: callers may keep it past the file
+
+
+def _embedded_manifest(text, path: Path, args: ModelArgs | None) -> tuple[dict | None, ModelArgs | None]:
+    """The manifest we embed in safetensors metadata / torch files, and the ModelArgs it records."""
+    if not isinstance(text, str):
+        return None, args
+    try:
+        manifest = json.loads(text)
+        return manifest, ModelArgs.from_dict(manifest["model"]["args"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise SeedckptError(f"{path}: its seedckpt manifest is damaged ({e!r})") from None
 
 
 def open_source(path: str | Path, args: ModelArgs | None = None) -> Source:
@@ -211,7 +228,8 @@ def open_source(path: str | Path, args: ModelArgs | None = None) -> Source:
         raise SeedckptError(f"{path} is neither a DCP checkpoint (no .metadata) nor a Hugging Face "
                             "directory (no config.json)")
     if not path.is_file():
-        raise SeedckptError(f"{path} does not exist")
+        raise SeedckptError(f"no checkpoint at {path}: give a DCP or Hugging Face directory, a .safetensors "
+                            "file or a torch.save file")
     if path.suffix == ".safetensors":
         return SafetensorsSource(path, args)
     return TorchSource(path, args)
@@ -225,25 +243,26 @@ class HFCheckpointReader:
         self.source = HFSource(path)
 
     def check_model_args(self, args: ModelArgs) -> None:
-        diffs = [f"{f}: checkpoint {getattr(self.source.args, f)!r}, config {getattr(args, f)!r}"
-                 for f in SHAPE_FIELDS if getattr(self.source.args, f) != getattr(args, f)]
-        if diffs:
-            raise SeedckptError(f"config does not match {self.path}/config.json ({'; '.join(diffs)})")
+        check_args_match(self.source.args, args, self.path)
 
     def load(self, state_dict: dict[str, torch.Tensor]) -> None:
         """DCP's HF reader fills every tensor it can in place (FSDP shards read only their rows);
         q/k (which need the per-head permutation) and a tied output are read whole and sliced.
-        HF weights are cast to the model's dtype (e.g. bf16 -> fp32)."""
-        missing = [f"{f}: missing" for f in state_dict if f not in self.source.infos]
-        missing += [f"{f}: shape {list(self.source.infos[f].shape)} in checkpoint, {list(t.shape)} in model"
-                    for f, t in state_dict.items() if f in self.source.infos and self.source.infos[f].shape != tuple(t.shape)]
-        if missing:
-            raise SeedckptError(f"{self.path} does not cover the model: " + "; ".join(missing))
+        Lossless casts only (e.g. bf16 weights into fp32 parameters)."""
+        problems = []
+        for fqn, tensor in state_dict.items():
+            info = self.source.infos.get(fqn)
+            problems += [f"{fqn}: missing"] if info is None else tensor_problems(fqn, info, tensor)
+        if problems:
+            raise SeedckptError(f"{self.path} does not cover the model: " + "; ".join(problems))
         tied = self.source.location.get("output.weight") == self.source.location.get("tok_embeddings.weight")
         direct = {f: t for f, t in state_dict.items() if heads_of(f, self.source.args) or (tied and f == "output.weight")}
         through_dcp = {to_hf_name(f): t for f, t in state_dict.items() if f not in direct}
-        with quiet_single_process_dcp():
-            dcp.load(through_dcp, storage_reader=HuggingFaceStorageReader(str(self.path)))
+        try:
+            with quiet_single_process_dcp():
+                dcp.load(through_dcp, storage_reader=HuggingFaceStorageReader(str(self.path)))
+        except CheckpointException as e:  # a BaseException: wrap it like CheckpointReader.load
+            raise SeedckptError(f"reading {self.path} failed: {e}") from e
         with torch.no_grad():
             for fqn, tensor in direct.items():
                 copy_full_into(tensor, self.source.read(fqn))

@@ -87,11 +87,9 @@ class InitSpec:
             raise ValueError(f"unknown init kind {self.kind!r}")
 
 
-def generate(spec: InitSpec, shape: torch.Size | tuple, seed: int, fqn: str,
-             dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The full tensor for ``fqn``, on CPU: fp32 values, cast to ``dtype`` at the end."""
-    flat = generate_flat(spec, seed, fqn, 0, math.prod(shape))
-    return flat.view(shape) if dtype == torch.float32 else flat.view(shape).to(dtype)
+def generate(spec: InitSpec, shape: torch.Size | tuple, seed: int, fqn: str) -> torch.Tensor:
+    """The full fp32 tensor for ``fqn``, on CPU."""
+    return generate_flat(spec, seed, fqn, 0, math.prod(shape)).view(shape)
 
 
 def generate_flat(spec: InitSpec, seed: int, fqn: str, start: int, stop: int) -> torch.Tensor:
@@ -118,7 +116,8 @@ class Initializer:
 
     It finds each tensor's FQN, records its recipe, refuses a second initialization of the same
     tensor, and (unless ``materialize=False``, used on ``meta`` to read the recipe without
-    allocating) fills it with ``generate(...)`` -- the local shard only, for a DTensor.
+    allocating) fills it with ``generate(...)``; a DTensor keeps only its shard of the full tensor,
+    which is generated whole (one tensor at a time) and sliced.
     """
 
     def __init__(self, module: nn.Module, seed: int, materialize: bool = True):

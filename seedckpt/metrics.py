@@ -28,12 +28,17 @@ class MetricsLogger:
         self._file = open(self.path, "a")
         self._tb = None
         if enable_tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise SeedckptError("metrics.enable_tensorboard needs the tensorboard package: "
-                                    "pip install tensorboard") from None
-            self._tb = SummaryWriter(str(self.folder / "tensorboard"))
+            self._tb = self.check_tensorboard()(str(self.folder / "tensorboard"))
+
+    @staticmethod
+    def check_tensorboard():
+        """TensorBoard's ``SummaryWriter``, or a clear error (checked before any rendezvous)."""
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise SeedckptError("metrics.enable_tensorboard needs the tensorboard package: "
+                                "pip install tensorboard") from None
+        return SummaryWriter
 
     def log(self, record: dict) -> None:
         self._file.write(json.dumps(record) + "\n")

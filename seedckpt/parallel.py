@@ -17,11 +17,37 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
-from seedckpt.config import JobConfig
+from seedckpt.config import DTYPES, JobConfig
 from seedckpt.errors import SeedckptError
 from seedckpt.stages import split_layers
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _check_ranges(cfg: JobConfig) -> None:
+    """Values that would otherwise fail deep inside a run (or silently train nothing)."""
+    train, par = cfg.training, cfg.parallelism
+    positive = {"training.local_batch_size": train.local_batch_size, "training.seq_len": train.seq_len,
+                "training.steps": train.steps, "activation_checkpoint.selective_every":
+                cfg.activation_checkpoint.selective_every, "metrics.log_freq": cfg.metrics.log_freq,
+                "parallelism.pipeline_parallel_stages_per_rank": par.pipeline_parallel_stages_per_rank}
+    for key, value in positive.items():
+        if value < 1:
+            raise SeedckptError(f"{key} = {value}; it must be >= 1")
+    max_seq_len = cfg.model_args().max_seq_len
+    if train.seq_len > max_seq_len:
+        raise SeedckptError(f"training.seq_len = {train.seq_len} exceeds model.max_seq_len = {max_seq_len}; "
+                            "shorten the sequences or raise model.max_seq_len")
+    choices = {"training.mixed_precision_param": (train.mixed_precision_param, DTYPES),
+               "training.mixed_precision_reduce": (train.mixed_precision_reduce, DTYPES),
+               "activation_checkpoint.mode": (cfg.activation_checkpoint.mode, ("none", "full", "selective")),
+               "parallelism.fsdp_reshard_after_forward": (par.fsdp_reshard_after_forward,
+                                                          ("default", "always", "never")),
+               "parallelism.fsdp_impl": (par.fsdp_impl, ("fsdp2",)),
+               "finetune.mode": (cfg.finetune.mode, ("none",)),
+               "data.kind": (cfg.data.kind, ("synthetic", "text"))}
+    for key, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise SeedckptError(f"{key} = {value!r}; this version supports {', '.join(sorted(allowed))}")
 
 
 @dataclass(frozen=True)
@@ -54,8 +80,11 @@ class ParallelDims:
                                 f"but the world size is {world_size}; make them multiply to the world size "
                                 "(or set data_parallel_shard_degree = -1)")
         dims = cls(pp, rep, shard)
+        _check_ranges(cfg)
         split_layers(cfg.model_args().n_layers, pp * par.pipeline_parallel_stages_per_rank,
                      par.pipeline_parallel_split_points)
+        if pp == 1 and par.pipeline_parallel_stages_per_rank != 1:
+            raise SeedckptError("pipeline_parallel_stages_per_rank > 1 needs pipeline_parallel_degree > 1")
         if pp > 1:
             try:
                 schedule = get_schedule_class(par.pipeline_parallel_schedule)
@@ -76,9 +105,6 @@ class ParallelDims:
                 raise SeedckptError(f"training.local_batch_size = {train.local_batch_size} is not divisible "
                                     f"by pipeline_parallel_microbatches = {microbatches}")
         dims.accumulation_steps(cfg)
-        for key in ("mixed_precision_param", "mixed_precision_reduce"):
-            if getattr(train, key) not in DTYPES:
-                raise SeedckptError(f"training.{key} = {getattr(train, key)!r}; choose one of {sorted(DTYPES)}")
         return dims
 
     def microbatches(self, cfg: JobConfig) -> int:
@@ -91,7 +117,7 @@ class ParallelDims:
         per_step = train.local_batch_size * self.dp
         if train.global_batch_size in (-1, per_step):
             return 1
-        if train.global_batch_size % per_step:
+        if train.global_batch_size < per_step or train.global_batch_size % per_step:
             raise SeedckptError(f"training.global_batch_size = {train.global_batch_size} must be a multiple of "
                                 f"local_batch_size x data-parallel degree = {per_step}")
         return train.global_batch_size // per_step
@@ -111,8 +137,6 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int) -> N
     """
     if mode == "none":
         return
-    if mode not in ("full", "selective"):
-        raise SeedckptError(f"activation_checkpoint.mode = {mode!r}; choose none, full or selective")
     for layer_id, block in model.layers.items():
         if mode == "full" or int(layer_id) % every == 0:
             checkpoint(block)
@@ -129,8 +153,4 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
 
 def reshard_after_forward(policy: str, pp: int) -> bool:
     """``default``: reshard unless pipelining, where each microbatch would re-gather the weights."""
-    if policy == "default":
-        return pp == 1
-    if policy in ("always", "never"):
-        return policy == "always"
-    raise SeedckptError(f"parallelism.fsdp_reshard_after_forward = {policy!r}; choose default, always or never")
+    return pp == 1 if policy == "default" else policy == "always"

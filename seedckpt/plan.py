@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from seedckpt.config import JobConfig
-from seedckpt.errors import SeedckptError
 from seedckpt.modules import state_tensors
+from seedckpt.parallel import ParallelDims
 from seedckpt.stages import split_layers, stage_ids_for_rank
 
 # fp32 parameter + fp32 gradient + two fp32 AdamW moments.
@@ -41,25 +41,15 @@ class RankPlan:
     train_state_bytes_per_gpu: int  # params + grads + AdamW moments, sharded over dp_shard
 
 
-def resolve_dp_shard(cfg: JobConfig, world_size: int | None) -> int:
-    par = cfg.parallelism
-    if par.data_parallel_shard_degree != -1:
-        return par.data_parallel_shard_degree
-    if world_size is None:
-        return 1
-    rest, rem = divmod(world_size, par.pipeline_parallel_degree * par.data_parallel_replicate_degree)
-    if rem or rest < 1:
-        raise SeedckptError(f"world size {world_size} is not divisible by pipeline_parallel_degree x "
-                            f"data_parallel_replicate_degree = "
-                            f"{par.pipeline_parallel_degree * par.data_parallel_replicate_degree}")
-    return rest
-
-
 def make_plan(cfg: JobConfig, world_size: int | None = None) -> dict:
+    """Validated like a training run; without ``world_size``, ``data_parallel_shard_degree = -1`` means 1."""
     args = cfg.model_args()
     par = cfg.parallelism
-    pp, per_rank = par.pipeline_parallel_degree, par.pipeline_parallel_stages_per_rank
-    dp_shard = resolve_dp_shard(cfg, world_size)
+    if world_size is None:
+        world_size = (par.pipeline_parallel_degree * par.data_parallel_replicate_degree
+                      * max(1, par.data_parallel_shard_degree))
+    dims = ParallelDims.from_config(cfg, world_size)
+    pp, per_rank, dp_shard = dims.pp, par.pipeline_parallel_stages_per_rank, dims.dp_shard
     num_stages = pp * per_rank
     layers = split_layers(args.n_layers, num_stages, par.pipeline_parallel_split_points)
     owner = {s: r for r in range(pp)
@@ -93,6 +83,6 @@ def make_plan(cfg: JobConfig, world_size: int | None = None) -> dict:
         "total_params": sum(counts), "total_bytes": sum(nbytes),
         "pipeline_parallel_degree": pp, "stages_per_rank": per_rank,
         "data_parallel_shard_degree": dp_shard,
-        "data_parallel_replicate_degree": par.data_parallel_replicate_degree,
+        "data_parallel_replicate_degree": dims.dp_replicate,
         "stages": [asdict(s) for s in stages], "ranks": [asdict(r) for r in ranks],
     }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import threading
 import time
 
 
@@ -21,11 +22,15 @@ class Progress:
         self._tty = self.stream.isatty()
         self._last_decile = -1
         self._last_draw = 0.0
+        self._lock = threading.Lock()  # updated from the writer's worker threads
 
     def update(self, amount: float) -> None:
-        self.done += amount
-        if not self.enabled:
-            return
+        with self._lock:
+            self.done += amount
+            if self.enabled:
+                self._draw()
+
+    def _draw(self) -> None:
         now = time.perf_counter()
         decile = int(10 * self.done / self.total) if self.total else 10
         if self._tty and (now - self._last_draw > 0.1 or self.done >= self.total):

@@ -10,7 +10,9 @@ block size (~64 MiB) times the lookahead, not by the model: a 405B seed needs no
 1B one. Blocks are generated on worker threads (torch ops release the GIL) while the previous
 block is written, so seeding runs at the speed of the RNG or the disk, whichever is slower.
 
-The result is an ordinary DCP checkpoint plus ``seedckpt.json``. ``--dtype bfloat16`` generates
+Everything runs on the CPU; the command line also hides GPUs (``CUDA_VISIBLE_DEVICES=""``) so a
+GPU host does not even create a CUDA context. The result is an ordinary DCP checkpoint plus
+``seedckpt.json``. ``--dtype bfloat16`` generates
 every block in fp32 and casts it, so a bf16 seed is exactly the fp32 seed rounded.
 """
 
@@ -23,28 +25,21 @@ from pathlib import Path
 import torch
 
 from seedckpt.checkpoint import LazySavePlanner, check_destination, make_manifest, write_checkpoint
-from seedckpt.config import JobConfig
+from seedckpt.config import DTYPES, JobConfig
 from seedckpt.errors import SeedckptError
 from seedckpt.init import CHUNK_NUMEL, RECIPE_VERSION, generate_flat, init_model
 from seedckpt.modules import state_tensors
 from seedckpt.progress import Progress
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BLOCK_NUMEL = 16 * CHUNK_NUMEL  # target elements per written block (64 MiB in fp32)
 
 
-def ensure_cpu_only_single_process() -> None:
-    """Seeding is a one-process CPU job; refuse torchrun and never touch CUDA.
-
-    Hiding GPUs before any CUDA call keeps a GPU host from creating a context (and from pinning
-    memory) for a job that only needs the CPU and the disk.
-    """
+def ensure_single_process() -> None:
+    """Seeding is a one-process CPU job: refuse to run under torchrun."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         raise SeedckptError(f"seed creation runs in one process, but WORLD_SIZE={world}; run it with "
                             "plain `python create_seed_checkpoint.py ...`, not torchrun")
-    if not torch.cuda.is_initialized():
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
 def block_rows(shape: torch.Size) -> int:
@@ -62,7 +57,7 @@ def block_rows(shape: torch.Size) -> int:
 
 def create_seed_checkpoint(cfg: JobConfig, output: str | os.PathLike, seed: int,
                            dtype: str = "float32", force: bool = False, progress: bool = True) -> Path:
-    ensure_cpu_only_single_process()
+    ensure_single_process()
     if dtype not in DTYPES:
         raise SeedckptError(f"--dtype {dtype} is not supported; choose one of {sorted(DTYPES)}")
     output = check_destination(output, force)

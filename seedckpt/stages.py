@@ -166,9 +166,9 @@ def build_stages(args: ModelArgs, specs: Sequence[StageSpec], device: torch.devi
     """Build this rank's stage modules and give every tensor a value.
 
     Exactly one of ``checkpoint`` (load by FQN, the normal path: a DCP checkpoint or a Hugging Face
-    Llama directory) or ``seed`` (direct per-rank init,
-    bitwise equal to loading the seed made with that seed) must be given. The checkpoint is checked
-    against ``args`` before anything is allocated. ``shard_fn`` (e.g. FSDP2) is applied on ``meta``.
+    Llama directory) or ``seed`` (direct per-rank init, bitwise equal to loading the seed made with
+    that seed) must be given. The checkpoint is checked against ``args`` before anything is
+    allocated. ``shard_fn`` (e.g. activation checkpointing + FSDP2) is applied on ``meta``.
     """
     if (checkpoint is None) == (seed is None):
         raise ValueError("give exactly one of checkpoint= or seed=")

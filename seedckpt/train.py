@@ -97,7 +97,7 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, pp_group) -> to
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig):
+    def __init__(self, cfg: JobConfig, start: Start | None = None):
         self.cfg = cfg
         self.rank, world = dist.get_rank(), dist.get_world_size()
         self.dims = ParallelDims.from_config(cfg, world)
@@ -117,7 +117,7 @@ class Trainer:
         self.global_batch = self.dims.global_batch_size(cfg)
         self.data = make_dataset(cfg.data.kind, cfg.data.path, self.args.vocab_size, train.seq_len, train.seed)
 
-        start = find_start(cfg)
+        start = start or find_start(cfg)
         self.log(f"{'resuming from' if start.step else 'starting from seed checkpoint'} {start.path} "
                  f"(step {start.step}); mesh pp={self.dims.pp} dp_replicate={self.dims.dp_replicate} "
                  f"dp_shard={self.dims.dp_shard} on {self.device.type}; data: {self.data.description}")
@@ -135,10 +135,10 @@ class Trainer:
 
     # -- setup -------------------------------------------------------------------------------
     def _parallelize(self, module: nn.Module) -> None:
-        ac = self.cfg.activation_checkpoint
+        ac, train, par = self.cfg.activation_checkpoint, self.cfg.training, self.cfg.parallelism
         apply_activation_checkpointing(module, ac.mode, ac.selective_every)
-        if self.dims.dp > 1:
-            train, par = self.cfg.training, self.cfg.parallelism
+        # FSDP2 also carries mixed precision, so it is applied on one rank too when that is asked for.
+        if self.dims.dp > 1 or (train.mixed_precision_param, train.mixed_precision_reduce) != ("float32",) * 2:
             mesh = self.mesh["dp_replicate", "dp_shard"] if self.dims.dp_replicate > 1 else self.mesh["dp_shard"]
             apply_fsdp(module, mesh, DTYPES[train.mixed_precision_param], DTYPES[train.mixed_precision_reduce],
                        reshard_after_forward(par.fsdp_reshard_after_forward, self.dims.pp))
@@ -244,8 +244,8 @@ class Trainer:
                         optimizer.step()
                         optimizer.zero_grad(set_to_none=True)
                         scheduler.step()
-                stats = torch.stack([local_loss.float(), torch.tensor(float(peak_memory_bytes(self.device)),
-                                                                      device=self.device)])
+                stats = torch.stack([local_loss.double(), torch.tensor(float(peak_memory_bytes(self.device)),
+                                                                       dtype=torch.float64, device=self.device)])
                 dist.all_reduce(stats[:1])  # sum of the last stages' DP-local means
                 dist.all_reduce(stats[1:], op=dist.ReduceOp.MAX)
                 step_time = time.perf_counter() - t0
@@ -310,19 +310,23 @@ def main(argv: list[str] | None = None) -> int:
                "--parallelism.pipeline_parallel_stages_per_rank 2")
     parser.add_argument("--config", required=True, help="job config TOML, e.g. configs/debug.toml")
     opts, overrides = parser.parse_known_args(argv)
-    try:
+    rank = int(os.environ.get("RANK", 0))
+    try:  # every rank validates the same config, so rank 0 speaks for all
         cfg = load_config(opts.config, overrides)
         ParallelDims.from_config(cfg, int(os.environ.get("WORLD_SIZE", 1)))  # fail before any rendezvous
-        if cfg.parallelism.fsdp_impl != "fsdp2":
-            raise SeedckptError(f"parallelism.fsdp_impl = {cfg.parallelism.fsdp_impl!r}: only fsdp2 is "
-                                "available in this version")
-        _init_process_group()
-        try:
-            Trainer(cfg).run()
-        finally:
-            dist.destroy_process_group()
+        if cfg.metrics.enable_tensorboard:
+            MetricsLogger.check_tensorboard()
+        start = find_start(cfg)
     except SeedckptError as e:
-        if int(os.environ.get("RANK", 0)) == 0:
+        if rank == 0:
             print(f"train.py: error: {e}", file=sys.stderr)
         return 2
+    _init_process_group()
+    try:
+        Trainer(cfg, start).run()
+    except (SeedckptError, OSError) as e:  # may hit one stage only: each failing rank reports
+        print(f"train.py: error on rank {rank}: {e}", file=sys.stderr)
+        return 2
+    finally:
+        dist.destroy_process_group()
     return 0

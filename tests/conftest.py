@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
-import pytest
+import json
+from pathlib import Path
 
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from seedckpt.checkpoint import MANIFEST_NAME
 from seedckpt.config import load_config
 from seedckpt.seed import create_seed_checkpoint
 
@@ -19,3 +25,11 @@ def debug_seed(tmp_path_factory):
     path = tmp_path_factory.mktemp("seeds") / "debug"
     create_seed_checkpoint(tiny_config(), path, seed=0, progress=False)
     return path
+
+
+def stock_load(path) -> dict[str, torch.Tensor]:
+    """Read a checkpoint's model tensors with stock DCP only (shapes from its manifest)."""
+    manifest = json.loads((Path(path) / MANIFEST_NAME).read_text())
+    state = {fqn: torch.zeros(t["shape"], dtype=getattr(torch, t["dtype"])) for fqn, t in manifest["tensors"].items()}
+    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    return state

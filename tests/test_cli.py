@@ -74,7 +74,7 @@ def test_help_shows_examples(command):
     (["plan", "--config", "configs/debug.toml", "--model.flavor", "7B"], "unknown model.flavor '7B'"),
     (["plan", "--config", "configs/debug.toml", "--parallelism.pipeline_parallel_degree", "8"],
      "cannot split 6 layers into 8 pipeline stages"),
-    (["inspect", "/nonexistent/ckpt"], "no checkpoint directory at /nonexistent/ckpt"),
+    (["inspect", "/nonexistent/ckpt"], "no checkpoint at /nonexistent/ckpt"),
     (["seed", "--config", "configs/debug.toml", "--output", "/tmp/x", "--dtype", "float8"], "--dtype float8"),
 ])
 def test_user_errors_are_one_line_without_traceback(args, message):

@@ -8,14 +8,17 @@ import pytest
 
 from seedckpt.config import load_config, parse_overrides
 from seedckpt.errors import SeedckptError
+from seedckpt.parallel import ParallelDims
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("name", ["debug", "llama3_1b", "llama3_8b", "llama3_70b"])
-def test_shipped_configs_load(name):
+@pytest.mark.parametrize("name,world_size", [("debug", 4), ("llama3_1b", 8), ("llama3_8b", 16), ("llama3_70b", 64)])
+def test_shipped_configs_are_valid_training_layouts(name, world_size):
     cfg = load_config(REPO / "configs" / f"{name}.toml")
-    assert cfg.model_args().n_layers >= 6
+    assert f"--world-size {world_size}" in (REPO / "configs" / f"{name}.toml").read_text() or name == "debug"
+    dims = ParallelDims.from_config(cfg, world_size)  # what train.py checks before rendezvous
+    assert dims.pp * dims.dp == world_size
 
 
 def test_command_line_overrides_toml_with_types(tmp_path):

@@ -185,7 +185,20 @@ def test_a_failure_mid_write_leaves_no_output(tmp_path, debug_seed, monkeypatch)
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):
-    assert main(["convert", str(tmp_path / "none"), str(tmp_path / "out"), "--to", "hf"]) == 2
-    assert main(["convert", str(tmp_path), str(tmp_path / "out"), "--to", "onnx"]) == 2
-    err = capsys.readouterr().err
-    assert "does not exist" in err and "--to 'onnx'" in err
+    for args in ([str(tmp_path / "none"), str(tmp_path / "out"), "--to", "hf"],
+                 [str(tmp_path), str(tmp_path / "out"), "--to", "onnx"]):
+        assert main(["convert", *args]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and "no checkpoint at" in lines[0] and "--to 'onnx'" in lines[1]
+    assert not any("Traceback" in line for line in lines)
+
+
+def test_diff_treats_nan_in_different_places_as_a_difference(tmp_path, debug_seed):
+    convert(debug_seed, tmp_path / "m.pt", "torch", progress=False)
+    state = torch.load(tmp_path / "m.pt", weights_only=True)
+    state["norm.weight"][0] = float("nan")
+    torch.save(state, tmp_path / "nan.pt")
+    equal, lines = diff(debug_seed, tmp_path / "nan.pt")
+    assert not equal and "norm.weight: max |delta| 0 (NaN in different places)" in lines
+    equal, _ = diff(tmp_path / "nan.pt", tmp_path / "nan.pt")
+    assert equal

@@ -45,12 +45,23 @@ def test_wrong_shape_is_named(debug_seed, tmp_path):
         build_stages(ARGS, FULL, "cpu", checkpoint=bad)
 
 
-def test_wrong_dtype_is_named_not_silently_cast(debug_seed, tmp_path):
+def test_lossy_dtype_is_named_not_silently_cast(debug_seed, tmp_path):
     state = _seed_state(debug_seed)
-    state["norm.weight"] = state["norm.weight"].to(torch.bfloat16)
+    state["norm.weight"] = state["norm.weight"].to(torch.float64)
     bad = _write_variant(tmp_path / "dtype", state)
-    with pytest.raises(SeedckptError, match=r"norm\.weight: dtype bfloat16 in checkpoint, float32 in model"):
+    with pytest.raises(SeedckptError, match=r"norm\.weight: dtype float64 in checkpoint, float32 in model"):
         build_stages(ARGS, FULL, "cpu", checkpoint=bad)
+
+
+def test_bfloat16_seed_loads_exactly_into_fp32_parameters(tmp_path):
+    from seedckpt.seed import create_seed_checkpoint
+
+    bf16 = create_seed_checkpoint(tiny_config(), tmp_path / "bf16", seed=0, dtype="bfloat16", progress=False)
+    [stage] = build_stages(ARGS, FULL, "cpu", checkpoint=bf16)
+    [direct] = build_stages(ARGS, FULL, "cpu", seed=0)
+    for fqn, t in stage.state_dict().items():
+        assert t.dtype == torch.float32
+        assert torch.equal(t, direct.state_dict()[fqn].to(torch.bfloat16).float()), fqn
 
 
 def test_entries_of_other_stages_are_fine(debug_seed, tmp_path):
@@ -119,12 +130,26 @@ class _Exploit:
         return (os.system, (f"touch {os.environ['EXPLOIT_MARKER']}",))
 
 
-def test_crafted_metadata_pickle_is_not_executed(tmp_path, monkeypatch):
+def _dotted_name_exploit(marker) -> bytes:
+    """A pickle that names ``os.system`` through an allowed module (pickle follows dotted names)."""
+    payload = pickle.dumps(_Exploit(), protocol=4)
+    return payload.replace(b"\x8c\x05posix\x94\x8c\x06system",
+                           b"\x8c\x25torch.distributed.checkpoint.metadata\x94\x8c\x09os.system")
+
+
+@pytest.mark.parametrize("dotted", [False, True])
+def test_crafted_metadata_pickle_is_not_executed(tmp_path, monkeypatch, dotted):
     marker = tmp_path / "pwned"
     monkeypatch.setenv("EXPLOIT_MARKER", str(marker))
+    payload = _dotted_name_exploit(marker) if dotted else pickle.dumps(_Exploit())
+    if dotted:
+        assert b"os.system" in payload
+        pickle.loads(payload)  # the payload really runs under a plain unpickler
+        assert marker.exists()
+        marker.unlink()
     ckpt = tmp_path / "evil"
     ckpt.mkdir()
-    (ckpt / ".metadata").write_bytes(pickle.dumps(_Exploit()))
+    (ckpt / ".metadata").write_bytes(payload)
     with pytest.raises(SeedckptError, match="not allowed in DCP metadata"):
         CheckpointReader(ckpt)
     assert not marker.exists()

@@ -10,31 +10,21 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
 import seedckpt.checkpoint as checkpoint_module
 from seedckpt.checkpoint import MANIFEST_NAME
 from seedckpt.cli import main
 from seedckpt.errors import SeedckptError
 from seedckpt.seed import create_seed_checkpoint
-from tests.conftest import tiny_config
+from tests.conftest import stock_load, tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _stock_load(path) -> dict[str, torch.Tensor]:
-    """Read a checkpoint with stock DCP only (no seedckpt code)."""
-    manifest = json.loads((Path(path) / MANIFEST_NAME).read_text())
-    state = {fqn: torch.zeros(t["shape"], dtype=getattr(torch, t["dtype"]))
-             for fqn, t in manifest["tensors"].items()}
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)
-    return state
 
 
 def test_same_seed_same_tensors_different_seed_different(tmp_path, debug_seed):
     again = create_seed_checkpoint(tiny_config(), tmp_path / "again", seed=0, progress=False)
     other = create_seed_checkpoint(tiny_config(), tmp_path / "other", seed=1, progress=False)
-    a, b, c = _stock_load(debug_seed), _stock_load(again), _stock_load(other)
+    a, b, c = stock_load(debug_seed), stock_load(again), stock_load(other)
     assert a.keys() == b.keys() == c.keys()
     for fqn in a:
         assert torch.equal(a[fqn], b[fqn]), fqn
@@ -45,7 +35,7 @@ def test_same_seed_same_tensors_different_seed_different(tmp_path, debug_seed):
 
 def test_manifest_describes_the_checkpoint(debug_seed):
     manifest = json.loads((debug_seed / MANIFEST_NAME).read_text())
-    state = _stock_load(debug_seed)
+    state = stock_load(debug_seed)
     assert manifest["kind"] == "seed" and manifest["seed"] == 0 and manifest["dtype"] == "float32"
     assert manifest["model"]["name"] == "llama3" and manifest["model"]["args"]["n_layers"] == 6
     assert manifest["num_params"] == sum(t.numel() for t in state.values())
@@ -55,7 +45,7 @@ def test_manifest_describes_the_checkpoint(debug_seed):
 
 def test_bfloat16_seed_is_the_fp32_seed_cast_per_tensor(tmp_path, debug_seed):
     bf16 = create_seed_checkpoint(tiny_config(), tmp_path / "bf16", seed=0, dtype="bfloat16", progress=False)
-    fp32, low = _stock_load(debug_seed), _stock_load(bf16)
+    fp32, low = stock_load(debug_seed), stock_load(bf16)
     for fqn, t in low.items():
         assert t.dtype == torch.bfloat16 and torch.equal(t, fp32[fqn].to(torch.bfloat16)), fqn
 
@@ -75,12 +65,18 @@ def test_refuses_to_overwrite_without_force(tmp_path, capsys):
 
 
 def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
-    def broken_save(*args, **kwargs):
+    partials = []
+    original = checkpoint_module.StreamingFileSystemWriter.write_data
+
+    def write_then_fail(self, plan, planner):
+        original(self, plan, planner)  # the data files exist in the .partial directory now
+        partials.extend(Path(self.path).glob("*.distcp"))
         raise OSError("disk full")
 
-    monkeypatch.setattr(checkpoint_module.dcp, "save", broken_save)
-    with pytest.raises(OSError, match="disk full"):
+    monkeypatch.setattr(checkpoint_module.StreamingFileSystemWriter, "write_data", write_then_fail)
+    with pytest.raises((OSError, SeedckptError), match="disk full"):
         create_seed_checkpoint(tiny_config(), tmp_path / "seed", seed=0, progress=False)
+    assert partials and partials[0].parent.name == ".seed.partial"
     assert list(tmp_path.iterdir()) == []
 
 

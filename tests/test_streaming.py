@@ -3,7 +3,6 @@ and crash-safe."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -15,21 +14,14 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from seedckpt.checkpoint import MANIFEST_NAME, CheckpointReader
+from seedckpt.checkpoint import CheckpointReader
 from seedckpt.errors import SeedckptError
 from seedckpt.init import CHUNK_NUMEL, init_model
 from seedckpt.seed import BLOCK_NUMEL, block_rows, create_seed_checkpoint
 from seedckpt.stages import build_stages, plan_rank_stages
-from tests.conftest import tiny_config
+from tests.conftest import stock_load, tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _stock_load(path: Path) -> dict[str, torch.Tensor]:
-    manifest = json.loads((path / MANIFEST_NAME).read_text())
-    state = {k: torch.zeros(t["shape"], dtype=getattr(torch, t["dtype"])) for k, t in manifest["tensors"].items()}
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)
-    return state
 
 
 def test_block_rows_cover_whole_generator_chunks():
@@ -50,7 +42,7 @@ def test_streaming_seed_equals_naive_full_model_seed(tmp_path):
     dcp.save(model.state_dict(), checkpoint_id=str(tmp_path / "naive"), no_dist=True)
     naive = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
     dcp.load(naive, checkpoint_id=str(tmp_path / "naive"), no_dist=True)
-    got = _stock_load(streamed)
+    got = stock_load(streamed)
     assert got.keys() == naive.keys()
     for fqn in naive:
         assert torch.equal(got[fqn], naive[fqn]), fqn
@@ -63,7 +55,7 @@ def test_fsdp_shard_reads_only_overlapping_blocks(tmp_path):
     assert len(blocks) == 4
     args = cfg.model_args()
     [stage] = build_stages(args, plan_rank_stages(args, 0, 1), "cpu", checkpoint=seed)
-    assert torch.equal(stage.tok_embeddings.weight, _stock_load(seed)["tok_embeddings.weight"])
+    assert torch.equal(stage.tok_embeddings.weight, stock_load(seed)["tok_embeddings.weight"])
 
 
 PEAK_RSS = """

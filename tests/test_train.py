@@ -142,6 +142,11 @@ def test_sigkill_while_writing_leaves_previous_step_loadable(tmp_path, debug_see
     (4, ["--training.global_batch_size", "12"], "must be a multiple of local_batch_size x data-parallel degree = 16"),
     (1, ["--parallelism.pipeline_parallel_degree", "1", "--checkpoint.seed_checkpoint", "/nonexistent/seed"],
      "checkpoint.seed_checkpoint /nonexistent/seed does not exist"),
+    (2, ["--parallelism.pipeline_parallel_degree", "1", "--parallelism.pipeline_parallel_stages_per_rank", "2"],
+     "pipeline_parallel_stages_per_rank > 1 needs pipeline_parallel_degree > 1"),
+    (4, ["--training.seq_len", "4096"], "training.seq_len = 4096 exceeds model.max_seq_len = 512"),
+    (4, ["--training.local_batch_size", "0"], "training.local_batch_size = 0; it must be >= 1"),
+    (4, ["--finetune.mode", "sft"], "finetune.mode = 'sft'; this version supports none"),
 ])
 def test_layout_validation_errors(world, overrides, message, tmp_path):
     env = {**_env(), "WORLD_SIZE": str(world)}
