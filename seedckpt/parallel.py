@@ -23,6 +23,10 @@ from seedckpt.stages import split_layers
 
 
 
+# Zero-bubble schedules run backward as separate input-grad and weight-grad passes.
+SPLIT_BACKWARD_SCHEDULES = {"ZBVZeroBubble", "InterleavedZeroBubble", "DualPipeV"}
+
+
 def _check_ranges(cfg: JobConfig) -> None:
     """Values that would otherwise fail deep inside a run (or silently train nothing)."""
     train, par = cfg.training, cfg.parallelism
@@ -97,6 +101,10 @@ class ParallelDims:
             if not single and par.pipeline_parallel_stages_per_rank < 2:
                 raise SeedckptError(f"{par.pipeline_parallel_schedule} runs several stages per rank; set "
                                     "parallelism.pipeline_parallel_stages_per_rank = 2")
+            if par.pipeline_parallel_schedule in SPLIT_BACKWARD_SCHEDULES and cfg.activation_checkpoint.mode != "none":
+                raise SeedckptError(f"{par.pipeline_parallel_schedule} splits backward into input and weight "
+                                    "passes, which activation checkpointing does not support (torch 2.13); set "
+                                    "activation_checkpoint.mode = none or use Interleaved1F1B")
             microbatches = dims.microbatches(cfg)
             if microbatches < pp:
                 raise SeedckptError(f"pipeline_parallel_microbatches = {microbatches} is less than the "

@@ -55,9 +55,16 @@ LAYOUTS = {
                             "--parallelism.pipeline_parallel_microbatches", "2"]),
     "pp2_grad_accumulation": (2, ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4",
                                   "--parallelism.pipeline_parallel_microbatches", "2"]),
-    "pp2_interleaved": (2, ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "8",
-                            "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
-                            "--parallelism.pipeline_parallel_stages_per_rank", "2"]),
+    "hsdp_2x2_selective_ac": (4, ["--parallelism.pipeline_parallel_degree", "1", "--training.local_batch_size", "2",
+                                  "--parallelism.data_parallel_replicate_degree", "2",
+                                  "--activation_checkpoint.mode", "selective"]),
+    "pp2_zbv": (2, ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "8",
+                    "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble",
+                    "--parallelism.pipeline_parallel_stages_per_rank", "2"]),
+    "pp2_interleaved_full_ac": (2, ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "8",
+                                    "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+                                    "--parallelism.pipeline_parallel_stages_per_rank", "2",
+                                    "--activation_checkpoint.mode", "full"]),
 }
 
 
@@ -147,6 +154,8 @@ def test_sigkill_while_writing_leaves_previous_step_loadable(tmp_path, debug_see
     (4, ["--training.seq_len", "4096"], "training.seq_len = 4096 exceeds model.max_seq_len = 512"),
     (4, ["--training.local_batch_size", "0"], "training.local_batch_size = 0; it must be >= 1"),
     (4, ["--finetune.mode", "sft"], "finetune.mode = 'sft'; this version supports none"),
+    (4, ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", "--parallelism.pipeline_parallel_stages_per_rank",
+         "2", "--activation_checkpoint.mode", "full"], "which activation checkpointing does not support"),
 ])
 def test_layout_validation_errors(world, overrides, message, tmp_path):
     env = {**_env(), "WORLD_SIZE": str(world)}
