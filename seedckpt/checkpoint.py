@@ -152,7 +152,7 @@ class StreamingFileSystemWriter(FileSystemWriter):
                     results.append(WriteResult(index=item.index, size_in_bytes=length,
                                                storage_data=_StorageInfo(file_name, offset, length)))
                     del data
-                    _start_writeback(stream, offset, length)
+                    start_writeback(stream, offset, length)
                 stream.flush()
                 os.fsync(stream.fileno())
         finally:
@@ -196,7 +196,7 @@ class LazySavePlanner(DefaultSavePlanner):
         return self.produce(write_item.index.fqn, chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0]).to(dtype)
 
 
-def _start_writeback(stream, offset: int, length: int) -> None:
+def start_writeback(stream, offset: int, length: int) -> None:
     """Push the bytes just written towards the disk now, not all at the final fsync.
 
     ``POSIX_FADV_DONTNEED`` starts asynchronous writeback of the range (and lets the kernel drop

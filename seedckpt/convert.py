@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from seedckpt.checkpoint import (LazySavePlanner, TensorInfo, atomic_output, dtype_name, make_manifest, write_checkpoint,
-                                 write_json_synced)
+from seedckpt.checkpoint import (LazySavePlanner, TensorInfo, atomic_output, dtype_name, make_manifest, start_writeback,
+                                 write_checkpoint, write_json_synced)
 from seedckpt.config import DTYPES
 from seedckpt.errors import SeedckptError
 from seedckpt.formats import MANIFEST_KEY, SAFETENSORS_DTYPES, Source, open_source
@@ -83,7 +83,9 @@ def write_safetensors(path: Path, infos: dict[str, TensorInfo], read, metadata: 
             tensor = tensor.to(infos[name].dtype).contiguous()
             if tuple(tensor.shape) != infos[name].shape:
                 raise SeedckptError(f"{name}: read shape {list(tensor.shape)}, expected {list(infos[name].shape)}")
+            offset = f.tell()
             f.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
+            start_writeback(f, offset, infos[name].nbytes)
             on_tensor(infos[name].nbytes)
             del tensor
         f.flush()
