@@ -70,9 +70,14 @@ LAYOUTS = {
 
 def test_loss_parity_across_layouts(tmp_path, debug_seed):
     torchrun(tmp_path / "single", debug_seed, 1, "--parallelism.pipeline_parallel_degree", "1",
-             "--training.local_batch_size", "8")
+             "--training.local_batch_size", "8", "--profiling.steps", "2")
     reference = losses(tmp_path / "single")
     assert len(reference) == 10
+    records = [json.loads(line) for line in (tmp_path / "single" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 11))
+    for r in records:  # the run-output contract (DESIGN.md): these fields, with sane values
+        assert r["tokens_per_s"] > 0 and r["step_time_s"] > 0 and r["peak_mem_bytes"] > 100 * 2**20
+    assert json.loads((tmp_path / "single" / "traces" / "step-2-rank0.json").read_text())["traceEvents"]
     assert reference[-1] < reference[0] - 1.0 and reference[-1] < math.log(512)  # it learns
     for name, (nproc, overrides) in LAYOUTS.items():
         torchrun(tmp_path / name, debug_seed, nproc, *overrides)
