@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from seedckpt.modules import copy_full_into, state_tensors
+from seedckpt.modules import copy_full_into, local, local_rows, state_tensors
 
 CHUNK_NUMEL = 1 << 20
 RECIPE_VERSION = "seedckpt-init-v1"
@@ -89,20 +89,22 @@ class InitSpec:
 
 def generate(spec: InitSpec, shape: torch.Size | tuple, seed: int, fqn: str) -> torch.Tensor:
     """The full fp32 tensor for ``fqn``, on CPU."""
-    return generate_flat(spec, seed, fqn, 0, math.prod(shape)).view(shape)
+    numel = math.prod(shape)
+    return generate_flat(spec, seed, fqn, numel, 0, numel).view(shape)
 
 
-def generate_flat(spec: InitSpec, seed: int, fqn: str, start: int, stop: int) -> torch.Tensor:
-    """Elements ``[start, stop)`` of the flattened fp32 tensor ``fqn``.
+def generate_flat(spec: InitSpec, seed: int, fqn: str, numel: int, start: int, stop: int) -> torch.Tensor:
+    """Elements ``[start, stop)`` of the flattened fp32 tensor ``fqn`` of ``numel`` elements.
 
-    Only the generator chunks that overlap the range are drawn; a range on chunk boundaries
-    wastes nothing, which is how the streaming seed writer cuts its items.
+    Only the generator chunks that overlap the range are drawn, each over its full length (a
+    chunk's values depend on its length, so the last chunk ends at ``numel``, never at ``stop``); a
+    range on chunk boundaries wastes nothing, which is how the streaming seed writer cuts blocks.
     """
     if stop <= start:
         return torch.empty(0)
     first, last = start // CHUNK_NUMEL, (stop - 1) // CHUNK_NUMEL
     base = first * CHUNK_NUMEL
-    out = torch.empty(min(stop, (last + 1) * CHUNK_NUMEL) - base, dtype=torch.float32)
+    out = torch.empty(min(numel, (last + 1) * CHUNK_NUMEL) - base, dtype=torch.float32)
     for chunk in range(first, last + 1):
         part = out[(chunk - first) * CHUNK_NUMEL:(chunk - first + 1) * CHUNK_NUMEL]
         spec.fill_chunk(part, None if spec.kind == "ones" else chunk_generator(seed, fqn, chunk))
@@ -146,7 +148,13 @@ class Initializer:
         self.specs[fqn] = spec
         if self.materialize:
             with torch.no_grad():
-                copy_full_into(tensor, generate(spec, tensor.shape, self.seed, fqn))
+                rows = local_rows(tensor)
+                if rows is None:  # not a row block of the full tensor: generate whole, keep our part
+                    copy_full_into(tensor, generate(spec, tensor.shape, self.seed, fqn))
+                else:  # an FSDP row shard: draw only its own rows (the chunked RNG allows any range)
+                    width = math.prod(tensor.shape[1:])
+                    block = generate_flat(spec, self.seed, fqn, tensor.numel(), rows[0] * width, rows[1] * width)
+                    local(tensor).copy_(block.view(rows[1] - rows[0], *tensor.shape[1:]))
 
 
 def init_model(module: nn.Module, seed: int, materialize: bool = True) -> dict[str, InitSpec]:

@@ -42,3 +42,14 @@ def copy_full_into(tensor: torch.Tensor, full: torch.Tensor) -> None:
         full = distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None).to_local()
         tensor = tensor.to_local()
     tensor.copy_(full)
+
+
+def local_rows(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """``(start, stop)`` rows of the full tensor that this rank's shard holds, when the shard is a
+    block of whole rows (FSDP2's dim-0 sharding); ``None`` otherwise, or for a plain tensor."""
+    if not isinstance(tensor, DTensor) or tensor.dim() == 0:
+        return None
+    [chunk] = tensor.__create_chunk_list__()  # what DCP uses to locate a shard
+    if any(chunk.offsets[1:]) or tuple(chunk.sizes[1:]) != tuple(tensor.shape[1:]):
+        return None
+    return chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0]

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from models.llama import Transformer
-from seedckpt.init import CHUNK_NUMEL, Initializer, InitSpec, chunk_generator, generate, init_model
+from seedckpt.init import CHUNK_NUMEL, Initializer, InitSpec, chunk_generator, generate, generate_flat, init_model
 from seedckpt.stages import StageSpec, build_stage_model
 from tests.conftest import tiny_config
 
@@ -74,6 +74,9 @@ def test_chunked_generation_is_independent_per_chunk():
         part = torch.empty(min(CHUNK_NUMEL, numel - c * CHUNK_NUMEL))
         spec.fill_chunk(part, chunk_generator(0, "x", c))
         assert torch.equal(part, whole[c * CHUNK_NUMEL:(c + 1) * CHUNK_NUMEL])
+    # Any sub-range, aligned or not, equals the slice of the whole tensor.
+    for start, stop in ((5, 17), (CHUNK_NUMEL - 3, CHUNK_NUMEL + 9), (CHUNK_NUMEL + 1, numel - 1), (numel - 7, numel)):
+        assert torch.equal(generate_flat(spec, 0, "x", numel, start, stop), whole[start:stop]), (start, stop)
     # The shape does not matter, only the flat element order.
     assert torch.equal(generate(spec, (numel,), 0, "x"), generate(spec, (1, numel), 0, "x").view(-1))
 

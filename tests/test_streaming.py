@@ -48,6 +48,22 @@ def test_streaming_seed_equals_naive_full_model_seed(tmp_path):
         assert torch.equal(got[fqn], naive[fqn]), fqn
 
 
+def test_unaligned_blocks_equal_the_naive_seed(tmp_path, monkeypatch):
+    # Blocks far smaller than a generator chunk cannot start on chunk boundaries: every block then
+    # shares a chunk with its neighbours, and must still see exactly the chunk's values.
+    import seedckpt.seed as seed_module
+
+    monkeypatch.setattr(seed_module, "BLOCK_NUMEL", 1000)
+    cfg = tiny_config("--model.n_layers", "1")
+    streamed = create_seed_checkpoint(cfg, tmp_path / "seed", seed=2, progress=False)
+    assert len(CheckpointReader(streamed).metadata.state_dict_metadata["tok_embeddings.weight"].chunks) > 50
+    model = cfg.build_model()
+    init_model(model, seed=2)
+    got = stock_load(streamed)
+    for fqn, t in model.state_dict().items():
+        assert torch.equal(got[fqn], t), fqn
+
+
 def test_fsdp_shard_reads_only_overlapping_blocks(tmp_path):
     cfg = tiny_config("--model.vocab_size", str(4 * BLOCK_NUMEL // 128), "--model.n_layers", "1")
     seed = create_seed_checkpoint(cfg, tmp_path / "seed", seed=0, progress=False)
