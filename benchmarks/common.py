@@ -6,6 +6,7 @@ spawned, so a parent that imported torch (~0.25 GiB) would put a floor under eve
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -19,6 +20,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DISK_TEST_BYTES = 2 << 30
 DISK_BLOCK_BYTES = 64 << 20
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """The options every benchmark takes: ``--flavor`` and ``--out-dir``."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--flavor", default="1B", help="Llama 3 flavor (default: 1B)")
+    p.add_argument("--out-dir", help="where checkpoints are written (default: a temp dir under /tmp, removed at "
+                                     "the end)")
+    return p
 
 
 @contextlib.contextmanager

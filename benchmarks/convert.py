@@ -41,6 +41,7 @@ import math
 import sys
 from pathlib import Path
 
+import common
 from common import emit, measure, output_dir, remove
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -56,10 +57,7 @@ dcp_to_torch_save(sys.argv[1], sys.argv[2])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--flavor", default="1B", help="Llama 3 flavor (default: 1B)")
-    parser.add_argument("--out-dir", help="where checkpoints are written (default: a temp dir under /tmp, "
-                                          "removed at the end)")
+    parser = common.parser(__doc__)
     parser.add_argument("--skip-format-utils", action="store_true",
                         help="do not run format_utils.dcp_to_torch_save (it holds the whole model in RAM)")
     opts = parser.parse_args()

@@ -33,6 +33,7 @@ import argparse
 import sys
 from pathlib import Path
 
+import common
 from common import DISK_TEST_BYTES, disk_write_bandwidth, emit, measure, output_dir, remove
 
 SEED = 0
@@ -56,10 +57,7 @@ dcp.save(state, checkpoint_id=output, no_dist=True)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--flavor", default="1B", help="Llama 3 flavor (default: 1B)")
-    parser.add_argument("--out-dir", help="where checkpoints are written (default: a temp dir under /tmp, "
-                                          "removed at the end)")
+    parser = common.parser(__doc__)
     parser.add_argument("--skip-baseline", action="store_true",
                         help="do not run the naive baseline (for flavors that do not fit in RAM)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
