@@ -406,17 +406,16 @@ def write_checkpoint(path: str | os.PathLike, state_dict: dict, manifest: dict, 
     path = Path(path)
     distributed = dist.is_available() and dist.is_initialized()
     leader = not distributed or dist.get_rank() == 0
-    partial = path.parent / f".{path.name}{PARTIAL_SUFFIX}"
-    if leader:
-        check_destination(path, force)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)  # left by an earlier interrupted write
-    if distributed:
-        dist.barrier()
-    try:
-        with quiet_single_process_dcp():
-            dcp.save(state_dict, storage_writer=StreamingFileSystemWriter(partial, lookahead=lookahead), planner=planner,
-                     no_dist=not distributed)
+    # Only rank 0 prepares, publishes and cleans up; the others just write into the partial dir.
+    with atomic_output(path, force) if leader else contextlib.nullcontext(_partial_of(path)) as partial:
+        if distributed:
+            dist.barrier()  # rank 0 has removed any stale partial directory
+        try:
+            with quiet_single_process_dcp():
+                dcp.save(state_dict, storage_writer=StreamingFileSystemWriter(partial, lookahead=lookahead),
+                         planner=planner, no_dist=not distributed)
+        except CheckpointException as e:  # a BaseException wrapping each rank's failure
+            raise SeedckptError(f"writing {path} failed: {e}") from e
         if leader:
             written = _tensor_infos(SafeFileSystemReader(partial).read_metadata())
             tensors = {fqn: info for fqn, info in written.items() if is_model_key(fqn)}
@@ -424,28 +423,24 @@ def write_checkpoint(path: str | os.PathLike, state_dict: dict, manifest: dict, 
                         "tensors": {fqn: {"shape": list(i.shape), "dtype": dtype_name(i.dtype)}
                                     for fqn, i in tensors.items()}}
             write_json_synced(partial / MANIFEST_NAME, manifest)
-            _publish(partial, path)
-    except BaseException as e:
-        if leader:
-            shutil.rmtree(partial, ignore_errors=True)
-        if isinstance(e, CheckpointException):  # a BaseException wrapping each rank's failure
-            raise SeedckptError(f"writing {path} failed: {e}") from e
-        raise
     if distributed:
         dist.barrier()
     return path
+
+
+def _partial_of(path: Path) -> Path:
+    return path.parent / f".{path.name}{PARTIAL_SUFFIX}"
 
 
 @contextlib.contextmanager
 def atomic_output(path: str | os.PathLike, force: bool = False, directory: bool = True):
     """Yield a hidden ``.NAME.partial`` sibling to write into; publish it as ``NAME`` on success.
 
-    For single-process outputs (conversions). On any error the partial output is removed, so a
-    failed or rejected conversion leaves nothing behind.
+    On any error the partial output is removed, so a failed or rejected write leaves nothing behind.
     """
     path = check_destination(path, force)
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.parent / f".{path.name}{PARTIAL_SUFFIX}"
+    partial = _partial_of(path)
     _remove(partial)
     if directory:
         partial.mkdir()
