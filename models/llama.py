@@ -75,6 +75,9 @@ class ModelArgs:
     rope_theta: float = 500000.0
     rope_scaling: RopeScaling | None = None
     max_seq_len: int = 8192
+    # One matrix for the input embedding and the output projection (Llama-3.2 1B/3B). When a
+    # pipeline puts them on different stages each holds a copy, kept equal by the trainer.
+    tie_word_embeddings: bool = False
 
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):
@@ -168,10 +171,28 @@ def precompute_freqs_cis(args: ModelArgs, device: torch.device | None = None) ->
 
 
 def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs (x0, x1), (x2, x3), ... of ``x`` (bsz, seq, heads, head_dim)."""
+    """Rotate interleaved pairs (x0, x1), (x2, x3), ... of ``x`` (bsz, seq, heads, head_dim).
+
+    ``freqs_cis`` is ``(seq, head_dim // 2)`` (the same positions in every row) or
+    ``(bsz, seq, head_dim // 2)`` (per-row positions, e.g. restarting at each packed document).
+    """
     x_complex = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-    rotated = torch.view_as_real(x_complex * freqs_cis[None, :, None, :]).flatten(3)
+    freqs = freqs_cis[None, :, None, :] if freqs_cis.dim() == 2 else freqs_cis[:, :, None, :]
+    rotated = torch.view_as_real(x_complex * freqs).flatten(3)
     return rotated.type_as(x)
+
+
+def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """``(bsz, 1, seq, seq)`` boolean mask: token i attends to token j <= i of the same document.
+
+    Packing several documents (e.g. chat conversations) into one row needs this so no token sees
+    another document -- with per-document positions the row then computes exactly what the
+    documents would compute one by one.
+    """
+    seqlen = document_ids.shape[1]
+    causal = torch.ones(seqlen, seqlen, dtype=torch.bool, device=document_ids.device).tril()
+    same = document_ids[:, :, None] == document_ids[:, None, :]
+    return (same & causal)[:, None]
 
 
 class Attention(nn.Module):
@@ -191,18 +212,19 @@ class Attention(nn.Module):
             init.trunc_normal_(linear.weight, std=0.02, cutoff=2.0)
         init.trunc_normal_(self.wo.weight, std=self.init_std, cutoff=2.0)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         q = self.wq(x).view(bsz, seqlen, self.n_heads, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
-        freqs_cis = freqs_cis[:seqlen]  # sliced here, with the runtime sequence length
+        if freqs_cis.dim() == 2:
+            freqs_cis = freqs_cis[:seqlen]  # sliced here, with the runtime sequence length
         q, k = apply_rotary_emb(q, freqs_cis), apply_rotary_emb(k, freqs_cis)
         repeats = self.n_heads // self.n_kv_heads
         k = k.repeat_interleave(repeats, dim=2)  # GQA: each kv head serves `repeats` q heads
         v = v.repeat_interleave(repeats, dim=2)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=True)
+                                             attn_mask=mask, is_causal=mask is None)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
@@ -238,8 +260,8 @@ class TransformerBlock(nn.Module):
         init.ones_(self.attention_norm.weight)
         init.ones_(self.ffn_norm.weight)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis)
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -251,8 +273,16 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.tie_weights()
         # On `meta` this allocates nothing; after `to_empty` call `init_buffers()`.
         self.register_buffer("freqs_cis", precompute_freqs_cis(args), persistent=False)
+
+    def tie_weights(self) -> None:
+        """With ``tie_word_embeddings``, make ``output`` use the embedding's parameter when this
+        module holds both. Call again after anything that replaces parameters (``to_empty``)."""
+        if (self.args.tie_word_embeddings and self.tok_embeddings is not None and self.output is not None
+                and self.output.weight is not self.tok_embeddings.weight):
+            self.output.weight = self.tok_embeddings.weight
 
     def init_buffers(self) -> None:
         """Recompute non-persistent buffers on the device the module now lives on."""
@@ -263,14 +293,21 @@ class Transformer(nn.Module):
             init.normal_(self.tok_embeddings.weight, std=1.0)
         if self.norm is not None:
             init.ones_(self.norm.weight)
-        if self.output is not None:
+        if self.output is not None and not self.args.tie_word_embeddings:
             init.trunc_normal_(self.output.weight, std=self.args.dim ** -0.5, cutoff=3.0)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Token ids (or, on a later pipeline stage, hidden states) -> logits (or hidden states)."""
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (or, on a later pipeline stage, hidden states) -> logits (or hidden states).
+
+        ``positions`` (bsz, seq): RoPE position of each token (default ``0..seq-1`` in every row).
+        ``document_ids`` (bsz, seq): tokens attend only within their document (default: one per row).
+        """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        freqs_cis = self.freqs_cis if positions is None else self.freqs_cis[positions]
+        mask = None if document_ids is None else document_causal_mask(document_ids)
         for layer in self.layers.values():
-            h = layer(h, self.freqs_cis)
+            h = layer(h, freqs_cis, mask)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h

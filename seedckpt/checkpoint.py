@@ -39,11 +39,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import (DefaultLoadPlanner, DefaultSavePlanner,
+                                                          create_default_local_load_plan)
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties,
                                                    TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import (LoadPlan, SavePlan, SavePlanner, TensorWriteData, WriteItem,
+                                                  WriteItemType)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
@@ -55,6 +58,7 @@ MANIFEST_NAME = "seedckpt.json"
 FORMAT_VERSION = 1
 PARTIAL_SUFFIX = ".partial"
 TRAINING_STATE_PREFIXES = ("optimizer.", "train_state", "rng.")
+TOKENIZER_DIR = "tokenizer"  # a fine-tuning checkpoint's copy of its tokenizer files
 
 # ModelArgs fields that decide tensor shapes: a config must agree with the checkpoint on these.
 SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden_dim")
@@ -242,10 +246,13 @@ class _KnownMetadataReader(SafeFileSystemReader):
         return self._metadata
 
 
-def check_args_match(saved: ModelArgs, args: ModelArgs, where, flavor: str | None = None) -> None:
-    """The tensor shapes that ``saved`` (from a checkpoint) and ``args`` (from a config) imply agree."""
+def check_args_match(saved: ModelArgs, args: ModelArgs, where, flavor: str | None = None,
+                     grow_vocab: bool = False) -> None:
+    """The tensor shapes that ``saved`` (from a checkpoint) and ``args`` (from a config) imply agree
+    (with ``grow_vocab``, ``args`` may have more vocabulary rows than the checkpoint)."""
     diffs = [f"{f}: checkpoint {getattr(saved, f)!r}, config {getattr(args, f)!r}"
-             for f in SHAPE_FIELDS if getattr(saved, f) != getattr(args, f)]
+             for f in SHAPE_FIELDS if getattr(saved, f) != getattr(args, f)
+             and not (f == "vocab_size" and grow_vocab and saved.vocab_size < args.vocab_size)]
     if diffs:
         made_with = f" (model.flavor={flavor!r})" if flavor else ""
         raise SeedckptError(f"config does not match checkpoint {where} ({'; '.join(diffs)}); use the config it "
@@ -262,10 +269,29 @@ def widens(src: torch.dtype, dst: torch.dtype) -> bool:
     return d.bits > s.bits and d.eps <= s.eps and d.max >= s.max
 
 
-def tensor_problems(fqn: str, info: TensorInfo, wanted: torch.Tensor) -> list[str]:
+@dataclass(frozen=True)
+class RowWindow:
+    """A load destination for rows ``[start, start + len(dest))`` of a checkpoint tensor.
+
+    Used where a rank's tensor is not the checkpoint's tensor or a DTensor shard of it: the rows
+    of a grown vocabulary that exist in the checkpoint, or the whole RoPE heads around an FSDP
+    shard of an HF ``q_proj``. Only these rows are requested from storage.
+    """
+
+    dest: torch.Tensor
+    start: int
+
+
+def tensor_problems(fqn: str, info: TensorInfo, wanted: torch.Tensor | RowWindow) -> list[str]:
     """Why a checkpoint entry cannot fill ``wanted``: a shape mismatch or a lossy dtype change
     (stock ``dcp.load`` would cast silently)."""
-    if info.shape != tuple(wanted.shape):
+    if isinstance(wanted, RowWindow):
+        shape, stop = tuple(wanted.dest.shape), wanted.start + wanted.dest.shape[0]
+        if not info.shape or info.shape[1:] != shape[1:] or stop > info.shape[0]:
+            return [f"{fqn}: rows {wanted.start}..{stop} of shape {list(shape)} do not fit the checkpoint's "
+                    f"shape {list(info.shape)}"]
+        wanted = wanted.dest
+    elif info.shape != tuple(wanted.shape):
         return [f"{fqn}: shape {list(info.shape)} in checkpoint, {list(wanted.shape)} in model"]
     if not widens(info.dtype, wanted.dtype):
         return [f"{fqn}: dtype {dtype_name(info.dtype)} in checkpoint, {dtype_name(wanted.dtype)} in model"]
@@ -275,6 +301,41 @@ def tensor_problems(fqn: str, info: TensorInfo, wanted: torch.Tensor) -> list[st
 def _tensor_infos(metadata: Metadata) -> dict[str, TensorInfo]:
     return {fqn: TensorInfo(tuple(md.size), md.properties.dtype)
             for fqn, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
+
+
+class RowWindowLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner, plus ``RowWindow`` entries: those request only their rows."""
+
+    def __init__(self, state_dict: dict):
+        super().__init__(allow_partial_load=False)
+        self.windows = {k: v for k, v in state_dict.items() if isinstance(v, RowWindow)}
+
+    def create_local_plan(self) -> LoadPlan:
+        plain = {k: v for k, v in self.state_dict.items() if k not in self.windows}
+        plan = create_default_local_load_plan(plain, self.metadata, strict=True)
+        for fqn, window in self.windows.items():
+            offsets = torch.Size([window.start] + [0] * (window.dest.dim() - 1))
+            chunk = ChunkStorageMetadata(offsets, window.dest.shape)
+            plan.items.extend(create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], [chunk]))
+        return plan
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        window = self.windows.get(index.fqn)
+        return window.dest if window is not None else super().lookup_tensor(index)
+
+
+def load_state(state_dict: dict, reader, where) -> None:
+    """``dcp.load`` through ``RowWindowLoadPlanner``; DCP's failures become one ``SeedckptError``.
+
+    Collective across the default process group when one is initialized.
+    """
+    try:
+        with quiet_single_process_dcp():
+            dcp.load(state_dict, storage_reader=reader, planner=RowWindowLoadPlanner(state_dict))
+    except BaseException as e:  # DCP's CheckpointException derives from BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit, SeedckptError)):
+            raise
+        raise SeedckptError(f"reading {where} failed: {e}") from e
 
 
 class CheckpointReader:
@@ -311,11 +372,11 @@ class CheckpointReader:
         except (KeyError, TypeError, ValueError) as e:
             raise SeedckptError(f"{self.path}/{MANIFEST_NAME} is damaged ({e!r})") from None
 
-    def check_model_args(self, args: ModelArgs) -> None:
+    def check_model_args(self, args: ModelArgs, grow_vocab: bool = False) -> None:
         """Fail (before any allocation) if ``args`` does not describe the checkpoint's model."""
         saved = self.model_args()
         if saved is not None:  # a foreign DCP checkpoint: per-tensor checks at load time still apply
-            check_args_match(saved, args, self.path, self.manifest["model"].get("flavor"))
+            check_args_match(saved, args, self.path, self.manifest["model"].get("flavor"), grow_vocab)
 
     def check_covers(self, wanted: dict) -> None:
         """Every wanted tensor is in the checkpoint with the same global shape and a dtype that loads
@@ -324,7 +385,7 @@ class CheckpointReader:
         keys = self.metadata.state_dict_metadata
         problems = []
         for fqn, t in wanted.items():
-            if not isinstance(t, torch.Tensor):  # DCP stores nested containers as "key.sub..." entries
+            if not isinstance(t, (torch.Tensor, RowWindow)):  # DCP stores nested containers as "key.sub..." entries
                 if fqn not in keys and not any(k.startswith(fqn + ".") for k in keys):
                     problems.append(f"{fqn}: missing from checkpoint")
             elif fqn not in have:
@@ -343,19 +404,11 @@ class CheckpointReader:
         return out[fqn]
 
     def load(self, state_dict: dict) -> None:
-        """Load ``state_dict`` in place via DCP; each rank reads only the entries it asks for.
-
-        Collective across the default process group when one is initialized.
-        """
+        """Load ``state_dict`` (tensors, DTensors, ``RowWindow``s, training state) in place via DCP;
+        each rank reads only the entries it asks for. Collective across the default process group
+        when one is initialized."""
         self.check_covers(state_dict)
-        try:
-            with quiet_single_process_dcp():
-                dcp.load(state_dict, storage_reader=SafeFileSystemReader(self.path),
-                         planner=DefaultLoadPlanner(allow_partial_load=False))
-        except BaseException as e:  # DCP's CheckpointException derives from BaseException
-            if isinstance(e, (KeyboardInterrupt, SystemExit, SeedckptError)):
-                raise
-            raise SeedckptError(f"reading {self.path} failed: {e}") from e
+        load_state(state_dict, SafeFileSystemReader(self.path), self.path)
 
 
 @contextlib.contextmanager
@@ -393,7 +446,8 @@ def check_destination(path: str | os.PathLike, force: bool) -> Path:
 
 
 def write_checkpoint(path: str | os.PathLike, state_dict: dict, manifest: dict, force: bool = False,
-                     planner: SavePlanner | None = None, lookahead: int = 4) -> Path:
+                     planner: SavePlanner | None = None, lookahead: int = 4,
+                     files: dict[str, Path] | None = None) -> Path:
     """Write a DCP checkpoint plus manifest to ``path`` atomically.
 
     Collective when a process group is initialized (every rank passes its own entries, e.g. its
@@ -401,7 +455,8 @@ def write_checkpoint(path: str | os.PathLike, state_dict: dict, manifest: dict, 
     rank 0 adds the manifest (with the per-tensor table read back from the written metadata) and
     renames the complete, fsynced directory to ``NAME``. With ``force`` an existing ``NAME`` is
     replaced only after the new one is complete. A custom ``planner`` may produce the data lazily
-    (the seed writer generates each item when the writer asks for it).
+    (the seed writer generates each item when the writer asks for it). ``files`` maps relative
+    names to files that rank 0 copies in before publishing (a fine-tuning run's tokenizer).
     """
     path = Path(path)
     distributed = dist.is_available() and dist.is_initialized()
@@ -423,6 +478,9 @@ def write_checkpoint(path: str | os.PathLike, state_dict: dict, manifest: dict, 
                         "tensors": {fqn: {"shape": list(i.shape), "dtype": dtype_name(i.dtype)}
                                     for fqn, i in tensors.items()}}
             write_json_synced(partial / MANIFEST_NAME, manifest)
+            for name, source in (files or {}).items():
+                (partial / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(source, partial / name)
     if distributed:
         dist.barrier()
     return path

@@ -41,6 +41,7 @@ class Model:
     name: str = "llama3"
     flavor: str = "debug"
     overrides: dict = field(default_factory=dict)  # ModelArgs fields set in [model]
+    given: set = field(default_factory=set)  # keys the user set (fine-tuning checks them against the checkpoint)
 
 
 @dataclass
@@ -89,8 +90,13 @@ class Checkpoint:
 
 @dataclass
 class Data:
-    kind: str = "synthetic"  # synthetic | text
-    path: str = ""  # text: a local UTF-8/bytes file; empty = the built-in corpus
+    kind: str = "synthetic"  # synthetic | text | chat
+    # text: a local text / JSONL {"text": ...} file (empty = the built-in corpus);
+    # chat: JSONL {"messages": [...]} file(s), comma-separated or a directory of *.jsonl
+    path: str = ""
+    tokenizer: str = ""  # a Hugging Face tokenizer directory; empty = byte-level (text only)
+    overflow: str = "truncate"  # chat: a conversation longer than seq_len + 1 tokens is truncated or dropped
+    packing: bool = True  # chat: several conversations per row, attention masked per conversation
 
 
 @dataclass
@@ -106,8 +112,8 @@ class Profiling:
 
 @dataclass
 class Finetune:
-    mode: str = "none"
-    pretrained: str = ""
+    mode: str = "none"  # none | sft
+    pretrained: str = ""  # sft: a DCP checkpoint of ours or a Hugging Face Llama directory
     osft_unfreeze_rank_ratio: float = 0.25
     osft_target_patterns: list = field(default_factory=list)
 
@@ -126,7 +132,10 @@ class JobConfig:
     profiling: Profiling = field(default_factory=Profiling)
 
     def model_args(self) -> ModelArgs:
-        """The flavor's ModelArgs with the ``[model]`` overrides applied."""
+        """The flavor's ModelArgs with the ``[model]`` overrides applied -- or, once fine-tuning has
+        read them from the pretrained checkpoint, those (``pin_model_args``)."""
+        if self._pinned_args is not None:
+            return self._pinned_args
         flavors = _flavors(self.model.name)
         if self.model.flavor not in flavors:
             raise SeedckptError(f"unknown model.flavor {self.model.flavor!r} for {self.model.name}; "
@@ -136,6 +145,11 @@ class JobConfig:
             return ModelArgs.from_dict({**base, **self.model.overrides})
         except (TypeError, ValueError, ZeroDivisionError) as e:
             raise SeedckptError(f"invalid [model] settings: {e}") from None
+
+    _pinned_args: ModelArgs | None = field(default=None, repr=False)
+
+    def pin_model_args(self, args: ModelArgs) -> None:
+        self._pinned_args = args
 
     def build_model(self):
         """The model class for ``model.name`` instantiated with ``model_args()`` (use under a device context)."""
@@ -192,11 +206,13 @@ def parse_overrides(args: typing.Sequence[str]) -> list[tuple[str, str, str]]:
 
 
 def _set(cfg: JobConfig, section: str, key: str, value, source: str, from_text: bool = False) -> None:
-    sections = {f.name: f for f in dataclasses.fields(JobConfig)}
+    sections = {f.name: f for f in dataclasses.fields(JobConfig) if not f.name.startswith("_")}
     if section not in sections:
         raise SeedckptError(f"{source}: unknown section [{section}]{_suggest(section, sections)}")
     target = getattr(cfg, section)
-    fields = {f.name: f for f in dataclasses.fields(target) if f.name != "overrides"}
+    fields = {f.name: f for f in dataclasses.fields(target) if f.name not in ("overrides", "given")}
+    if section == "model":
+        target.given.add(key)
     if section == "model" and key not in fields:
         arg_fields = {f.name: f for f in dataclasses.fields(ModelArgs)}
         if key not in arg_fields:

@@ -6,7 +6,8 @@ Targets:
   one streaming writer.
 * ``hf``: ``model-0000k-of-0000n.safetensors`` shards of at most ``--max-shard-size``, HF names,
   q/k permuted for HF's RoPE, ``model.safetensors.index.json`` and a ``config.json`` that
-  ``transformers`` loads as ``LlamaForCausalLM``.
+  ``transformers`` loads as ``LlamaForCausalLM``. A tied model is written tied (no
+  ``lm_head.weight``), and the tokenizer files a fine-tuning checkpoint carries are copied along.
 * ``safetensors``: one file with our FQNs; the manifest goes into the safetensors metadata.
 * ``torch``: ``torch.save`` of ``{fqn: tensor}`` plus the manifest. ``torch.save`` pickles one
   object, so this target holds the whole model in memory -- prefer safetensors for large models.
@@ -25,12 +26,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-from seedckpt.checkpoint import (LazySavePlanner, TensorInfo, atomic_output, dtype_name, make_manifest, start_writeback,
+from seedckpt.checkpoint import (TOKENIZER_DIR, LazySavePlanner, TensorInfo, atomic_output, dtype_name, make_manifest, start_writeback,
                                  write_checkpoint, write_json_synced)
 from seedckpt.config import DTYPES
 from seedckpt.errors import SeedckptError
@@ -140,6 +142,8 @@ def convert(src: str | Path, dst: str | Path, to: str, dtype: str | None = None,
 def _write_hf(source: Source, dst: Path, infos: dict[str, TensorInfo], dtype: torch.dtype, shard_bytes: int,
               force: bool, bar: Progress) -> Path:
     args = source.args
+    if args.tie_word_embeddings:  # HF stores a tied output once, as the embedding
+        infos = {f: i for f, i in infos.items() if f != "output.weight"}
     shards: list[list[str]] = [[]]
     size = 0
     for fqn, info in infos.items():
@@ -166,6 +170,11 @@ def _write_hf(source: Source, dst: Path, infos: dict[str, TensorInfo], dtype: to
         index = {"metadata": {"total_size": sum(i.nbytes for i in infos.values())}, "weight_map": weight_map}
         write_json_synced(partial / "model.safetensors.index.json", index)
         write_json_synced(partial / "config.json", hf_config(args, dtype))
+        tokenizer = source.path / TOKENIZER_DIR if source.path.is_dir() else None
+        if tokenizer is not None and tokenizer.is_dir():
+            for file in tokenizer.iterdir():
+                if file.is_file() and not file.is_symlink():
+                    shutil.copyfile(file, partial / file.name)
     return dst
 
 

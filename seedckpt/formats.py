@@ -22,15 +22,14 @@ import json
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException, HuggingFaceStorageReader
+from torch.distributed.checkpoint import HuggingFaceStorageReader
 
 from models.llama import ModelArgs, Transformer
-from seedckpt.checkpoint import (PARTIAL_SUFFIX, CheckpointReader, TensorInfo, check_args_match, is_model_key,
-                                 quiet_single_process_dcp, tensor_problems)
+from seedckpt.checkpoint import (PARTIAL_SUFFIX, CheckpointReader, RowWindow, TensorInfo, check_args_match,
+                                 is_model_key, load_state, tensor_problems)
 from seedckpt.errors import SeedckptError
-from seedckpt.hf import args_from_hf_config, from_hf_name, heads_of, permute_from_hf, to_hf_name
-from seedckpt.modules import copy_full_into
+from seedckpt.hf import args_from_hf_config, from_hf_name, heads_of, permute_from_hf
+from seedckpt.modules import local, local_rows
 
 MANIFEST_KEY = "seedckpt_manifest"  # in safetensors metadata and torch.save files we write
 
@@ -151,7 +150,8 @@ class HFSource(Source):
                       and self.location.get(from_hf_name(n), (None, None))[1] != n]
             if absent:
                 raise SeedckptError(f"{index} lists tensors that its files do not contain: {absent[:5]}")
-        if "output.weight" not in infos and "tok_embeddings.weight" in infos:  # tied embeddings
+        tied = args.tie_word_embeddings or "output.weight" not in infos
+        if tied and "tok_embeddings.weight" in infos:  # the output projection is the embedding
             self.location["output.weight"] = self.location["tok_embeddings.weight"]
             infos["output.weight"] = infos["tok_embeddings.weight"]
         super().__init__(path, infos, args, None)
@@ -242,30 +242,63 @@ class HFCheckpointReader:
         self.path = path
         self.source = HFSource(path)
 
-    def check_model_args(self, args: ModelArgs) -> None:
-        check_args_match(self.source.args, args, self.path)
+    def tensors(self) -> dict[str, TensorInfo]:
+        return self.source.infos
 
-    def load(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """DCP's HF reader fills every tensor it can in place (FSDP shards read only their rows);
-        q/k (which need the per-head permutation) and a tied output are read whole and sliced.
-        Lossless casts only (e.g. bf16 weights into fp32 parameters)."""
+    def check_model_args(self, args: ModelArgs, grow_vocab: bool = False) -> None:
+        check_args_match(self.source.args, args, self.path, grow_vocab=grow_vocab)
+
+    def load(self, state_dict: dict) -> None:
+        """Fill ``state_dict`` (our FQNs) through DCP's ``HuggingFaceStorageReader``: each rank
+        requests only its tensors and, for FSDP shards, its rows. ``wq``/``wk`` rows are permuted
+        within each head, so a shard reads the whole heads around its rows and keeps its part.
+        A tied output is read from the embedding. Lossless casts only (bf16 into fp32)."""
         problems = []
-        for fqn, tensor in state_dict.items():
+        for fqn, wanted in state_dict.items():
             info = self.source.infos.get(fqn)
-            problems += [f"{fqn}: missing"] if info is None else tensor_problems(fqn, info, tensor)
+            problems += [f"{fqn}: missing"] if info is None else tensor_problems(fqn, info, wanted)
         if problems:
             raise SeedckptError(f"{self.path} does not cover the model: " + "; ".join(problems))
-        tied = self.source.location.get("output.weight") == self.source.location.get("tok_embeddings.weight")
-        direct = {f: t for f, t in state_dict.items() if heads_of(f, self.source.args) or (tied and f == "output.weight")}
-        through_dcp = {to_hf_name(f): t for f, t in state_dict.items() if f not in direct}
-        try:
-            with quiet_single_process_dcp():
-                dcp.load(through_dcp, storage_reader=HuggingFaceStorageReader(str(self.path)))
-        except CheckpointException as e:  # a BaseException: wrap it like CheckpointReader.load
-            raise SeedckptError(f"reading {self.path} failed: {e}") from e
+        by_name, aliases, permuted = {}, [], []
+        for fqn, wanted in state_dict.items():
+            name = self.source.location[fqn][1]
+            heads = heads_of(fqn, self.source.args)
+            if name in by_name:  # a tied output beside its embedding: the same values
+                if _dest(by_name[name]) is not _dest(wanted):
+                    aliases.append((_dest(wanted), _dest(by_name[name])))
+            elif heads:
+                window = _whole_heads(wanted, heads)
+                if window is not None:
+                    by_name[name] = window
+                    permuted.append((wanted, window, heads))
+            else:
+                by_name[name] = wanted
+        load_state(by_name, HuggingFaceStorageReader(str(self.path)), self.path)
         with torch.no_grad():
-            for fqn, tensor in direct.items():
-                copy_full_into(tensor, self.source.read(fqn))
+            for wanted, window, heads in permuted:
+                head_rows = wanted.shape[0] // heads
+                rows = window.dest.shape[0]
+                lo, hi = local_rows(wanted) or (0, wanted.shape[0])
+                full = permute_from_hf(window.dest, rows // head_rows)
+                local(wanted).copy_(full[lo - window.start:hi - window.start])
+            for dst, src in aliases:
+                dst.copy_(src)
+
+
+def _dest(wanted) -> torch.Tensor:
+    """The local storage a load destination writes into."""
+    return wanted.dest if isinstance(wanted, RowWindow) else local(wanted)
+
+
+def _whole_heads(wanted: torch.Tensor, heads: int) -> RowWindow | None:
+    """A buffer for the whole RoPE heads that this rank's rows of ``wanted`` fall in (None: no rows)."""
+    lo, hi = local_rows(wanted) or (0, wanted.shape[0])
+    if hi <= lo:
+        return None
+    head_rows = wanted.shape[0] // heads
+    first, last = lo // head_rows, -(-hi // head_rows)
+    buffer = torch.empty(((last - first) * head_rows, *wanted.shape[1:]), dtype=wanted.dtype)
+    return RowWindow(buffer, first * head_rows)
 
 
 def open_checkpoint(path: str | Path) -> CheckpointReader | HFCheckpointReader:

@@ -93,7 +93,7 @@ def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict:
         "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim, "vocab_size": args.vocab_size,
         "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta, "rope_scaling": scaling,
         "max_position_embeddings": args.max_seq_len, "hidden_act": "silu", "attention_bias": False,
-        "mlp_bias": False, "tie_word_embeddings": False, "initializer_range": 0.02,
+        "mlp_bias": False, "tie_word_embeddings": args.tie_word_embeddings, "initializer_range": 0.02,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
 
@@ -121,7 +121,8 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
                          # multiple_of = intermediate_size reproduces it exactly from our formula
                          multiple_of=hidden, ffn_dim_multiplier=None if base <= hidden else hidden / base,
                          norm_eps=cfg.get("rms_norm_eps", 1e-5), rope_theta=float(theta), rope_scaling=scaling,
-                         max_seq_len=cfg.get("max_position_embeddings", 8192))
+                         max_seq_len=cfg.get("max_position_embeddings", 8192),
+                         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)))
     except KeyError as e:
         raise SeedckptError(f"config.json lacks {e.args[0]!r}; is it a Llama config?") from None
     if args.ffn_hidden_dim != hidden:
@@ -131,7 +132,8 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
         return args
     canonical = LLAMA3_FLAVORS[name]  # prefer the canonical spelling of a known shape
     return ModelArgs(**{**canonical.to_dict(), "norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
-                        "rope_scaling": args.rope_scaling, "max_seq_len": args.max_seq_len})
+                        "rope_scaling": args.rope_scaling, "max_seq_len": args.max_seq_len,
+                        "tie_word_embeddings": args.tie_word_embeddings})
 
 
 def flavor_of(args: ModelArgs) -> str | None:

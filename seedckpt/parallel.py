@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -19,8 +20,8 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 
 from seedckpt.config import DTYPES, JobConfig
 from seedckpt.errors import SeedckptError
+from seedckpt.modules import local
 from seedckpt.stages import split_layers
-
 
 
 # Zero-bubble schedules run backward as separate input-grad and weight-grad passes.
@@ -47,11 +48,14 @@ def _check_ranges(cfg: JobConfig) -> None:
                "parallelism.fsdp_reshard_after_forward": (par.fsdp_reshard_after_forward,
                                                           ("default", "always", "never")),
                "parallelism.fsdp_impl": (par.fsdp_impl, ("fsdp2",)),
-               "finetune.mode": (cfg.finetune.mode, ("none",)),
-               "data.kind": (cfg.data.kind, ("synthetic", "text"))}
+               "data.kind": (cfg.data.kind, ("synthetic", "text", "chat")),
+               "data.overflow": (cfg.data.overflow, ("truncate", "drop"))}
     for key, (value, allowed) in choices.items():
         if value not in allowed:
             raise SeedckptError(f"{key} = {value!r}; this version supports {', '.join(sorted(allowed))}")
+    if cfg.data.kind == "chat" and not cfg.data.tokenizer:
+        raise SeedckptError("data.kind = 'chat' needs data.tokenizer: a Hugging Face tokenizer directory with a "
+                            "chat template (tokenizer.json + tokenizer_config.json)")
 
 
 @dataclass(frozen=True)
@@ -162,3 +166,43 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
 def reshard_after_forward(policy: str, pp: int) -> bool:
     """``default``: reshard unless pipelining, where each microbatch would re-gather the weights."""
     return pp == 1 if policy == "default" else policy == "always"
+
+
+class TiedEmbeddings:
+    """Tied input embedding and output projection when a pipeline puts them on different stages.
+
+    Megatron's scheme: the first stage's ``tok_embeddings.weight`` and the last stage's
+    ``output.weight`` are two copies, loaded with the same values; after every backward both get
+    the *sum* of their gradients (all-reduced between the two pipeline ranks of the same data-
+    parallel coordinate, or added locally when one rank holds both stages, as V schedules do), so
+    identical AdamW steps keep them bitwise equal. ``duplicates`` (the output copies) are left out
+    of the gradient norm, which would otherwise count the shared gradient twice. With both on one
+    stage the model shares a single parameter and nothing here is needed.
+    """
+
+    def __init__(self, modules, specs, mesh: DeviceMesh, pp_degree: int, stage_owner):
+        self.copies = ([m.tok_embeddings.weight for m, s in zip(modules, specs) if s.is_first]
+                       + [m.output.weight for m, s in zip(modules, specs) if s.is_last])
+        self.duplicates = [m.output.weight for m, s in zip(modules, specs) if s.is_last]
+        num_stages = specs[0].num_stages
+        first, last = stage_owner(0), stage_owner(num_stages - 1)
+        self.group = None
+        if first != last:  # one group per data-parallel coordinate: {its first-stage rank, its last-stage rank}
+            ranks = mesh.mesh.reshape(pp_degree, -1)
+            for column in range(ranks.shape[1]):
+                pair = [int(ranks[first, column]), int(ranks[last, column])]
+                group = dist.new_group(pair)
+                if dist.get_rank() in pair:
+                    self.group = group
+
+    def sync_grads(self) -> None:
+        grads = [local(p.grad) for p in self.copies if p.grad is not None]
+        if not grads:
+            return
+        total = grads[0].clone()
+        for g in grads[1:]:
+            total += g
+        if self.group is not None:
+            dist.all_reduce(total, group=self.group)
+        for g in grads:
+            g.copy_(total)

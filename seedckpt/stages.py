@@ -8,7 +8,9 @@ is an ``nn.ModuleDict``, so surviving layers keep their FQNs) and ``tok_embeddin
 2. ``to_empty`` on the target device, and every floating tensor is poisoned with NaN;
 3. non-persistent buffers are recomputed by the modules' ``init_buffers()``;
 4. parameters and persistent buffers are loaded by FQN through DCP (each rank reads only the
-   tensors it owns) -- or, for direct init, filled by ``seedckpt.init``;
+   tensors it owns) -- or, for direct init, filled by ``seedckpt.init``. Fine-tuning may grow the
+   vocabulary: the checkpoint's rows are loaded and every new row is set to the mean of the old
+   ones (Mini Trainer's rule), computed across the FSDP shards;
 5. ``verify_initialized`` scans every local tensor: any NaN poison left means some tensor was
    never written, and the run stops with the list of FQNs.
 
@@ -21,16 +23,21 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from models.llama import ModelArgs, Transformer
+from seedckpt.checkpoint import RowWindow
 from seedckpt.formats import open_checkpoint
 from seedckpt.errors import SeedckptError
 from seedckpt.init import init_model
-from seedckpt.modules import local, nonpersistent_buffers, state_tensors
+from seedckpt.modules import local, local_rows, nonpersistent_buffers, state_tensors
 
 # Schedules whose stages are placed in a "V": rank r holds stages r and 2*pp - 1 - r.
 V_SCHEDULES = {"ZBVZeroBubble", "DualPipeV"}
+# Tensors with one row per vocabulary entry.
+VOCAB_FQNS = ("tok_embeddings.weight", "output.weight")
 
 
 @dataclass(frozen=True)
@@ -130,6 +137,8 @@ def materialize(modules: Sequence[nn.Module], device: torch.device | str) -> Non
     """``to_empty`` + NaN poison + recompute non-persistent buffers, verifying the recompute."""
     for module in modules:
         module.to_empty(device=device)
+        if hasattr(module, "tie_weights"):  # to_empty replaces parameters one module at a time
+            module.tie_weights()
         derived = nonpersistent_buffers(module)
         with torch.no_grad():
             for fqn, t in {**state_tensors(module), **derived}.items():
@@ -155,6 +164,33 @@ def verify_initialized(modules: Sequence[nn.Module]) -> None:
         raise SeedckptError(f"tensors left uninitialized (or NaN in the checkpoint): {bad}")
 
 
+def _checkpoint_rows(tensor: torch.Tensor, old_rows: int) -> RowWindow | None:
+    """The part of this rank's rows of ``tensor`` that exists in a checkpoint with ``old_rows`` rows."""
+    lo, hi = local_rows(tensor) or (0, tensor.shape[0])
+    keep = min(hi, old_rows) - lo
+    return RowWindow(local(tensor)[:keep], lo) if keep > 0 else None
+
+
+def _fill_new_rows_with_mean(tensors, old_rows: int) -> None:
+    """Rows ``>= old_rows`` := the mean of rows ``< old_rows``. Each rank sums the old rows it holds
+    (in float64) and the sums are all-reduced over the mesh dimensions that shard the rows, so a
+    rank holding only new rows gets the same mean as everyone else."""
+    seen = set()
+    with torch.no_grad():
+        for tensor in tensors:
+            if id(tensor) in seen:  # tied: embedding and output are one parameter
+                continue
+            seen.add(id(tensor))
+            lo, hi = local_rows(tensor) or (0, tensor.shape[0])
+            rows = local(tensor)
+            total = rows[:max(0, min(hi, old_rows) - lo)].double().sum(0)
+            if isinstance(tensor, DTensor):
+                for dim, placement in enumerate(tensor.placements):
+                    if isinstance(placement, Shard):
+                        dist.all_reduce(total, group=tensor.device_mesh.get_group(dim))
+            rows[max(0, old_rows - lo):] = (total / old_rows).to(rows.dtype)
+
+
 def _has_nan(t: torch.Tensor) -> bool:
     t = local(t)
     return (t.is_floating_point() or t.is_complex()) and bool(torch.isnan(t).any())
@@ -162,19 +198,24 @@ def _has_nan(t: torch.Tensor) -> bool:
 
 def build_stages(args: ModelArgs, specs: Sequence[StageSpec], device: torch.device | str,
                  checkpoint: str | None = None, seed: int | None = None,
-                 shard_fn: Callable[[nn.Module], None] | None = None) -> list[Transformer]:
+                 shard_fn: Callable[[nn.Module], None] | None = None, grow_vocab: bool = False) -> list[Transformer]:
     """Build this rank's stage modules and give every tensor a value.
 
     Exactly one of ``checkpoint`` (load by FQN, the normal path: a DCP checkpoint or a Hugging Face
     Llama directory) or ``seed`` (direct per-rank init, bitwise equal to loading the seed made with
     that seed) must be given. The checkpoint is checked against ``args`` before anything is
     allocated. ``shard_fn`` (e.g. activation checkpointing + FSDP2) is applied on ``meta``.
+    ``grow_vocab``: ``args.vocab_size`` may exceed the checkpoint's; the new rows get the mean of
+    the checkpoint's rows (collective over the FSDP shards of the first and last stages).
     """
     if (checkpoint is None) == (seed is None):
         raise ValueError("give exactly one of checkpoint= or seed=")
+    if seed is not None and args.tie_word_embeddings:
+        raise SeedckptError("tied embeddings cannot be initialized from scratch here (their copies on two "
+                            "pipeline stages would differ); start from a pretrained checkpoint")
     reader = open_checkpoint(checkpoint) if checkpoint is not None else None
     if reader is not None:
-        reader.check_model_args(args)
+        reader.check_model_args(args, grow_vocab)
     modules = [build_stage_model(args, spec) for spec in specs]
     if shard_fn is not None:
         for module in modules:
@@ -184,7 +225,14 @@ def build_stages(args: ModelArgs, specs: Sequence[StageSpec], device: torch.devi
         state = {}
         for module in modules:
             state.update(module.state_dict())
+        old_vocab = reader.tensors()["tok_embeddings.weight"].shape[0] if grow_vocab else args.vocab_size
+        grown = {fqn: state.pop(fqn) for fqn in VOCAB_FQNS if fqn in state and old_vocab < args.vocab_size}
+        for fqn, tensor in grown.items():
+            window = _checkpoint_rows(tensor, old_vocab)
+            if window is not None:  # else this shard holds only new rows
+                state[fqn] = window
         reader.load(state)
+        _fill_new_rows_with_mean(grown.values(), old_vocab)
     else:
         for module in modules:
             init_model(module, seed)

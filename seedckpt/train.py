@@ -1,16 +1,19 @@
-"""Pretraining: pipeline parallel x FSDP2 on a ``(pp, dp_replicate, dp_shard)`` mesh.
+"""Pretraining and SFT: pipeline parallel x FSDP2 on a ``(pp, dp_replicate, dp_shard)`` mesh.
 
 One run, end to end:
 
-1. validate the layout (``ParallelDims``) before touching a process group;
+1. validate the layout (``ParallelDims``), the fine-tuning set-up and the data before touching a
+   process group;
 2. pick the start: the newest complete ``checkpoint.folder/step-N``, else
-   ``checkpoint.seed_checkpoint`` (which must exist -- a run never silently starts from random);
-3. build this rank's stage(s) through ``stages.build_stages`` -- the same load path for seed and
-   resume -- with activation checkpointing and FSDP2 applied on ``meta``;
+   ``finetune.pretrained`` for SFT, else ``checkpoint.seed_checkpoint`` (which must exist -- a run
+   never silently starts from random);
+3. build this rank's stage(s) through ``stages.build_stages`` -- the same load path for seed,
+   pretrained weights and resume -- with activation checkpointing and FSDP2 applied on ``meta``;
 4. for a resume, load optimizer, LR schedule and RNG from the same checkpoint;
 5. each step: the global batch for that step (same for every layout), this DP rank's slice,
    forward/backward through the pipeline schedule (or directly when pp = 1), clip by the global
-   gradient norm across PP and DP, AdamW, LR schedule, telemetry;
+   gradient norm across PP and DP, AdamW, LR schedule, telemetry. The loss is the mean over the
+   global batch's label tokens (chat data masks all but the assistant's), whatever the layout;
 6. every ``checkpoint.interval`` steps (and at the end) write ``step-N`` atomically and keep the
    newest ``keep_latest_k``.
 """
@@ -37,15 +40,17 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.distributed.tensor import DTensor
 
-from seedckpt.checkpoint import (CheckpointReader, complete_steps, make_manifest, prune_steps, step_dir,
-                                 write_checkpoint)
+from seedckpt.checkpoint import (TOKENIZER_DIR, CheckpointReader, complete_steps, make_manifest, prune_steps,
+                                 step_dir, write_checkpoint)
 from seedckpt.config import JobConfig, load_config
-from seedckpt.data import make_dataset
+from seedckpt.data import IGNORE_INDEX, make_dataset
 from seedckpt.errors import SeedckptError
+from seedckpt.finetune import prepare_finetune
 from seedckpt.metrics import MetricsLogger, peak_memory_bytes
-from seedckpt.parallel import (DTYPES, ParallelDims, apply_activation_checkpointing, apply_fsdp,
+from seedckpt.parallel import (DTYPES, ParallelDims, TiedEmbeddings, apply_activation_checkpointing, apply_fsdp,
                                reshard_after_forward)
-from seedckpt.stages import build_stages, plan_rank_stages
+from seedckpt.stages import build_stages, plan_rank_stages, stage_ids_for_rank
+from seedckpt.tokenizer import load_tokenizer, tokenizer_files
 
 OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -53,7 +58,8 @@ OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 @dataclass
 class Start:
     path: Path
-    step: int  # 0 when starting from the seed
+    step: int  # 0 when starting from the seed or the pretrained weights
+    pretrained: bool = False  # fine-tuning's first start: the vocabulary may grow
 
 
 def find_start(cfg: JobConfig) -> Start:
@@ -61,6 +67,8 @@ def find_start(cfg: JobConfig) -> Start:
     if steps:
         newest = max(steps)
         return Start(steps[newest], newest)
+    if cfg.finetune.mode != "none":
+        return Start(Path(cfg.finetune.pretrained), 0, pretrained=True)
     seed = cfg.checkpoint.seed_checkpoint
     if not seed:
         raise SeedckptError("no checkpoint to start from: set checkpoint.seed_checkpoint (create it with "
@@ -81,9 +89,11 @@ def warmup_cosine(warmup: int, total: int):
     return factor
 
 
-def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, pp_group) -> torch.Tensor:
-    """Clip by the norm over *all* gradients of the model: DP shards and pipeline stages."""
-    grads = [p.grad for p in params if p.grad is not None]
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, pp_group, duplicates=()) -> torch.Tensor:
+    """Clip by the norm over *all* gradients of the model: DP shards and pipeline stages
+    (``duplicates``: copies of a tied parameter, counted once through the original)."""
+    skip = {id(p) for p in duplicates}
+    grads = [p.grad for p in params if p.grad is not None and id(p) not in skip]
     norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
     if isinstance(norm, DTensor):  # partial over the FSDP mesh -> reduce to the full norm
         norm = norm.full_tensor()
@@ -97,7 +107,7 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, pp_group) -> to
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig, start: Start | None = None):
+    def __init__(self, cfg: JobConfig, start: Start | None = None, data=None):
         self.cfg = cfg
         self.rank, world = dist.get_rank(), dist.get_world_size()
         self.dims = ParallelDims.from_config(cfg, world)
@@ -111,18 +121,21 @@ class Trainer:
         self.specs = plan_rank_stages(self.args, self.pp_rank, self.dims.pp, par.pipeline_parallel_stages_per_rank,
                                       par.pipeline_parallel_schedule, par.pipeline_parallel_split_points)
         self.accum = self.dims.accumulation_steps(cfg)
-        # Every micro-batch loss is divided by the number of micro-batches in the step, so the
-        # summed gradients are the global-batch mean.
-        self.loss_divisor = self.accum * (self.dims.microbatches(cfg) if self.dims.pp > 1 else 1)
+        # Set each step: micro-batch losses are token sums times loss_scale = dp / (label tokens in
+        # the global batch), so what FSDP averages over DP ranks is the global per-token mean.
+        self.loss_scale = 1.0
         self.global_batch = self.dims.global_batch_size(cfg)
-        self.data = make_dataset(cfg.data.kind, cfg.data.path, self.args.vocab_size, train.seq_len, train.seed)
+        self.data = data or make_dataset(cfg.data, self.args.vocab_size, train.seq_len, train.seed)
 
         start = start or find_start(cfg)
-        self.log(f"{'resuming from' if start.step else 'starting from seed checkpoint'} {start.path} "
-                 f"(step {start.step}); mesh pp={self.dims.pp} dp_replicate={self.dims.dp_replicate} "
-                 f"dp_shard={self.dims.dp_shard} on {self.device.type}; data: {self.data.description}")
+        origin = ("resuming from" if start.step else "starting from pretrained" if start.pretrained
+                  else "starting from seed checkpoint")
+        self.log(f"{origin} {start.path} (step {start.step}); mesh pp={self.dims.pp} "
+                 f"dp_replicate={self.dims.dp_replicate} dp_shard={self.dims.dp_shard} on {self.device.type}; "
+                 f"data: {self.data.description}")
         self.modules = build_stages(self.args, self.specs, self.device, checkpoint=start.path,
-                                    shard_fn=self._parallelize)
+                                    shard_fn=self._parallelize, grow_vocab=start.pretrained)
+        self.tied = self._tie_across_stages()
         self.optimizers = [torch.optim.AdamW(m.parameters(), lr=train.lr, betas=(0.9, 0.95), weight_decay=0.1)
                            for m in self.modules]
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, warmup_cosine(train.warmup_steps, train.steps))
@@ -143,6 +156,14 @@ class Trainer:
             apply_fsdp(module, mesh, DTYPES[train.mixed_precision_param], DTYPES[train.mixed_precision_reduce],
                        reshard_after_forward(par.fsdp_reshard_after_forward, self.dims.pp))
 
+    def _tie_across_stages(self) -> TiedEmbeddings | None:
+        par = self.cfg.parallelism
+        if not self.args.tie_word_embeddings or self.dims.pp == 1:
+            return None
+        owner = {s: r for r in range(self.dims.pp) for s in stage_ids_for_rank(
+            r, self.dims.pp, par.pipeline_parallel_stages_per_rank, par.pipeline_parallel_schedule)}
+        return TiedEmbeddings(self.modules, self.specs, self.mesh, self.dims.pp, owner.__getitem__)
+
     def _build_pipeline(self):
         par = self.cfg.parallelism
         group = self.mesh["pp"].get_group()
@@ -157,8 +178,11 @@ class Trainer:
         return schedule(stages, n_microbatches=n_micro, loss_fn=self._loss, scale_grads=False)
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean token cross-entropy of one micro-batch, pre-scaled so gradients sum to the step mean."""
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()) / self.loss_divisor
+        """Summed token cross-entropy of one micro-batch, scaled so the gradients add up to the
+        global batch's per-token mean (micro-batches hold different numbers of label tokens)."""
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction="sum")
+        return loss * self.loss_scale
 
     # -- checkpoint state beyond the weights ----------------------------------------------------
     def _training_state(self) -> dict:
@@ -190,37 +214,45 @@ class Trainer:
             state.update(module.state_dict())
         state.update(self._training_state())
         ckpt = self.cfg.checkpoint
+        ft, tokenizer = self.cfg.finetune, self.cfg.data.tokenizer
         manifest = make_manifest("train", self.cfg.model.name, self.cfg.model.flavor, self.args,
-                                 step=self.step, seed=self.cfg.training.seed, dtype="float32")
-        path = write_checkpoint(step_dir(ckpt.folder, self.step), state, manifest, force=True)
+                                 step=self.step, seed=self.cfg.training.seed, dtype="float32",
+                                 finetune={"mode": ft.mode, "pretrained": ft.pretrained})
+        files = {f"{TOKENIZER_DIR}/{f.name}": f for f in tokenizer_files(tokenizer)} if tokenizer else {}
+        path = write_checkpoint(step_dir(ckpt.folder, self.step), state, manifest, force=True, files=files)
         if self.rank == 0:
             prune_steps(ckpt.folder, ckpt.keep_latest_k)
         self.log(f"saved checkpoint {path}")
 
     # -- the loop -------------------------------------------------------------------------------
     def local_batches(self, step: int):
-        """This DP rank's ``(inputs, labels)`` for each accumulation micro-step of ``step``."""
+        """This DP rank's ``Batch`` for each accumulation micro-step of ``step``; sets the loss scale
+        from the global batch (which every rank has), so no collective is needed for it."""
         batch = self.data.global_batch(step, self.global_batch)
+        self.label_tokens = batch.num_label_tokens
+        self.loss_scale = self.dims.dp / max(1, self.label_tokens)
         local = self.cfg.training.local_batch_size
         for k in range(self.accum):
             start = (k * self.dims.dp + self.dp_rank) * local
-            rows = batch[start:start + local].to(self.device)
-            yield rows[:, :-1], rows[:, 1:]
+            yield batch.rows(start, start + local).to(self.device)
 
     def train_step(self, batches) -> torch.Tensor:
-        """Forward/backward over the accumulation micro-steps; the local mean loss (0 off the last stage)."""
+        """Forward/backward over the accumulation micro-steps; the local loss (0 off the last stage)."""
         total = torch.zeros((), device=self.device)
         has_first = any(s.is_first for s in self.specs)
         has_last = any(s.is_last for s in self.specs)
-        for inputs, labels in batches:
+        for batch in batches:
+            # Packed rows: per-document positions and attention, given to every stage.
+            extra = {k: v for k, v in (("positions", batch.positions), ("document_ids", batch.document_ids))
+                     if v is not None}
             if self.pipeline is None:
-                loss = self._loss(self.modules[0](inputs), labels)
+                loss = self._loss(self.modules[0](batch.inputs, **extra), batch.labels)
                 loss.backward()
                 total += loss.detach()
                 continue
             losses = [] if has_last else None
-            self.pipeline.step(*([inputs] if has_first else []), target=labels if has_last else None,
-                               losses=losses, return_outputs=False)
+            self.pipeline.step(*([batch.inputs] if has_first else []), target=batch.labels if has_last else None,
+                               losses=losses, return_outputs=False, **extra)
             if has_last:
                 total += torch.stack(losses).sum().detach()
         return total
@@ -238,21 +270,24 @@ class Trainer:
                     batches = list(self.local_batches(self.step))
                     data_wait = time.perf_counter() - t0
                     local_loss = self.train_step(batches)
+                    if self.tied is not None:
+                        self.tied.sync_grads()
                     grad_norm = clip_grad_norm_(self.params, train.max_norm,
-                                                self.mesh["pp"].get_group() if self.dims.pp > 1 else None)
+                                                self.mesh["pp"].get_group() if self.dims.pp > 1 else None,
+                                                self.tied.duplicates if self.tied is not None else ())
                     for optimizer, scheduler in zip(self.optimizers, self.schedulers):
                         optimizer.step()
                         optimizer.zero_grad(set_to_none=True)
                         scheduler.step()
                 stats = torch.stack([local_loss.double(), torch.tensor(float(peak_memory_bytes(self.device)),
                                                                        dtype=torch.float64, device=self.device)])
-                dist.all_reduce(stats[:1])  # sum of the last stages' DP-local means
+                dist.all_reduce(stats[:1])  # sum of the last stages' DP-local parts (each x dp)
                 dist.all_reduce(stats[1:], op=dist.ReduceOp.MAX)
                 step_time = time.perf_counter() - t0
                 if metrics is not None and (self.step % self.cfg.metrics.log_freq == 0 or self.step == train.steps):
                     metrics.log({"step": self.step, "steps": train.steps, "loss": stats[0].item() / self.dims.dp,
                                  "lr": self.schedulers[0].get_last_lr()[0], "grad_norm": grad_norm.item(),
-                                 "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
+                                 "label_tokens": self.label_tokens, "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
                                  "data_wait_s": data_wait, "peak_mem_bytes": int(stats[1].item())})
                 stopping = self.step == train.stop_after_step
                 if stopping or (ckpt.interval > 0 and (self.step % ckpt.interval == 0 or self.step == train.steps)):
@@ -313,17 +348,20 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", 0))
     try:  # every rank validates the same config, so rank 0 speaks for all
         cfg = load_config(opts.config, overrides)
+        tokenizer = load_tokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None
+        prepare_finetune(cfg, len(tokenizer) if tokenizer is not None else None)
         ParallelDims.from_config(cfg, int(os.environ.get("WORLD_SIZE", 1)))  # fail before any rendezvous
         if cfg.metrics.enable_tensorboard:
             MetricsLogger.check_tensorboard()
         start = find_start(cfg)
+        data = make_dataset(cfg.data, cfg.model_args().vocab_size, cfg.training.seq_len, cfg.training.seed)
     except SeedckptError as e:
         if rank == 0:
             print(f"train.py: error: {e}", file=sys.stderr)
         return 2
     _init_process_group()
     try:
-        Trainer(cfg, start).run()
+        Trainer(cfg, start, data).run()
     except (SeedckptError, OSError) as e:  # may hit one stage only: each failing rank reports
         print(f"train.py: error on rank {rank}: {e}", file=sys.stderr)
         return 2

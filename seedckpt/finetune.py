@@ -1,0 +1,84 @@
+"""Fine-tuning set-up: the model's shape comes from the pretrained checkpoint, its vocabulary from
+the tokenizer.
+
+SFT starts from ``finetune.pretrained`` -- a DCP checkpoint of ours or a Hugging Face Llama
+directory -- through the same ``build_stages`` path as pretraining: every rank reads only its
+stage's tensors (and its rows under FSDP), nobody holds the whole model. This module only decides
+*which* model that is, before any process group or allocation:
+
+* ``ModelArgs`` are read from the checkpoint (``seedckpt.json`` or ``config.json``). A ``[model]``
+  key the user set that contradicts them is an error naming both values -- never silently ignored.
+* Vocabulary alignment (Mini Trainer's rule): a tokenizer with more tokens than the checkpoint's
+  vocabulary grows the embedding and the output projection to the next multiple of 8 (the new
+  rows start as the mean of the old ones, see ``stages``); the vocabulary never shrinks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from models.llama import ModelArgs, RopeScaling
+from seedckpt.checkpoint import SHAPE_FIELDS
+from seedckpt.config import JobConfig, _flavors
+from seedckpt.errors import SeedckptError
+from seedckpt.formats import open_source
+
+VOCAB_MULTIPLE = 8
+MODES = ("none", "sft")
+
+
+def aligned_vocab_size(checkpoint_vocab: int, tokenizer_vocab: int) -> int:
+    """The checkpoint's vocabulary, grown to a multiple of 8 when the tokenizer needs more rows."""
+    if tokenizer_vocab <= checkpoint_vocab:
+        return checkpoint_vocab
+    return -(-tokenizer_vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
+def pretrained_args(path: str) -> ModelArgs:
+    if not Path(path).exists():
+        raise SeedckptError(f"finetune.pretrained {path} does not exist; give a DCP checkpoint directory or a "
+                            "Hugging Face Llama directory (config.json + *.safetensors)")
+    return open_source(path).require_args()
+
+
+def check_model_section(cfg: JobConfig, args: ModelArgs, where: str) -> None:
+    """Every ``[model]`` key the user set must agree with the pretrained checkpoint."""
+    model = cfg.model
+    conflicts = []
+    if "flavor" in model.given:
+        flavor = _flavors(model.name).get(model.flavor)
+        if flavor is None:
+            raise SeedckptError(f"unknown model.flavor {model.flavor!r}")
+        conflicts += [f"model.flavor = {model.flavor!r} has {f} = {getattr(flavor, f)!r}, the checkpoint "
+                      f"{getattr(args, f)!r}" for f in SHAPE_FIELDS if getattr(flavor, f) != getattr(args, f)]
+    conflicts += [f"model.{key} = {value!r}, the checkpoint has {getattr(args, key)!r}"
+                  for key, value in model.overrides.items() if _as_args_value(key, value) != getattr(args, key)]
+    if conflicts:
+        raise SeedckptError(f"[model] contradicts finetune.pretrained {where}: {'; '.join(conflicts)}. The model "
+                            "comes from the pretrained checkpoint: remove these [model] keys or make them match")
+
+
+def _as_args_value(key: str, value):
+    """A ``[model]`` override as ModelArgs holds it (a rope_scaling table becomes ``RopeScaling``)."""
+    return RopeScaling(**value) if key == "rope_scaling" and isinstance(value, dict) else value
+
+
+def prepare_finetune(cfg: JobConfig, tokenizer_vocab: int | None) -> None:
+    """Validate ``[finetune]`` and pin ``cfg.model_args()`` to the pretrained model (vocabulary grown
+    to fit ``tokenizer_vocab``). A no-op for pretraining."""
+    ft = cfg.finetune
+    if ft.mode not in MODES:
+        raise SeedckptError(f"finetune.mode = {ft.mode!r}; this version supports {', '.join(MODES)}")
+    if ft.mode == "none":
+        if ft.pretrained:
+            raise SeedckptError("finetune.pretrained is set but finetune.mode = 'none'; set finetune.mode = 'sft'")
+        return
+    if not ft.pretrained:
+        raise SeedckptError(f"finetune.mode = {ft.mode!r} needs finetune.pretrained (a DCP checkpoint or an HF "
+                            "directory), e.g. --finetune.pretrained path/to/Llama-3.2-1B")
+    args = pretrained_args(ft.pretrained)
+    check_model_section(cfg, args, ft.pretrained)
+    if tokenizer_vocab is not None:
+        args = dataclasses.replace(args, vocab_size=aligned_vocab_size(args.vocab_size, tokenizer_vocab))
+    cfg.pin_model_args(args)

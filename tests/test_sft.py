@@ -1,0 +1,229 @@
+"""SFT from Hugging Face or DCP checkpoints through the stage path: cross-layout parity, export that
+``transformers`` loads, per-rank reads, vocabulary growth across shards, resume, and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from seedckpt.checkpoint import CheckpointReader
+from seedckpt.convert import convert
+from seedckpt.formats import open_source
+from seedckpt.hf import from_hf_name
+from seedckpt.stages import build_stages, plan_rank_stages
+from tests.dist import run_distributed
+from tests.tokenizers import build_tiny_tokenizer, make_chats
+
+transformers = pytest.importorskip("transformers")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _hf_llama(path: Path, vocab_size: int, tie: bool) -> Path:
+    """A small random LlamaForCausalLM (GQA) saved as an HF directory, built offline."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=256,
+        tie_word_embeddings=tie)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.05) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def chat_inputs(tmp_path_factory):
+    """A tokenizer (with a chat template) and a memorizable chat file."""
+    root = tmp_path_factory.mktemp("chat")
+    chats = make_chats(48, seed=0)
+    corpus = [m["content"] for c in chats for m in c["messages"]]
+    tokenizer = build_tiny_tokenizer(root / "tokenizer", corpus, vocab_size=300)
+    path = root / "chats.jsonl"
+    path.write_text("".join(json.dumps(c) + "\n" for c in chats))
+    return tokenizer, path, len(transformers.AutoTokenizer.from_pretrained(tokenizer))
+
+
+def sft(run_dir: Path, pretrained: Path, tokenizer: Path, chats: Path, nproc: int, *overrides: str,
+        check: bool = True) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "train.py", "--config", "configs/sft_debug.toml", "--finetune.pretrained", str(pretrained),
+           "--data.tokenizer", str(tokenizer), "--data.path", str(chats), "--checkpoint.folder",
+           str(run_dir / "ckpt"), "--job.dump_folder", str(run_dir), "--training.steps", "10",
+           "--training.seq_len", "64", "--training.global_batch_size", "8", "--training.warmup_steps", "2",
+           "--checkpoint.interval", "10", *overrides]
+    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=300)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+SINGLE = ["--parallelism.pipeline_parallel_degree", "1", "--training.local_batch_size", "8"]
+PP2_DP2 = ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4",
+           "--parallelism.pipeline_parallel_microbatches", "2"]
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_sft_from_hf_parity_export_and_transformers_agree(tmp_path, chat_inputs, tie):
+    tokenizer, chats, tokenizer_vocab = chat_inputs
+    # The tied model's vocabulary is smaller than the tokenizer's, so it also grows (to a multiple of 8).
+    vocab = tokenizer_vocab - 21 if tie else -(-tokenizer_vocab // 8) * 8
+    hf = _hf_llama(tmp_path / "hf", vocab, tie)
+    single = sft(tmp_path / "single", hf, tokenizer, chats, 1, *SINGLE)
+    sft(tmp_path / "split", hf, tokenizer, chats, 4, *PP2_DP2)
+    assert "starting from pretrained" in single.stdout
+    reference, got = losses(tmp_path / "single"), losses(tmp_path / "split")
+    assert len(reference) == len(got) == 10
+    for step, (a, b) in enumerate(zip(got, reference), start=1):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: {a} vs {b}"
+    assert reference[-1] < reference[0] - 0.5  # the masked loss falls
+
+    step = tmp_path / "split" / "ckpt" / "step-10"
+    args = CheckpointReader(step).model_args()
+    assert args.tie_word_embeddings == tie and args.vocab_size == -(-tokenizer_vocab // 8) * 8
+    convert(step, tmp_path / "export", "hf", progress=False)
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert config["tie_word_embeddings"] == tie and config["vocab_size"] == args.vocab_size
+    assert (tmp_path / "export" / "tokenizer.json").is_file()
+    index = json.loads((tmp_path / "export" / "model.safetensors.index.json").read_text())
+    assert ("lm_head.weight" in index["weight_map"]) != tie
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    transformers.AutoTokenizer.from_pretrained(tmp_path / "export")  # the tokenizer travels with it
+    tokens = torch.randint(0, args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    [ours] = build_stages(args, plan_rank_stages(args, 0, 1), "cpu", checkpoint=step)
+    with torch.no_grad():
+        assert (exported(tokens).logits - ours(tokens)).abs().max().item() <= 1e-5
+
+
+def _read_recording_worker(rank, world_size, hf_dir, dcp_dir):
+    """pp=2 x dp_shard=2 stages built from an HF dir and from a DCP dir, recording every read request."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from seedckpt.checkpoint import SafeFileSystemReader
+    from seedckpt.modules import local_rows
+
+    reads = []
+    for cls in (HuggingFaceStorageReader, SafeFileSystemReader):
+        original = cls.read_data
+
+        def recording(self, plan, planner, original=original):
+            for item in plan.items:
+                start = item.storage_index.offset[0] + item.storage_offsets[0] if item.storage_index.offset else 0
+                reads.append((item.storage_index.fqn, start, start + item.lengths[0]))
+            return original(self, plan, planner)
+        cls.read_data = recording
+
+    args = open_source(dcp_dir).args
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp_shard"))
+    specs = plan_rank_stages(args, mesh.get_local_rank("pp"), 2)
+    out = {}
+    for name, path in (("hf", hf_dir), ("dcp", dcp_dir)):
+        reads.clear()
+        [stage] = build_stages(args, specs, "cpu", checkpoint=path,
+                               shard_fn=lambda m: fully_shard(m, mesh=mesh["dp_shard"]))
+        owned = {fqn: local_rows(t) for fqn, t in stage.state_dict().items()}
+        out[name] = (owned, list(reads))
+    return out
+
+
+def test_each_rank_reads_only_its_stage_and_rows(tmp_path, chat_inputs):
+    hf = _hf_llama(tmp_path / "hf", 256, tie=False)
+    convert(hf, tmp_path / "dcp", "dcp", progress=False)
+    head_rows = 64 // 8
+    for rank, result in enumerate(run_distributed(_read_recording_worker, 4, str(hf), str(tmp_path / "dcp"))):
+        for name, (owned, reads) in result.items():
+            fqns = {from_hf_name(f) if name == "hf" else f for f, _, _ in reads}
+            assert fqns == set(owned), f"rank {rank} {name}: read {sorted(fqns ^ set(owned))} it does not own"
+            assert len(owned) < 20  # a stage, not the model (4 layers x 9 + 3 tensors)
+            for fqn, lo, hi in reads:
+                fqn = from_hf_name(fqn) if name == "hf" else fqn
+                start, stop = owned[fqn]
+                if name == "hf" and (".wq." in fqn or ".wk." in fqn):  # whole RoPE heads around the shard
+                    start, stop = start // head_rows * head_rows, -(-stop // head_rows) * head_rows
+                assert start <= lo and hi <= stop, f"rank {rank} {name} {fqn}: rows {lo}..{hi} beyond {start}..{stop}"
+
+
+def _vocab_growth_worker(rank, world_size, checkpoint, vocab):
+    import dataclasses
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from seedckpt.modules import local_rows
+
+    args = dataclasses.replace(open_source(checkpoint).args, vocab_size=vocab)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp_shard"))
+    specs = plan_rank_stages(args, mesh.get_local_rank("pp"), 2)
+    [stage] = build_stages(args, specs, "cpu", checkpoint=checkpoint, grow_vocab=True,
+                           shard_fn=lambda m: fully_shard(m, mesh=mesh["dp_shard"]))
+    return {fqn: (local_rows(t), t.to_local().clone()) for fqn, t in stage.state_dict().items()
+            if fqn in ("tok_embeddings.weight", "output.weight")}
+
+
+@pytest.mark.parametrize("source", ["hf", "dcp"])
+def test_vocab_growth_across_pipeline_and_fsdp_shards(tmp_path, source):
+    hf = _hf_llama(tmp_path / "hf", 40, tie=False)
+    checkpoint = hf if source == "hf" else convert(hf, tmp_path / "dcp", "dcp", progress=False)
+    full = {f: open_source(checkpoint).read(f) for f in ("tok_embeddings.weight", "output.weight")}
+    seen = {f: [] for f in full}
+    for result in run_distributed(_vocab_growth_worker, 4, str(checkpoint), 128):
+        for fqn, ((lo, hi), rows) in result.items():
+            seen[fqn].append((lo, hi))
+            old = max(0, min(hi, 40) - lo)
+            assert torch.equal(rows[:old], full[fqn][lo:lo + old]), fqn  # bitwise the checkpoint's rows
+            mean = full[fqn].double().mean(0).float()
+            torch.testing.assert_close(rows[old:], mean.expand(hi - lo - old, -1), rtol=0, atol=1e-7)
+    for fqn, ranges in seen.items():  # the rank with rows 64..128 held only new rows
+        assert sorted(ranges) == [(0, 64), (0, 64), (64, 128), (64, 128)] or sorted(ranges) == [(0, 64), (64, 128)]
+
+
+def test_resume_mid_epoch_gives_identical_losses(tmp_path, chat_inputs):
+    tokenizer, chats, tokenizer_vocab = chat_inputs
+    hf = _hf_llama(tmp_path / "hf", -(-tokenizer_vocab // 8) * 8, tie=True)
+    layout = ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "8",
+              "--checkpoint.interval", "4"]
+    straight = sft(tmp_path / "straight", hf, tokenizer, chats, 2, *layout)
+    rows_per_epoch = int(straight.stdout.split(" rows per epoch")[0].split()[-1])
+    assert 4 * 8 % rows_per_epoch, "step 4 must end mid-epoch"
+    first = sft(tmp_path / "resumed", hf, tokenizer, chats, 2, *layout, "--training.stop_after_step", "5")
+    assert "stopping after step 5" in first.stdout
+    second = sft(tmp_path / "resumed", hf, tokenizer, chats, 2, *layout)
+    assert "resuming from" in second.stdout
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
+
+
+def _train_error(*argv: str) -> str:
+    proc = subprocess.run([sys.executable, "train.py", "--config", "configs/sft_debug.toml", *argv], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    return proc.stderr
+
+
+def test_bad_input_fails_before_training_with_one_line(tmp_path, chat_inputs):
+    tokenizer, chats, tokenizer_vocab = chat_inputs
+    hf = _hf_llama(tmp_path / "hf", 320, tie=False)
+    common = ["--finetune.pretrained", str(hf), "--data.tokenizer", str(tokenizer)]
+    err = _train_error(*common, "--data.path", str(chats), "--model.dim", "128")
+    assert "model.dim = 128, the checkpoint has 64" in err
+    err = _train_error(*common, "--data.path", str(chats), "--model.flavor", "1B")
+    assert "model.flavor = '1B' has dim = 2048, the checkpoint 64" in err
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(chats.read_text().splitlines()[0] + "\n{not json\n")
+    assert f"{broken}:2" in _train_error(*common, "--data.path", str(broken))
+    err = _train_error("--finetune.pretrained", str(tmp_path / "nowhere"), "--data.tokenizer", str(tokenizer),
+                       "--data.path", str(chats))
+    assert "does not exist" in err
