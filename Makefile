@@ -28,12 +28,18 @@ demo: install
 	$(BIN)/seedckpt inspect $(DEMO)/checkpoints/step-100 | head -n 12
 	$(BIN)/seedckpt convert $(DEMO)/checkpoints/step-100 $(DEMO)/hf --to hf
 	$(BIN)/seedckpt diff $(DEMO)/checkpoints/step-100 $(DEMO)/hf | tail -n 1
+	@echo "--- SFT of the pretrained demo model on configs/sft_demo/chats.jsonl (loss on assistant tokens only)"
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node 4 train.py --config configs/sft_debug.toml \
+		--finetune.pretrained $(DEMO)/checkpoints/step-100 --checkpoint.folder $(DEMO)/sft --job.dump_folder $(DEMO)/sft
+	$(BIN)/seedckpt convert $(DEMO)/sft/step-60 $(DEMO)/sft_hf --to hf
 	@echo
 	@echo "demo outputs:"
 	@echo "  seed checkpoint      $(DEMO)/seed"
 	@echo "  training checkpoints $(DEMO)/checkpoints/step-50, step-100"
 	@echo "  per-step metrics     $(DEMO)/metrics.jsonl"
 	@echo "  Hugging Face export  $(DEMO)/hf (loads with transformers' LlamaForCausalLM)"
+	@echo "  SFT checkpoints      $(DEMO)/sft/step-30, step-60 (metrics: $(DEMO)/sft/metrics.jsonl)"
+	@echo "  SFT export           $(DEMO)/sft_hf (model + tokenizer, loads with transformers)"
 
 test: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests

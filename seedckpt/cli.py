@@ -164,9 +164,12 @@ def _inspect(opts, _rest) -> int:
 
 def _plan(opts, overrides) -> int:
     from seedckpt.config import load_config
+    from seedckpt.finetune import prepare_finetune
     from seedckpt.plan import make_plan
 
-    plan = make_plan(load_config(opts.config, overrides), opts.world_size)
+    cfg = load_config(opts.config, overrides)
+    prepare_finetune(cfg)  # fine-tuning: the pretrained checkpoint's model, vocabulary grown for the tokenizer
+    plan = make_plan(cfg, opts.world_size)
     if opts.json:
         print(json.dumps(plan, indent=1))
         return 0

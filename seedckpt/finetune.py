@@ -23,6 +23,7 @@ from seedckpt.checkpoint import SHAPE_FIELDS
 from seedckpt.config import JobConfig, _flavors
 from seedckpt.errors import SeedckptError
 from seedckpt.formats import open_source
+from seedckpt.tokenizer import load_tokenizer
 
 VOCAB_MULTIPLE = 8
 MODES = ("none", "sft")
@@ -64,9 +65,10 @@ def _as_args_value(key: str, value):
     return RopeScaling(**value) if key == "rope_scaling" and isinstance(value, dict) else value
 
 
-def prepare_finetune(cfg: JobConfig, tokenizer_vocab: int | None) -> None:
-    """Validate ``[finetune]`` and pin ``cfg.model_args()`` to the pretrained model (vocabulary grown
-    to fit ``tokenizer_vocab``). A no-op for pretraining."""
+def prepare_finetune(cfg: JobConfig) -> None:
+    """Validate ``[finetune]`` and pin ``cfg.model_args()`` to the pretrained model, its vocabulary
+    grown to fit ``data.tokenizer``. A no-op for pretraining. Reads only metadata, so it runs before
+    any process group: a bad set-up fails at once, on rank 0, with one line."""
     ft = cfg.finetune
     if ft.mode not in MODES:
         raise SeedckptError(f"finetune.mode = {ft.mode!r}; this version supports {', '.join(MODES)}")
@@ -79,6 +81,7 @@ def prepare_finetune(cfg: JobConfig, tokenizer_vocab: int | None) -> None:
                             "directory), e.g. --finetune.pretrained path/to/Llama-3.2-1B")
     args = pretrained_args(ft.pretrained)
     check_model_section(cfg, args, ft.pretrained)
-    if tokenizer_vocab is not None:
+    if cfg.data.tokenizer:
+        tokenizer_vocab = len(load_tokenizer(cfg.data.tokenizer))
         args = dataclasses.replace(args, vocab_size=aligned_vocab_size(args.vocab_size, tokenizer_vocab))
     cfg.pin_model_args(args)

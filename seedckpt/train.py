@@ -50,7 +50,7 @@ from seedckpt.metrics import MetricsLogger, peak_memory_bytes
 from seedckpt.parallel import (DTYPES, ParallelDims, TiedEmbeddings, apply_activation_checkpointing, apply_fsdp,
                                reshard_after_forward)
 from seedckpt.stages import build_stages, plan_rank_stages, stage_ids_for_rank
-from seedckpt.tokenizer import load_tokenizer, tokenizer_files
+from seedckpt.tokenizer import tokenizer_files
 
 OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -348,8 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", 0))
     try:  # every rank validates the same config, so rank 0 speaks for all
         cfg = load_config(opts.config, overrides)
-        tokenizer = load_tokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None
-        prepare_finetune(cfg, len(tokenizer) if tokenizer is not None else None)
+        prepare_finetune(cfg)
         ParallelDims.from_config(cfg, int(os.environ.get("WORLD_SIZE", 1)))  # fail before any rendezvous
         if cfg.metrics.enable_tensorboard:
             MetricsLogger.check_tensorboard()

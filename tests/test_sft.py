@@ -140,7 +140,7 @@ def _read_recording_worker(rank, world_size, hf_dir, dcp_dir):
     return out
 
 
-def test_each_rank_reads_only_its_stage_and_rows(tmp_path, chat_inputs):
+def test_each_rank_reads_only_its_stage_and_rows(tmp_path):
     hf = _hf_llama(tmp_path / "hf", 256, tie=False)
     convert(hf, tmp_path / "dcp", "dcp", progress=False)
     head_rows = 64 // 8
@@ -148,7 +148,7 @@ def test_each_rank_reads_only_its_stage_and_rows(tmp_path, chat_inputs):
         for name, (owned, reads) in result.items():
             fqns = {from_hf_name(f) if name == "hf" else f for f, _, _ in reads}
             assert fqns == set(owned), f"rank {rank} {name}: read {sorted(fqns ^ set(owned))} it does not own"
-            assert len(owned) < 20  # a stage, not the model (4 layers x 9 + 3 tensors)
+            assert len(owned) <= 2 * 9 + 2  # a stage (2 blocks + embedding or norm and output), not 39 tensors
             for fqn, lo, hi in reads:
                 fqn = from_hf_name(fqn) if name == "hf" else fqn
                 start, stop = owned[fqn]
