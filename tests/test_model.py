@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -31,6 +32,27 @@ def test_flavor_shapes_match_released_models(flavor, params):
     with torch.device("meta"):
         model = Transformer(LLAMA3_FLAVORS[flavor])
     assert sum(p.numel() for p in model.parameters()) == params
+
+
+@pytest.mark.parametrize("flavor,params", [("1B", 1_235_814_400), ("3B", 3_212_749_824)])
+def test_tied_flavors_count_the_released_parameters(flavor, params):
+    args = dataclasses.replace(LLAMA3_FLAVORS[flavor], tie_word_embeddings=True)
+    with torch.device("meta"):
+        model = Transformer(args)
+    assert model.output.weight is model.tok_embeddings.weight
+    assert sum(p.numel() for p in model.parameters()) == params
+
+
+def test_packed_documents_compute_what_they_compute_alone():
+    """Document ids + per-document positions make a packed row equal its documents run one by one."""
+    args = tiny_config().model_args()
+    model = _model(args)
+    a, b = torch.randint(0, args.vocab_size, (1, 7)), torch.randint(0, args.vocab_size, (1, 9))
+    packed = model(torch.cat([a, b], 1), positions=torch.cat([torch.arange(7), torch.arange(9)])[None],
+                   document_ids=torch.tensor([[0] * 7 + [1] * 9]))
+    alone = torch.cat([model(a), model(b)], 1)
+    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(model(torch.cat([a, b], 1))[:, 7:], alone[:, 7:], atol=1e-3)  # unmasked differs
 
 
 def test_rope_scaling_matches_llama31_rule():
