@@ -6,19 +6,22 @@ import pytest
 import torch
 
 from seedckpt.data import ALPHABET, SyntheticData, TextData, builtin_corpus, make_dataset
+from seedckpt.config import Data
 from seedckpt.errors import SeedckptError
 
 
 def test_synthetic_batches_depend_only_on_seed_and_step():
     data = SyntheticData(vocab_size=512, seq_len=64, seed=0)
     a, b = data.global_batch(3, 8), SyntheticData(512, 64, 0).global_batch(3, 8)
-    assert torch.equal(a, b) and a.shape == (8, 65)
-    assert not torch.equal(a, data.global_batch(4, 8))
-    assert not torch.equal(a, SyntheticData(512, 64, 1).global_batch(3, 8))
+    assert torch.equal(a.inputs, b.inputs) and a.inputs.shape == (8, 64)
+    assert torch.equal(a.inputs[:, 1:], a.labels[:, :-1])  # labels are the next tokens
+    assert not torch.equal(a.inputs, data.global_batch(4, 8).inputs)
+    assert not torch.equal(a.inputs, SyntheticData(512, 64, 1).global_batch(3, 8).inputs)
 
 
 def test_synthetic_rows_repeat_a_motif():
-    batch = SyntheticData(vocab_size=512, seq_len=64, seed=0).global_batch(1, 16)
+    b = SyntheticData(vocab_size=512, seq_len=64, seed=0).global_batch(1, 16)
+    batch = torch.cat([b.inputs, b.labels[:, -1:]], 1)
     assert int(batch.max()) < ALPHABET
     for row in batch:
         period = next(p for p in range(4, 17) if torch.equal(row[p:], row[:-p]))
@@ -28,12 +31,12 @@ def test_synthetic_rows_repeat_a_motif():
 def test_text_windows_come_from_the_corpus(tmp_path):
     path = tmp_path / "corpus.txt"
     path.write_bytes(bytes(range(256)) * 20)
-    data = TextData(str(path), vocab_size=512, seq_len=32, seed=0)
+    data = TextData.bytes(str(path), vocab_size=512, seq_len=32, seed=0)
     batch = data.global_batch(5, 4)
     raw = path.read_bytes()
-    for row in batch:
-        assert bytes(row.tolist()) in raw
-    assert torch.equal(batch, TextData(str(path), 512, 32, 0).global_batch(5, 4))
+    for inputs, labels in zip(batch.inputs, batch.labels):
+        assert bytes(inputs.tolist() + labels[-1:].tolist()) in raw
+    assert torch.equal(batch.inputs, TextData.bytes(str(path), 512, 32, 0).global_batch(5, 4).inputs)
 
 
 def test_builtin_corpus_is_real_text():
@@ -44,8 +47,8 @@ def test_builtin_corpus_is_real_text():
 @pytest.mark.parametrize("kind,path,vocab,message", [
     ("text", "", 128, "vocab_size >= 256"),
     ("text", "/nonexistent.txt", 512, "is not a file"),
-    ("video", "", 512, "choose synthetic or text"),
+    ("video", "", 512, "choose synthetic, text or chat"),
 ])
 def test_bad_data_settings(kind, path, vocab, message):
     with pytest.raises(SeedckptError, match=message):
-        make_dataset(kind, path, vocab, 32, 0)
+        make_dataset(Data(kind=kind, path=path), vocab, 32, 0)

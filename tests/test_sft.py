@@ -216,7 +216,8 @@ def _train_error(*argv: str) -> str:
 def test_bad_input_fails_before_training_with_one_line(tmp_path, chat_inputs):
     tokenizer, chats, tokenizer_vocab = chat_inputs
     hf = _hf_llama(tmp_path / "hf", 320, tie=False)
-    common = ["--finetune.pretrained", str(hf), "--data.tokenizer", str(tokenizer)]
+    common = ["--finetune.pretrained", str(hf), "--data.tokenizer", str(tokenizer),
+              "--parallelism.pipeline_parallel_degree", "1"]
     err = _train_error(*common, "--data.path", str(chats), "--model.dim", "128")
     assert "model.dim = 128, the checkpoint has 64" in err
     err = _train_error(*common, "--data.path", str(chats), "--model.flavor", "1B")

@@ -1,0 +1,161 @@
+"""Chat SFT data and tokenized text: assistant-only labels, packing with per-conversation attention,
+determinism across epochs and resumes, overflow handling, and bad input with its location."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models.llama import ModelArgs, Transformer
+from seedckpt.chat import ChatData, render_with_mask
+from seedckpt.config import Data
+from seedckpt.data import IGNORE_INDEX, make_dataset
+from seedckpt.errors import SeedckptError
+from seedckpt.tokenizer import load_tokenizer
+from tests.tokenizers import build_tiny_tokenizer, corpus_of, make_chats
+
+pytestmark = pytest.mark.filterwarnings("ignore:the tokenizer has no pad token")
+
+CHATS = make_chats(40, seed=1)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    return build_tiny_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer", corpus_of(CHATS) * 3, vocab_size=300)
+
+
+def _write(path, records) -> str:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return str(path)
+
+
+def _data(tmp_path, tokenizer_dir, records=CHATS, seq_len=64, vocab=304, **kw) -> ChatData:
+    path = _write(tmp_path / "chats.jsonl", records)
+    return ChatData(Data(kind="chat", path=path, tokenizer=str(tokenizer_dir), **kw), vocab, seq_len, 0)
+
+
+def test_labels_are_exactly_the_assistant_tokens(tokenizer_dir):
+    tok = load_tokenizer(tokenizer_dir)
+    messages = [{"role": "system", "content": "Answer briefly."},
+                {"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "2 + 3 = 5."},
+                {"role": "user", "content": "What is 1 + 1?"}, {"role": "assistant", "content": "1 + 1 = 2."}]
+    ids, mask = render_with_mask(tok, messages, "test")
+    assert ids == tok(tok.apply_chat_template(messages, tokenize=False), add_special_tokens=False)["input_ids"]
+    # Expected independently: each assistant turn is its content's tokens then <|eot_id|>, right
+    # after the assistant header; everything else (headers, system, user) has no label.
+    kept = [i for i, m in zip(ids, mask) if m]
+    eot = tok.convert_tokens_to_ids("<|eot_id|>")
+    answers = [tok("2 + 3 = 5.", add_special_tokens=False)["input_ids"] + [eot],
+               tok("1 + 1 = 2.", add_special_tokens=False)["input_ids"] + [eot]]
+    assert kept == answers[0] + answers[1]
+    header = tok("<|start_header_id|>assistant<|end_header_id|>\n\n", add_special_tokens=False)["input_ids"]
+    for answer in answers:  # each masked run sits right after an assistant header
+        at = next(i for i in range(len(ids)) if mask[i] and ids[i:i + len(answer)] == answer)
+        assert ids[at - len(header):at] == header and not any(mask[at - len(header):at])
+        assert all(mask[at:at + len(answer)])
+
+
+def test_packing_keeps_conversations_apart_and_each_once_per_epoch(tmp_path, tokenizer_dir):
+    data = _data(tmp_path, tokenizer_dir, seq_len=128)
+    rows = data._epoch(0)
+    assert sorted(i for row in rows for i in row) == list(range(len(data.samples)))  # each once
+    assert len(rows) < len(data.samples)  # several per row
+    batch = data.global_batch(1, len(rows))
+    for b, row in enumerate(rows):
+        at = 0
+        for doc, i in enumerate(row):
+            x, y = data.samples[i]
+            assert torch.equal(batch.inputs[b, at:at + len(x)], x) and torch.equal(batch.labels[b, at:at + len(x)], y)
+            assert batch.positions[b, at:at + len(x)].tolist() == list(range(len(x)))
+            assert set(batch.document_ids[b, at:at + len(x)].tolist()) == {doc}
+            at += len(x)
+        assert (batch.labels[b, at:] == IGNORE_INDEX).all()  # padding carries no loss
+        assert set(batch.document_ids[b, at:].tolist()) <= {len(row)}
+    assert 0 < data.padding_fraction < 0.3 and "padding" in data.description
+
+
+def test_packed_row_losses_equal_conversations_run_alone(tmp_path, tokenizer_dir):
+    data = _data(tmp_path, tokenizer_dir, seq_len=128)
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=304, multiple_of=32,
+                                  max_seq_len=256))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.05) if p.dim() > 1 else p.fill_(1.0)
+    batch = data.global_batch(1, 1)
+    logits = model(batch.inputs, positions=batch.positions, document_ids=batch.document_ids)
+    packed = F.cross_entropy(logits[0], batch.labels[0], ignore_index=IGNORE_INDEX, reduction="none")
+    at = 0
+    for i in data._row(0):
+        x, y = data.samples[i]
+        alone = F.cross_entropy(model(x[None])[0], y, ignore_index=IGNORE_INDEX, reduction="none")
+        torch.testing.assert_close(packed[at:at + len(x)], alone, rtol=1e-5, atol=1e-5)
+        at += len(x)
+    assert at > len(data.samples[data._row(0)[0]][0])  # the row really held several conversations
+
+
+def test_batches_are_a_pure_function_of_seed_and_step_across_epochs(tmp_path, tokenizer_dir):
+    data = _data(tmp_path, tokenizer_dir)
+    epoch_rows = len(data._epoch(0))
+    late = 3 * epoch_rows // 4 + 1  # a step well past the first epochs
+    fresh = _data(tmp_path, tokenizer_dir)  # a resumed run builds the dataset anew
+    for step in (1, 2, late):
+        a, b = data.global_batch(step, 4), fresh.global_batch(step, 4)
+        assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("inputs", "labels", "positions", "document_ids"))
+    assert data._epoch(1) != data._epoch(0)  # epochs reshuffle
+    assert sorted(i for r in data._epoch(1) for i in r) == list(range(len(data.samples)))
+    other_seed = ChatData(Data(kind="chat", path=str(tmp_path / "chats.jsonl"), tokenizer=str(tokenizer_dir)), 304, 64, 1)
+    assert not torch.equal(other_seed.global_batch(1, 4).inputs, data.global_batch(1, 4).inputs)
+
+
+def test_overflow_truncates_or_drops_and_counts(tmp_path, tokenizer_dir):
+    long_chat = {"messages": [{"role": "user", "content": "What is the capital of France? " * 3},
+                              {"role": "assistant", "content": "Paris. " * 30}]}
+    hopeless = {"messages": [{"role": "user", "content": "What is 1 + 1? " * 30},
+                             {"role": "assistant", "content": "2."}]}
+    records = CHATS[:5] + [long_chat, hopeless]
+    truncating = _data(tmp_path, tokenizer_dir, records, seq_len=128)
+    assert "1 truncated, 1 dropped" in truncating.description  # the hopeless one has no assistant token left
+    assert max(len(x) for x, _ in truncating.samples) == 128
+    dropping = _data(tmp_path, tokenizer_dir, records, seq_len=128, overflow="drop")
+    assert "0 truncated, 2 dropped" in dropping.description and len(dropping.samples) == 5
+
+
+@pytest.mark.parametrize("record,message", [
+    ("{not json", "chats.jsonl:2: not valid JSON"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "chats.jsonl:2: unknown role 'wizard'"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, "chats.jsonl:2: the conversation has no assistant turn"),
+    ({"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}]}, "must be a string"),
+    ({"text": "hello"}, 'chats.jsonl:2: expected {"messages"'),
+])
+def test_bad_chat_lines_name_their_location(tmp_path, tokenizer_dir, record, message):
+    with pytest.raises(SeedckptError, match=message.replace("{", r"\{").replace("+", r"\+")):
+        _data(tmp_path, tokenizer_dir, [CHATS[0], record])
+
+
+def test_bad_tokenizers_and_paths(tmp_path, tokenizer_dir):
+    no_template = build_tiny_tokenizer(tmp_path / "plain", corpus_of(CHATS), chat_template=None)
+    with pytest.raises(SeedckptError, match="has no chat template"):
+        _data(tmp_path, no_template)
+    with pytest.raises(SeedckptError, match="not a Hugging Face tokenizer directory"):
+        _data(tmp_path, tmp_path / "nowhere")
+    with pytest.raises(SeedckptError, match="does not exist"):
+        ChatData(Data(kind="chat", path=str(tmp_path / "missing.jsonl"), tokenizer=str(tokenizer_dir)), 304, 64, 0)
+
+
+def test_tokenized_text_windows_and_vocab_check(tmp_path, tokenizer_dir):
+    tok = load_tokenizer(tokenizer_dir)
+    texts = [c["messages"][-1]["content"] for c in CHATS]
+    path = _write(tmp_path / "docs.jsonl", [{"text": t} for t in texts])
+    data = make_dataset(Data(kind="text", path=path, tokenizer=str(tokenizer_dir)), 304, 16, 0)
+    stream = []
+    for t in texts:
+        stream += tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert data.tokens.tolist() == stream
+    batch = data.global_batch(3, 4)
+    assert torch.equal(batch.inputs[:, 1:], batch.labels[:, :-1])
+    with pytest.raises(SeedckptError, match="has 300 tokens but the model's vocab_size is 256"):
+        make_dataset(Data(kind="text", path=path, tokenizer=str(tokenizer_dir)), 256, 16, 0)
