@@ -158,7 +158,8 @@ def test_sigkill_while_writing_leaves_previous_step_loadable(tmp_path, debug_see
      "pipeline_parallel_stages_per_rank > 1 needs pipeline_parallel_degree > 1"),
     (4, ["--training.seq_len", "4096"], "training.seq_len = 4096 exceeds model.max_seq_len = 512"),
     (4, ["--training.local_batch_size", "0"], "training.local_batch_size = 0; it must be >= 1"),
-    (4, ["--finetune.mode", "sft"], "finetune.mode = 'sft'; this version supports none"),
+    (4, ["--finetune.mode", "osft"], "finetune.mode = 'osft'; this version supports none, sft"),
+    (4, ["--finetune.mode", "sft"], "finetune.mode = 'sft' needs finetune.pretrained"),
     (4, ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", "--parallelism.pipeline_parallel_stages_per_rank",
          "2", "--activation_checkpoint.mode", "full"], "which activation checkpointing does not support"),
 ])
