@@ -65,23 +65,30 @@ def _as_args_value(key: str, value):
     return RopeScaling(**value) if key == "rope_scaling" and isinstance(value, dict) else value
 
 
-def prepare_finetune(cfg: JobConfig) -> None:
+def prepare_finetune(cfg: JobConfig) -> str | None:
     """Validate ``[finetune]`` and pin ``cfg.model_args()`` to the pretrained model, its vocabulary
-    grown to fit ``data.tokenizer``. A no-op for pretraining. Reads only metadata, so it runs before
-    any process group: a bad set-up fails at once, on rank 0, with one line."""
+    grown to fit ``data.tokenizer``; returns a line for the run log (None for pretraining). Reads
+    only metadata, so it runs before any process group: a bad set-up fails at once, with one line."""
     ft = cfg.finetune
     if ft.mode not in MODES:
         raise SeedckptError(f"finetune.mode = {ft.mode!r}; this version supports {', '.join(MODES)}")
     if ft.mode == "none":
         if ft.pretrained:
             raise SeedckptError("finetune.pretrained is set but finetune.mode = 'none'; set finetune.mode = 'sft'")
-        return
+        return None
     if not ft.pretrained:
         raise SeedckptError(f"finetune.mode = {ft.mode!r} needs finetune.pretrained (a DCP checkpoint or an HF "
                             "directory), e.g. --finetune.pretrained path/to/Llama-3.2-1B")
     args = pretrained_args(ft.pretrained)
     check_model_section(cfg, args, ft.pretrained)
+    vocab = f"vocabulary {args.vocab_size}"
     if cfg.data.tokenizer:
         tokenizer_vocab = len(load_tokenizer(cfg.data.tokenizer))
-        args = dataclasses.replace(args, vocab_size=aligned_vocab_size(args.vocab_size, tokenizer_vocab))
+        grown = aligned_vocab_size(args.vocab_size, tokenizer_vocab)
+        if grown != args.vocab_size:
+            vocab = (f"vocabulary grown from {args.vocab_size} to {grown} rows for the tokenizer's {tokenizer_vocab} "
+                     "tokens (new rows = mean of the old)")
+        args = dataclasses.replace(args, vocab_size=grown)
     cfg.pin_model_args(args)
+    return (f"{ft.mode} from {ft.pretrained}: dim {args.dim}, {args.n_layers} layers, {vocab}, "
+            f"{'tied' if args.tie_word_embeddings else 'untied'} embeddings")

@@ -27,6 +27,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -346,9 +347,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="job config TOML, e.g. configs/debug.toml")
     opts, overrides = parser.parse_known_args(argv)
     rank = int(os.environ.get("RANK", 0))
+    if rank != 0:
+        warnings.simplefilter("ignore")  # every rank sees the same data and config: rank 0 warns for all
     try:  # every rank validates the same config, so rank 0 speaks for all
         cfg = load_config(opts.config, overrides)
-        prepare_finetune(cfg)
+        finetune = prepare_finetune(cfg)
+        if finetune and rank == 0:
+            print(f"[rank0] {finetune}", flush=True)
         ParallelDims.from_config(cfg, int(os.environ.get("WORLD_SIZE", 1)))  # fail before any rendezvous
         if cfg.metrics.enable_tensorboard:
             MetricsLogger.check_tensorboard()
