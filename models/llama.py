@@ -24,12 +24,16 @@ recipe. ``init`` is any object with::
 
 (``seedckpt.init`` provides one that derives every tensor's values from (seed, FQN, recipe)).
 
-The recipe (torchtitan's Llama-3 recipe with depth-scaled output projections):
+The recipe is torchtitan's Llama-3 distribution (depth-scaled output projections). torchtitan
+calls ``nn.init.trunc_normal_(w, std=...)`` for the hidden projections with that function's
+default *absolute* bounds +-2 (``TRUNC_BOUND``): +-100 std for std 0.02, so in effect an untruncated
+normal, reproduced here exactly as a normal truncated at +-2. Only the output is cut relative to
+its std (+-3 std).
 
 =============================================  ==========================================
 ``tok_embeddings.weight``                      normal, std 1.0
-``attention.{wq,wk,wv}``, ``feed_forward.w1``  truncated normal, std 0.02, +-2 std
-``attention.wo``, ``feed_forward.{w2,w3}``     truncated normal, std 0.02 / sqrt(2 (layer_id + 1)), +-2 std
+``attention.{wq,wk,wv}``, ``feed_forward.w1``  normal, std 0.02, truncated at +-2 (absolute)
+``attention.wo``, ``feed_forward.{w2,w3}``     normal, std 0.02 / sqrt(2 (layer_id + 1)), truncated at +-2
 ``*norm.weight``                               ones
 ``output.weight``                              truncated normal, std dim^-0.5, +-3 std
 =============================================  ==========================================
@@ -50,6 +54,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+# Absolute bound of ``nn.init.trunc_normal_``'s defaults (a=-2, b=2), which torchtitan keeps.
+TRUNC_BOUND = 2.0
 
 
 @dataclass
@@ -209,8 +217,8 @@ class Attention(nn.Module):
 
     def init_weights(self, init) -> None:
         for linear in (self.wq, self.wk, self.wv):
-            init.trunc_normal_(linear.weight, std=0.02, cutoff=2.0)
-        init.trunc_normal_(self.wo.weight, std=self.init_std, cutoff=2.0)
+            init.trunc_normal_(linear.weight, std=0.02, cutoff=TRUNC_BOUND / 0.02)
+        init.trunc_normal_(self.wo.weight, std=self.init_std, cutoff=TRUNC_BOUND / self.init_std)
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
@@ -239,9 +247,9 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
 
     def init_weights(self, init) -> None:
-        init.trunc_normal_(self.w1.weight, std=0.02, cutoff=2.0)
+        init.trunc_normal_(self.w1.weight, std=0.02, cutoff=TRUNC_BOUND / 0.02)
         for linear in (self.w2, self.w3):
-            init.trunc_normal_(linear.weight, std=self.init_std, cutoff=2.0)
+            init.trunc_normal_(linear.weight, std=self.init_std, cutoff=TRUNC_BOUND / self.init_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))

@@ -30,7 +30,8 @@ from torch import nn
 from seedckpt.modules import copy_full_into, local, local_rows, state_tensors
 
 CHUNK_NUMEL = 1 << 20
-RECIPE_VERSION = "seedckpt-init-v1"
+# v2: torchtitan's distribution (hidden projections truncated at +-2 absolute, not +-2 std).
+RECIPE_VERSION = "seedckpt-init-v2"
 
 _MT_WORDS = 624
 _MT_OFFSET = 24  # byte offset of the 624 uint64-widened MT words in torch's CPU generator state

@@ -99,8 +99,8 @@ def _expected(fqn: str, args) -> InitSpec:
         return InitSpec("trunc_normal", std=args.dim ** -0.5, cutoff=3.0)
     if parts[-2].endswith("norm"):
         return InitSpec("ones")
-    depth_std = 0.02 / math.sqrt(2 * (int(parts[1]) + 1))
-    return InitSpec("trunc_normal", std=depth_std if parts[-2] in ("wo", "w2", "w3") else 0.02, cutoff=2.0)
+    std = 0.02 / math.sqrt(2 * (int(parts[1]) + 1)) if parts[-2] in ("wo", "w2", "w3") else 0.02
+    return InitSpec("trunc_normal", std=std, cutoff=2.0 / std)  # nn.init.trunc_normal_'s absolute +-2
 
 
 def test_every_parameter_initialized_exactly_once_with_recipe_std():
@@ -120,6 +120,20 @@ def test_every_parameter_initialized_exactly_once_with_recipe_std():
         assert abs(p.std().item() / want - 1) < 0.02, fqn
         if spec.kind == "trunc_normal":
             assert p.abs().max().item() <= spec.cutoff * spec.std, fqn
+
+
+@pytest.mark.parametrize("std,bounds", [(0.02, None), (0.02 / math.sqrt(2), None), (0.01, None),
+                                        (2048 ** -0.5, 3.0)])
+def test_realized_std_matches_torchtitans_init_calls(std, bounds):
+    """torchtitan: ``nn.init.trunc_normal_(w, std=s)`` (default a=-2, b=2) for hidden projections and
+    ``a, b = -+3 s`` for the output; ours must have the same realized std within 1 %."""
+    shape = (2048, 2048)
+    a, b = (-bounds * std, bounds * std) if bounds else (-2.0, 2.0)
+    torch.manual_seed(0)
+    theirs = torch.nn.init.trunc_normal_(torch.empty(shape), std=std, a=a, b=b)
+    ours = generate(InitSpec("trunc_normal", std=std, cutoff=b / std), shape, seed=0, fqn="w")
+    assert abs(ours.std().item() / theirs.std().item() - 1) < 0.01
+    assert ours.abs().max().item() <= b
 
 
 def test_recursive_init_is_refused():
