@@ -82,6 +82,9 @@ class ActivationCheckpoint:
 
 @dataclass
 class Checkpoint:
+    # Where a new run's weights come from: "seed_checkpoint" (load it) or "direct" (every rank
+    # initializes its own shards from training.seed: bitwise what the seed made with it would hold).
+    init_from: str = "seed_checkpoint"
     seed_checkpoint: str = ""
     folder: str = "./checkpoints"
     interval: int = 100

@@ -49,7 +49,8 @@ def _check_ranges(cfg: JobConfig) -> None:
                                                           ("default", "always", "never")),
                "parallelism.fsdp_impl": (par.fsdp_impl, ("fsdp2",)),
                "data.kind": (cfg.data.kind, ("synthetic", "text", "chat")),
-               "data.overflow": (cfg.data.overflow, ("truncate", "drop"))}
+               "data.overflow": (cfg.data.overflow, ("truncate", "drop")),
+               "checkpoint.init_from": (cfg.checkpoint.init_from, ("seed_checkpoint", "direct"))}
     for key, (value, allowed) in choices.items():
         if value not in allowed:
             raise SeedckptError(f"{key} = {value!r}; this version supports {', '.join(sorted(allowed))}")

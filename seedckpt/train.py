@@ -6,7 +6,8 @@ One run, end to end:
    process group;
 2. pick the start: the newest complete ``checkpoint.folder/step-N``, else
    ``finetune.pretrained`` for SFT, else ``checkpoint.seed_checkpoint`` (which must exist -- a run
-   never silently starts from random);
+   never silently starts from random), or, with ``checkpoint.init_from = "direct"``, each rank's own
+   per-tensor init from ``training.seed`` (bitwise the seed file that seed would make);
 3. build this rank's stage(s) through ``stages.build_stages`` -- the same load path for seed,
    pretrained weights and resume -- with activation checkpointing and FSDP2 applied on ``meta``;
 4. for a resume, load optimizer, LR schedule and RNG from the same checkpoint;
@@ -48,6 +49,7 @@ from seedckpt.config import JobConfig, load_config
 from seedckpt.data import IGNORE_INDEX, make_dataset
 from seedckpt.errors import SeedckptError
 from seedckpt.finetune import prepare_finetune
+from seedckpt.init import RECIPE_VERSION
 from seedckpt.metrics import MetricsLogger, peak_memory_bytes
 from seedckpt.parallel import (DTYPES, ParallelDims, TiedEmbeddings, apply_activation_checkpointing, apply_fsdp,
                                reshard_after_forward)
@@ -59,7 +61,7 @@ OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 @dataclass
 class Start:
-    path: Path
+    path: Path | None  # None: initialize directly from training.seed
     step: int  # 0 when starting from the seed or the pretrained weights
     pretrained: bool = False  # fine-tuning's first start: the vocabulary may grow
 
@@ -71,6 +73,8 @@ def find_start(cfg: JobConfig) -> Start:
         return Start(steps[newest], newest)
     if cfg.finetune.mode != "none":
         return Start(Path(cfg.finetune.pretrained), 0, pretrained=True)
+    if cfg.checkpoint.init_from == "direct":
+        return Start(None, 0)
     seed = cfg.checkpoint.seed_checkpoint
     if not seed:
         raise SeedckptError("no checkpoint to start from: set checkpoint.seed_checkpoint (create it with "
@@ -131,12 +135,14 @@ class Trainer:
 
         start = start or find_start(cfg)
         origin = ("resuming from" if start.step else "starting from pretrained" if start.pretrained
-                  else "starting from seed checkpoint")
-        self.log(f"{origin} {start.path} (step {start.step}); mesh pp={self.dims.pp} "
+                  else "starting from seed checkpoint" if start.path else
+                  f"initializing directly from seed {train.seed} ({RECIPE_VERSION}, no seed file):")
+        self.log(f"{origin} {start.path or ''} (step {start.step}); mesh pp={self.dims.pp} "
                  f"dp_replicate={self.dims.dp_replicate} dp_shard={self.dims.dp_shard} on {self.device.type}; "
                  f"data: {self.data.description}")
         self.modules = build_stages(self.args, self.specs, self.device, checkpoint=start.path,
-                                    shard_fn=self._parallelize, grow_vocab=start.pretrained)
+                                    seed=None if start.path else train.seed, shard_fn=self._parallelize,
+                                    grow_vocab=start.pretrained)
         self.tied = self._tie_across_stages()
         self.optimizers = [torch.optim.AdamW(m.parameters(), lr=train.lr, betas=(0.9, 0.95), weight_decay=0.1)
                            for m in self.modules]

@@ -102,6 +102,10 @@ def test_resume_is_bitwise_identical(tmp_path, debug_seed):
     assert a.keys() == b.keys() and any(k.startswith("optimizer.") for k in a)
     for key in a:
         assert torch.equal(a[key], b[key]), key
+    # No seed file: every rank initializes its own shards from training.seed -- the same run, bitwise.
+    direct = torchrun(tmp_path / "direct", tmp_path / "no-seed-here", 4, *layout, "--checkpoint.init_from", "direct")
+    assert "initializing directly from seed 0" in direct.stdout
+    assert losses(tmp_path / "direct") == losses(tmp_path / "straight")
 
 
 def _killed_mid_checkpoint_worker(rank, world_size, seed, folder, dump):
