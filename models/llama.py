@@ -1,8 +1,8 @@
 """Llama-3 / 3.1 decoder (RMSNorm, RoPE with optional 3.1 scaling, GQA, SwiGLU).
 
-Names follow Meta's / torchtitan's layout (``tok_embeddings``, ``layers.{i}.attention.wq`` ...)
-so their checkpoints load as they are, and RoPE uses Meta's interleaved-pair convention (HF
-conversion therefore permutes ``wq``/``wk``).
+Names follow Meta's and torchtitan <= 0.2's layout (``tok_embeddings``, ``layers.{i}.attention.wq``
+...); torchtitan 0.3's renamed ones are mapped by ``seedckpt.torchtitan``, never changed here. RoPE
+uses Meta's interleaved-pair convention (HF conversion therefore permutes ``wq``/``wk``).
 
 The model is *pipeline friendly* (torchtitan's recipe): ``layers`` is an ``nn.ModuleDict`` keyed
 ``"0".."n-1"`` so FQNs survive deleting the layers a stage does not own, ``tok_embeddings``,

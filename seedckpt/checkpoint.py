@@ -53,6 +53,7 @@ from torch.futures import Future
 import seedckpt
 from models.llama import ModelArgs
 from seedckpt.errors import SeedckptError
+from seedckpt.torchtitan import from_torchtitan_name, stored_names
 
 MANIFEST_NAME = "seedckpt.json"
 FORMAT_VERSION = 1
@@ -353,6 +354,8 @@ class CheckpointReader:
             raise SeedckptError(f"{self.path} is not a complete DCP checkpoint (no .metadata); "
                                 "it may be an interrupted write -- write it again")
         self.metadata = SafeFileSystemReader(self.path).read_metadata()
+        # Our FQN -> the key stored, where a checkpoint uses other names (torchtitan 0.3).
+        self.stored = stored_names(self.metadata.state_dict_metadata)
         manifest_path = self.path / MANIFEST_NAME
         self.manifest: dict | None = None
         if manifest_path.is_file():
@@ -362,7 +365,8 @@ class CheckpointReader:
                 raise SeedckptError(f"{manifest_path} is not valid JSON ({e})") from None
 
     def tensors(self) -> dict[str, TensorInfo]:
-        return _tensor_infos(self.metadata)
+        """The tensors by our FQNs (a torchtitan 0.3 checkpoint's names are mapped)."""
+        return {from_torchtitan_name(k): v for k, v in _tensor_infos(self.metadata).items()}
 
     def model_args(self) -> ModelArgs | None:
         if self.manifest is None:
@@ -393,22 +397,28 @@ class CheckpointReader:
             else:
                 problems += tensor_problems(fqn, have[fqn], t)
         if problems:
+            unwanted = sorted(set(have) - set(wanted) - {k for k in have if not is_model_key(k)})
+            if unwanted:
+                problems.append(f"it has {len(unwanted)} model tensors this model does not use, e.g. "
+                                f"{', '.join(unwanted[:4])}")
             raise SeedckptError(f"checkpoint {self.path} does not cover the model: " + "; ".join(problems))
 
     def read_tensor(self, fqn: str) -> torch.Tensor:
         """One whole tensor on CPU, read by this process alone (conversion, diff)."""
         info = self.tensors()[fqn]
-        out = {fqn: torch.empty(info.shape, dtype=info.dtype)}
+        key = self.stored.get(fqn, fqn)
+        out = {key: torch.empty(info.shape, dtype=info.dtype)}
         with quiet_single_process_dcp():
             dcp.load(out, storage_reader=_KnownMetadataReader(self.path, self.metadata), no_dist=True)
-        return out[fqn]
+        return out[key]
 
     def load(self, state_dict: dict) -> None:
         """Load ``state_dict`` (tensors, DTensors, ``RowWindow``s, training state) in place via DCP;
         each rank reads only the entries it asks for. Collective across the default process group
         when one is initialized."""
         self.check_covers(state_dict)
-        load_state(state_dict, SafeFileSystemReader(self.path), self.path)
+        stored = {self.stored.get(k, k): v for k, v in state_dict.items()}
+        load_state(stored, SafeFileSystemReader(self.path), self.path)
 
 
 @contextlib.contextmanager

@@ -34,7 +34,8 @@ EXAMPLES = {
           seedckpt convert outputs/demo/checkpoints/step-100 exported/ --to hf --dtype bfloat16
           seedckpt convert Llama-3.2-1B/ seeds/llama1b --to dcp        # an HF download, for SFT
           seedckpt convert seeds/debug debug.safetensors --to safetensors
-          seedckpt convert seeds/debug debug.pt --to torch""",
+          seedckpt convert seeds/debug debug.pt --to torch
+          seedckpt convert seeds/debug tt_seed --to torchtitan   # torchtitan 0.3 names""",
     "diff": """
         examples:
           seedckpt diff seeds/debug exported/               # a DCP checkpoint vs its HF export
@@ -78,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
                              "source format is detected.")
     convert.add_argument("src", help="DCP dir, HF dir, .safetensors file or torch.save file")
     convert.add_argument("dst", help="output directory (dcp, hf) or file (safetensors, torch)")
-    convert.add_argument("--to", required=True, help="dcp | hf | safetensors | torch")
+    convert.add_argument("--to", required=True, help="dcp | hf | safetensors | torch | torchtitan (0.3 names)")
     convert.add_argument("--dtype", help="cast every tensor: float32 | bfloat16 | float16")
     convert.add_argument("--max-shard-size", default="5GB", help="hf shard size (default 5GB)")
     convert.add_argument("--config", help="job config describing the model, for sources without a manifest")

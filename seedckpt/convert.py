@@ -3,7 +3,8 @@
 Targets:
 
 * ``dcp``: a DCP checkpoint with our flat FQNs and a manifest (kind ``converted``), through the
-  one streaming writer.
+  one streaming writer; ``torchtitan``: the same with torchtitan 0.3's names (``qkv_linear``,
+  ``lm_head``), which its checkpointer loads as they are.
 * ``hf``: ``model-0000k-of-0000n.safetensors`` shards of at most ``--max-shard-size``, HF names,
   q/k permuted for HF's RoPE, ``model.safetensors.index.json`` and a ``config.json`` that
   ``transformers`` loads as ``LlamaForCausalLM``. A tied model is written tied (no
@@ -39,8 +40,9 @@ from seedckpt.errors import SeedckptError
 from seedckpt.formats import MANIFEST_KEY, SAFETENSORS_DTYPES, Source, open_source
 from seedckpt.hf import flavor_of, hf_config, heads_of, permute_to_hf, to_hf_name
 from seedckpt.progress import Progress
+from seedckpt.torchtitan import to_torchtitan_name
 
-TARGETS = ("dcp", "hf", "safetensors", "torch")
+TARGETS = ("dcp", "hf", "safetensors", "torch", "torchtitan")
 _ST_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
 
@@ -115,11 +117,13 @@ def convert(src: str | Path, dst: str | Path, to: str, dtype: str | None = None,
     manifest = make_manifest("converted", "llama3", flavor, model_args, dtype=dtype_name(out_dtype),
                              seed=recorded.get("seed"), source={"format": source.kind, "path": str(src)})
     try:
-        if to == "dcp":
-            def produce(fqn: str, start: int, stop: int) -> torch.Tensor:
-                bar.update(infos[fqn].nbytes)
-                return source.read(fqn)[start:stop]
-            state = {f: torch.empty(i.shape, dtype=i.dtype, device="meta") for f, i in infos.items()}
+        if to in ("dcp", "torchtitan"):
+            fqn_of = {to_torchtitan_name(f) if to == "torchtitan" else f: f for f in infos}
+
+            def produce(key: str, start: int, stop: int) -> torch.Tensor:
+                bar.update(infos[fqn_of[key]].nbytes)
+                return source.read(fqn_of[key])[start:stop]
+            state = {k: torch.empty(infos[f].shape, dtype=infos[f].dtype, device="meta") for k, f in fqn_of.items()}
             return write_checkpoint(dst, state, manifest, force=force, planner=LazySavePlanner(produce), lookahead=1)
         if to == "hf":
             return _write_hf(source, Path(dst), infos, out_dtype, shard_bytes, force, bar)

@@ -202,3 +202,47 @@ def test_diff_treats_nan_in_different_places_as_a_difference(tmp_path, debug_see
     assert not equal and "norm.weight: max |delta| 0 (NaN in different places)" in lines
     equal, _ = diff(tmp_path / "nan.pt", tmp_path / "nan.pt")
     assert equal
+
+
+def test_torchtitan_03_checkpoints_load_convert_and_are_written(tmp_path, debug_seed):
+    """A checkpoint in torchtitan 0.3's names (made with plain ``dcp.save``, as its checkpointer does)
+    builds the same stages as our seed, converts to HF, and ours converts to its names."""
+    import torch.distributed.checkpoint as dcp
+
+    from seedckpt.checkpoint import CheckpointReader
+    from seedckpt.torchtitan import to_torchtitan_name
+    from tests.conftest import stock_load, tiny_config
+
+    titan = {to_torchtitan_name(k): v for k, v in stock_load(debug_seed).items()}
+    assert {"lm_head.weight", "layers.0.attention.qkv_linear.wq.weight"} <= set(titan)
+    dcp.save(titan, checkpoint_id=str(tmp_path / "titan"), no_dist=True)
+    args = tiny_config().model_args()
+    for rank in range(2):  # the two stages of a pp=2 run
+        specs = plan_rank_stages(args, rank, 2)
+        [theirs] = build_stages(args, specs, "cpu", checkpoint=tmp_path / "titan")
+        [ours] = build_stages(args, specs, "cpu", checkpoint=debug_seed)
+        expected = ours.state_dict()
+        assert all(torch.equal(t, expected[k]) for k, t in theirs.state_dict().items())
+    convert(tmp_path / "titan", tmp_path / "hf", "hf", progress=False, args=args)
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tokens = TOKENS % args.vocab_size
+    with torch.no_grad():
+        assert (hf(tokens).logits - _our_logits(debug_seed, tokens)).abs().max().item() <= 1e-5
+    convert(debug_seed, tmp_path / "to_titan", "torchtitan", progress=False)
+    keys = set(CheckpointReader(tmp_path / "to_titan").metadata.state_dict_metadata)
+    assert {"lm_head.weight", "layers.5.attention.qkv_linear.wk.weight"} <= keys and "output.weight" not in keys
+    equal, lines = diff(debug_seed, tmp_path / "to_titan")
+    assert equal, lines
+
+
+def test_a_checkpoint_that_misses_the_model_names_what_it_has(tmp_path, debug_seed):
+    import torch.distributed.checkpoint as dcp
+
+    from tests.conftest import stock_load, tiny_config
+
+    dcp.save({f"model.{k}": v for k, v in stock_load(debug_seed).items()}, checkpoint_id=str(tmp_path / "prefixed"),
+             no_dist=True)
+    args = tiny_config().model_args()
+    with pytest.raises(SeedckptError, match=r"norm.weight: missing.*it has 57 model tensors this model does not "
+                                            r"use, e.g. model\."):
+        build_stages(args, plan_rank_stages(args, 1, 2), "cpu", checkpoint=tmp_path / "prefixed")
