@@ -419,6 +419,8 @@ class CheckpointReader:
         self.check_covers(state_dict)
         stored = {self.stored.get(k, k): v for k, v in state_dict.items()}
         load_state(stored, SafeFileSystemReader(self.path), self.path)
+        for key in state_dict:  # DCP replaces non-tensor entries (training state) in the dict it loads
+            state_dict[key] = stored[self.stored.get(key, key)]
 
 
 @contextlib.contextmanager
