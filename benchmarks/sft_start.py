@@ -50,7 +50,7 @@ def make_hf_dir(path: Path, flavor: str) -> None:
     from models.llama import LLAMA3_FLAVORS
     from seedckpt.checkpoint import TensorInfo, write_json_synced
     from seedckpt.convert import write_safetensors
-    from seedckpt.formats import expected_shapes
+    from seedckpt.checkpoint.manifest import expected_shapes
     from seedckpt.hf import hf_config, to_hf_name
 
     args = dataclasses.replace(LLAMA3_FLAVORS[flavor], tie_word_embeddings=True)
@@ -87,11 +87,11 @@ def worker(method: str, hf_dir: str, report: str, launched: float) -> None:
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     if method == "seedckpt":
-        from seedckpt.formats import open_source
+        from seedckpt.checkpoint import open_checkpoint
         from seedckpt.parallel import apply_fsdp
         from seedckpt.stages import build_stages, plan_rank_stages
 
-        args = open_source(hf_dir).args
+        args = open_checkpoint(hf_dir).args
         [model] = build_stages(args, plan_rank_stages(args, 0, 1), "cpu", checkpoint=hf_dir,
                                shard_fn=lambda m: apply_fsdp(m, mesh, torch.float32, torch.float32, True))
     else:

@@ -131,11 +131,10 @@ def _seed(opts, overrides) -> int:
 def _inspect(opts, _rest) -> int:
     """DCP: every entry of the metadata (optimizer state included) and the manifest. Other formats
     (HF directory, .safetensors, torch.save): their model tensors in our names."""
-    from seedckpt.checkpoint import dtype_name
-    from seedckpt.formats import DcpSource, open_source
+    from seedckpt.checkpoint import dtype_name, open_checkpoint
 
-    source = open_source(opts.checkpoint)
-    tensors = source.reader.tensors() if isinstance(source, DcpSource) else source.infos
+    source = open_checkpoint(opts.checkpoint)
+    tensors = source.tensors()
     args = source.args.to_dict() if source.args else None
     total = sum(t.nbytes for t in tensors.values())
     if opts.json:

@@ -33,11 +33,13 @@ from pathlib import Path
 
 import torch
 
-from seedckpt.checkpoint import (TOKENIZER_DIR, LazySavePlanner, TensorInfo, atomic_output, dtype_name, make_manifest, start_writeback,
-                                 write_checkpoint, write_json_synced)
+from seedckpt.checkpoint import (TOKENIZER_DIR, Checkpoint, LazySavePlanner, TensorInfo, atomic_output, dtype_name,
+                                 make_manifest, open_checkpoint, write_checkpoint, write_json_synced)
+from seedckpt.checkpoint.files import MANIFEST_KEY
+from seedckpt.checkpoint.safetensors_header import SAFETENSORS_DTYPES
+from seedckpt.checkpoint.writer import start_writeback
 from seedckpt.config import DTYPES
 from seedckpt.errors import SeedckptError
-from seedckpt.formats import MANIFEST_KEY, SAFETENSORS_DTYPES, Source, open_source
 from seedckpt.hf import flavor_of, hf_config, heads_of, permute_to_hf, to_hf_name
 from seedckpt.progress import Progress
 from seedckpt.torchtitan import to_torchtitan_name
@@ -89,7 +91,8 @@ def write_safetensors(path: Path, infos: dict[str, TensorInfo], read, metadata: 
                 raise SeedckptError(f"{name}: read shape {list(tensor.shape)}, expected {list(infos[name].shape)}")
             offset = f.tell()
             f.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
-            start_writeback(f, offset, infos[name].nbytes)
+            f.flush()
+            start_writeback(f.fileno(), offset, infos[name].nbytes)
             on_tensor(infos[name].nbytes)
             del tensor
         f.flush()
@@ -104,7 +107,7 @@ def convert(src: str | Path, dst: str | Path, to: str, dtype: str | None = None,
     if dtype is not None and dtype not in DTYPES:
         raise SeedckptError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     shard_bytes = parse_size(max_shard_size)
-    source = open_source(src, args)
+    source = open_checkpoint(src, args)
     model_args = source.require_args()
     if not source.infos:
         raise SeedckptError(f"{src} holds no model tensors")
@@ -122,17 +125,17 @@ def convert(src: str | Path, dst: str | Path, to: str, dtype: str | None = None,
 
             def produce(key: str, start: int, stop: int) -> torch.Tensor:
                 bar.update(infos[fqn_of[key]].nbytes)
-                return source.read(fqn_of[key])[start:stop]
+                return source.read_tensor(fqn_of[key])[start:stop]
             state = {k: torch.empty(infos[f].shape, dtype=infos[f].dtype, device="meta") for k, f in fqn_of.items()}
             return write_checkpoint(dst, state, manifest, force=force, planner=LazySavePlanner(produce), lookahead=1)
         if to == "hf":
             return _write_hf(source, Path(dst), infos, out_dtype, shard_bytes, force, bar)
         if to == "safetensors":
             with atomic_output(dst, force, directory=False) as partial:
-                write_safetensors(partial, infos, source.read, {MANIFEST_KEY: json.dumps(manifest)}, bar.update)
+                write_safetensors(partial, infos, source.read_tensor, {MANIFEST_KEY: json.dumps(manifest)}, bar.update)
             return Path(dst)
         with atomic_output(dst, force, directory=False) as partial:  # torch: one pickle, whole model
-            state = {f: source.read(f).to(i.dtype) for f, i in infos.items()}
+            state = {f: source.read_tensor(f).to(i.dtype) for f, i in infos.items()}
             bar.update(sum(i.nbytes for i in infos.values()))
             with open(partial, "wb") as f:
                 torch.save({**state, MANIFEST_KEY: json.dumps(manifest)}, f)
@@ -143,7 +146,7 @@ def convert(src: str | Path, dst: str | Path, to: str, dtype: str | None = None,
         bar.close()
 
 
-def _write_hf(source: Source, dst: Path, infos: dict[str, TensorInfo], dtype: torch.dtype, shard_bytes: int,
+def _write_hf(source: Checkpoint, dst: Path, infos: dict[str, TensorInfo], dtype: torch.dtype, shard_bytes: int,
               force: bool, bar: Progress) -> Path:
     args = source.args
     if args.tie_word_embeddings:  # HF stores a tied output once, as the embedding
@@ -160,7 +163,7 @@ def _write_hf(source: Source, dst: Path, infos: dict[str, TensorInfo], dtype: to
     def read_hf_layout(hf_name: str) -> torch.Tensor:
         fqn = by_hf_name[hf_name]
         heads = heads_of(fqn, args)
-        tensor = source.read(fqn)
+        tensor = source.read_tensor(fqn)
         return permute_to_hf(tensor, heads) if heads else tensor
 
     by_hf_name = {to_hf_name(f): f for f in infos}
@@ -184,7 +187,7 @@ def _write_hf(source: Source, dst: Path, infos: dict[str, TensorInfo], dtype: to
 
 def diff(a: str | Path, b: str | Path, atol: float = 0.0, args=None) -> tuple[bool, list[str]]:
     """Compare two checkpoints of any formats tensor by tensor; ``(equal, report lines)``."""
-    left, right = open_source(a, args), open_source(b, args)
+    left, right = open_checkpoint(a, args), open_checkpoint(b, args)
     lines, equal = [], True
     for fqn in _ordered(set(left.infos) | set(right.infos)):
         if fqn not in right.infos or fqn not in left.infos:
@@ -196,7 +199,7 @@ def diff(a: str | Path, b: str | Path, atol: float = 0.0, args=None) -> tuple[bo
             lines.append(f"{fqn}: shape {list(li.shape)} vs {list(ri.shape)}")
             equal = False
             continue
-        x, y = left.read(fqn).double(), right.read(fqn).double()
+        x, y = left.read_tensor(fqn).double(), right.read_tensor(fqn).double()
         both = ~(x.isnan() | y.isnan())
         delta = (x[both] - y[both]).abs().max().item() if both.any() else 0.0
         note = f" (dtype {dtype_name(li.dtype)} vs {dtype_name(ri.dtype)})" if li.dtype != ri.dtype else ""

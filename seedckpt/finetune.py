@@ -19,10 +19,10 @@ import dataclasses
 from pathlib import Path
 
 from models.llama import ModelArgs, RopeScaling
-from seedckpt.checkpoint import SHAPE_FIELDS
+from seedckpt.checkpoint.manifest import SHAPE_FIELDS
 from seedckpt.config import JobConfig, _flavors
 from seedckpt.errors import SeedckptError
-from seedckpt.formats import open_source
+from seedckpt.checkpoint import open_checkpoint
 from seedckpt.tokenizer import load_tokenizer
 
 VOCAB_MULTIPLE = 8
@@ -40,7 +40,7 @@ def pretrained_args(path: str) -> ModelArgs:
     if not Path(path).exists():
         raise SeedckptError(f"finetune.pretrained {path} does not exist; give a DCP checkpoint directory or a "
                             "Hugging Face Llama directory (config.json + *.safetensors)")
-    return open_source(path).require_args()
+    return open_checkpoint(path).require_args()
 
 
 def check_model_section(cfg: JobConfig, args: ModelArgs, where: str) -> None:

@@ -14,7 +14,7 @@ import re
 import torch
 
 from models.llama import LLAMA3_FLAVORS, ModelArgs, RopeScaling
-from seedckpt.checkpoint import SHAPE_FIELDS
+from seedckpt.checkpoint.manifest import SHAPE_FIELDS
 from seedckpt.errors import SeedckptError
 
 _LAYER = {

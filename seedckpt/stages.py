@@ -28,8 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from models.llama import ModelArgs, Transformer
-from seedckpt.checkpoint import RowWindow
-from seedckpt.formats import open_checkpoint
+from seedckpt.checkpoint import RowWindow, open_checkpoint
 from seedckpt.errors import SeedckptError
 from seedckpt.init import init_model
 from seedckpt.modules import local, local_rows, nonpersistent_buffers, state_tensors
@@ -213,7 +212,7 @@ def build_stages(args: ModelArgs, specs: Sequence[StageSpec], device: torch.devi
     if seed is not None and args.tie_word_embeddings:
         raise SeedckptError("tied embeddings cannot be initialized from scratch here (their copies on two "
                             "pipeline stages would differ); start from a pretrained checkpoint")
-    reader = open_checkpoint(checkpoint) if checkpoint is not None else None
+    reader = open_checkpoint(checkpoint, complete=False) if checkpoint is not None else None
     if reader is not None:
         reader.check_model_args(args, grow_vocab)
     modules = [build_stage_model(args, spec) for spec in specs]

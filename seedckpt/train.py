@@ -43,8 +43,9 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.distributed.tensor import DTensor
 
-from seedckpt.checkpoint import (TOKENIZER_DIR, CheckpointReader, complete_steps, make_manifest, prune_steps,
-                                 step_dir, write_checkpoint)
+from seedckpt.checkpoint import (TOKENIZER_DIR, DcpCheckpoint, complete_steps, make_manifest, prune_steps, step_dir,
+                                 write_checkpoint)
+from seedckpt.checkpoint.manifest import OPTIMIZER_PREFIX, RNG_PREFIX, TRAIN_STATE_KEY
 from seedckpt.config import JobConfig, load_config
 from seedckpt.data import IGNORE_INDEX, make_dataset
 from seedckpt.errors import SeedckptError
@@ -197,24 +198,25 @@ class Trainer:
         state = {}
         for module, optimizer in zip(self.modules, self.optimizers):
             optim = get_optimizer_state_dict(module, optimizer, options=OPTIM_OPTIONS)
-            state.update({f"optimizer.{k}": v for k, v in optim.items()})
-        state["train_state"] = {"step": self.step, "lr_scheduler": self.schedulers[0].state_dict(),
+            state.update({OPTIMIZER_PREFIX + k: v for k, v in optim.items()})
+        state[TRAIN_STATE_KEY] = {"step": self.step, "lr_scheduler": self.schedulers[0].state_dict(),
                                 "samples_seen": self.step * self.global_batch}
-        state[f"rng.rank{self.rank}"] = torch.get_rng_state()
+        state[f"{RNG_PREFIX}rank{self.rank}"] = torch.get_rng_state()
         return state
 
     def _load_training_state(self, path: Path) -> None:
         state = self._training_state()
-        CheckpointReader(path).load(state)
+        DcpCheckpoint(path).load(state)
         for module, optimizer in zip(self.modules, self.optimizers):
-            prefix = "optimizer."
             mine = get_optimizer_state_dict(module, optimizer, options=OPTIM_OPTIONS)
-            set_optimizer_state_dict(module, optimizer, {k: state[prefix + k] for k in mine}, options=OPTIM_OPTIONS)
+            set_optimizer_state_dict(module, optimizer, {k: state[OPTIMIZER_PREFIX + k] for k in mine},
+                                     options=OPTIM_OPTIONS)
+        train_state = state[TRAIN_STATE_KEY]
         for scheduler in self.schedulers:
-            scheduler.load_state_dict(state["train_state"]["lr_scheduler"])
-        torch.set_rng_state(state[f"rng.rank{self.rank}"])
-        if state["train_state"]["step"] != self.step:
-            raise SeedckptError(f"{path} records step {state['train_state']['step']}, its name says {self.step}")
+            scheduler.load_state_dict(train_state["lr_scheduler"])
+        torch.set_rng_state(state[f"{RNG_PREFIX}rank{self.rank}"])
+        if train_state["step"] != self.step:
+            raise SeedckptError(f"{path} records step {train_state['step']}, its name says {self.step}")
 
     def save(self) -> None:
         state = {}

@@ -36,9 +36,9 @@ def _hf_llama(tie: bool = False, seed: int = 0):
 
 
 def _our_logits(checkpoint, tokens, pp: int = 1):
-    from seedckpt.formats import open_source
+    from seedckpt.checkpoint import open_checkpoint
 
-    args = open_source(checkpoint).args
+    args = open_checkpoint(checkpoint).args
     h = tokens
     for rank in range(pp):
         [stage] = build_stages(args, plan_rank_stages(args, rank, pp), "cpu", checkpoint=checkpoint)
@@ -90,9 +90,9 @@ def test_tied_embeddings_become_an_output_copy(tmp_path):
     hf = _hf_llama(tie=True)
     hf.save_pretrained(tmp_path / "hf")
     convert(tmp_path / "hf", tmp_path / "dcp", "dcp", progress=False)
-    from seedckpt.checkpoint import CheckpointReader
+    from seedckpt.checkpoint import DcpCheckpoint
 
-    reader = CheckpointReader(tmp_path / "dcp")
+    reader = DcpCheckpoint(tmp_path / "dcp")
     assert torch.equal(reader.read_tensor("output.weight"), reader.read_tensor("tok_embeddings.weight"))
     with torch.no_grad():
         assert (_our_logits(tmp_path / "dcp", TOKENS) - hf(TOKENS).logits).abs().max().item() <= 1e-5
@@ -172,12 +172,12 @@ def test_config_weights_mismatch_fails_cleanly(tmp_path):
 
 
 def test_a_failure_mid_write_leaves_no_output(tmp_path, debug_seed, monkeypatch):
-    from seedckpt.formats import DcpSource
+    from seedckpt.checkpoint import DcpCheckpoint
 
     def broken(self, fqn):
         raise OSError("disk vanished")
 
-    monkeypatch.setattr(DcpSource, "read", broken)
+    monkeypatch.setattr(DcpCheckpoint, "read_tensor", broken)
     for to, name in (("hf", "hf"), ("safetensors", "m.safetensors"), ("dcp", "dcp")):
         with pytest.raises((OSError, SeedckptError), match="disk vanished"):
             convert(debug_seed, tmp_path / name, to, progress=False)
@@ -209,7 +209,7 @@ def test_torchtitan_03_checkpoints_load_convert_and_are_written(tmp_path, debug_
     builds the same stages as our seed, converts to HF, and ours converts to its names."""
     import torch.distributed.checkpoint as dcp
 
-    from seedckpt.checkpoint import CheckpointReader
+    from seedckpt.checkpoint import DcpCheckpoint
     from seedckpt.torchtitan import to_torchtitan_name
     from tests.conftest import stock_load, tiny_config
 
@@ -229,7 +229,7 @@ def test_torchtitan_03_checkpoints_load_convert_and_are_written(tmp_path, debug_
     with torch.no_grad():
         assert (hf(tokens).logits - _our_logits(debug_seed, tokens)).abs().max().item() <= 1e-5
     convert(debug_seed, tmp_path / "to_titan", "torchtitan", progress=False)
-    keys = set(CheckpointReader(tmp_path / "to_titan").metadata.state_dict_metadata)
+    keys = set(DcpCheckpoint(tmp_path / "to_titan").metadata.state_dict_metadata)
     assert {"lm_head.weight", "layers.5.attention.qkv_linear.wk.weight"} <= keys and "output.weight" not in keys
     equal, lines = diff(debug_seed, tmp_path / "to_titan")
     assert equal, lines

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from seedckpt import stages as stages_module
-from seedckpt.checkpoint import CheckpointReader, make_manifest, write_checkpoint
+from seedckpt.checkpoint import DcpCheckpoint, make_manifest, write_checkpoint
 from seedckpt.errors import SeedckptError
 from seedckpt.stages import build_stages, plan_rank_stages
 from tests.conftest import tiny_config
@@ -19,7 +19,7 @@ FULL = plan_rank_stages(ARGS, 0, 1)
 
 
 def _seed_state(seed_path) -> dict[str, torch.Tensor]:
-    reader = CheckpointReader(seed_path)
+    reader = DcpCheckpoint(seed_path)
     state = {fqn: torch.zeros(info.shape, dtype=info.dtype) for fqn, info in reader.tensors().items()}
     reader.load(state)
     return state
@@ -41,7 +41,7 @@ def test_wrong_shape_is_named(debug_seed, tmp_path):
     state = _seed_state(debug_seed)
     state["layers.1.attention.wk.weight"] = torch.zeros(32, ARGS.dim)
     bad = _write_variant(tmp_path / "shape", state)
-    with pytest.raises(SeedckptError, match=r"layers\.1\.attention\.wk\.weight: shape \[32, 128\] in checkpoint"):
+    with pytest.raises(SeedckptError, match=r"layers\.1\.attention\.wk\.weight: shape \[32, 128\]"):
         build_stages(ARGS, FULL, "cpu", checkpoint=bad)
 
 
@@ -82,18 +82,18 @@ def test_uncomputed_buffer_is_named(debug_seed):
 
 def test_to_empty_garbage_is_never_kept(debug_seed, monkeypatch):
     # Simulate a loader that silently skips a tensor: the NaN poison must be caught.
-    original = CheckpointReader.load
+    original = DcpCheckpoint.load
 
     def skipping_load(self, state_dict):
         original(self, {k: v for k, v in state_dict.items() if k != "layers.4.ffn_norm.weight"})
 
-    monkeypatch.setattr(CheckpointReader, "load", skipping_load)
+    monkeypatch.setattr(DcpCheckpoint, "load", skipping_load)
     with pytest.raises(SeedckptError, match=r"uninitialized.*\['layers\.4\.ffn_norm\.weight'\]"):
         build_stages(ARGS, FULL, "cpu", checkpoint=debug_seed)
 
 
 def test_a_load_that_writes_nothing_lists_every_tensor(debug_seed, monkeypatch):
-    monkeypatch.setattr(CheckpointReader, "load", lambda self, state_dict: None)
+    monkeypatch.setattr(DcpCheckpoint, "load", lambda self, state_dict: None)
     with pytest.raises(SeedckptError, match="uninitialized") as err:
         build_stages(ARGS, FULL, "cpu", checkpoint=debug_seed)
     for fqn in ("tok_embeddings.weight", "layers.5.attention.wq.weight", "output.weight"):
@@ -115,14 +115,14 @@ def test_interrupted_or_foreign_directories_are_refused(tmp_path, debug_seed):
     partial = tmp_path / ".seed.partial"
     partial.mkdir()
     with pytest.raises(SeedckptError, match="interrupted write"):
-        CheckpointReader(partial)
+        DcpCheckpoint(partial)
     no_metadata = tmp_path / "half"
     no_metadata.mkdir()
     (no_metadata / "__0_0.distcp").write_bytes(b"")
     with pytest.raises(SeedckptError, match=r"no \.metadata"):
-        CheckpointReader(no_metadata)
+        DcpCheckpoint(no_metadata)
     with pytest.raises(SeedckptError, match="no checkpoint directory"):
-        CheckpointReader(tmp_path / "absent")
+        DcpCheckpoint(tmp_path / "absent")
 
 
 class _Exploit:
@@ -151,5 +151,5 @@ def test_crafted_metadata_pickle_is_not_executed(tmp_path, monkeypatch, dotted):
     ckpt.mkdir()
     (ckpt / ".metadata").write_bytes(payload)
     with pytest.raises(SeedckptError, match="not allowed in DCP metadata"):
-        CheckpointReader(ckpt)
+        DcpCheckpoint(ckpt)
     assert not marker.exists()

@@ -31,7 +31,8 @@ def _pp_by_fsdp_worker(rank, world_size, seed_path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from seedckpt.checkpoint import CheckpointReader, SafeFileSystemReader
+    from seedckpt.checkpoint import DcpCheckpoint
+    from seedckpt.checkpoint.direct import DirectFileSystemReader
     from seedckpt.stages import build_stages, plan_rank_stages
     from tests.conftest import tiny_config
 
@@ -40,20 +41,20 @@ def _pp_by_fsdp_worker(rank, world_size, seed_path):
     specs = plan_rank_stages(args, mesh.get_local_rank("pp"), 2)
 
     read = []
-    original = SafeFileSystemReader.read_data
+    original = DirectFileSystemReader.read_data
 
     def recording(self, plan, planner):
         read.extend(item.storage_index.fqn for item in plan.items)
         return original(self, plan, planner)
 
-    SafeFileSystemReader.read_data = recording
+    DirectFileSystemReader.read_data = recording
     [sharded] = build_stages(args, specs, "cpu", checkpoint=seed_path, shard_fn=_fsdp(mesh["dp_shard"]))
-    SafeFileSystemReader.read_data = original
+    DirectFileSystemReader.read_data = original
     [direct_sharded] = build_stages(args, specs, "cpu", seed=SEED, shard_fn=_fsdp(mesh["dp_shard"]))
     [unsharded] = build_stages(args, specs, "cpu", checkpoint=seed_path)
     [direct_unsharded] = build_stages(args, specs, "cpu", seed=SEED)
 
-    reader = CheckpointReader(seed_path)
+    reader = DcpCheckpoint(seed_path)
     seed_state = {fqn: torch.zeros(i.shape, dtype=i.dtype) for fqn, i in reader.tensors().items()}
     reader.load({k: seed_state[k] for k in unsharded.state_dict()})  # reference, read unsharded
 
@@ -117,10 +118,10 @@ def _hf_stage_worker(rank, world_size, hf_dir, dcp_dir):
     """pp=2 x dp_shard=2 stages loaded from an HF directory equal those loaded from its DCP copy."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from seedckpt.formats import open_source
+    from seedckpt.checkpoint import open_checkpoint
     from seedckpt.stages import build_stages, plan_rank_stages
 
-    args = open_source(dcp_dir).args
+    args = open_checkpoint(dcp_dir).args
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp_shard"))
     specs = plan_rank_stages(args, mesh.get_local_rank("pp"), 2)
     [from_hf] = build_stages(args, specs, "cpu", checkpoint=hf_dir, shard_fn=_fsdp(mesh["dp_shard"]))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from seedckpt.checkpoint import SafeFileSystemReader
+from seedckpt.checkpoint.direct import DirectFileSystemReader
 from seedckpt.errors import SeedckptError
 from seedckpt.seed import create_seed_checkpoint
 from seedckpt.stages import build_stages, plan_rank_stages, split_layers, stage_ids_for_rank
@@ -101,13 +101,13 @@ def test_stages_equal_slices_of_full_model_and_chain_to_its_logits(layout, seeds
 def test_each_stage_reads_only_its_own_tensors(seeds, monkeypatch):
     args, seed_path = seeds[6]
     read = []
-    original = SafeFileSystemReader.read_data
+    original = DirectFileSystemReader.read_data
 
     def recording(self, plan, planner):
         read.extend(item.storage_index.fqn for item in plan.items)
         return original(self, plan, planner)
 
-    monkeypatch.setattr(SafeFileSystemReader, "read_data", recording)
+    monkeypatch.setattr(DirectFileSystemReader, "read_data", recording)
     [stage] = build_stages(args, plan_rank_stages(args, 1, 2), "cpu", checkpoint=seed_path)
     assert sorted(read) == sorted(stage.state_dict())
     assert all(fqn.startswith(("layers.3.", "layers.4.", "layers.5.", "norm.", "output.")) for fqn in read)

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from seedckpt.checkpoint import CheckpointReader
+from seedckpt.checkpoint import DcpCheckpoint
 from seedckpt.errors import SeedckptError
 from seedckpt.init import CHUNK_NUMEL, init_model
 from seedckpt.seed import BLOCK_NUMEL, block_rows, create_seed_checkpoint
@@ -35,7 +35,7 @@ def test_streaming_seed_equals_naive_full_model_seed(tmp_path):
     # Several blocks per tensor: make the embedding larger than one block.
     cfg = tiny_config("--model.vocab_size", str(2 * BLOCK_NUMEL // 128 + 300), "--model.n_layers", "2")
     streamed = create_seed_checkpoint(cfg, tmp_path / "streamed", seed=5, progress=False)
-    reader = CheckpointReader(streamed)
+    reader = DcpCheckpoint(streamed)
     assert len(reader.metadata.state_dict_metadata["tok_embeddings.weight"].chunks) == 3
     model = cfg.build_model()  # the naive path: whole model in memory + stock dcp.save
     init_model(model, seed=5)
@@ -56,7 +56,7 @@ def test_unaligned_blocks_equal_the_naive_seed(tmp_path, monkeypatch):
     monkeypatch.setattr(seed_module, "BLOCK_NUMEL", 1000)
     cfg = tiny_config("--model.n_layers", "1")
     streamed = create_seed_checkpoint(cfg, tmp_path / "seed", seed=2, progress=False)
-    assert len(CheckpointReader(streamed).metadata.state_dict_metadata["tok_embeddings.weight"].chunks) > 50
+    assert len(DcpCheckpoint(streamed).metadata.state_dict_metadata["tok_embeddings.weight"].chunks) > 50
     model = cfg.build_model()
     init_model(model, seed=2)
     got = stock_load(streamed)
@@ -67,7 +67,7 @@ def test_unaligned_blocks_equal_the_naive_seed(tmp_path, monkeypatch):
 def test_fsdp_shard_reads_only_overlapping_blocks(tmp_path):
     cfg = tiny_config("--model.vocab_size", str(4 * BLOCK_NUMEL // 128), "--model.n_layers", "1")
     seed = create_seed_checkpoint(cfg, tmp_path / "seed", seed=0, progress=False)
-    blocks = CheckpointReader(seed).metadata.state_dict_metadata["tok_embeddings.weight"].chunks
+    blocks = DcpCheckpoint(seed).metadata.state_dict_metadata["tok_embeddings.weight"].chunks
     assert len(blocks) == 4
     args = cfg.model_args()
     [stage] = build_stages(args, plan_rank_stages(args, 0, 1), "cpu", checkpoint=seed)
@@ -145,7 +145,7 @@ def test_sigkill_mid_write_leaves_nothing_acceptable(tmp_path):
     assert not out.exists() and partial.is_dir()
     for path in (out, partial):
         with pytest.raises(SeedckptError):
-            CheckpointReader(path)
+            DcpCheckpoint(path)
         result = subprocess.run([sys.executable, "-m", "seedckpt.cli", "inspect", str(path)], cwd=REPO,
                                 capture_output=True, text=True, timeout=60)
         assert result.returncode == 2
@@ -155,4 +155,4 @@ def test_sigkill_mid_write_leaves_nothing_acceptable(tmp_path):
     # A rerun replaces the leftover and produces a complete seed.
     create_seed_checkpoint(tiny_config("--model.dim", "1024", "--model.n_layers", "16",
                                        "--model.vocab_size", "8192"), out, seed=0, progress=False)
-    assert not partial.exists() and CheckpointReader(out).manifest["kind"] == "seed"
+    assert not partial.exists() and DcpCheckpoint(out).manifest["kind"] == "seed"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from seedckpt.checkpoint import CheckpointReader, complete_steps
+from seedckpt.checkpoint import DcpCheckpoint, complete_steps
 from seedckpt.errors import SeedckptError
 from tests.dist import run_distributed
 
@@ -41,7 +41,7 @@ def losses(run_dir: Path) -> list[float]:
 
 
 def model_state(path: Path, prefix: str = "") -> dict[str, torch.Tensor]:
-    reader = CheckpointReader(path)
+    reader = DcpCheckpoint(path)
     state = {k: torch.zeros(i.shape, dtype=i.dtype) for k, i in reader.tensors().items()
              if k.startswith(prefix) and not k.startswith("rng.")}
     reader.load(state)
@@ -137,7 +137,7 @@ def test_sigkill_while_writing_leaves_previous_step_loadable(tmp_path, debug_see
     assert sorted(complete_steps(folder)) == [2]
     assert [p.name for p in folder.iterdir() if p.name.startswith(".")] == [".step-4.partial"]
     with pytest.raises(SeedckptError, match="interrupted write"):
-        CheckpointReader(folder / ".step-4.partial")
+        DcpCheckpoint(folder / ".step-4.partial")
     assert model_state(folder / "step-2")["layers.0.attention.wq.weight"].abs().sum() > 0
     # The next run resumes from step 2 and cleans up the partial write when it saves step 4 again.
     resumed = torchrun(tmp_path / "again", debug_seed, 2, "--checkpoint.folder", str(folder),

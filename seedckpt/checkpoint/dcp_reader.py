@@ -1,0 +1,78 @@
+"""DCP checkpoints: ours (read at the recorded raw positions) and foreign ones (the stock way).
+
+torchtitan 0.3 names are mapped to ours (``seedckpt.torchtitan``), so its checkpoints load as
+they are; our names never change.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from seedckpt.checkpoint.atomic import PARTIAL_SUFFIX
+from seedckpt.checkpoint.base import Checkpoint
+from seedckpt.checkpoint.direct import DirectFileSystemReader
+from seedckpt.checkpoint.load import load_state, quiet_single_process_dcp
+from seedckpt.checkpoint.manifest import TensorInfo, is_model_key, read_manifest
+from seedckpt.checkpoint.safe_pickle import read_dcp_metadata
+from seedckpt.checkpoint.writer import RAW_ITEMS_KEY, tensor_infos
+from seedckpt.errors import SeedckptError
+from seedckpt.torchtitan import from_torchtitan_name, stored_names
+
+
+class DcpCheckpoint(Checkpoint):
+    """A DCP directory (``.metadata`` + ``*.distcp``), with or without our manifest."""
+
+    kind = "dcp"
+
+    def __init__(self, path: str | os.PathLike, args=None):
+        path = Path(path)
+        if path.name.endswith(PARTIAL_SUFFIX):
+            raise SeedckptError(f"{path} is an incomplete checkpoint left by an interrupted write; "
+                                "delete it and write the checkpoint again")
+        if not path.is_dir():
+            raise SeedckptError(f"no checkpoint directory at {path}; create one with "
+                                "`seedckpt seed --config CONFIG --output DIR`")
+        if not (path / ".metadata").is_file():
+            raise SeedckptError(f"{path} is not a complete DCP checkpoint (no .metadata); "
+                                "it may be an interrupted write -- write it again")
+        self.metadata = read_dcp_metadata(path / ".metadata")
+        # Our FQN -> the key stored, where a checkpoint uses other names (torchtitan 0.3).
+        self.stored = stored_names(self.metadata.state_dict_metadata)
+        self.all_tensors = {from_torchtitan_name(k): v for k, v in tensor_infos(self.metadata).items()}
+        manifest = read_manifest(path)
+        super().__init__(path, {f: i for f, i in self.all_tensors.items() if is_model_key(f)}, manifest, args)
+        raw = (manifest or {}).get(RAW_ITEMS_KEY)
+        self.raw_items = raw if isinstance(raw, dict) else {}
+
+    def tensors(self) -> dict[str, TensorInfo]:
+        return self.all_tensors
+
+    def has_entry(self, key: str) -> bool:
+        keys = self.metadata.state_dict_metadata  # DCP stores nested containers as "key.sub..." entries
+        return key in keys or any(k.startswith(key + ".") for k in keys)
+
+    def reader(self) -> DirectFileSystemReader:
+        return DirectFileSystemReader(self.path, self.raw_items, self.metadata)
+
+    def read_tensor(self, fqn: str) -> torch.Tensor:
+        info = self.all_tensors[fqn]
+        key = self.stored.get(fqn, fqn)
+        out = {key: torch.empty(info.shape, dtype=info.dtype)}
+        with quiet_single_process_dcp():
+            dcp.load(out, storage_reader=self.reader(), no_dist=True)
+        return out[key]
+
+    def load(self, state_dict: dict) -> None:
+        """Load ``state_dict`` (tensors, DTensors, ``RowWindow``s, training state) in place via DCP;
+        each rank reads only the rows it asks for. Collective across the default process group
+        when one is initialized. DCP replaces non-tensor entries (training state) in the dict it
+        loads; they are handed back in ``state_dict``."""
+        self.check_covers(state_dict)
+        stored = {self.stored.get(k, k): v for k, v in state_dict.items()}
+        load_state(stored, self.reader(), self.path)
+        for key in state_dict:
+            state_dict[key] = stored[self.stored.get(key, key)]

@@ -1,0 +1,214 @@
+"""Reading only the bytes a rank owns, straight into its tensors.
+
+Why not stock ``FileSystemReader``: it reads every item a rank touches whole, parses it with
+``torch.load``, and only then narrows to the rows asked for. The seed is written as row blocks of
+up to 64 MiB, so with 4 FSDP ranks each rank read ~3x the bytes it owns and staged each item in
+memory (measured on Llama-3.2-1B shapes: 4.3 GB read per rank for 1.4 GB owned).
+
+Here every request is a byte range: the raw row-major bytes of a stored chunk sit contiguously at
+a known position (recorded by our writer in the manifest, or given by a safetensors header), and a
+request for whole rows of it is one contiguous range. It is read with ``os.preadv`` on a thread
+pool (the GIL is released during the read) directly into the destination tensor's memory when the
+dtype matches and the destination is a contiguous CPU block -- the common case -- or through a
+bounded buffer otherwise (a cast, a device copy, a column slice). Items without a known position
+(foreign checkpoints, training-state bytes) take the stock path.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
+
+from seedckpt.checkpoint.safe_pickle import SafeFileSystemReader
+from seedckpt.checkpoint.safetensors_header import SAFETENSORS_DTYPES, safetensors_header
+from seedckpt.errors import SeedckptError
+
+PIECE_BYTES = 16 * 2**20  # one preadv call; small enough to spread a tensor over the threads
+STAGING_BYTES = 256 * 2**20  # at most this much is buffered at once for casts and device copies
+READ_THREADS = 8
+
+
+@dataclass(frozen=True)
+class RawChunk:
+    """Where the raw row-major bytes of one stored chunk are: ``path`` from ``start``."""
+
+    path: Path
+    start: int
+    shape: torch.Size
+    dtype: torch.dtype
+
+    @property
+    def row_bytes(self) -> int:
+        return math.prod(self.shape[1:]) * self.dtype.itemsize
+
+
+class DirectReads:
+    """Runs a rank's read requests as ``preadv`` calls; counts the bytes read (``bytes_read``)."""
+
+    def __init__(self, threads: int = READ_THREADS):
+        self.threads = threads
+        self.bytes_read = 0
+
+    def run(self, items: list[ReadItem], locate, planner: LoadPlanner) -> None:
+        """Fill every item's destination; ``locate(item)`` gives its ``RawChunk``."""
+        fds: dict[Path, int] = {}
+        batch, staged = [], 0
+        try:
+            with ThreadPoolExecutor(self.threads) as pool:
+                for item in items:
+                    chunk = locate(item)
+                    if chunk.path not in fds:
+                        fds[chunk.path] = os.open(chunk.path, os.O_RDONLY)
+                    job = _Job(item, chunk, planner.resolve_tensor(item).detach(), fds[chunk.path])
+                    batch.append(job)
+                    staged += job.buffer.nbytes if job.buffer is not None else 0
+                    if staged >= STAGING_BYTES:
+                        self._finish(batch, pool, planner)
+                        batch, staged = [], 0
+                self._finish(batch, pool, planner)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    def _finish(self, jobs: list[_Job], pool: ThreadPoolExecutor, planner: LoadPlanner) -> None:
+        pieces = [piece for job in jobs for piece in job.pieces()]
+        self.bytes_read += sum(pool.map(_read_piece, pieces))
+        for job in jobs:
+            job.complete()
+            planner.commit_tensor(job.item, job.target)
+
+
+class _Job:
+    """One read request: the byte range of its rows, and where the bytes go."""
+
+    def __init__(self, item: ReadItem, chunk: RawChunk, target: torch.Tensor, fd: int):
+        self.item, self.chunk, self.target, self.fd = item, chunk, target, fd
+        offsets, lengths = list(item.storage_offsets) or [0], list(item.lengths) or [1]
+        self.first_row, self.rows = offsets[0], lengths[0]
+        whole_rows = all(o == 0 and n == s for o, n, s in zip(offsets[1:], lengths[1:], chunk.shape[1:]))
+        straight = (whole_rows and target.dtype == chunk.dtype and target.device.type == "cpu"
+                    and target.is_contiguous())
+        self.buffer = None if straight else torch.empty((self.rows, *chunk.shape[1:]), dtype=chunk.dtype)
+
+    def pieces(self) -> list[tuple[int, memoryview, int, Path]]:
+        dest = self.target if self.buffer is None else self.buffer
+        view = memoryview(dest.reshape(-1).view(torch.uint8).numpy()) if dest.numel() else memoryview(b"")
+        start = self.chunk.start + self.first_row * self.chunk.row_bytes
+        return [(self.fd, view[k:k + PIECE_BYTES], start + k, self.chunk.path)
+                for k in range(0, view.nbytes, PIECE_BYTES)]
+
+    def complete(self) -> None:
+        if self.buffer is not None:
+            part = self.buffer
+            for dim, (offset, length) in enumerate(zip(self.item.storage_offsets, self.item.lengths)):
+                if dim > 0:
+                    part = part.narrow(dim, offset, length)
+            self.target.copy_(part.reshape(self.target.shape))
+
+
+def _read_piece(piece: tuple[int, memoryview, int, Path]) -> int:
+    fd, view, offset, path = piece
+    done = 0
+    while done < view.nbytes:
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise SeedckptError(f"{path} is truncated: a tensor's bytes end at {offset + view.nbytes}, the file at "
+                                f"{offset + done}; the checkpoint is damaged -- write it again")
+        done += n
+    return done
+
+
+def _tensor_items(plan: LoadPlan, known) -> tuple[list[ReadItem], list[ReadItem]]:
+    """(requests with known raw positions, the rest)."""
+    direct = [i for i in plan.items if i.type == LoadItemType.TENSOR and known(i.storage_index)]
+    rest = [i for i in plan.items if not (i.type == LoadItemType.TENSOR and known(i.storage_index))]
+    return direct, rest
+
+
+def _done() -> Future:
+    fut: Future = Future()
+    fut.set_result(None)
+    return fut
+
+
+class DirectFileSystemReader(SafeFileSystemReader):
+    """A DCP storage reader for our checkpoints: reads the owned rows of every tensor item at the
+    positions the manifest records (``raw_items``), the rest the stock way."""
+
+    def __init__(self, path, raw_items: dict, metadata: Metadata | None = None, threads: int = READ_THREADS):
+        super().__init__(path, metadata)
+        self.raw = {(file, entry[0]): entry for file, entries in raw_items.items() for entry in entries}
+        self.reads = DirectReads(threads)
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self.metadata = metadata
+
+    def _raw_entry(self, index: MetadataIndex):
+        info = self.storage_data[index]
+        return self.raw.get((info.relative_path, info.offset))
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        direct, rest = _tensor_items(plan, lambda index: self._raw_entry(index) is not None)
+        if rest:
+            super().read_data(LoadPlan(rest), planner).wait()
+        self.reads.run(direct, self._locate, planner)
+        return _done()
+
+    def _locate(self, item: ReadItem) -> RawChunk:
+        index = item.storage_index
+        info = self.storage_data[index]
+        _, start, nbytes = self._raw_entry(index)
+        md = self.metadata.state_dict_metadata[index.fqn]
+        chunk = next((c for c in md.chunks if c.offsets == index.offset), None)
+        if (chunk is None or not info.offset <= start <= start + nbytes <= info.offset + info.length
+                or nbytes != chunk.sizes.numel() * md.properties.dtype.itemsize):
+            raise SeedckptError(f"{self.path}: the manifest's raw position of {index.fqn} does not fit its item in "
+                                f"{info.relative_path}; the checkpoint is damaged")
+        return RawChunk(_data_file(Path(self.path), info.relative_path), start, chunk.sizes, md.properties.dtype)
+
+
+class DirectHFReader(HuggingFaceStorageReader):
+    """DCP's reader of HF safetensors directories, reading each request's rows with ``preadv``
+    at the offsets of the safetensors header (stock: ``safe_open`` + ``get_slice`` over ``mmap``,
+    whose pages count in the rank's RSS)."""
+
+    def __init__(self, path, threads: int = READ_THREADS):
+        super().__init__(str(path))
+        self.reads = DirectReads(threads)
+        self.headers: dict[str, tuple[int, dict]] = {}
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        direct, rest = _tensor_items(plan, lambda index: True)
+        if rest:
+            super().read_data(LoadPlan(rest), planner).wait()
+        self.reads.run(direct, self._locate, planner)
+        return _done()
+
+    def _locate(self, item: ReadItem) -> RawChunk:
+        info = self.storage_data[item.storage_index]
+        path = Path(info.relative_path)
+        if info.relative_path not in self.headers:
+            header, _, data_start = safetensors_header(path)
+            self.headers[info.relative_path] = (data_start, header)
+        data_start, header = self.headers[info.relative_path]
+        entry = header[item.storage_index.fqn]
+        return RawChunk(path, data_start + entry["data_offsets"][0], torch.Size(entry["shape"]),
+                        SAFETENSORS_DTYPES[entry["dtype"]])
+
+
+def _data_file(root: Path, name: str) -> Path:
+    """A data file named by ``.metadata``: a plain file name inside the checkpoint, nothing else."""
+    if not name or name != Path(name).name or name in (".", ".."):
+        raise SeedckptError(f"{root}/.metadata names the data file {name!r}, which is not inside the checkpoint; "
+                            "the checkpoint is damaged or crafted")
+    return root / name

@@ -1,0 +1,104 @@
+"""Loading a state dict through DCP, with the checks stock ``dcp.load`` does not make.
+
+``dcp.load`` silently casts dtypes, ignores extra keys and reports a missing key as a
+``BaseException``; ``tensor_problems`` checks each entry first. ``RowWindow`` lets a rank request
+only some rows of a checkpoint tensor that is not its own tensor or a DTensor shard of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from seedckpt.checkpoint.manifest import TensorInfo, dtype_name
+from seedckpt.errors import SeedckptError
+
+
+@dataclass(frozen=True)
+class RowWindow:
+    """A load destination for rows ``[start, start + len(dest))`` of a checkpoint tensor.
+
+    Used where a rank's tensor is not the checkpoint's tensor or a DTensor shard of it: the rows
+    of a grown vocabulary that exist in the checkpoint, or the whole RoPE heads around an FSDP
+    shard of an HF ``q_proj``. Only these rows are requested from storage.
+    """
+
+    dest: torch.Tensor
+    start: int
+
+
+def widens(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Loading ``src`` values into ``dst`` is exact (e.g. a bf16 seed into fp32 parameters)."""
+    if src == dst:
+        return True
+    if not (src.is_floating_point and dst.is_floating_point):
+        return False
+    s, d = torch.finfo(src), torch.finfo(dst)
+    return d.bits > s.bits and d.eps <= s.eps and d.max >= s.max
+
+
+def tensor_problems(fqn: str, info: TensorInfo, wanted: torch.Tensor | RowWindow) -> list[str]:
+    """Why a checkpoint entry cannot fill ``wanted``: a shape mismatch or a lossy dtype change
+    (stock ``dcp.load`` would cast silently)."""
+    if isinstance(wanted, RowWindow):
+        shape, stop = tuple(wanted.dest.shape), wanted.start + wanted.dest.shape[0]
+        if not info.shape or info.shape[1:] != shape[1:] or stop > info.shape[0]:
+            return [f"{fqn}: rows {wanted.start}..{stop} of shape {list(shape)} do not fit the checkpoint's "
+                    f"shape {list(info.shape)}"]
+        wanted = wanted.dest
+    elif info.shape != tuple(wanted.shape):
+        return [f"{fqn}: shape {list(info.shape)} in checkpoint, {list(wanted.shape)} in model"]
+    if not widens(info.dtype, wanted.dtype):
+        return [f"{fqn}: dtype {dtype_name(info.dtype)} in checkpoint, {dtype_name(wanted.dtype)} in model"]
+    return []
+
+
+class RowWindowLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner, plus ``RowWindow`` entries: those request only their rows."""
+
+    def __init__(self, state_dict: dict):
+        super().__init__(allow_partial_load=False)
+        self.windows = {k: v for k, v in state_dict.items() if isinstance(v, RowWindow)}
+
+    def create_local_plan(self) -> LoadPlan:
+        plain = {k: v for k, v in self.state_dict.items() if k not in self.windows}
+        plan = create_default_local_load_plan(plain, self.metadata, strict=True)
+        for fqn, window in self.windows.items():
+            offsets = torch.Size([window.start] + [0] * (window.dest.dim() - 1))
+            chunk = ChunkStorageMetadata(offsets, window.dest.shape)
+            plan.items.extend(create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], [chunk]))
+        return plan
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        window = self.windows.get(index.fqn)
+        return window.dest if window is not None else super().lookup_tensor(index)
+
+
+def load_state(state_dict: dict, reader, where) -> None:
+    """``dcp.load`` through ``RowWindowLoadPlanner``; DCP's failures become one ``SeedckptError``.
+
+    Collective across the default process group when one is initialized.
+    """
+    try:
+        with quiet_single_process_dcp():
+            dcp.load(state_dict, storage_reader=reader, planner=RowWindowLoadPlanner(state_dict))
+    except BaseException as e:  # DCP's CheckpointException derives from BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit, SeedckptError)):
+            raise
+        raise SeedckptError(f"reading {where} failed: {e}") from e
+
+
+@contextlib.contextmanager
+def quiet_single_process_dcp():
+    """DCP warns on every single-process call that it assumes a single process; we mean it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield

@@ -1,0 +1,263 @@
+"""The one checkpoint writer: DCP files that stock ``dcp.load`` reads, written at the disk's speed,
+with the position of every tensor's raw bytes recorded so that readers can skip the parsing.
+
+Every item is an ordinary ``torch.save`` zip record, as ``FileSystemWriter`` writes it. A zip
+stores its members uncompressed and ``torch.save`` aligns a tensor's bytes to 64, so the tensor's
+raw row-major bytes sit contiguously inside the item. The writer notes where (``raw_items`` in the
+manifest); ``direct.DirectFileSystemReader`` then reads exactly the rows a rank owns from that
+position, straight into its tensors, while stock ``dcp.load`` still sees a normal checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties,
+                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import (SavePlan, SavePlanner, TensorWriteData, WriteItem,
+                                                  WriteItemType)
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from seedckpt.checkpoint.atomic import atomic_output, partial_of, write_json_synced
+from seedckpt.checkpoint.load import quiet_single_process_dcp
+from seedckpt.checkpoint.manifest import MANIFEST_NAME, TensorInfo, dtype_name, is_model_key
+from seedckpt.checkpoint.safe_pickle import read_dcp_metadata
+from seedckpt.errors import SeedckptError
+
+RAW_ITEMS_KEY = "raw_items"  # manifest: {file: [[item offset, raw data offset, raw nbytes], ...]}
+
+
+@dataclass
+class _Written:
+    """An item's DCP storage info plus where its raw tensor bytes start (``None``: bytes item).
+
+    Only travels from the ranks to rank 0's ``finish``, which stores plain ``_StorageInfo`` in
+    ``.metadata`` (so stock readers see nothing new) and the raw positions in the manifest."""
+
+    info: _StorageInfo
+    data_start: int | None
+
+
+class _RawStream:
+    """The file object ``torch.save`` writes into: unbuffered ``os.write`` at the file's end.
+
+    Measured here into tmpfs: 2.1 GB/s, against 0.8 GB/s through a buffered Python file (which
+    copies every block once more). It also notes the offset at which the bytes of ``watch`` (the
+    tensor being saved) are written: the write whose buffer *is* that tensor's memory.
+    """
+
+    def __init__(self, fd: int):
+        self.fd, self.pos = fd, os.lseek(fd, 0, os.SEEK_CUR)
+        self.watch: torch.Tensor | None = None
+        self.data_start: int | None = None
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        if (self.watch is not None and view.nbytes == self.watch.nbytes and view.nbytes
+                and np.frombuffer(view, np.uint8).ctypes.data == self.watch.data_ptr()):
+            self.data_start = self.pos
+        done = 0
+        while done < view.nbytes:
+            done += os.write(self.fd, view[done:])
+        self.pos += done
+        return done
+
+    def flush(self) -> None:
+        pass
+
+
+class StreamingFileSystemWriter(FileSystemWriter):
+    """A ``FileSystemWriter`` whose memory is bounded by the items in flight, not the model.
+
+    Why not the stock writer: its write loop keeps every tensor of a file referenced until the file
+    is closed (measured: a lazily materialized 4.3 GB save peaked at 4.36 GB RSS), and ``torch.save``'s
+    zip CRC32 caps it at ~0.35-0.4 GB/s here (3.9 GB/s without). This writer resolves items in plan
+    order on ``workers`` threads, at most ``lookahead`` ahead of the one being written, writes each
+    with ``torch.save`` (CRC off: files are fsynced and published atomically instead) and drops it.
+    The files and ``.metadata`` are the stock format: stock ``dcp.load`` reads them. After ``finish``
+    (rank 0), ``raw_items`` holds every tensor item's raw byte position for the manifest.
+    """
+
+    def __init__(self, path: str | os.PathLike, lookahead: int = 4, workers: int = 2):
+        """``lookahead``: items resolved ahead of the one being written; ``workers``: resolving threads."""
+        super().__init__(path, single_file_per_rank=True, sync_files=True)
+        self.lookahead, self.workers = lookahead, workers
+        self.raw_items: dict[str, list[list[int]]] = {}
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        file_name = f"{plan.storage_data.prefix}0.distcp"
+        results = []
+        crc = torch.serialization.get_crc32_options()
+        torch.serialization.set_crc32_options(False)
+        fd = os.open(Path(self.path) / file_name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            stream = _RawStream(fd)
+            with ThreadPoolExecutor(self.workers) as pool:
+                items, pending = iter(plan.items), deque()
+
+                def submit_next() -> None:
+                    item = next(items, None)
+                    if item is not None:
+                        pending.append((item, pool.submit(planner.resolve_data, item)))
+
+                for _ in range(self.lookahead):
+                    submit_next()
+                while pending:
+                    item, future = pending.popleft()
+                    data = future.result()
+                    submit_next()
+                    offset = stream.pos
+                    stream.data_start = None
+                    if item.type == WriteItemType.BYTE_IO:
+                        stream.write(data.getbuffer())
+                    else:
+                        stream.watch = _compact_cpu(data)
+                        torch.save(stream.watch, stream)
+                        stream.watch = None
+                    length = stream.pos - offset
+                    results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=_Written(
+                        _StorageInfo(file_name, offset, length), stream.data_start)))
+                    del data
+                    start_writeback(fd, offset, length)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            torch.serialization.set_crc32_options(crc)
+        future: Future = Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        plain = []
+        for rank_results in results:
+            plain.append([])
+            for r in rank_results:
+                written: _Written = r.storage_data
+                plain[-1].append(WriteResult(r.index, r.size_in_bytes, written.info))
+                if written.data_start is not None:
+                    nbytes = _item_nbytes(metadata, r.index)
+                    self.raw_items.setdefault(written.info.relative_path, []).append(
+                        [written.info.offset, written.data_start, nbytes])
+        super().finish(metadata, plain)
+
+
+def _item_nbytes(metadata: Metadata, index: MetadataIndex) -> int:
+    md = metadata.state_dict_metadata[index.fqn]
+    chunk = next(c for c in md.chunks if c.offsets == index.offset)
+    return chunk.sizes.numel() * md.properties.dtype.itemsize
+
+
+class LazySavePlanner(DefaultSavePlanner):
+    """Plans tensors as row blocks and produces each block only when the writer asks for it.
+
+    The state dict handed to ``dcp.save`` holds ``meta`` tensors of at least one dimension;
+    ``produce(fqn, row_start, row_stop)`` returns the rows, and ``rows_per_block(shape)`` decides the
+    cut. Blocks are ordinary DCP chunks, exactly what a sharded save writes, so stock ``dcp.load``
+    reassembles them. With the streaming writer, memory is bounded by the blocks in flight.
+    """
+
+    def __init__(self, produce, rows_per_block=lambda shape: shape[0]):
+        super().__init__()
+        self.produce, self.rows_per_block = produce, rows_per_block
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for fqn, meta in self.state_dict.items():
+            shape = meta.shape
+            rows = max(1, self.rows_per_block(shape))
+            for start in range(0, shape[0], rows):
+                offsets = torch.Size([start] + [0] * (len(shape) - 1))
+                sizes = torch.Size([min(rows, shape[0] - start), *shape[1:]])
+                items.append(WriteItem(
+                    index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets, sizes),
+                                                properties=TensorProperties(dtype=meta.dtype), size=shape)))
+        self.plan = SavePlan(items, planner_data=self.mappings)  # FQN mapping, as the default planner
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+        chunk = write_item.tensor_data.chunk
+        dtype = self.state_dict[write_item.index.fqn].dtype
+        return self.produce(write_item.index.fqn, chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0]).to(dtype)
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Push the bytes just written towards the disk now, not all at the final fsync.
+
+    ``POSIX_FADV_DONTNEED`` starts asynchronous writeback of the range (and lets the kernel drop
+    it from the page cache once clean), so the disk works while the next blocks are generated.
+    ``fd``: a descriptor whose writes are not buffered in Python (flush a file object first).
+    """
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+
+
+def _compact_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor owning exactly its bytes (``torch.save`` writes a view's whole storage)."""
+    tensor = tensor.detach().cpu()
+    if tensor.is_contiguous() and tensor.untyped_storage().nbytes() == tensor.nbytes:
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)
+
+
+def tensor_infos(metadata: Metadata) -> dict[str, TensorInfo]:
+    """The tensors a DCP checkpoint stores, by stored key."""
+    return {fqn: TensorInfo(tuple(md.size), md.properties.dtype)
+            for fqn, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
+
+
+def write_checkpoint(path: str | os.PathLike, state_dict: dict, manifest: dict, force: bool = False,
+                     planner: SavePlanner | None = None, lookahead: int = 4,
+                     files: dict[str, Path] | None = None) -> Path:
+    """Write a DCP checkpoint plus manifest to ``path`` atomically.
+
+    Collective when a process group is initialized (every rank passes its own entries, e.g. its
+    stage's tensors or shards); otherwise single-process. The data goes to ``.NAME.partial`` first;
+    rank 0 adds the manifest (with the per-tensor table read back from the written metadata and the
+    raw byte positions) and renames the complete, fsynced directory to ``NAME``. With ``force`` an
+    existing ``NAME`` is replaced only after the new one is complete. A custom ``planner`` may
+    produce the data lazily (the seed writer generates each item when the writer asks for it).
+    ``files`` maps relative names to files that rank 0 copies in before publishing (a fine-tuning
+    run's tokenizer).
+    """
+    path = Path(path)
+    distributed = dist.is_available() and dist.is_initialized()
+    leader = not distributed or dist.get_rank() == 0
+    # Only rank 0 prepares, publishes and cleans up; the others just write into the partial dir.
+    with atomic_output(path, force) if leader else contextlib.nullcontext(partial_of(path)) as partial:
+        if distributed:
+            dist.barrier()  # rank 0 has removed any stale partial directory
+        writer = StreamingFileSystemWriter(partial, lookahead=lookahead)
+        try:
+            with quiet_single_process_dcp():
+                dcp.save(state_dict, storage_writer=writer, planner=planner, no_dist=not distributed)
+        except CheckpointException as e:  # a BaseException wrapping each rank's failure
+            raise SeedckptError(f"writing {path} failed: {e}") from e
+        if leader:
+            written = tensor_infos(read_dcp_metadata(partial / ".metadata"))
+            tensors = {fqn: info for fqn, info in written.items() if is_model_key(fqn)}
+            manifest = {**manifest, "num_params": sum(i.numel for i in tensors.values()),
+                        "tensors": {fqn: {"shape": list(i.shape), "dtype": dtype_name(i.dtype)}
+                                    for fqn, i in tensors.items()},
+                        RAW_ITEMS_KEY: writer.raw_items}
+            write_json_synced(partial / MANIFEST_NAME, manifest)
+            for name, source in (files or {}).items():
+                (partial / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(source, partial / name)
+    if distributed:
+        dist.barrier()
+    return path
