@@ -1,0 +1,199 @@
+"""Reading only owned bytes (``seedckpt.checkpoint.direct``): the same values as stock ``dcp.load``,
+and no more bytes than the rank owns.
+
+Real gloo process groups, real FSDP2 shards, real DCP files. The model has uneven first dimensions
+(vocabulary 250 and FFN width 350 over 4 shards) and the seed is cut into small row blocks, so
+blocks straddle shard boundaries and shards straddle blocks.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.conftest import tiny_config
+from tests.dist import run_distributed
+
+UNEVEN = ("--model.vocab_size", "250", "--model.multiple_of", "25")
+
+
+@pytest.fixture(scope="module")
+def uneven_seeds(tmp_path_factory):
+    """fp32 and bf16 seeds of the uneven model, written in blocks of ~1000 elements."""
+    from seedckpt import seed
+
+    root = tmp_path_factory.mktemp("uneven")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(seed, "BLOCK_NUMEL", 1000)
+        return {dtype: seed.create_seed_checkpoint(tiny_config(*UNEVEN), root / dtype, seed=3, dtype=dtype,
+                                                   progress=False)
+                for dtype in ("float32", "bfloat16")}
+
+
+def stock_tensors(path) -> dict[str, torch.Tensor]:
+    """Every model tensor as stock DCP reads it (``FileSystemReader``: torch.load of whole items)."""
+    import torch.distributed.checkpoint as dcp
+
+    from seedckpt.checkpoint import open_checkpoint
+
+    state = {f: torch.empty(i.shape, dtype=i.dtype) for f, i in open_checkpoint(path).infos.items()}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+    return state
+
+
+def _fsdp(mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    def shard(module):
+        for layer in module.layers.values():
+            fully_shard(layer, mesh=mesh)
+        fully_shard(module, mesh=mesh)
+
+    return shard
+
+
+def _layout_worker(rank, world_size, seed_path, resume_path):
+    """Build this rank's stages in several layouts; return every mismatch with stock dcp.load and,
+    per load, (bytes read directly, bytes owned x stored/loaded itemsize, items read the stock way)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from seedckpt.checkpoint import make_manifest, write_checkpoint
+    from seedckpt.checkpoint.direct import DirectReads
+    from seedckpt.modules import local, local_rows
+    from seedckpt.stages import build_stages, plan_rank_stages
+
+    args = tiny_config(*UNEVEN).model_args()
+    counts = {"direct": 0, "stock_items": 0}
+    run, stock_read = DirectReads.run, FileSystemReader.read_data
+
+    def counting_run(self, items, locate, planner):
+        run(self, items, locate, planner)
+        counts["direct"] += self.bytes_read
+
+    def counting_stock(self, plan, planner):
+        counts["stock_items"] += len(plan.items)
+        return stock_read(self, plan, planner)
+
+    DirectReads.run, FileSystemReader.read_data = counting_run, counting_stock
+    failures, volumes = [], []
+
+    def check(name, modules, path):
+        direct, stock_items = counts["direct"], counts["stock_items"]  # the build's reads
+        expected = stock_tensors(path)
+        stored = next(iter(expected.values())).dtype.itemsize
+        owned = 0
+        for module in modules:
+            for fqn, t in module.state_dict().items():
+                lo, hi = local_rows(t) or (0, t.shape[0])
+                owned += local(t).numel()
+                if not torch.equal(local(t), expected[fqn][lo:hi].to(t.dtype)):
+                    failures.append(f"{name}: {fqn}")
+        volumes.append((name, direct, owned * stored, stock_items))
+        counts.update(direct=0, stock_items=0)
+
+    layouts = {"pp1 x dp1": (1, 1), "pp2 x dp1": (2, 1), "pp1 x dp4": (1, 4), "pp2 x dp2": (2, 2)}
+    for name, (pp, dp) in layouts.items():
+        pp_rank = rank // (world_size // pp)
+        specs = plan_rank_stages(args, pp_rank, pp)
+        shard_fn = None
+        if dp > 1:
+            mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
+            shard_fn = _fsdp(mesh["dp"])
+        modules = build_stages(args, specs, "cpu", checkpoint=seed_path, shard_fn=shard_fn)
+        check(name, modules, seed_path)
+        if name == "pp1 x dp4":  # a training checkpoint written by 4 shards, resumed on pp=2 x dp=2
+            with torch.no_grad():
+                for t in modules[0].state_dict().values():
+                    local(t).mul_(-3).add_(0.25)
+            write_checkpoint(resume_path, modules[0].state_dict(), make_manifest("train", "llama3", "debug", args),
+                             force=True)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    modules = build_stages(args, plan_rank_stages(args, rank // 2, 2), "cpu", checkpoint=resume_path,
+                           shard_fn=_fsdp(mesh["dp"]))
+    check("resume dp4 -> pp2 x dp2", modules, resume_path)
+    dist.barrier()
+    return failures, volumes
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_owned_rows_are_bitwise_stock_dcp_load_in_every_layout(uneven_seeds, tmp_path, dtype):
+    results = run_distributed(_layout_worker, 4, str(uneven_seeds[dtype]), str(tmp_path / "resume"))
+    for rank, (failures, volumes) in enumerate(results):
+        assert failures == [], f"rank {rank}: {failures[:5]}"
+        assert len(volumes) == 5
+        for name, direct, owned, stock_items in volumes:
+            assert stock_items == 0, f"rank {rank} {name}: {stock_items} items read the stock way"
+            assert direct == owned, f"rank {rank} {name}: read {direct} bytes, owns {owned}"
+
+
+def _rchar() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs Linux /proc/self/io")
+def test_read_volume_is_bounded_by_the_rows_asked_for(tmp_path):
+    """A checkpoint ~100x larger than the rows requested: the process reads (``rchar``, every byte
+    through read/pread) at most 5 % more than it asks for, whatever rows it asks for."""
+    from seedckpt.checkpoint import RowWindow, open_checkpoint
+    from seedckpt.seed import create_seed_checkpoint
+
+    path = create_seed_checkpoint(tiny_config("--model.vocab_size", "32768"), tmp_path / "big", seed=0,
+                                  progress=False)  # 35 MiB, mostly embedding and output
+    expected = stock_tensors(path)
+    checkpoint = open_checkpoint(path)
+    g = torch.Generator().manual_seed(0)
+    for trial in range(6):
+        fqn = ("tok_embeddings.weight", "output.weight")[trial % 2]
+        rows = int(torch.randint(1, 700, (), generator=g))
+        start = int(torch.randint(0, 32768 - rows, (), generator=g))
+        window = RowWindow(torch.empty(rows, 128), start)
+        before = _rchar()
+        checkpoint.load({fqn: window})
+        read = _rchar() - before
+        assert torch.equal(window.dest, expected[fqn][start:start + rows])
+        assert read <= 1.05 * window.dest.nbytes, f"rows {start}+{rows}: read {read} for {window.dest.nbytes}"
+
+
+def test_foreign_checkpoint_loads_the_stock_way(tmp_path, debug_seed):
+    """A checkpoint written by stock dcp.save (no recorded positions) still loads, bitwise."""
+    import torch.distributed.checkpoint as dcp
+
+    from seedckpt.stages import build_stages, plan_rank_stages
+
+    expected = stock_tensors(debug_seed)
+    dcp.save(expected, storage_writer=dcp.FileSystemWriter(str(tmp_path / "stock")), no_dist=True)
+    args = tiny_config().model_args()
+    [model] = build_stages(args, plan_rank_stages(args, 0, 1), "cpu", checkpoint=tmp_path / "stock")
+    for fqn, t in model.state_dict().items():
+        assert torch.equal(t, expected[fqn]), fqn
+
+
+def test_damaged_positions_and_truncated_files_are_errors(tmp_path, debug_seed):
+    import json
+    import shutil
+
+    from seedckpt.checkpoint import open_checkpoint
+    from seedckpt.errors import SeedckptError
+
+    args = tiny_config().model_args()
+    state = {f: torch.empty(i.shape) for f, i in open_checkpoint(debug_seed).infos.items()}
+    lying = tmp_path / "lying"
+    shutil.copytree(debug_seed, lying)
+    manifest = json.loads((lying / "seedckpt.json").read_text())
+    for entries in manifest["raw_items"].values():
+        for entry in entries:
+            entry[1] += 10**9  # points past its item
+    (lying / "seedckpt.json").write_text(json.dumps(manifest))
+    with pytest.raises(SeedckptError, match="raw position .* does not fit"):
+        open_checkpoint(lying, args).load(dict(state))
+    short = tmp_path / "short"
+    shutil.copytree(debug_seed, short)
+    [data] = short.glob("*.distcp")
+    os.truncate(data, data.stat().st_size // 2)
+    with pytest.raises(SeedckptError, match="truncated"):
+        open_checkpoint(short, args).load(dict(state))
