@@ -114,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
 def _seed(opts, overrides) -> int:
     # CPU only: hide GPUs before anything could create a CUDA context (and pin memory) on a GPU host.
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    # Transparent huge pages for torch's large CPU allocations (read once, before torch allocates):
+    # every 64 MiB block is a fresh allocation, and faulting it in 4 KiB pages cost ~3 s of system
+    # time on the 1B seed here; with 2 MiB pages 1 s (wall 15.7 s -> 11.1 s, untied 1B on tmpfs).
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     from seedckpt.config import load_config
     from seedckpt.seed import create_seed_checkpoint
 

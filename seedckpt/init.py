@@ -79,7 +79,8 @@ class InitSpec:
         out.normal_(0.0, self.std, generator=generator)
         if self.kind == "trunc_normal":
             bound = self.cutoff * self.std
-            bad = (out.abs() > bound).nonzero().squeeze(1)
+            low, high = torch.aminmax(out)  # one pass without temporaries; resampling is rare
+            bad = (out.abs() > bound).nonzero().squeeze(1) if low < -bound or high > bound else out[:0].long()
             while bad.numel():
                 redraw = torch.empty(bad.numel()).normal_(0.0, self.std, generator=generator)
                 out[bad] = redraw
