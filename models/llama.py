@@ -22,6 +22,9 @@ recipe. ``init`` is any object with::
     init.trunc_normal_(tensor, std, cutoff) # N(0, std^2) truncated to +-cutoff*std
     init.ones_(tensor)
 
+``trunc_normal_`` also takes ``key=FQN``: draw the values of the tensor named FQN (the copy of a
+tied matrix on another pipeline stage).
+
 (``seedckpt.init`` provides one that derives every tensor's values from (seed, FQN, recipe)).
 
 The recipe is torchtitan's Llama-3 distribution (depth-scaled output projections). torchtitan
@@ -36,6 +39,7 @@ its std (+-3 std).
 ``attention.wo``, ``feed_forward.{w2,w3}``     normal, std 0.02 / sqrt(2 (layer_id + 1)), truncated at +-2
 ``*norm.weight``                               ones
 ``output.weight``                              truncated normal, std dim^-0.5, +-3 std
+tied ``tok_embeddings.weight`` (= output)      the output's recipe (see ``Transformer.init_weights``)
 =============================================  ==========================================
 
 Non-persistent buffers (``freqs_cis``) are a pure function of ``ModelArgs``. They are *not*
@@ -131,14 +135,16 @@ _LLAMA31_ROPE = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, orig
 _LLAMA32_ROPE = dict(_LLAMA31_ROPE, factor=32.0)
 
 # Shapes of the released Llama 3.x models (torchtitan's flavors, plus 1B/3B from Llama 3.2 and a
-# tiny CPU-friendly ``debug``). Untied output projection everywhere so FQNs stay uniform.
+# tiny CPU-friendly ``debug``). 1B and 3B tie the output to the embedding, as released.
 LLAMA3_FLAVORS: dict[str, ModelArgs] = {
     "debug": ModelArgs(dim=128, n_layers=6, n_heads=8, n_kv_heads=4, vocab_size=512, multiple_of=32,
                        rope_theta=10000.0, max_seq_len=512),
     "1B": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5,
-                    multiple_of=256, rope_scaling=RopeScaling(**_LLAMA32_ROPE), max_seq_len=131072),
+                    multiple_of=256, rope_scaling=RopeScaling(**_LLAMA32_ROPE), max_seq_len=131072,
+                    tie_word_embeddings=True),
     "3B": ModelArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0,
-                    multiple_of=256, rope_scaling=RopeScaling(**_LLAMA32_ROPE), max_seq_len=131072),
+                    multiple_of=256, rope_scaling=RopeScaling(**_LLAMA32_ROPE), max_seq_len=131072,
+                    tie_word_embeddings=True),
     "8B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3,
                     multiple_of=1024, rope_scaling=RopeScaling(**_LLAMA31_ROPE), max_seq_len=131072),
     "70B": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3,
@@ -297,12 +303,22 @@ class Transformer(nn.Module):
         self.freqs_cis = precompute_freqs_cis(self.args, device=self.freqs_cis.device)
 
     def init_weights(self, init) -> None:
-        if self.tok_embeddings is not None:
-            init.normal_(self.tok_embeddings.weight, std=1.0)
         if self.norm is not None:
             init.ones_(self.norm.weight)
-        if self.output is not None and not self.args.tie_word_embeddings:
-            init.trunc_normal_(self.output.weight, std=self.args.dim ** -0.5, cutoff=3.0)
+        output_std = self.args.dim ** -0.5
+        if not self.args.tie_word_embeddings:
+            if self.tok_embeddings is not None:
+                init.normal_(self.tok_embeddings.weight, std=1.0)
+            if self.output is not None:
+                init.trunc_normal_(self.output.weight, std=output_std, cutoff=3.0)
+            return
+        # Tied: one matrix is the output projection too, so it takes the output's recipe (std 1.0
+        # would give logits of std ~sqrt(dim)); HF's Llama likewise draws a tied matrix at std 0.02.
+        # A stage holding only the output copy draws it under the embedding's FQN, so the copies on
+        # the first and last pipeline stages are bitwise equal without communication.
+        weights = {id(m.weight): m.weight for m in (self.tok_embeddings, self.output) if m is not None}
+        for weight in weights.values():
+            init.trunc_normal_(weight, std=output_std, cutoff=3.0, key="tok_embeddings.weight")
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None) -> torch.Tensor:

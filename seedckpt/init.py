@@ -66,11 +66,18 @@ def chunk_generator(seed: int, fqn: str, chunk: int) -> torch.Generator:
 
 @dataclass(frozen=True)
 class InitSpec:
-    """One tensor's recipe: ``normal`` / ``trunc_normal`` (N(0, std^2), cut at +-cutoff*std) / ``ones``."""
+    """One tensor's recipe: ``normal`` / ``trunc_normal`` (N(0, std^2), cut at +-cutoff*std) / ``ones``.
+
+    ``key``: the FQN whose values the tensor takes when not its own (a tied output projection on
+    the last pipeline stage is drawn as ``tok_embeddings.weight``)."""
 
     kind: str
     std: float = 1.0
     cutoff: float | None = None
+    key: str | None = None
+
+    def key_for(self, fqn: str) -> str:
+        return self.key or fqn
 
     def fill_chunk(self, out: torch.Tensor, generator: torch.Generator) -> None:
         if self.kind == "ones":
@@ -133,8 +140,8 @@ class Initializer:
     def normal_(self, tensor: torch.Tensor, std: float) -> None:
         self._apply(tensor, InitSpec("normal", std=std))
 
-    def trunc_normal_(self, tensor: torch.Tensor, std: float, cutoff: float = 2.0) -> None:
-        self._apply(tensor, InitSpec("trunc_normal", std=std, cutoff=cutoff))
+    def trunc_normal_(self, tensor: torch.Tensor, std: float, cutoff: float = 2.0, key: str | None = None) -> None:
+        self._apply(tensor, InitSpec("trunc_normal", std=std, cutoff=cutoff, key=key))
 
     def ones_(self, tensor: torch.Tensor) -> None:
         self._apply(tensor, InitSpec("ones"))
@@ -149,13 +156,14 @@ class Initializer:
                                "children that have their own init_weights")
         self.specs[fqn] = spec
         if self.materialize:
+            key = spec.key_for(fqn)
             with torch.no_grad():
                 rows = local_rows(tensor)
                 if rows is None:  # not a row block of the full tensor: generate whole, keep our part
-                    copy_full_into(tensor, generate(spec, tensor.shape, self.seed, fqn))
+                    copy_full_into(tensor, generate(spec, tensor.shape, self.seed, key))
                 else:  # an FSDP row shard: draw only its own rows (the chunked RNG allows any range)
                     width = math.prod(tensor.shape[1:])
-                    block = generate_flat(spec, self.seed, fqn, tensor.numel(), rows[0] * width, rows[1] * width)
+                    block = generate_flat(spec, self.seed, key, tensor.numel(), rows[0] * width, rows[1] * width)
                     local(tensor).copy_(block.view(rows[1] - rows[0], *tensor.shape[1:]))
 
 

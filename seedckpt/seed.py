@@ -73,7 +73,8 @@ def create_seed_checkpoint(cfg: JobConfig, output: str | os.PathLike, seed: int,
     def produce(fqn: str, row_start: int, row_stop: int) -> torch.Tensor:
         shape = state[fqn].shape
         width = math.prod(shape[1:])
-        block = generate_flat(specs[fqn], seed, fqn, shape.numel(), row_start * width, row_stop * width)
+        spec = specs[fqn]
+        block = generate_flat(spec, seed, spec.key_for(fqn), shape.numel(), row_start * width, row_stop * width)
         bar.update(block.numel() * torch_dtype.itemsize)
         return block.view(row_stop - row_start, *shape[1:])
 

@@ -209,9 +209,6 @@ def build_stages(args: ModelArgs, specs: Sequence[StageSpec], device: torch.devi
     """
     if (checkpoint is None) == (seed is None):
         raise ValueError("give exactly one of checkpoint= or seed=")
-    if seed is not None and args.tie_word_embeddings:
-        raise SeedckptError("tied embeddings cannot be initialized from scratch here (their copies on two "
-                            "pipeline stages would differ); start from a pretrained checkpoint")
     reader = open_checkpoint(checkpoint, complete=False) if checkpoint is not None else None
     if reader is not None:
         reader.check_model_args(args, grow_vocab)

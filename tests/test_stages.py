@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
+from models.llama import Transformer
 from seedckpt.checkpoint.direct import DirectFileSystemReader
 from seedckpt.errors import SeedckptError
 from seedckpt.seed import create_seed_checkpoint
@@ -59,21 +62,27 @@ LAYOUTS = {
 }
 
 
+# Tied embeddings (Llama-3.2 1B/3B): the seed stores the matrix once; a last stage's output copy
+# loads it from the embedding, and a V schedule holds both copies on one rank.
+TIED_LAYOUTS = ("pp1", "pp2", "pp2_v_2_per_rank")
+
+
 @pytest.fixture(scope="module")
 def seeds(tmp_path_factory):
-    """One seed per layer count used below."""
+    """One seed per (layer count, tied) used below."""
     out = {}
-    for n_layers in sorted({layout[0] for layout in LAYOUTS.values()}):
-        cfg = tiny_config("--model.n_layers", str(n_layers))
-        out[n_layers] = (cfg.model_args(), create_seed_checkpoint(
-            cfg, tmp_path_factory.mktemp("seed") / f"l{n_layers}", seed=7, progress=False))
+    needed = {(LAYOUTS[name][0], False) for name in LAYOUTS} | {(LAYOUTS[name][0], True) for name in TIED_LAYOUTS}
+    for n_layers, tied in sorted(needed):
+        cfg = tiny_config("--model.n_layers", str(n_layers), "--model.tie_word_embeddings", str(tied).lower())
+        out[n_layers, tied] = (cfg.model_args(), create_seed_checkpoint(
+            cfg, tmp_path_factory.mktemp("seed") / f"l{n_layers}{'t' * tied}", seed=7, progress=False))
     return out
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_stages_equal_slices_of_full_model_and_chain_to_its_logits(layout, seeds):
+@pytest.mark.parametrize("layout, tied", [(name, False) for name in LAYOUTS] + [(name, True) for name in TIED_LAYOUTS])
+def test_stages_equal_slices_of_full_model_and_chain_to_its_logits(layout, tied, seeds):
     n_layers, pp, per_rank, schedule, points = LAYOUTS[layout]
-    args, seed_path = seeds[n_layers]
+    args, seed_path = seeds[n_layers, tied]
     [full] = build_stages(args, plan_rank_stages(args, 0, 1), "cpu", checkpoint=seed_path)
     full_state = full.state_dict()
     stages = {}
@@ -99,7 +108,7 @@ def test_stages_equal_slices_of_full_model_and_chain_to_its_logits(layout, seeds
 
 
 def test_each_stage_reads_only_its_own_tensors(seeds, monkeypatch):
-    args, seed_path = seeds[6]
+    args, seed_path = seeds[6, False]
     read = []
     original = DirectFileSystemReader.read_data
 
@@ -113,10 +122,24 @@ def test_each_stage_reads_only_its_own_tensors(seeds, monkeypatch):
     assert all(fqn.startswith(("layers.3.", "layers.4.", "layers.5.", "norm.", "output.")) for fqn in read)
 
 
-def test_direct_init_equals_seed_loaded_stage(seeds):
-    args, seed_path = seeds[6]
-    specs = plan_rank_stages(args, 1, 3)
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("rank", [0, 2])
+def test_direct_init_equals_seed_loaded_stage(seeds, tied, rank):
+    args, seed_path = seeds[6, tied]
+    specs = plan_rank_stages(args, rank, 3)
     [loaded] = build_stages(args, specs, "cpu", checkpoint=seed_path)
     [direct] = build_stages(args, specs, "cpu", seed=7)
     for fqn, t in loaded.state_dict().items():
         assert torch.equal(t, direct.state_dict()[fqn]), fqn
+
+
+def test_tied_seed_stores_the_matrix_once_with_the_output_recipe(seeds):
+    args, seed_path = seeds[6, True]
+    manifest = json.loads((seed_path / "seedckpt.json").read_text())
+    assert "output.weight" not in manifest["tensors"]
+    assert manifest["num_params"] == sum(t.numel() for t in Transformer(args).parameters())
+    [last] = build_stages(args, plan_rank_stages(args, 1, 2), "cpu", checkpoint=seed_path)
+    weight = last.output.weight.detach()
+    # The output's recipe: std dim^-0.5, truncated at 3 std (an untied embedding would have std 1).
+    assert weight.abs().max() <= 3 * args.dim ** -0.5
+    assert abs(weight.std().item() / args.dim ** -0.5 - 0.986) < 0.03  # std of N(0,1) cut at +-3 is 0.986

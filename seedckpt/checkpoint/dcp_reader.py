@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 from seedckpt.checkpoint.atomic import PARTIAL_SUFFIX
 from seedckpt.checkpoint.base import Checkpoint
 from seedckpt.checkpoint.direct import DirectFileSystemReader
-from seedckpt.checkpoint.load import load_state, quiet_single_process_dcp
+from seedckpt.checkpoint.load import copy_shared, load_state, one_destination_per_source, quiet_single_process_dcp
 from seedckpt.checkpoint.manifest import TensorInfo, is_model_key, read_manifest
 from seedckpt.checkpoint.safe_pickle import read_dcp_metadata
 from seedckpt.checkpoint.writer import RAW_ITEMS_KEY, tensor_infos
@@ -47,6 +47,11 @@ class DcpCheckpoint(Checkpoint):
         super().__init__(path, {f: i for f, i in self.all_tensors.items() if is_model_key(f)}, manifest, args)
         raw = (manifest or {}).get(RAW_ITEMS_KEY)
         self.raw_items = raw if isinstance(raw, dict) else {}
+        embedding = self.all_tensors.get("tok_embeddings.weight")
+        if self.args is not None and self.args.tie_word_embeddings and embedding and "output.weight" not in self.infos:
+            # A tied checkpoint may store the matrix once (seeds do): the output reads the embedding.
+            self.stored["output.weight"] = self.stored.get("tok_embeddings.weight", "tok_embeddings.weight")
+            self.all_tensors["output.weight"] = self.infos["output.weight"] = embedding
 
     def tensors(self) -> dict[str, TensorInfo]:
         return self.all_tensors
@@ -72,7 +77,10 @@ class DcpCheckpoint(Checkpoint):
         when one is initialized. DCP replaces non-tensor entries (training state) in the dict it
         loads; they are handed back in ``state_dict``."""
         self.check_covers(state_dict)
-        stored = {self.stored.get(k, k): v for k, v in state_dict.items()}
+        stored, shared = one_destination_per_source(state_dict, lambda key: self.stored.get(key, key))
         load_state(stored, self.reader(), self.path)
+        copy_shared(state_dict, stored, shared)
+        copies = {key for key, _ in shared}
         for key in state_dict:
-            state_dict[key] = stored[self.stored.get(key, key)]
+            if key not in copies:
+                state_dict[key] = stored[self.stored.get(key, key)]

@@ -19,7 +19,7 @@ import torch
 
 from seedckpt.checkpoint.base import Checkpoint
 from seedckpt.checkpoint.direct import DirectHFReader
-from seedckpt.checkpoint.load import RowWindow, load_state, tensor_problems
+from seedckpt.checkpoint.load import RowWindow, copy_shared, load_state, one_destination_per_source, tensor_problems
 from seedckpt.checkpoint.manifest import TensorInfo, check_args_match, parse_manifest
 from seedckpt.checkpoint.safetensors_header import SAFETENSORS_DTYPES, safetensors_header
 from seedckpt.errors import SeedckptError
@@ -101,14 +101,11 @@ class HFCheckpoint(Checkpoint):
             problems += [f"{fqn}: missing"] if info is None else tensor_problems(fqn, info, wanted)
         if problems:
             raise SeedckptError(f"{self.path} does not cover the model: " + "; ".join(problems))
-        by_name, aliases, permuted = {}, [], []
-        for fqn, wanted in state_dict.items():
-            name = self.location[fqn][1]
-            heads = heads_of(fqn, self.args)
-            if name in by_name:  # a tied output beside its embedding: the same values
-                if _dest(by_name[name]) is not _dest(wanted):
-                    aliases.append((_dest(wanted), _dest(by_name[name])))
-            elif heads:
+        names, shared = one_destination_per_source(state_dict, lambda fqn: self.location[fqn][1])
+        by_name, permuted = {}, []
+        for name, wanted in names.items():
+            heads = heads_of(from_hf_name(name), self.args)
+            if heads:
                 window = _whole_heads(wanted, heads)
                 if window is not None:
                     by_name[name] = window
@@ -123,13 +120,7 @@ class HFCheckpoint(Checkpoint):
                 lo, hi = local_rows(wanted) or (0, wanted.shape[0])
                 full = permute_from_hf(window.dest, rows // head_rows)
                 local(wanted).copy_(full[lo - window.start:hi - window.start])
-            for dst, src in aliases:
-                dst.copy_(src)
-
-
-def _dest(wanted) -> torch.Tensor:
-    """The local storage a load destination writes into."""
-    return wanted.dest if isinstance(wanted, RowWindow) else local(wanted)
+        copy_shared(state_dict, names, shared)
 
 
 def _whole_heads(wanted: torch.Tensor, heads: int) -> RowWindow | None:

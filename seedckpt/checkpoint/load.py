@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from seedckpt.checkpoint.manifest import TensorInfo, dtype_name
 from seedckpt.errors import SeedckptError
+from seedckpt.modules import local
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,37 @@ def tensor_problems(fqn: str, info: TensorInfo, wanted: torch.Tensor | RowWindow
     if not widens(info.dtype, wanted.dtype):
         return [f"{fqn}: dtype {dtype_name(info.dtype)} in checkpoint, {dtype_name(wanted.dtype)} in model"]
     return []
+
+
+def destination(wanted: torch.Tensor | RowWindow) -> torch.Tensor:
+    """The local storage a load destination writes into."""
+    return wanted.dest if isinstance(wanted, RowWindow) else local(wanted)
+
+
+def one_destination_per_source(state_dict: dict, source_of) -> tuple[dict, list[tuple[str, str]]]:
+    """Key ``state_dict`` by the stored entry (``source_of(key)``) each destination reads.
+
+    A tied checkpoint stores its matrix once, but a rank may hold two destinations for it (the
+    embedding and a separate output copy, when one rank runs the first and the last pipeline
+    stage). Such a source is read once; the returned ``(key, source)`` pairs are filled afterwards
+    by ``copy_shared``."""
+    by_source, shared = {}, []
+    for key, wanted in state_dict.items():
+        source = source_of(key)
+        first = by_source.setdefault(source, wanted)
+        if first is not wanted and destination(first) is not destination(wanted):
+            shared.append((key, source))
+    return by_source, shared
+
+
+def copy_shared(state_dict: dict, by_source: dict, shared: list[tuple[str, str]]) -> None:
+    with torch.no_grad():
+        for key, source in shared:
+            dst, src = destination(state_dict[key]), destination(by_source[source])
+            if dst.shape != src.shape:
+                raise SeedckptError(f"{key} and its tied source {source} are laid out differently on this rank "
+                                    f"({list(dst.shape)} vs {list(src.shape)}); shard them alike")
+            dst.copy_(src)
 
 
 class RowWindowLoadPlanner(DefaultLoadPlanner):

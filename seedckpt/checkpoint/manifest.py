@@ -31,8 +31,9 @@ TRAIN_STATE_KEY = "train_state"
 RNG_PREFIX = "rng."
 TRAINING_STATE_PREFIXES = (OPTIMIZER_PREFIX, TRAIN_STATE_KEY, RNG_PREFIX)
 
-# ModelArgs fields that decide tensor shapes: a config must agree with the checkpoint on these.
-SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden_dim")
+# ModelArgs fields that decide which tensors exist and their shapes: a config must agree with the
+# checkpoint on these (loading an untied checkpoint into a tied model would keep one of two matrices).
+SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden_dim", "tie_word_embeddings")
 
 
 @dataclass(frozen=True)
