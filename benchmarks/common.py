@@ -20,6 +20,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DISK_TEST_BYTES = 2 << 30
 DISK_BLOCK_BYTES = 64 << 20
+# Memory target for a rank that loads its shards: 1.3 x the bytes it owns + 300 MiB (interpreter,
+# torch, collective buffers).
+RSS_TARGET_RATIO, RSS_TARGET_SLACK_MIB = 1.3, 300
 
 
 def parser(doc: str) -> argparse.ArgumentParser:
@@ -74,6 +77,45 @@ def disk_write_bandwidth(path: Path) -> float:
         os.close(fd)
         path.unlink()
     return DISK_TEST_BYTES / elapsed / 1e9
+
+
+def run_checked(cmd: list[str], what: str, env: dict | None = None) -> float:
+    """Run ``cmd`` (its stdout to our stderr: stdout is for the JSON lines); return its wall seconds.
+    A failure stops the benchmark with one line naming ``what`` (the child's output is above it)."""
+    start = time.perf_counter()
+    code = subprocess.run(cmd, cwd=ROOT, stdout=sys.stderr, env=env).returncode
+    if code != 0:
+        raise SystemExit(f"benchmark failed: {what} exited with status {code} (its output is above)")
+    return time.perf_counter() - start
+
+
+def torchrun(script: str, ranks: int, report: Path, *args: str) -> tuple[list[dict], float]:
+    """Run ``script --report REPORT ARGS`` as a ``torchrun --standalone`` job of ``ranks`` CPU ranks
+    (OMP_NUM_THREADS=1: the ranks share this machine's cores). Each rank writes its record with
+    ``write_rank_report``; returns them by rank and the job's wall seconds (launch to exit)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+           str(script), "--report", str(report), *args]
+    wall = run_checked(cmd, f"the torchrun job `{Path(script).name} {' '.join(args[:2])}`",
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return [json.loads(Path(f"{report}.rank{rank}").read_text()) for rank in range(ranks)], wall
+
+
+def write_rank_report(report: str, rank: int, record: dict) -> None:
+    Path(f"{report}.rank{rank}").write_text(json.dumps(record))
+
+
+def proc_fields(name: str) -> dict[str, int]:
+    """The numeric fields of ``/proc/self/NAME``: ``io`` (bytes) or ``status`` (sizes in KiB)."""
+    fields = {}
+    for line in Path(f"/proc/self/{name}").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if value.split() and value.split()[0].isdigit():
+            fields[key] = int(value.split()[0])
+    return fields
+
+
+def within_rss_target(peak_mib: float, owned_mib: float) -> bool:
+    return peak_mib <= RSS_TARGET_RATIO * owned_mib + RSS_TARGET_SLACK_MIB
 
 
 def emit(record: dict) -> None:

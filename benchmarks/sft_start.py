@@ -28,17 +28,13 @@ The parent does not import torch (see ``common.py``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import common
-from common import ROOT, emit, output_dir
-
-TARGET_RATIO, TARGET_SLACK_MIB = 1.3, 300
+from common import emit, output_dir, proc_fields, within_rss_target, write_rank_report
 
 
 def make_hf_dir(path: Path, flavor: str) -> None:
@@ -115,12 +111,10 @@ def worker(method: str, hf_dir: str, report: str, launched: float) -> None:
     dist.barrier()
     ready = time.time() - launched
     owned = sum(p.to_local().nbytes for p in model.parameters())
-    io = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
     record = {"rank": dist.get_rank(), "ready_s": ready, "owned_mib": owned / 2**20,
               "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-              "read_mib": int(io["rchar"]) / 2**20, **sampler.stop()}
-    with open(f"{report}.rank{dist.get_rank()}", "w") as f:
-        json.dump(record, f)
+              "read_mib": proc_fields("io")["rchar"] / 2**20, **sampler.stop()}
+    write_rank_report(report, dist.get_rank(), record)
     dist.destroy_process_group()
 
 
@@ -150,17 +144,12 @@ class RssSampler:
 
 
 def run_method(method: str, hf_dir: Path, ranks: int, work: Path) -> list[dict]:
-    report = work / f"report-{method}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-           str(Path(__file__).resolve()), "--worker", method, "--hf", str(hf_dir), "--report", str(report),
-           "--launched", repr(time.time())]
-    subprocess.run(cmd, cwd=ROOT, check=True, stdout=sys.stderr, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    reports, _ = common.torchrun(str(Path(__file__).resolve()), ranks, work / f"report-{method}", "--worker", method,
+                                 "--hf", str(hf_dir), "--launched", repr(time.time()))
     records = []
-    for rank in range(ranks):
-        r = json.loads(Path(f"{report}.rank{rank}").read_text())
-        budget = TARGET_RATIO * r["owned_mib"] + TARGET_SLACK_MIB
-        r["within_target"] = r["peak_rss_mib"] <= budget
-        r["anon_within_target"] = r["peak_anon_mib"] <= budget
+    for r in reports:
+        r["within_target"] = within_rss_target(r["peak_rss_mib"], r["owned_mib"])
+        r["anon_within_target"] = within_rss_target(r["peak_anon_mib"], r["owned_mib"])
         records.append({"method": method, **r})
         emit(records[-1])
     summary = {"method": method, "summary": True, "ranks": ranks, "ready_s": max(r["ready_s"] for r in records),
@@ -186,8 +175,8 @@ def main() -> None:
         return make_hf_dir(Path(opts.make_hf), opts.flavor)
     with output_dir(opts.out_dir, "sft-start-") as work:
         hf_dir = work / "hf"
-        subprocess.run([sys.executable, str(Path(__file__).resolve()), "--make-hf", str(hf_dir), "--flavor",
-                        opts.flavor], cwd=ROOT, check=True)
+        common.run_checked([sys.executable, str(Path(__file__).resolve()), "--make-hf", str(hf_dir), "--flavor",
+                            opts.flavor], "making the HF directory")
         ours = run_method("seedckpt", hf_dir, opts.ranks, work)
         if opts.skip_baseline:
             return
