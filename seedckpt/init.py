@@ -102,18 +102,20 @@ def generate(spec: InitSpec, shape: torch.Size | tuple, seed: int, fqn: str) -> 
     return generate_flat(spec, seed, fqn, numel, 0, numel).view(shape)
 
 
-def generate_flat(spec: InitSpec, seed: int, fqn: str, numel: int, start: int, stop: int) -> torch.Tensor:
+def generate_flat(spec: InitSpec, seed: int, fqn: str, numel: int, start: int, stop: int,
+                  allocate=torch.empty) -> torch.Tensor:
     """Elements ``[start, stop)`` of the flattened fp32 tensor ``fqn`` of ``numel`` elements.
 
     Only the generator chunks that overlap the range are drawn, each over its full length (a
     chunk's values depend on its length, so the last chunk ends at ``numel``, never at ``stop``); a
     range on chunk boundaries wastes nothing, which is how the streaming seed writer cuts blocks.
+    ``allocate(numel, dtype=)`` provides the buffer (the seed writer reuses its blocks' buffers).
     """
     if stop <= start:
         return torch.empty(0)
     first, last = start // CHUNK_NUMEL, (stop - 1) // CHUNK_NUMEL
     base = first * CHUNK_NUMEL
-    out = torch.empty(min(numel, (last + 1) * CHUNK_NUMEL) - base, dtype=torch.float32)
+    out = allocate(min(numel, (last + 1) * CHUNK_NUMEL) - base, dtype=torch.float32)
     for chunk in range(first, last + 1):
         part = out[(chunk - first) * CHUNK_NUMEL:(chunk - first + 1) * CHUNK_NUMEL]
         spec.fill_chunk(part, None if spec.kind == "ones" else chunk_generator(seed, fqn, chunk))

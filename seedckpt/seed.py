@@ -18,6 +18,7 @@ every block in fp32 and casts it, so a bf16 seed is exactly the fp32 seed rounde
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 from pathlib import Path
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 
 from seedckpt.checkpoint import LazySavePlanner, check_destination, make_manifest, write_checkpoint
+from seedckpt.checkpoint.writer import BlockPool
 from seedckpt.config import DTYPES, JobConfig
 from seedckpt.errors import SeedckptError
 from seedckpt.init import CHUNK_NUMEL, RECIPE_VERSION, generate_flat, init_model
@@ -70,11 +72,14 @@ def create_seed_checkpoint(cfg: JobConfig, output: str | os.PathLike, seed: int,
     bar = Progress(sum(t.numel() for t in state.values()) * torch_dtype.itemsize, f"seed {cfg.model.flavor}",
                    enabled=progress)
 
+    pool = BlockPool()
+
     def produce(fqn: str, row_start: int, row_stop: int) -> torch.Tensor:
         shape = state[fqn].shape
         width = math.prod(shape[1:])
         spec = specs[fqn]
-        block = generate_flat(spec, seed, spec.key_for(fqn), shape.numel(), row_start * width, row_stop * width)
+        block = generate_flat(spec, seed, spec.key_for(fqn), shape.numel(), row_start * width, row_stop * width,
+                              allocate=pool.take)
         bar.update(block.numel() * torch_dtype.itemsize)
         return block.view(row_stop - row_start, *shape[1:])
 
@@ -83,10 +88,16 @@ def create_seed_checkpoint(cfg: JobConfig, output: str | os.PathLike, seed: int,
     # The writer's threads do the parallelism; intra-op threads would only contend with them.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    # Each block allocates small Python objects, which trigger the cyclic GC's scans of torch's
+    # large object graph: ~4 % of the 1B seed's CPU time (perf). The write makes no cycles to collect.
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         path = write_checkpoint(output, state, manifest, force=force,
-                                planner=LazySavePlanner(produce, block_rows))
+                                planner=LazySavePlanner(produce, block_rows, pool))
     finally:
+        if collecting:
+            gc.enable()
         torch.set_num_threads(threads)
         bar.close()
     return path

@@ -15,6 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from seedckpt.checkpoint import DcpCheckpoint
+from seedckpt.checkpoint.writer import BlockPool
 from seedckpt.errors import SeedckptError
 from seedckpt.init import CHUNK_NUMEL, init_model
 from seedckpt.seed import BLOCK_NUMEL, block_rows, create_seed_checkpoint
@@ -62,6 +63,22 @@ def test_unaligned_blocks_equal_the_naive_seed(tmp_path, monkeypatch):
     got = stock_load(streamed)
     for fqn, t in model.state_dict().items():
         assert torch.equal(got[fqn], t), fqn
+
+
+def test_block_buffers_are_reused_by_size_and_bounded():
+    pool = BlockPool(keep=2)
+    block = pool.take(1000, torch.float32)
+    address = block.data_ptr()
+    pool.give(block)
+    again = pool.take(1000, torch.float32)
+    assert again.data_ptr() == address and again.shape == (1000,)
+    assert pool.take(1000, torch.float32).data_ptr() != address  # in use: a new buffer
+    assert pool.take(2000, torch.bfloat16).untyped_storage().nbytes() == 4000  # same bytes, other dtype
+    pool.give(torch.zeros(10)[:5])  # a view of a larger buffer is never pooled (it would be written whole)
+    assert 20 not in pool.idle and 40 not in pool.idle
+    for _ in range(4):
+        pool.give(torch.empty(10))
+    assert len(pool.idle[40]) == 2
 
 
 def test_fsdp_shard_reads_only_overlapping_blocks(tmp_path):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -131,6 +132,8 @@ class StreamingFileSystemWriter(FileSystemWriter):
                     length = stream.pos - offset
                     results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=_Written(
                         _StorageInfo(file_name, offset, length), stream.data_start)))
+                    if isinstance(planner, LazySavePlanner):
+                        planner.release(data)
                     del data
                     start_writeback(fd, offset, length)
             os.fsync(fd)
@@ -161,18 +164,54 @@ def _item_nbytes(metadata: Metadata, index: MetadataIndex) -> int:
     return chunk.sizes.numel() * md.properties.dtype.itemsize
 
 
+class BlockPool:
+    """Buffers of written blocks, reused by size.
+
+    A fresh 64 MiB allocation is faulted in page by page (the kernel zeroes every page) and
+    returned to the OS when freed, so a writer that allocates each block anew pays that again for
+    every block: measured here, 1B-shaped blocks were generated at 204 M elements/s on 2 threads
+    with fresh buffers and 325 M/s with reused ones. A block's buffer is exactly its size
+    (``torch.save`` writes a tensor's whole storage); at most ``keep`` idle buffers per size are
+    kept, so memory stays bounded by the blocks in flight."""
+
+    def __init__(self, keep: int = 8):
+        self.keep = keep
+        self.idle: dict[int, list[torch.UntypedStorage]] = {}
+        self.lock = threading.Lock()
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = numel * dtype.itemsize
+        with self.lock:
+            storages = self.idle.get(nbytes)
+            storage = storages.pop() if storages else None
+        if storage is None:
+            return torch.empty(numel, dtype=dtype)
+        return torch.empty(0, dtype=dtype).set_(storage, 0, (numel,))
+
+    def give(self, tensor: torch.Tensor) -> None:
+        """Return ``tensor``'s buffer; the caller must not use the tensor afterwards."""
+        storage = tensor.untyped_storage()
+        if tensor.device.type != "cpu" or storage.nbytes() != tensor.nbytes:
+            return
+        with self.lock:
+            storages = self.idle.setdefault(storage.nbytes(), [])
+            if len(storages) < self.keep:
+                storages.append(storage)
+
+
 class LazySavePlanner(DefaultSavePlanner):
     """Plans tensors as row blocks and produces each block only when the writer asks for it.
 
     The state dict handed to ``dcp.save`` holds ``meta`` tensors of at least one dimension;
-    ``produce(fqn, row_start, row_stop)`` returns the rows, and ``rows_per_block(shape)`` decides the
-    cut. Blocks are ordinary DCP chunks, exactly what a sharded save writes, so stock ``dcp.load``
-    reassembles them. With the streaming writer, memory is bounded by the blocks in flight.
+    ``produce(fqn, row_start, row_stop)`` returns the rows, and ``rows_per_block(shape)`` decides
+    the cut. Blocks are ordinary DCP chunks, exactly what a sharded save writes, so stock
+    ``dcp.load`` reassembles them. With the streaming writer, memory is bounded by the blocks in
+    flight. ``pool``: where ``produce`` takes its buffers; written blocks are given back to it.
     """
 
-    def __init__(self, produce, rows_per_block=lambda shape: shape[0]):
+    def __init__(self, produce, rows_per_block=lambda shape: shape[0], pool: BlockPool | None = None):
         super().__init__()
-        self.produce, self.rows_per_block = produce, rows_per_block
+        self.produce, self.rows_per_block, self.pool = produce, rows_per_block, pool
 
     def create_local_plan(self) -> SavePlan:
         items = []
@@ -192,7 +231,16 @@ class LazySavePlanner(DefaultSavePlanner):
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
         chunk = write_item.tensor_data.chunk
         dtype = self.state_dict[write_item.index.fqn].dtype
-        return self.produce(write_item.index.fqn, chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0]).to(dtype)
+        block = self.produce(write_item.index.fqn, chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0])
+        data = block.to(dtype)
+        if data is not block:  # cast (a bf16 seed is generated in fp32): the fp32 buffer is free now
+            self.release(block)
+        return data
+
+    def release(self, data: torch.Tensor) -> None:
+        """The writer is done with ``data`` (from ``resolve_data``): its buffer may be reused."""
+        if self.pool is not None:
+            self.pool.give(data)
 
 
 def start_writeback(fd: int, offset: int, length: int) -> None:
