@@ -95,12 +95,17 @@ def _layout_worker(rank, world_size, seed_path, resume_path):
         volumes.append((name, direct, owned * stored, stock_items))
         counts.update(direct=0, stock_items=0)
 
-    layouts = {"pp1 x dp1": (1, 1), "pp2 x dp1": (2, 1), "pp1 x dp4": (1, 4), "pp2 x dp2": (2, 2)}
-    for name, (pp, dp) in layouts.items():
+    # name: (pp, dp_replicate, dp_shard); HSDP: each replica group reads its own rows, once per replica.
+    layouts = {"pp1 x dp1": (1, 1, 1), "pp2 x dp1": (2, 1, 1), "pp1 x dp4": (1, 1, 4), "pp2 x dp2": (2, 1, 2),
+               "hsdp 2 x 2": (1, 2, 2)}
+    for name, (pp, replicate, dp) in layouts.items():
         pp_rank = rank // (world_size // pp)
         specs = plan_rank_stages(args, pp_rank, pp)
         shard_fn = None
-        if dp > 1:
+        if replicate > 1:
+            mesh = init_device_mesh("cpu", (replicate, dp), mesh_dim_names=("replicate", "shard"))
+            shard_fn = _fsdp(mesh)
+        elif dp > 1:
             mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
             shard_fn = _fsdp(mesh["dp"])
         modules = build_stages(args, specs, "cpu", checkpoint=seed_path, shard_fn=shard_fn)
@@ -124,7 +129,7 @@ def test_owned_rows_are_bitwise_stock_dcp_load_in_every_layout(uneven_seeds, tmp
     results = run_distributed(_layout_worker, 4, str(uneven_seeds[dtype]), str(tmp_path / "resume"))
     for rank, (failures, volumes) in enumerate(results):
         assert failures == [], f"rank {rank}: {failures[:5]}"
-        assert len(volumes) == 5
+        assert len(volumes) == 6
         for name, direct, owned, stock_items in volumes:
             assert stock_items == 0, f"rank {rank} {name}: {stock_items} items read the stock way"
             assert direct == owned, f"rank {rank} {name}: read {direct} bytes, owns {owned}"
