@@ -113,6 +113,9 @@ def convert(src: str | Path, dst: str | Path, to: str, dtype: str | None = None,
         raise SeedckptError(f"{src} holds no model tensors")
     cast = DTYPES[dtype] if dtype else None
     infos = {f: TensorInfo(source.infos[f].shape, cast or source.infos[f].dtype) for f in _ordered(source.infos)}
+    if model_args.tie_word_embeddings and to in ("dcp", "hf"):
+        # Stored once, as HF and our seeds store it; their readers give the output the embedding.
+        infos.pop("output.weight", None)
     out_dtype = cast or next(iter(infos.values())).dtype
     bar = Progress(sum(i.nbytes for i in infos.values()), f"convert {source.kind}->{to}", enabled=progress)
     recorded = source.manifest or {}
@@ -149,8 +152,6 @@ def convert(src: str | Path, dst: str | Path, to: str, dtype: str | None = None,
 def _write_hf(source: Checkpoint, dst: Path, infos: dict[str, TensorInfo], dtype: torch.dtype, shard_bytes: int,
               force: bool, bar: Progress) -> Path:
     args = source.args
-    if args.tie_word_embeddings:  # HF stores a tied output once, as the embedding
-        infos = {f: i for f, i in infos.items() if f != "output.weight"}
     shards: list[list[str]] = [[]]
     size = 0
     for fqn, info in infos.items():

@@ -86,13 +86,14 @@ def test_our_model_to_hf_loads_in_transformers(tmp_path):
         assert (hf(tokens).logits - _our_logits(seed, tokens)).abs().max().item() <= 1e-5
 
 
-def test_tied_embeddings_become_an_output_copy(tmp_path):
+def test_tied_embeddings_are_stored_once_and_read_as_the_output(tmp_path):
     hf = _hf_llama(tie=True)
     hf.save_pretrained(tmp_path / "hf")
     convert(tmp_path / "hf", tmp_path / "dcp", "dcp", progress=False)
     from seedckpt.checkpoint import DcpCheckpoint
 
     reader = DcpCheckpoint(tmp_path / "dcp")
+    assert "output.weight" not in reader.metadata.state_dict_metadata
     assert torch.equal(reader.read_tensor("output.weight"), reader.read_tensor("tok_embeddings.weight"))
     with torch.no_grad():
         assert (_our_logits(tmp_path / "dcp", TOKENS) - hf(TOKENS).logits).abs().max().item() <= 1e-5
