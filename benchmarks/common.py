@@ -91,12 +91,13 @@ def run_checked(cmd: list[str], what: str, env: dict | None = None) -> float:
 
 def torchrun(script: str, ranks: int, report: Path, *args: str) -> tuple[list[dict], float]:
     """Run ``script --report REPORT ARGS`` as a ``torchrun --standalone`` job of ``ranks`` CPU ranks
-    (OMP_NUM_THREADS=1: the ranks share this machine's cores). Each rank writes its record with
-    ``write_rank_report``; returns them by rank and the job's wall seconds (launch to exit)."""
+    (OMP_NUM_THREADS=1: the ranks share this machine's cores; THP_MEM_ALLOC_ENABLE=1 as ``train.py``
+    sets it, for every method alike). Each rank writes its record with ``write_rank_report``;
+    returns them by rank and the job's wall seconds (launch to exit)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
            str(script), "--report", str(report), *args]
     wall = run_checked(cmd, f"the torchrun job `{Path(script).name} {' '.join(args[:2])}`",
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "THP_MEM_ALLOC_ENABLE": "1"})
     return [json.loads(Path(f"{report}.rank{rank}").read_text()) for rank in range(ranks)], wall
 
 

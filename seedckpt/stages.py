@@ -192,7 +192,12 @@ def _fill_new_rows_with_mean(tensors, old_rows: int) -> None:
 
 def _has_nan(t: torch.Tensor) -> bool:
     t = local(t)
-    return (t.is_floating_point() or t.is_complex()) and bool(torch.isnan(t).any())
+    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+        return False
+    # min and max propagate NaN: one read pass without a temporary, where isnan(t).any() writes a
+    # mask a quarter of t's size (1B shapes, 4 ranks on 2 cores: the check took 1.0-1.6 s per rank).
+    low, high = torch.aminmax(torch.view_as_real(t) if t.is_complex() else t)
+    return bool(low.isnan() or high.isnan())
 
 
 def build_stages(args: ModelArgs, specs: Sequence[StageSpec], device: torch.device | str,
