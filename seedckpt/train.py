@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from seedckpt.checkpoint import (TOKENIZER_DIR, DcpCheckpoint, complete_steps, make_manifest, prune_steps, step_dir,
                                  write_checkpoint)
-from seedckpt.checkpoint.manifest import OPTIMIZER_PREFIX, RNG_PREFIX, TRAIN_STATE_KEY
+from seedckpt.checkpoint.manifest import OPTIMIZER_PREFIX, RNG_PREFIX, TRAIN_STATE_KEY, read_manifest
 from seedckpt.config import JobConfig, load_config
 from seedckpt.data import IGNORE_INDEX, make_dataset
 from seedckpt.errors import SeedckptError
@@ -75,6 +75,7 @@ def find_start(cfg: JobConfig) -> Start:
     if cfg.finetune.mode != "none":
         return Start(Path(cfg.finetune.pretrained), 0, pretrained=True)
     if cfg.checkpoint.init_from == "direct":
+        check_direct_init_matches_seed(cfg)
         return Start(None, 0)
     seed = cfg.checkpoint.seed_checkpoint
     if not seed:
@@ -84,6 +85,23 @@ def find_start(cfg: JobConfig) -> Start:
         raise SeedckptError(f"checkpoint.seed_checkpoint {seed} does not exist; create it with "
                             f"`python create_seed_checkpoint.py --config CONFIG --output {seed}`")
     return Start(Path(seed), 0)
+
+
+def check_direct_init_matches_seed(cfg: JobConfig) -> None:
+    """Direct init promises the values of the seed made with ``training.seed``; when a configured
+    ``seed_checkpoint`` exists and was made otherwise (another seed, an older init recipe), refuse
+    rather than silently start from different weights."""
+    path = Path(cfg.checkpoint.seed_checkpoint) if cfg.checkpoint.seed_checkpoint else None
+    manifest = read_manifest(path) if path is not None and path.is_dir() else None
+    if manifest is None:
+        return
+    recipe = (manifest.get("init") or {}).get("recipe")
+    made = (manifest.get("seed"), recipe)
+    if made != (cfg.training.seed, RECIPE_VERSION):
+        raise SeedckptError(
+            f"checkpoint.init_from = direct would draw seed {cfg.training.seed} with {RECIPE_VERSION}, but "
+            f"checkpoint.seed_checkpoint {path} was made with seed {made[0]} and {recipe or 'an unknown recipe'}: "
+            "load it (checkpoint.init_from = seed_checkpoint), or unset checkpoint.seed_checkpoint")
 
 
 def warmup_cosine(warmup: int, total: int):

@@ -177,3 +177,28 @@ def test_layout_validation_errors(world, overrides, message, tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_direct_init_refuses_a_configured_seed_made_otherwise(tmp_path, debug_seed):
+    """Direct init stands in for the seed made with training.seed; a configured seed made with
+    another seed or init recipe is refused, one that matches is accepted."""
+    import shutil
+
+    from seedckpt.config import load_config
+    from seedckpt.train import find_start
+
+    def start(seed_path, seed):
+        cfg = load_config(None, ["--checkpoint.init_from", "direct", "--checkpoint.seed_checkpoint", str(seed_path),
+                                 "--training.seed", str(seed), "--checkpoint.folder", str(tmp_path / "ckpt")])
+        return find_start(cfg)
+
+    assert start(debug_seed, 0).path is None  # debug_seed was made with seed 0 and the current recipe
+    with pytest.raises(SeedckptError, match="made with seed 0"):
+        start(debug_seed, 1)
+    old = tmp_path / "v1"
+    shutil.copytree(debug_seed, old)
+    manifest = json.loads((old / "seedckpt.json").read_text())
+    manifest["init"]["recipe"] = "seedckpt-init-v1"
+    (old / "seedckpt.json").write_text(json.dumps(manifest))
+    with pytest.raises(SeedckptError, match="seedckpt-init-v1"):
+        start(old, 0)
