@@ -138,7 +138,7 @@ def _inspect(opts, _rest) -> int:
     from seedckpt.checkpoint import dtype_name, open_checkpoint
 
     source = open_checkpoint(opts.checkpoint)
-    tensors = source.tensors()
+    tensors = {fqn: t for fqn, t in source.tensors().items() if fqn not in source.aliases}  # stored ones
     args = source.args.to_dict() if source.args else None
     total = sum(t.nbytes for t in tensors.values())
     if opts.json:
@@ -147,6 +147,7 @@ def _inspect(opts, _rest) -> int:
             "num_tensors": len(tensors), "total_bytes": total,
             "tensors": {fqn: {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "bytes": t.nbytes}
                         for fqn, t in tensors.items()},
+            "tied": source.aliases,
         }, indent=1))
         return 0
     m = source.manifest
@@ -163,6 +164,8 @@ def _inspect(opts, _rest) -> int:
     width = max((len(f) for f in tensors), default=0)
     for fqn, t in tensors.items():
         print(f"  {fqn:<{width}}  {str(list(t.shape)):<16} {dtype_name(t.dtype):<9} {t.nbytes:>14,}")
+    for fqn, stored in source.aliases.items():
+        print(f"  {fqn}: tied, not stored (reads {stored})")
     return 0
 
 

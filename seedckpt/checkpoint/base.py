@@ -31,6 +31,8 @@ class Checkpoint:
         self.path, self.infos, self.manifest = path, infos, manifest
         self.recorded_args = manifest_args(manifest, path)
         self.args = self.recorded_args or args
+        # FQNs that are not stored but read from another tensor: {fqn: source} (a tied output).
+        self.aliases: dict[str, str] = {}
 
     def tensors(self) -> dict[str, TensorInfo]:
         """Every tensor entry (training state included where the format has it), by our FQNs."""

@@ -52,6 +52,7 @@ class DcpCheckpoint(Checkpoint):
             # A tied checkpoint may store the matrix once (seeds do): the output reads the embedding.
             self.stored["output.weight"] = self.stored.get("tok_embeddings.weight", "tok_embeddings.weight")
             self.all_tensors["output.weight"] = self.infos["output.weight"] = embedding
+            self.aliases["output.weight"] = "tok_embeddings.weight"
 
     def tensors(self) -> dict[str, TensorInfo]:
         return self.all_tensors

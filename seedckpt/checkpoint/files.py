@@ -80,6 +80,8 @@ class HFCheckpoint(Checkpoint):
             infos["output.weight"] = infos["tok_embeddings.weight"]
         super().__init__(path, infos, None, args)
         self.recorded_args = args  # config.json records the model
+        if tied and "tok_embeddings.weight" in infos:
+            self.aliases["output.weight"] = "tok_embeddings.weight"
 
     def check_model_args(self, args, grow_vocab: bool = False) -> None:
         check_args_match(self.args, args, self.path, grow_vocab=grow_vocab)
