@@ -1,0 +1,217 @@
+"""Orthogonal subspace fine-tuning (OSFT, "Sculpting Subspaces", arXiv 2504.07097).
+
+Each target matrix W (m x n) is split by its singular value decomposition W = U diag(S) V^T into
+the directions it uses most -- the top ``k`` singular triplets, *frozen* -- and the rest, which
+train. Updates then stay orthogonal to what the pretrained model relies on, so it forgets little.
+
+Rank rule (Mini Trainer's rounding, kept so results compare): with r = min(m, n) and the ratio
+``osft_unfreeze_rank_ratio``, k = floor(r * (1 - ratio)) triplets are frozen, at most r - 1 (one
+direction always trains); the other r - k train.
+
+Stored factors, by FQN under the target module (e.g. ``layers.0.attention.wq.U_high``):
+
+==========  ============  =========================================
+``U_high``  m x k         left singular vectors, frozen
+``S_high``  k             singular values, frozen
+``V_high``  n x k         right singular vectors *as columns*, frozen
+``U_low``   m x (r - k)   trainable
+``S_low``   r - k         trainable
+``V_low``   n x (r - k)   trainable
+==========  ============  =========================================
+
+V is stored as columns (n x k, not V^T's k x n) so that FSDP2's dim-0 sharding splits both U and V
+along the matrix's own dimensions (m and n): the products the projection needs, U_high^T G and
+V_high^T G, are then sums over sharded rows -- a local matmul plus one small all-reduce of a
+k x (r - k) matrix -- instead of an all-gather of V_high.
+
+Exact projection (``OSFTProjector``): before clipping and the optimizer step the gradients of
+U_low and V_low lose their components in span(U_high) and span(V_high); after the step the
+parameters are projected again, because AdamW's per-element scaling (and weight decay) move them
+out of the complement even when the gradient was in it.
+
+Signs: an SVD is unique only up to the sign of each (u_i, v_i) pair. ``decompose`` flips each pair
+so that the entry of largest magnitude of u_i is positive (the first such entry on ties), so the
+factors do not depend on which rank, library build or thread count computed them.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from seedckpt.errors import SeedckptError
+
+DEFAULT_TARGETS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
+                   "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
+FROZEN = ("U_high", "S_high", "V_high")
+TRAINABLE = ("U_low", "S_low", "V_low")
+
+
+def frozen_rank(m: int, n: int, ratio: float) -> int:
+    """k: how many top singular triplets of an m x n matrix stay frozen (Mini Trainer's rounding)."""
+    if not 0.0 < ratio <= 1.0:
+        raise SeedckptError(f"finetune.osft_unfreeze_rank_ratio = {ratio}: it must be in (0, 1]")
+    r = min(m, n)
+    return min(r - 1, math.floor(r * (1.0 - ratio)))
+
+
+def target_fqns(module: nn.Module, patterns: Iterable[str]) -> list[str]:
+    """FQNs of the ``nn.Linear`` modules whose name ends with one of ``patterns`` (a pattern is a
+    dotted suffix such as ``attention.wq``, or a regular expression matched against the full name)."""
+    patterns = list(patterns) or list(DEFAULT_TARGETS)
+    found = []
+    for name, child in module.named_modules():
+        if not isinstance(child, nn.Linear):
+            continue
+        if any(name == p or name.endswith("." + p) or re.fullmatch(p, name) for p in patterns):
+            found.append(name)
+    return found
+
+
+@dataclass
+class Factors:
+    """One matrix's SVD split at ``k``: W = U_high diag(S_high) V_high^T + U_low diag(S_low) V_low^T."""
+
+    U_high: torch.Tensor
+    S_high: torch.Tensor
+    V_high: torch.Tensor
+    U_low: torch.Tensor
+    S_low: torch.Tensor
+    V_low: torch.Tensor
+
+    def items(self):
+        return ((name, getattr(self, name)) for name in FROZEN + TRAINABLE)
+
+
+def decompose(weight: torch.Tensor, ratio: float) -> Factors:
+    """The fp32 SVD of ``weight`` split by the rank rule, with the sign convention above."""
+    m, n = weight.shape
+    k = frozen_rank(m, n, ratio)
+    u, s, vh = torch.linalg.svd(weight.detach().to(torch.float32), full_matrices=False)
+    rows = u.abs().argmax(dim=0)  # first index of the largest magnitude in each column
+    signs = torch.sign(u[rows, torch.arange(u.shape[1])])
+    signs[signs == 0] = 1.0
+    u, v = u * signs, vh.T * signs
+    return Factors(u[:, :k].contiguous(), s[:k].contiguous(), v[:, :k].contiguous(),
+                   u[:, k:].contiguous(), s[k:].contiguous(), v[:, k:].contiguous())
+
+
+class OSFTLinear(nn.Module):
+    """A bias-free linear layer whose weight is held as frozen and trainable SVD factors.
+
+    ``forward`` applies the factors without forming W: x -> ((x V) * S) U^T for the high and the
+    low part. Parameters are allocated uninitialized (``meta`` when built under a meta device);
+    ``load_factors`` or a checkpoint fills them.
+    """
+
+    def __init__(self, in_features: int, out_features: int, ratio: float):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        k = frozen_rank(out_features, in_features, ratio)
+        low = min(out_features, in_features) - k
+        shapes = {"U_high": (out_features, k), "S_high": (k,), "V_high": (in_features, k),
+                  "U_low": (out_features, low), "S_low": (low,), "V_low": (in_features, low)}
+        for name, shape in shapes.items():
+            self.register_parameter(name, nn.Parameter(torch.empty(shape), requires_grad=name in TRAINABLE))
+
+    @classmethod
+    def like(cls, linear: nn.Linear, ratio: float) -> "OSFTLinear":
+        if linear.bias is not None:
+            raise SeedckptError("OSFT targets must be bias-free linear layers")
+        with torch.device(linear.weight.device):
+            return cls(linear.in_features, linear.out_features, ratio)
+
+    def load_factors(self, factors: Factors) -> None:
+        with torch.no_grad():
+            for name, value in factors.items():
+                getattr(self, name).copy_(value)
+
+    def dense_weight(self) -> torch.Tensor:
+        """W = U diag(S) V^T (for export and checks; training never forms it)."""
+        return (self.U_high * self.S_high) @ self.V_high.T + (self.U_low * self.S_low) @ self.V_low.T
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        high = F.linear(F.linear(x, self.V_high.T) * self.S_high, self.U_high)
+        return high + F.linear(F.linear(x, self.V_low.T) * self.S_low, self.U_low)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"frozen_rank={self.S_high.shape[0]}, trainable_rank={self.S_low.shape[0]}")
+
+
+def convert_to_osft(model: nn.Module, patterns: Iterable[str], ratio: float) -> list[str]:
+    """Replace every target ``nn.Linear`` of ``model`` by an (uninitialized) ``OSFTLinear`` of the
+    same shape, on the same device (``meta`` before materialization); returns the targets' FQNs."""
+    targets = target_fqns(model, patterns)
+    for fqn in targets:
+        parent_name, _, child = fqn.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, OSFTLinear.like(getattr(parent, child), ratio))
+    return targets
+
+
+def _row_sum_groups(tensor: torch.Tensor) -> list:
+    """The process groups over which ``tensor``'s rows are split (FSDP2 ``Shard(0)`` mesh dims)."""
+    if not isinstance(tensor, DTensor):
+        return []
+    return [tensor.device_mesh.get_group(dim) for dim, p in enumerate(tensor.placements)
+            if isinstance(p, Shard) and p.dim == 0]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _coefficients(basis: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """basis^T values for row-sharded ``basis`` (a x k) and ``values`` (a x j) sharded alike: the
+    local rows' product, summed over the shards."""
+    coefficients = _local(basis).T @ _local(values)
+    for group in _row_sum_groups(basis):
+        dist.all_reduce(coefficients, group=group)
+    return coefficients
+
+
+def remove_component(basis: torch.Tensor, values: torch.Tensor) -> None:
+    """values -= basis (basis^T values), in place: ``values`` loses its part in span(basis), given
+    that ``basis`` has orthonormal columns. Collective when the tensors are sharded."""
+    local = _local(values)
+    local.sub_(_local(basis) @ _coefficients(basis, values))
+
+
+class OSFTProjector:
+    """Keeps the trainable factors of every ``OSFTLinear`` in ``modules`` orthogonal to the frozen ones."""
+
+    def __init__(self, modules: Iterable[nn.Module]):
+        self.layers = [m for module in modules for m in module.modules() if isinstance(m, OSFTLinear)]
+
+    @torch.no_grad()
+    def project_gradients(self) -> None:
+        """Call after backward, before clipping: clipping then measures only what the step applies."""
+        for layer in self.layers:
+            for high, low in ((layer.U_high, layer.U_low), (layer.V_high, layer.V_low)):
+                if low.grad is not None:
+                    remove_component(high, low.grad)
+
+    @torch.no_grad()
+    def project_parameters(self) -> None:
+        """Call after every optimizer step."""
+        for layer in self.layers:
+            remove_component(layer.U_high, layer.U_low)
+            remove_component(layer.V_high, layer.V_low)
+
+    @torch.no_grad()
+    def worst_leak(self) -> float:
+        """max over layers of ||U_high^T U_low|| and ||V_high^T V_low|| (Frobenius): 0 is exact."""
+        worst = 0.0
+        for layer in self.layers:
+            for high, low in ((layer.U_high, layer.U_low), (layer.V_high, layer.V_low)):
+                worst = max(worst, torch.linalg.norm(_coefficients(high, low)).item())
+        return worst

@@ -1,0 +1,117 @@
+"""OSFT core: the rank rule, the sign-fixed SVD split, the factorized layer, exact projection."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from seedckpt.errors import SeedckptError
+from seedckpt.init import init_model
+from seedckpt.osft import (DEFAULT_TARGETS, OSFTLinear, OSFTProjector, convert_to_osft, decompose, frozen_rank,
+                           target_fqns)
+from tests.conftest import tiny_config
+
+
+def test_rank_rule_is_mini_trainers_rounding():
+    assert frozen_rank(128, 352, 0.25) == 96  # floor(128 * 0.75)
+    assert frozen_rank(352, 128, 0.3) == 89  # floor(128 * 0.7) = 89.6 -> 89
+    assert frozen_rank(64, 64, 0.001) == 63  # at most r - 1: one direction always trains
+    assert frozen_rank(64, 64, 1.0) == 0
+    with pytest.raises(SeedckptError, match=r"in \(0, 1\]"):
+        frozen_rank(64, 64, 0.0)
+
+
+def test_split_reconstructs_the_matrix_with_orthonormal_factors_and_fixed_signs():
+    w = torch.randn(96, 160, generator=torch.Generator().manual_seed(0))
+    f = decompose(w, 0.25)
+    assert f.U_high.shape == (96, 72) and f.V_high.shape == (160, 72) and f.U_low.shape == (96, 24)
+    dense = (f.U_high * f.S_high) @ f.V_high.T + (f.U_low * f.S_low) @ f.V_low.T
+    assert (dense - w).abs().max() <= 1e-5
+    u = torch.cat([f.U_high, f.U_low], 1)
+    v = torch.cat([f.V_high, f.V_low], 1)
+    eye = torch.eye(96)
+    assert (u.T @ u - eye).abs().max() <= 1e-5 and (v.T @ v - eye).abs().max() <= 1e-5
+    columns = torch.arange(96)
+    assert (u[u.abs().argmax(0), columns] > 0).all()  # the sign convention
+    g = decompose(-w, 0.25)  # same subspaces, signs fixed the same way: U equal, V negated
+    assert torch.allclose(g.U_high, f.U_high, atol=1e-5) and torch.allclose(g.V_high, -f.V_high, atol=1e-5)
+
+
+def _dense_and_osft(ratio: float = 0.25, seed: int = 0):
+    args = tiny_config("--model.n_layers", "2").model_args()
+    from models.llama import Transformer
+
+    dense = Transformer(args)
+    init_model(dense, seed)
+    osft = Transformer(args)
+    osft.load_state_dict(dense.state_dict())
+    targets = convert_to_osft(osft, [], ratio)
+    for fqn in targets:
+        osft.get_submodule(fqn).load_factors(decompose(dense.get_submodule(fqn).weight, ratio))
+    return args, dense, osft, targets
+
+
+def test_default_targets_are_the_attention_and_ffn_projections():
+    args, dense, osft, targets = _dense_and_osft()
+    assert len(targets) == 2 * len(DEFAULT_TARGETS)
+    assert all(isinstance(osft.get_submodule(t), OSFTLinear) for t in targets)
+    assert target_fqns(dense, ["attention.wq"]) == ["layers.0.attention.wq", "layers.1.attention.wq"]
+    names = {n for n, _ in osft.named_parameters()}
+    assert "layers.0.attention.wq.U_high" in names and "layers.0.attention.wq.weight" not in names
+    assert not osft.get_submodule("layers.0.attention.wq").U_high.requires_grad
+
+
+def test_osft_model_computes_the_dense_model():
+    args, dense, osft, _ = _dense_and_osft()
+    tokens = torch.randint(0, args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (osft(tokens) - dense(tokens)).abs().max() <= 1e-4
+        for fqn in ("layers.0.feed_forward.w2", "layers.1.attention.wk"):
+            w = dense.get_submodule(fqn).weight
+            assert (osft.get_submodule(fqn).dense_weight() - w).abs().max() <= 1e-5
+
+
+def _train(osft, args, steps: int, project: bool):
+    projector = OSFTProjector([osft])
+    optimizer = torch.optim.AdamW([p for p in osft.parameters() if p.requires_grad], lr=3e-3, weight_decay=0.1)
+    g = torch.Generator().manual_seed(2)
+    data = torch.randint(0, args.vocab_size, (4, 33), generator=g)
+    losses = []
+    for _ in range(steps):
+        logits = osft(data[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), data[:, 1:].flatten())
+        loss.backward()
+        if project:
+            projector.project_gradients()
+        torch.nn.utils.clip_grad_norm_(osft.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        if project:
+            projector.project_parameters()
+        losses.append(loss.item())
+    return losses, projector
+
+
+def test_fifty_steps_stay_in_the_orthogonal_complement():
+    args, _, osft, targets = _dense_and_osft()
+    before = {t: osft.get_submodule(t).dense_weight().detach().clone() for t in targets}
+    frozen = {n: p.detach().clone() for n, p in osft.named_parameters() if not p.requires_grad}
+    losses, projector = _train(osft, args, 50, project=True)
+    assert losses[-1] < 0.8 * losses[0]
+    for name, value in frozen.items():
+        assert torch.equal(dict(osft.named_parameters())[name], value), name
+    assert projector.worst_leak() <= 1e-5
+    for fqn in targets:
+        layer = osft.get_submodule(fqn)
+        delta = layer.dense_weight().detach() - before[fqn]
+        scale = torch.linalg.norm(delta)
+        assert scale > 0
+        assert torch.linalg.norm(layer.U_high.T @ delta) / scale <= 1e-4, fqn
+        assert torch.linalg.norm(delta @ layer.V_high) / scale <= 1e-4, fqn
+
+
+def test_without_projection_adamw_leaks_into_the_frozen_subspace():
+    """The reason for projecting the parameters after every step (Mini Trainer issue #90)."""
+    args, _, osft, _ = _dense_and_osft()
+    _, projector = _train(osft, args, 5, project=False)
+    assert projector.worst_leak() > 1e-3
