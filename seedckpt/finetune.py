@@ -18,15 +18,18 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from models.llama import ModelArgs, RopeScaling
+import torch
+
+from models.llama import ModelArgs, RopeScaling, Transformer
 from seedckpt.checkpoint.manifest import SHAPE_FIELDS
 from seedckpt.config import JobConfig, _flavors
 from seedckpt.errors import SeedckptError
+from seedckpt.osft import DEFAULT_TARGETS, OSFTSpec, frozen_rank, target_fqns
 from seedckpt.checkpoint import open_checkpoint
 from seedckpt.tokenizer import load_tokenizer
 
 VOCAB_MULTIPLE = 8
-MODES = ("none", "sft")
+MODES = ("none", "sft", "osft")
 
 
 def aligned_vocab_size(checkpoint_vocab: int, tokenizer_vocab: int) -> int:
@@ -65,6 +68,26 @@ def _as_args_value(key: str, value):
     return RopeScaling(**value) if key == "rope_scaling" and isinstance(value, dict) else value
 
 
+def osft_spec(cfg: JobConfig) -> OSFTSpec | None:
+    ft = cfg.finetune
+    return OSFTSpec(ft.osft_unfreeze_rank_ratio, tuple(ft.osft_target_patterns)) if ft.mode == "osft" else None
+
+
+def check_osft_settings(cfg: JobConfig, args: ModelArgs) -> None:
+    """The ratio is a fraction and the patterns name some of the model's linear layers."""
+    ft = cfg.finetune
+    frozen_rank(2, 2, ft.osft_unfreeze_rank_ratio)  # raises with the allowed range
+    patterns = ft.osft_target_patterns
+    if not isinstance(patterns, list) or not all(isinstance(p, str) and p for p in patterns):
+        raise SeedckptError(f"finetune.osft_target_patterns = {patterns!r}: give a list of names such as "
+                            "[\"attention.wq\", \"feed_forward.w1\"] (empty: the default targets)")
+    with torch.device("meta"):
+        model = Transformer(args)
+    if not target_fqns(model, patterns):
+        raise SeedckptError(f"finetune.osft_target_patterns = {patterns!r} match no linear layer of the model; "
+                            f"use suffixes like {', '.join(DEFAULT_TARGETS[:3])} ...")
+
+
 def prepare_finetune(cfg: JobConfig) -> str | None:
     """Validate ``[finetune]`` and pin ``cfg.model_args()`` to the pretrained model, its vocabulary
     grown to fit ``data.tokenizer``; returns a line for the run log (None for pretraining). Reads
@@ -74,13 +97,15 @@ def prepare_finetune(cfg: JobConfig) -> str | None:
         raise SeedckptError(f"finetune.mode = {ft.mode!r}; this version supports {', '.join(MODES)}")
     if ft.mode == "none":
         if ft.pretrained:
-            raise SeedckptError("finetune.pretrained is set but finetune.mode = 'none'; set finetune.mode = 'sft'")
+            raise SeedckptError("finetune.pretrained is set but finetune.mode = 'none'; set finetune.mode = 'sft' or 'osft'")
         return None
     if not ft.pretrained:
         raise SeedckptError(f"finetune.mode = {ft.mode!r} needs finetune.pretrained (a DCP checkpoint or an HF "
                             "directory), e.g. --finetune.pretrained path/to/Llama-3.2-1B")
     args = pretrained_args(ft.pretrained)
     check_model_section(cfg, args, ft.pretrained)
+    if ft.mode == "osft":
+        check_osft_settings(cfg, args)
     vocab = f"vocabulary {args.vocab_size}"
     if cfg.data.tokenizer:
         tokenizer_vocab = len(load_tokenizer(cfg.data.tokenizer))

@@ -58,4 +58,5 @@ class MetricsLogger:
 def format_step(r: dict) -> str:
     return (f"step {r['step']:>5}/{r['steps']}  loss {r['loss']:.4f}  lr {r['lr']:.2e}  "
             f"grad_norm {r['grad_norm']:.3f}  {r['tokens_per_s']:,.0f} tok/s  step {1e3 * r['step_time_s']:.0f} ms  "
-            f"data {1e3 * r['data_wait_s']:.1f} ms  mem {r['peak_mem_bytes'] / 2**20:,.0f} MiB")
+            f"data {1e3 * r['data_wait_s']:.1f} ms  mem {r['peak_mem_bytes'] / 2**20:,.0f} MiB"
+            + (f"  osft_leak {r['osft_leak']:.1e}" if "osft_leak" in r else ""))

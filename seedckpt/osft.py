@@ -48,11 +48,20 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from seedckpt.errors import SeedckptError
+from seedckpt.modules import copy_full_into
 
 DEFAULT_TARGETS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
                    "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
 FROZEN = ("U_high", "S_high", "V_high")
 TRAINABLE = ("U_low", "S_low", "V_low")
+
+
+@dataclass(frozen=True)
+class OSFTSpec:
+    """``[finetune]``'s OSFT settings: the trainable fraction of each target's rank and the targets."""
+
+    ratio: float
+    patterns: tuple[str, ...] = ()
 
 
 def frozen_rank(m: int, n: int, ratio: float) -> int:
@@ -156,6 +165,55 @@ def convert_to_osft(model: nn.Module, patterns: Iterable[str], ratio: float) -> 
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, OSFTLinear.like(getattr(parent, child), ratio))
     return targets
+
+
+def svd_cost(layer: OSFTLinear) -> int:
+    """A dense SVD of an m x n matrix costs ~ m * n * min(m, n) flops (up to a constant)."""
+    m, n = layer.out_features, layer.in_features
+    return m * n * min(m, n)
+
+
+def assign_by_cost(costs: dict[str, int], workers: int) -> list[list[str]]:
+    """Longest processing time first: each matrix, most expensive first, goes to the worker with the
+    least work so far (ties: the lowest index). Names break cost ties, so every rank computes the
+    same assignment. Mini Trainer instead splits the list into contiguous equal-count blocks, so an
+    FFN-heavy block makes everybody wait."""
+    loads, plan = [0] * workers, [[] for _ in range(workers)]
+    for name in sorted(costs, key=lambda n: (-costs[n], n)):
+        worker = min(range(workers), key=lambda w: (loads[w], w))
+        plan[worker].append(name)
+        loads[worker] += costs[name]
+    return plan
+
+
+def fill_factors(layers: dict[str, OSFTLinear], read_dense, ratio: float, group=None) -> int:
+    """Decompose every target of ``layers`` ({FQN: layer}, the same on every rank of ``group``: the
+    ranks holding one pipeline stage) and give each rank its shards of the factors.
+
+    The targets are assigned by cost (``assign_by_cost``); each rank reads the dense matrices it
+    decomposes with ``read_dense(fqn)`` (straight from the pretrained checkpoint) and runs their SVDs in
+    fp32. In round i every rank decomposes its i-th matrix, then each of those is broadcast in the
+    group and every rank keeps its shards -- so the SVDs run in parallel and a rank holds at most one
+    matrix's factors beyond its shards, never the model. Returns how many SVDs this rank ran."""
+    workers = 1 if group is None else dist.get_world_size(group)
+    me = 0 if group is None else dist.get_rank(group)
+    plan = assign_by_cost({fqn: svd_cost(layer) for fqn, layer in layers.items()}, workers)
+    done = 0
+    for i in range(max(map(len, plan), default=0)):
+        mine = decompose(read_dense(plan[me][i]), ratio) if i < len(plan[me]) else None
+        done += mine is not None
+        for worker, names in enumerate(plan):
+            if i >= len(names):
+                continue
+            layer = layers[names[i]]
+            with torch.no_grad():
+                for name in FROZEN + TRAINABLE:
+                    param = getattr(layer, name)
+                    full = getattr(mine, name) if worker == me else torch.empty(param.shape)
+                    if group is not None:
+                        dist.broadcast(full, group=group, group_src=worker)
+                    copy_full_into(param, full)
+    return done
 
 
 def _row_sum_groups(tensor: torch.Tensor) -> list:

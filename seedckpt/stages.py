@@ -32,6 +32,7 @@ from seedckpt.checkpoint import RowWindow, open_checkpoint
 from seedckpt.errors import SeedckptError
 from seedckpt.init import init_model
 from seedckpt.modules import local, local_rows, nonpersistent_buffers, state_tensors
+from seedckpt.osft import FROZEN, TRAINABLE, OSFTSpec, convert_to_osft, fill_factors
 
 # Schedules whose stages are placed in a "V": rank r holds stages r and 2*pp - 1 - r.
 V_SCHEDULES = {"ZBVZeroBubble", "DualPipeV"}
@@ -202,7 +203,8 @@ def _has_nan(t: torch.Tensor) -> bool:
 
 def build_stages(args: ModelArgs, specs: Sequence[StageSpec], device: torch.device | str,
                  checkpoint: str | None = None, seed: int | None = None,
-                 shard_fn: Callable[[nn.Module], None] | None = None, grow_vocab: bool = False) -> list[Transformer]:
+                 shard_fn: Callable[[nn.Module], None] | None = None, grow_vocab: bool = False,
+                 osft: OSFTSpec | None = None, stage_group=None) -> list[Transformer]:
     """Build this rank's stage modules and give every tensor a value.
 
     Exactly one of ``checkpoint`` (load by FQN, the normal path: a DCP checkpoint or a Hugging Face
@@ -211,13 +213,21 @@ def build_stages(args: ModelArgs, specs: Sequence[StageSpec], device: torch.devi
     allocated. ``shard_fn`` (e.g. activation checkpointing + FSDP2) is applied on ``meta``.
     ``grow_vocab``: ``args.vocab_size`` may exceed the checkpoint's; the new rows get the mean of
     the checkpoint's rows (collective over the FSDP shards of the first and last stages).
+    ``osft``: the target linears become ``OSFTLinear`` (on ``meta``, before sharding). A checkpoint
+    that stores their factors (an OSFT run's ``step-N``) loads them like any tensor; from dense
+    weights they are computed by ``osft.fill_factors`` across ``stage_group`` (the ranks holding
+    these stages; ``None``: this rank alone).
     """
     if (checkpoint is None) == (seed is None):
         raise ValueError("give exactly one of checkpoint= or seed=")
+    if osft is not None and checkpoint is None:
+        raise SeedckptError("OSFT starts from pretrained weights: give a checkpoint")
     reader = open_checkpoint(checkpoint, complete=False) if checkpoint is not None else None
     if reader is not None:
         reader.check_model_args(args, grow_vocab)
     modules = [build_stage_model(args, spec) for spec in specs]
+    targets = {f: m.get_submodule(f) for m in modules for f in convert_to_osft(m, osft.patterns, osft.ratio)} \
+        if osft is not None else {}
     if shard_fn is not None:
         for module in modules:
             shard_fn(module)
@@ -226,6 +236,11 @@ def build_stages(args: ModelArgs, specs: Sequence[StageSpec], device: torch.devi
         state = {}
         for module in modules:
             state.update(module.state_dict())
+        stored = reader.tensors()
+        decompose = {f: layer for f, layer in targets.items() if f"{f}.U_high" not in stored}
+        for fqn in decompose:  # their factors come from the dense weights, after the load below
+            for name in FROZEN + TRAINABLE:
+                del state[f"{fqn}.{name}"]
         old_vocab = reader.tensors()["tok_embeddings.weight"].shape[0] if grow_vocab else args.vocab_size
         grown = {fqn: state.pop(fqn) for fqn in VOCAB_FQNS if fqn in state and old_vocab < args.vocab_size}
         for fqn, tensor in grown.items():
@@ -234,6 +249,8 @@ def build_stages(args: ModelArgs, specs: Sequence[StageSpec], device: torch.devi
                 state[fqn] = window
         reader.load(state)
         _fill_new_rows_with_mean(grown.values(), old_vocab)
+        if decompose:
+            fill_factors(decompose, lambda fqn: reader.read_tensor(f"{fqn}.weight"), osft.ratio, stage_group)
     else:
         for module in modules:
             init_model(module, seed)

@@ -49,9 +49,10 @@ from seedckpt.checkpoint.manifest import OPTIMIZER_PREFIX, RNG_PREFIX, TRAIN_STA
 from seedckpt.config import JobConfig, load_config
 from seedckpt.data import IGNORE_INDEX, make_dataset
 from seedckpt.errors import SeedckptError
-from seedckpt.finetune import prepare_finetune
+from seedckpt.finetune import osft_spec, prepare_finetune
 from seedckpt.init import RECIPE_VERSION
 from seedckpt.metrics import MetricsLogger, peak_memory_bytes
+from seedckpt.osft import OSFTProjector
 from seedckpt.parallel import (DTYPES, ParallelDims, TiedEmbeddings, apply_activation_checkpointing, apply_fsdp,
                                reshard_after_forward)
 from seedckpt.stages import build_stages, plan_rank_stages, stage_ids_for_rank
@@ -159,12 +160,15 @@ class Trainer:
         self.log(f"{origin} {start.path or ''} (step {start.step}); mesh pp={self.dims.pp} "
                  f"dp_replicate={self.dims.dp_replicate} dp_shard={self.dims.dp_shard} on {self.device.type}; "
                  f"data: {self.data.description}")
+        self.osft = osft_spec(cfg)
         self.modules = build_stages(self.args, self.specs, self.device, checkpoint=start.path,
                                     seed=None if start.path else train.seed, shard_fn=self._parallelize,
-                                    grow_vocab=start.pretrained)
+                                    grow_vocab=start.pretrained, osft=self.osft, stage_group=self._stage_group())
         self.tied = self._tie_across_stages()
-        self.optimizers = [torch.optim.AdamW(m.parameters(), lr=train.lr, betas=(0.9, 0.95), weight_decay=0.1)
-                           for m in self.modules]
+        # OSFT: gradients and trainable factors stay orthogonal to the frozen singular subspaces.
+        self.projector = OSFTProjector(self.modules) if self.osft is not None else None
+        self.optimizers = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=train.lr,
+                                             betas=(0.9, 0.95), weight_decay=0.1) for m in self.modules]
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, warmup_cosine(train.warmup_steps, train.steps))
                            for o in self.optimizers]
         self.step = start.step
@@ -182,6 +186,14 @@ class Trainer:
             mesh = self.mesh["dp_replicate", "dp_shard"] if self.dims.dp_replicate > 1 else self.mesh["dp_shard"]
             apply_fsdp(module, mesh, DTYPES[train.mixed_precision_param], DTYPES[train.mixed_precision_reduce],
                        reshard_after_forward(par.fsdp_reshard_after_forward, self.dims.pp))
+
+    def _stage_group(self):
+        """The ranks that hold this rank's stages (its DP group), or None on one DP rank."""
+        if self.dims.dp == 1:
+            return None
+        if self.dims.dp_replicate == 1:
+            return self.mesh["dp_shard"].get_group()
+        return self.mesh["dp_replicate", "dp_shard"]._flatten().get_group()
 
     def _tie_across_stages(self) -> TiedEmbeddings | None:
         par = self.cfg.parallelism
@@ -210,6 +222,12 @@ class Trainer:
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                                reduction="sum")
         return loss * self.loss_scale
+
+    def _osft_leak(self) -> float:
+        """The worst ||U_high^T U_low|| / ||V_high^T V_low|| over every stage (collective)."""
+        leak = torch.tensor(self.projector.worst_leak(), dtype=torch.float64, device=self.device)
+        dist.all_reduce(leak, op=dist.ReduceOp.MAX)
+        return leak.item()
 
     # -- checkpoint state beyond the weights ----------------------------------------------------
     def _training_state(self) -> dict:
@@ -245,7 +263,9 @@ class Trainer:
         ft, tokenizer = self.cfg.finetune, self.cfg.data.tokenizer
         manifest = make_manifest("train", self.cfg.model.name, self.cfg.model.flavor, self.args,
                                  step=self.step, seed=self.cfg.training.seed, dtype="float32",
-                                 finetune={"mode": ft.mode, "pretrained": ft.pretrained})
+                                 finetune={"mode": ft.mode, "pretrained": ft.pretrained,
+                                           **({"osft_unfreeze_rank_ratio": self.osft.ratio,
+                                               "osft_target_patterns": list(self.osft.patterns)} if self.osft else {})})
         files = {f"{TOKENIZER_DIR}/{f.name}": f for f in tokenizer_files(tokenizer)} if tokenizer else {}
         path = write_checkpoint(step_dir(ckpt.folder, self.step), state, manifest, force=True, files=files)
         if self.rank == 0:
@@ -300,6 +320,8 @@ class Trainer:
                     local_loss = self.train_step(batches)
                     if self.tied is not None:
                         self.tied.sync_grads()
+                    if self.projector is not None:  # before clipping: the norm counts only what the step applies
+                        self.projector.project_gradients()
                     grad_norm = clip_grad_norm_(self.params, train.max_norm,
                                                 self.mesh["pp"].get_group() if self.dims.pp > 1 else None,
                                                 self.tied.duplicates if self.tied is not None else ())
@@ -307,16 +329,20 @@ class Trainer:
                         optimizer.step()
                         optimizer.zero_grad(set_to_none=True)
                         scheduler.step()
+                    if self.projector is not None:  # AdamW's per-element scaling leaves the complement
+                        self.projector.project_parameters()
                 stats = torch.stack([local_loss.double(), torch.tensor(float(peak_memory_bytes(self.device)),
                                                                        dtype=torch.float64, device=self.device)])
                 dist.all_reduce(stats[:1])  # sum of the last stages' DP-local parts (each x dp)
                 dist.all_reduce(stats[1:], op=dist.ReduceOp.MAX)
                 step_time = time.perf_counter() - t0
-                if metrics is not None and (self.step % self.cfg.metrics.log_freq == 0 or self.step == train.steps):
+                logging = self.step % self.cfg.metrics.log_freq == 0 or self.step == train.steps
+                extra = {"osft_leak": self._osft_leak()} if logging and self.projector is not None else {}
+                if metrics is not None and logging:
                     metrics.log({"step": self.step, "steps": train.steps, "loss": stats[0].item() / self.dims.dp,
                                  "lr": self.schedulers[0].get_last_lr()[0], "grad_norm": grad_norm.item(),
                                  "label_tokens": self.label_tokens, "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
-                                 "data_wait_s": data_wait, "peak_mem_bytes": int(stats[1].item())})
+                                 "data_wait_s": data_wait, "peak_mem_bytes": int(stats[1].item()), **extra})
                 stopping = self.step == train.stop_after_step
                 if stopping or (ckpt.interval > 0 and (self.step % ckpt.interval == 0 or self.step == train.steps)):
                     self.save()

@@ -14,7 +14,7 @@ import torch
 
 from models.llama import ModelArgs
 from seedckpt.checkpoint.load import RowWindow, tensor_problems
-from seedckpt.checkpoint.manifest import (TensorInfo, check_args_match, expected_shapes, is_model_key,
+from seedckpt.checkpoint.manifest import (TensorInfo, check_args_match, expected_shapes, is_model_key, manifest_osft,
                                           manifest_args, manifest_flavor)
 from seedckpt.errors import SeedckptError
 from seedckpt.modules import copy_full_into
@@ -72,7 +72,7 @@ class Checkpoint:
         what a stage does not need may be absent (``check_covers`` names what a load lacks)."""
         if self.args is None:
             return
-        want = expected_shapes(self.args)
+        want = expected_shapes(self.args, manifest_osft(self.manifest))
         problems = [f"{f}: missing" for f in want if f not in self.infos and complete]
         problems += [f"{f}: unexpected" for f in self.infos if f not in want]
         problems += [f"{f}: shape {list(i.shape)}, config implies {list(want[f])}"

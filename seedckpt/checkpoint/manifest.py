@@ -19,6 +19,7 @@ import torch
 import seedckpt
 from models.llama import ModelArgs, Transformer
 from seedckpt.errors import SeedckptError
+from seedckpt.osft import OSFTSpec, convert_to_osft
 
 MANIFEST_NAME = "seedckpt.json"
 FORMAT_VERSION = 1
@@ -119,7 +120,22 @@ def check_args_match(saved: ModelArgs, args: ModelArgs, where, flavor: str | Non
                             f"was made with{made_with} or create a new seed for this config")
 
 
-def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """The model tensors that ``args`` describes, by FQN (built on ``meta``: nothing allocated)."""
+def expected_shapes(args: ModelArgs, osft: OSFTSpec | None = None) -> dict[str, tuple[int, ...]]:
+    """The model tensors that ``args`` describes, by FQN (built on ``meta``: nothing allocated);
+    with ``osft``, its targets hold SVD factors instead of a weight."""
     with torch.device("meta"):
-        return {fqn: tuple(t.shape) for fqn, t in Transformer(args).state_dict().items()}
+        model = Transformer(args)
+        if osft is not None:
+            convert_to_osft(model, osft.patterns, osft.ratio)
+        return {fqn: tuple(t.shape) for fqn, t in model.state_dict().items()}
+
+
+def manifest_osft(manifest: dict | None) -> OSFTSpec | None:
+    """The OSFT settings an OSFT run's checkpoint was trained with (its factors' shapes follow)."""
+    finetune = (manifest or {}).get("finetune")
+    if not isinstance(finetune, dict) or finetune.get("mode") != "osft":
+        return None
+    try:
+        return OSFTSpec(float(finetune["osft_unfreeze_rank_ratio"]), tuple(finetune["osft_target_patterns"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise SeedckptError(f"the manifest's OSFT settings are damaged ({e!r})") from None
