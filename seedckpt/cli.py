@@ -35,7 +35,8 @@ EXAMPLES = {
           seedckpt convert Llama-3.2-1B/ seeds/llama1b --to dcp        # an HF download, for SFT
           seedckpt convert seeds/debug debug.safetensors --to safetensors
           seedckpt convert seeds/debug debug.pt --to torch
-          seedckpt convert seeds/debug tt_seed --to torchtitan   # torchtitan 0.3 names""",
+          seedckpt convert seeds/debug tt_seed --to torchtitan   # torchtitan 0.3 names
+          seedckpt convert osft_run/step-100 next_task/ --to dcp --dense   # OSFT factors -> dense weights""",
     "diff": """
         examples:
           seedckpt diff seeds/debug exported/               # a DCP checkpoint vs its HF export
@@ -83,6 +84,9 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--dtype", help="cast every tensor: float32 | bfloat16 | float16")
     convert.add_argument("--max-shard-size", default="5GB", help="hf shard size (default 5GB)")
     convert.add_argument("--config", help="job config describing the model, for sources without a manifest")
+    convert.add_argument("--dense", action="store_true",
+                         help="an OSFT checkpoint: write each target's dense weight U diag(S) V^T instead of its "
+                              "factors (always done for hf and torchtitan)")
     convert.add_argument("--force", action="store_true", help="replace an existing output")
     convert.add_argument("--quiet", action="store_true", help="no progress output")
 
@@ -207,7 +211,7 @@ def _convert(opts, _rest) -> int:
     from seedckpt.convert import convert
 
     path = convert(opts.src, opts.dst, opts.to, dtype=opts.dtype, max_shard_size=opts.max_shard_size,
-                   force=opts.force, progress=not opts.quiet, args=_model_args(opts.config))
+                   force=opts.force, progress=not opts.quiet, args=_model_args(opts.config), dense=opts.dense)
     print(f"wrote {opts.to} checkpoint {path}")
     return 0
 

@@ -36,11 +36,13 @@ import torch
 from seedckpt.checkpoint import (TOKENIZER_DIR, Checkpoint, LazySavePlanner, TensorInfo, atomic_output, dtype_name,
                                  make_manifest, open_checkpoint, write_checkpoint, write_json_synced)
 from seedckpt.checkpoint.files import MANIFEST_KEY
+from seedckpt.checkpoint.manifest import manifest_osft
 from seedckpt.checkpoint.safetensors_header import SAFETENSORS_DTYPES
 from seedckpt.checkpoint.writer import start_writeback
 from seedckpt.config import DTYPES
 from seedckpt.errors import SeedckptError
 from seedckpt.hf import flavor_of, hf_config, heads_of, permute_to_hf, to_hf_name
+from seedckpt.osft import FROZEN, TRAINABLE
 from seedckpt.progress import Progress
 from seedckpt.torchtitan import to_torchtitan_name
 
@@ -99,15 +101,48 @@ def write_safetensors(path: Path, infos: dict[str, TensorInfo], read, metadata: 
         os.fsync(f.fileno())
 
 
+class DenseOSFT(Checkpoint):
+    """An OSFT run's checkpoint seen as the dense model it computes: each target's ``weight`` is
+    U_high diag(S_high) V_high^T + U_low diag(S_low) V_low^T, rebuilt (in fp32, then stored in the
+    factors' dtype) only when read -- one matrix at a time, as the converters stream."""
+
+    def __init__(self, source: Checkpoint):
+        self.source, self.kind = source, source.kind
+        self.targets = {fqn.removesuffix(".U_high") for fqn in source.infos if fqn.endswith(".U_high")}
+        infos = {}
+        for fqn, info in source.infos.items():
+            base, _, name = fqn.rpartition(".")
+            if base not in self.targets:
+                infos[fqn] = info
+            elif name == "U_high":
+                infos[f"{base}.weight"] = TensorInfo((info.shape[0], source.infos[f"{base}.V_high"].shape[0]),
+                                                     info.dtype)
+        super().__init__(source.path, infos, source.manifest, source.args)
+
+    def read_tensor(self, fqn: str) -> torch.Tensor:
+        base = fqn.removesuffix(".weight")
+        if base not in self.targets:
+            return self.source.read_tensor(fqn)
+        f = {name: self.source.read_tensor(f"{base}.{name}").float() for name in FROZEN + TRAINABLE}
+        dense = (f["U_high"] * f["S_high"]) @ f["V_high"].T + (f["U_low"] * f["S_low"]) @ f["V_low"].T
+        return dense.to(self.infos[fqn].dtype)
+
+
 def convert(src: str | Path, dst: str | Path, to: str, dtype: str | None = None, max_shard_size: str = "5GB",
-            force: bool = False, progress: bool = True, args=None) -> Path:
-    """Convert ``src`` (any supported format) into ``dst`` as ``to``; returns ``dst``."""
+            force: bool = False, progress: bool = True, args=None, dense: bool = False) -> Path:
+    """Convert ``src`` (any supported format) into ``dst`` as ``to``; returns ``dst``. An OSFT run's
+    checkpoint keeps its factors unless ``dense`` (or the target is ``hf`` / ``torchtitan``, which
+    have no place for them): then each target becomes its dense weight, for the next task of a
+    continual-learning sequence."""
     if to not in TARGETS:
         raise SeedckptError(f"--to {to!r}: choose one of {', '.join(TARGETS)}")
     if dtype is not None and dtype not in DTYPES:
         raise SeedckptError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     shard_bytes = parse_size(max_shard_size)
     source = open_checkpoint(src, args)
+    keeps_factors = manifest_osft(source.manifest) is not None and not (dense or to in ("hf", "torchtitan"))
+    if manifest_osft(source.manifest) is not None and not keeps_factors:
+        source = DenseOSFT(source)
     model_args = source.require_args()
     if not source.infos:
         raise SeedckptError(f"{src} holds no model tensors")
@@ -121,7 +156,8 @@ def convert(src: str | Path, dst: str | Path, to: str, dtype: str | None = None,
     recorded = source.manifest or {}
     flavor = recorded.get("model", {}).get("flavor") or flavor_of(model_args)
     manifest = make_manifest("converted", "llama3", flavor, model_args, dtype=dtype_name(out_dtype),
-                             seed=recorded.get("seed"), source={"format": source.kind, "path": str(src)})
+                             seed=recorded.get("seed"), source={"format": source.kind, "path": str(src)},
+                             **({"finetune": recorded["finetune"]} if keeps_factors else {}))
     try:
         if to in ("dcp", "torchtitan"):
             fqn_of = {to_torchtitan_name(f) if to == "torchtitan" else f: f for f in infos}

@@ -116,6 +116,31 @@ def test_osft_on_pp2_x_dp_shard2_from_hf_keeps_the_frozen_subspace(tmp_path, cha
         assert scale > 0
         assert torch.linalg.norm(late[f"{fqn}.U_high"].T @ delta) / scale <= 1e-4, fqn
         assert torch.linalg.norm(delta @ late[f"{fqn}.V_high"]) / scale <= 1e-4, fqn
+    _exports_compute_the_osft_model(tmp_path, tmp_path / "run" / "ckpt" / "step-20")
+
+
+def _exports_compute_the_osft_model(tmp_path: Path, step: Path) -> None:
+    """HF export (dense, loads in transformers), a dense DCP for the next task, and a factor-keeping
+    DCP copy all compute the OSFT model's logits."""
+    import transformers
+
+    from seedckpt.convert import convert, diff
+    from seedckpt.stages import build_stages, plan_rank_stages
+
+    args = open_checkpoint(step).args
+    tokens = torch.randint(0, args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    [osft_model] = build_stages(args, plan_rank_stages(args, 0, 1), "cpu", checkpoint=step, osft=SPEC)
+    convert(step, tmp_path / "hf_export", "hf", progress=False)
+    convert(step, tmp_path / "dense", "dcp", dense=True, progress=False)
+    convert(step, tmp_path / "factors", "dcp", progress=False)
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_export").eval()
+    [dense] = build_stages(args, plan_rank_stages(args, 0, 1), "cpu", checkpoint=tmp_path / "dense")
+    assert "layers.0.attention.wq.weight" in open_checkpoint(tmp_path / "dense").infos
+    assert diff(step, tmp_path / "factors")[0]
+    with torch.no_grad():
+        reference = osft_model(tokens)
+        assert (exported(tokens).logits - reference).abs().max() <= 1e-5
+        assert (dense(tokens) - reference).abs().max() <= 1e-5
 
 
 def _resume_build_worker(rank, world_size, step_dir):
