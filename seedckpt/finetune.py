@@ -54,6 +54,8 @@ def check_model_section(cfg: JobConfig, args: ModelArgs, where: str) -> None:
         flavor = _flavors(model.name).get(model.flavor)
         if flavor is None:
             raise SeedckptError(f"unknown model.flavor {model.flavor!r}")
+        # The flavor as the [model] overrides shape it (an 8B flavor with n_layers = 2 is fine).
+        flavor = dataclasses.replace(flavor, **{k: _as_args_value(k, v) for k, v in model.overrides.items()})
         conflicts += [f"model.flavor = {model.flavor!r} has {f} = {getattr(flavor, f)!r}, the checkpoint "
                       f"{getattr(args, f)!r}" for f in SHAPE_FIELDS if getattr(flavor, f) != getattr(args, f)]
     conflicts += [f"model.{key} = {value!r}, the checkpoint has {getattr(args, key)!r}"

@@ -115,3 +115,15 @@ def test_without_projection_adamw_leaks_into_the_frozen_subspace():
     args, _, osft, _ = _dense_and_osft()
     _, projector = _train(osft, args, 5, project=False)
     assert projector.worst_leak() > 1e-3
+
+
+def test_a_flavor_reshaped_by_model_keys_may_describe_the_pretrained_checkpoint():
+    """``--model.flavor debug --model.n_layers 2`` describes a 2-layer debug checkpoint; a key that
+    still disagrees is named."""
+    from seedckpt.config import load_config
+    from seedckpt.finetune import check_model_section
+
+    args = load_config(None, ["--model.n_layers", "2"]).model_args()
+    check_model_section(load_config(None, ["--model.flavor", "debug", "--model.n_layers", "2"]), args, "ckpt")
+    with pytest.raises(SeedckptError, match="model.n_layers = 3, the checkpoint has 2"):
+        check_model_section(load_config(None, ["--model.flavor", "debug", "--model.n_layers", "3"]), args, "ckpt")
