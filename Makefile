@@ -32,6 +32,11 @@ demo: install
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node 4 train.py --config configs/sft_debug.toml \
 		--finetune.pretrained $(DEMO)/checkpoints/step-100 --checkpoint.folder $(DEMO)/sft --job.dump_folder $(DEMO)/sft
 	$(BIN)/seedckpt convert $(DEMO)/sft/step-60 $(DEMO)/sft_hf --to hf
+	@echo "--- OSFT of the same model and chats: 75 % of each matrix's singular directions stay frozen"
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node 4 train.py --config configs/sft_debug.toml \
+		--finetune.mode osft --finetune.pretrained $(DEMO)/checkpoints/step-100 \
+		--checkpoint.folder $(DEMO)/osft --job.dump_folder $(DEMO)/osft
+	$(BIN)/seedckpt convert $(DEMO)/osft/step-60 $(DEMO)/osft_hf --to hf
 	@echo
 	@echo "demo outputs:"
 	@echo "  seed checkpoint      $(DEMO)/seed"
@@ -40,6 +45,8 @@ demo: install
 	@echo "  Hugging Face export  $(DEMO)/hf (loads with transformers' LlamaForCausalLM)"
 	@echo "  SFT checkpoints      $(DEMO)/sft/step-30, step-60 (metrics: $(DEMO)/sft/metrics.jsonl)"
 	@echo "  SFT export           $(DEMO)/sft_hf (model + tokenizer, loads with transformers)"
+	@echo "  OSFT checkpoints     $(DEMO)/osft/step-30, step-60 (SVD factors; osft_leak in $(DEMO)/osft/metrics.jsonl)"
+	@echo "  OSFT export (dense)  $(DEMO)/osft_hf"
 
 test: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests

@@ -101,10 +101,18 @@ class Factors:
 
 
 def decompose(weight: torch.Tensor, ratio: float) -> Factors:
-    """The fp32 SVD of ``weight`` split by the rank rule, with the sign convention above."""
+    """The fp32 SVD of ``weight`` split by the rank rule, with the sign convention above.
+
+    A wide matrix is decomposed as its transpose (W^T = V S U^T): LAPACK took 125 s for an 8B
+    ``w2`` (4096 x 14336) and 49 s for ``w1`` (14336 x 4096) here, one thread each."""
     m, n = weight.shape
     k = frozen_rank(m, n, ratio)
-    u, s, vh = torch.linalg.svd(weight.detach().to(torch.float32), full_matrices=False)
+    w = weight.detach().to(torch.float32)
+    if m < n:
+        v, s, uh = torch.linalg.svd(w.T, full_matrices=False)
+        u, vh = uh.T, v.T
+    else:
+        u, s, vh = torch.linalg.svd(w, full_matrices=False)
     rows = u.abs().argmax(dim=0)  # first index of the largest magnitude in each column
     signs = torch.sign(u[rows, torch.arange(u.shape[1])])
     signs[signs == 0] = 1.0
