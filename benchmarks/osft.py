@@ -172,6 +172,18 @@ def run_all(opts: argparse.Namespace, work: Path) -> None:
                  opts.flavor, "--model.n_layers", str(opts.n_layers), "--model.vocab_size", "1024",
                  "--output", str(seed), "--force", "--quiet"], "create_seed_checkpoint.py")
     labels = {"flavor": opts.flavor, "n_layers": opts.n_layers, "ratio": RATIO}
+    if not opts.skip_svd:
+        run_svds(opts, seed, work, labels)
+    if opts.skip_train:
+        return
+    sft, osft = (train_mode(opts, seed, work, mode) for mode in ("sft", "osft"))
+    emit({**sft, **labels})
+    emit({**osft, **labels})
+    emit({"benchmark": "train_comparison", **labels, "step_time_ratio": osft["step_time_s"] / sft["step_time_s"],
+          "memory_ratio": osft["peak_mem_mib"] / sft["peak_mem_mib"]})
+
+
+def run_svds(opts: argparse.Namespace, seed: Path, work: Path, labels: dict) -> None:
     serial = json.loads(run_checked_output([sys.executable, SCRIPT, "--serial", str(seed)]))
     total = sum(serial.values())
     emit({"benchmark": "svd_serial", **labels, "sum_s": total, "seconds": serial})
@@ -184,13 +196,6 @@ def run_all(opts: argparse.Namespace, work: Path) -> None:
                   "ideal_s": total / ranks, "over_ideal": fill / (total / ranks), "cpu_count": common.os.cpu_count()})
     for record in json.loads(run_checked_output([sys.executable, SCRIPT, "--forward", str(seed)])):
         emit({**record, **labels})
-    if opts.skip_train:
-        return
-    sft, osft = (train_mode(opts, seed, work, mode) for mode in ("sft", "osft"))
-    emit({**sft, **labels})
-    emit({**osft, **labels})
-    emit({"benchmark": "train_comparison", **labels, "step_time_ratio": osft["step_time_s"] / sft["step_time_s"],
-          "memory_ratio": osft["peak_mem_mib"] / sft["peak_mem_mib"]})
 
 
 def run_checked_output(cmd: list[str]) -> str:
@@ -212,6 +217,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--skip-train", action="store_true", help="no OSFT vs SFT training comparison")
+    parser.add_argument("--skip-svd", action="store_true", help="no SVD and forward measurements")
     for hidden in ("--serial", "--forward", "--seed", "--report", "--split"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     parser.add_argument("--svd-worker", action="store_true", help=argparse.SUPPRESS)

@@ -1,7 +1,7 @@
 """Fine-tuning set-up: the model's shape comes from the pretrained checkpoint, its vocabulary from
 the tokenizer.
 
-SFT starts from ``finetune.pretrained`` -- a DCP checkpoint of ours or a Hugging Face Llama
+SFT and OSFT start from ``finetune.pretrained`` -- a DCP checkpoint of ours or a Hugging Face Llama
 directory -- through the same ``build_stages`` path as pretraining: every rank reads only its
 stage's tensors (and its rows under FSDP), nobody holds the whole model. This module only decides
 *which* model that is, before any process group or allocation:

@@ -10,7 +10,9 @@ is an ``nn.ModuleDict``, so surviving layers keep their FQNs) and ``tok_embeddin
 4. parameters and persistent buffers are loaded by FQN through DCP (each rank reads only the
    tensors it owns) -- or, for direct init, filled by ``seedckpt.init``. Fine-tuning may grow the
    vocabulary: the checkpoint's rows are loaded and every new row is set to the mean of the old
-   ones (Mini Trainer's rule), computed across the FSDP shards;
+   ones (Mini Trainer's rule), computed across the FSDP shards. OSFT's target layers are
+   ``OSFTLinear`` from the start (on ``meta``); their SVD factors are loaded, or computed from the
+   dense weights by a distributed SVD across the ranks that hold the stage (``osft``);
 5. ``verify_initialized`` scans every local tensor: any NaN poison left means some tensor was
    never written, and the run stops with the list of FQNs.
 
@@ -226,8 +228,10 @@ def build_stages(args: ModelArgs, specs: Sequence[StageSpec], device: torch.devi
     if reader is not None:
         reader.check_model_args(args, grow_vocab)
     modules = [build_stage_model(args, spec) for spec in specs]
-    targets = {f: m.get_submodule(f) for m in modules for f in convert_to_osft(m, osft.patterns, osft.ratio)} \
-        if osft is not None else {}
+    targets = {}  # OSFT: FQN -> OSFTLinear
+    if osft is not None:
+        for module in modules:
+            targets.update((f, module.get_submodule(f)) for f in convert_to_osft(module, osft.patterns, osft.ratio))
     if shard_fn is not None:
         for module in modules:
             shard_fn(module)

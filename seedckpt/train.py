@@ -1,19 +1,20 @@
-"""Pretraining and SFT: pipeline parallel x FSDP2 on a ``(pp, dp_replicate, dp_shard)`` mesh.
+"""Pretraining, SFT and OSFT: pipeline parallel x FSDP2 on a ``(pp, dp_replicate, dp_shard)`` mesh.
 
 One run, end to end:
 
 1. validate the layout (``ParallelDims``), the fine-tuning set-up and the data before touching a
    process group;
 2. pick the start: the newest complete ``checkpoint.folder/step-N``, else
-   ``finetune.pretrained`` for SFT, else ``checkpoint.seed_checkpoint`` (which must exist -- a run
+   ``finetune.pretrained`` for SFT / OSFT, else ``checkpoint.seed_checkpoint`` (which must exist -- a run
    never silently starts from random), or, with ``checkpoint.init_from = "direct"``, each rank's own
    per-tensor init from ``training.seed`` (bitwise the seed file that seed would make);
 3. build this rank's stage(s) through ``stages.build_stages`` -- the same load path for seed,
    pretrained weights and resume -- with activation checkpointing and FSDP2 applied on ``meta``;
 4. for a resume, load optimizer, LR schedule and RNG from the same checkpoint;
 5. each step: the global batch for that step (same for every layout), this DP rank's slice,
-   forward/backward through the pipeline schedule (or directly when pp = 1), clip by the global
-   gradient norm across PP and DP, AdamW, LR schedule, telemetry. The loss is the mean over the
+   forward/backward through the pipeline schedule (or directly when pp = 1), for OSFT project the
+   gradients off the frozen subspaces, clip by the global gradient norm across PP and DP, AdamW
+   (for OSFT, project the trainable factors again), LR schedule, telemetry. The loss is the mean over the
    global batch's label tokens (chat data masks all but the assistant's), whatever the layout;
 6. every ``checkpoint.interval`` steps (and at the end) write ``step-N`` atomically and keep the
    newest ``keep_latest_k``.
