@@ -30,9 +30,9 @@ def hf_dir(tmp_path_factory):
     return _hf_llama(tmp_path_factory.mktemp("osft") / "hf", 256, tie=False)
 
 
-def _svd_worker(rank, world_size, hf):
-    """Build the whole model (pp=1) FSDP2-sharded over all ranks with OSFT; count this rank's SVDs
-    and return the full factors."""
+def _svd_worker(rank, world_size, hf, hsdp=False):
+    """Build the whole model (pp=1) FSDP2-sharded over all ranks (HSDP: 2 replicas x 2 shards) with
+    OSFT; count this rank's SVDs and return the full factors."""
     import seedckpt.osft as osft
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -44,14 +44,17 @@ def _svd_worker(rank, world_size, hf):
     osft.decompose = lambda w, ratio: calls.append(w.shape) or original(w, ratio)
     args = open_checkpoint(hf).args
     mesh = init_device_mesh("cpu", (world_size,)) if world_size > 1 else None
+    if hsdp:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
 
     def shard(module):
         for layer in module.layers.values():
             fully_shard(layer, mesh=mesh)
         fully_shard(module, mesh=mesh)
 
+    group = None if mesh is None else mesh._flatten().get_group() if hsdp else mesh.get_group()
     [model] = build_stages(args, plan_rank_stages(args, 0, 1), "cpu", checkpoint=hf, osft=SPEC,
-                           shard_fn=shard if mesh else None, stage_group=mesh.get_group() if mesh else None)
+                           shard_fn=shard if mesh else None, stage_group=group)
     factors = {}
     for fqn, p in model.named_parameters():
         if fqn.rsplit(".", 1)[-1] in FROZEN + TRAINABLE:
@@ -60,10 +63,10 @@ def _svd_worker(rank, world_size, hf):
     return len(calls), factors
 
 
-def test_distributed_svd_gives_the_same_factors_on_1_2_and_4_ranks(hf_dir):
+def test_distributed_svd_gives_the_same_factors_on_1_2_and_4_ranks_and_hsdp(hf_dir):
     reference = None
-    for world in (1, 2, 4):
-        results = run_distributed(_svd_worker, world, str(hf_dir))
+    for world, hsdp in ((1, False), (2, False), (4, False), (4, True)):
+        results = run_distributed(_svd_worker, world, str(hf_dir), hsdp)
         counts = [count for count, _ in results]
         assert sum(counts) == 4 * 7, counts  # every target decomposed exactly once, somewhere
         assert min(counts) >= 1  # every rank works
