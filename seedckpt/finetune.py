@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from models.llama import ModelArgs, RopeScaling, Transformer
-from seedckpt.checkpoint.manifest import SHAPE_FIELDS
+from seedckpt.checkpoint.manifest import SHAPE_FIELDS, manifest_osft
 from seedckpt.config import JobConfig, _flavors
 from seedckpt.errors import SeedckptError
 from seedckpt.osft import DEFAULT_TARGETS, OSFTSpec, frozen_rank, target_fqns
@@ -43,7 +43,12 @@ def pretrained_args(path: str) -> ModelArgs:
     if not Path(path).exists():
         raise SeedckptError(f"finetune.pretrained {path} does not exist; give a DCP checkpoint directory or a "
                             "Hugging Face Llama directory (config.json + *.safetensors)")
-    return open_checkpoint(path).require_args()
+    checkpoint = open_checkpoint(path)
+    if manifest_osft(checkpoint.manifest) is not None:
+        raise SeedckptError(f"finetune.pretrained {path} holds an OSFT run's SVD factors, not dense weights; "
+                            f"for the next task export it first: seedckpt convert {path} DENSE_DIR --to dcp --dense "
+                            "(to continue that run instead, set checkpoint.folder to its folder)")
+    return checkpoint.require_args()
 
 
 def check_model_section(cfg: JobConfig, args: ModelArgs, where: str) -> None:
@@ -71,8 +76,12 @@ def _as_args_value(key: str, value):
 
 
 def osft_spec(cfg: JobConfig) -> OSFTSpec | None:
+    """The run's OSFT settings, with the default targets spelled out (checkpoints record them, so a
+    later change of the defaults cannot change what an existing checkpoint holds)."""
     ft = cfg.finetune
-    return OSFTSpec(ft.osft_unfreeze_rank_ratio, tuple(ft.osft_target_patterns)) if ft.mode == "osft" else None
+    if ft.mode != "osft":
+        return None
+    return OSFTSpec(ft.osft_unfreeze_rank_ratio, tuple(ft.osft_target_patterns) or DEFAULT_TARGETS)
 
 
 def check_osft_settings(cfg: JobConfig, args: ModelArgs) -> None:

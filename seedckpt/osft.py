@@ -73,14 +73,21 @@ def frozen_rank(m: int, n: int, ratio: float) -> int:
 
 
 def target_fqns(module: nn.Module, patterns: Iterable[str]) -> list[str]:
-    """FQNs of the ``nn.Linear`` modules whose name ends with one of ``patterns`` (a pattern is a
-    dotted suffix such as ``attention.wq``, or a regular expression matched against the full name)."""
+    """FQNs of the ``nn.Linear`` modules inside the transformer blocks (``layers.*``) whose name ends
+    with one of ``patterns`` (a dotted suffix such as ``attention.wq``, or a regular expression
+    matched against the full name). The output projection is never a target: its rows follow the
+    vocabulary (which fine-tuning may grow) and a tied one is the embedding."""
     patterns = list(patterns) or list(DEFAULT_TARGETS)
+    try:
+        compiled = [re.compile(p) for p in patterns]
+    except re.error as e:
+        raise SeedckptError(f"finetune.osft_target_patterns: {e.pattern!r} is not a valid regular expression "
+                            f"({e})") from None
     found = []
     for name, child in module.named_modules():
-        if not isinstance(child, nn.Linear):
+        if not isinstance(child, nn.Linear) or not name.startswith("layers."):
             continue
-        if any(name == p or name.endswith("." + p) or re.fullmatch(p, name) for p in patterns):
+        if any(name.endswith("." + p) or c.fullmatch(name) for p, c in zip(patterns, compiled)):
             found.append(name)
     return found
 
@@ -221,7 +228,8 @@ def fill_factors(layers: dict[str, OSFTLinear], read_dense, ratio: float, group=
             with torch.no_grad():
                 for name in FROZEN + TRAINABLE:
                     param = getattr(layer, name)
-                    full = getattr(mine, name) if worker == me else torch.empty(param.shape)
+                    # Factors travel as fp32 CPU tensors (the gloo side of the process group).
+                    full = getattr(mine, name) if worker == me else torch.empty(param.shape, dtype=torch.float32)
                     if group is not None:
                         dist.broadcast(full, group=group, group_src=worker)
                     copy_full_into(param, full)

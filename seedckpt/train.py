@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor
 
 from seedckpt.checkpoint import (TOKENIZER_DIR, DcpCheckpoint, complete_steps, make_manifest, prune_steps, step_dir,
                                  write_checkpoint)
-from seedckpt.checkpoint.manifest import OPTIMIZER_PREFIX, RNG_PREFIX, TRAIN_STATE_KEY, read_manifest
+from seedckpt.checkpoint.manifest import OPTIMIZER_PREFIX, RNG_PREFIX, TRAIN_STATE_KEY, manifest_osft, read_manifest
 from seedckpt.config import JobConfig, load_config
 from seedckpt.data import IGNORE_INDEX, make_dataset
 from seedckpt.errors import SeedckptError
@@ -87,6 +87,23 @@ def find_start(cfg: JobConfig) -> Start:
         raise SeedckptError(f"checkpoint.seed_checkpoint {seed} does not exist; create it with "
                             f"`python create_seed_checkpoint.py --config CONFIG --output {seed}`")
     return Start(Path(seed), 0)
+
+
+def check_resume_matches_osft(cfg: JobConfig, start: Start) -> None:
+    """A resumed run must train what its checkpoint holds: the same OSFT settings (the factors'
+    shapes follow from them), or dense weights for a run without OSFT."""
+    if not start.step:
+        return
+    saved = manifest_osft(read_manifest(start.path))
+    wanted = osft_spec(cfg)
+    if saved != wanted:
+        raise SeedckptError(f"{start.path} was trained with {_describe_osft(saved)}, but the config asks for "
+                            f"{_describe_osft(wanted)}; resume with the same [finetune] settings, or start a new "
+                            "checkpoint.folder")
+
+
+def _describe_osft(spec) -> str:
+    return f"osft (ratio {spec.ratio}, targets {list(spec.patterns)})" if spec is not None else "no osft"
 
 
 def check_direct_init_matches_seed(cfg: JobConfig) -> None:
@@ -164,7 +181,8 @@ class Trainer:
         self.osft = osft_spec(cfg)
         self.modules = build_stages(self.args, self.specs, self.device, checkpoint=start.path,
                                     seed=None if start.path else train.seed, shard_fn=self._parallelize,
-                                    grow_vocab=start.pretrained, osft=self.osft, stage_group=self._stage_group())
+                                    grow_vocab=start.pretrained, osft=self.osft,
+                                    stage_group=self._stage_group() if self.osft is not None else None)
         self.tied = self._tie_across_stages()
         # OSFT: gradients and trainable factors stay orthogonal to the frozen singular subspaces.
         self.projector = OSFTProjector(self.modules) if self.osft is not None else None
@@ -412,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.metrics.enable_tensorboard:
             MetricsLogger.check_tensorboard()
         start = find_start(cfg)
+        check_resume_matches_osft(cfg, start)
         data = make_dataset(cfg.data, cfg.model_args().vocab_size, cfg.training.seq_len, cfg.training.seed)
     except SeedckptError as e:
         if rank == 0:

@@ -51,6 +51,14 @@ def _dense_and_osft(ratio: float = 0.25, seed: int = 0):
     return args, dense, osft, targets
 
 
+def test_targets_are_inside_the_blocks_and_bad_patterns_are_named():
+    args, dense, _, _ = _dense_and_osft()
+    assert target_fqns(dense, [".*"]) == target_fqns(dense, [])  # never the output projection
+    assert "output" not in target_fqns(dense, ["output", r"layers\.1\..*"])
+    with pytest.raises(SeedckptError, match="not a valid regular expression"):
+        target_fqns(dense, ["attention.w[q"])
+
+
 def test_default_targets_are_the_attention_and_ffn_projections():
     args, dense, osft, targets = _dense_and_osft()
     assert len(targets) == 2 * len(DEFAULT_TARGETS)

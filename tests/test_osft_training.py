@@ -10,6 +10,9 @@ import pytest
 import torch
 
 from seedckpt.checkpoint import open_checkpoint
+from seedckpt.convert import convert
+from seedckpt.errors import SeedckptError
+from seedckpt.finetune import pretrained_args
 from seedckpt.osft import FROZEN, TRAINABLE, OSFTSpec, assign_by_cost, decompose
 from tests.dist import run_distributed
 from tests.test_sft import _hf_llama, chat_inputs, losses, sft  # noqa: F401 (chat_inputs: a fixture)
@@ -127,7 +130,7 @@ def _exports_compute_the_osft_model(tmp_path: Path, step: Path) -> None:
     DCP copy all compute the OSFT model's logits."""
     import transformers
 
-    from seedckpt.convert import convert, diff
+    from seedckpt.convert import diff
     from seedckpt.stages import build_stages, plan_rank_stages
 
     args = open_checkpoint(step).args
@@ -162,18 +165,30 @@ def _resume_build_worker(rank, world_size, step_dir):
 
 
 def test_resume_gives_identical_losses_and_runs_no_svd(tmp_path, chat_inputs, hf_dir):
+    """pp=2 x dp_shard=2: the frozen factors are FSDP2 DTensors without optimizer state."""
     tokenizer, chats, _ = chat_inputs
-    layout = ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "8", *OSFT,
-              "--training.steps", "6"]
-    sft(tmp_path / "straight", hf_dir, tokenizer, chats, 2, *layout)
-    first = sft(tmp_path / "resumed", hf_dir, tokenizer, chats, 2, *layout, "--training.stop_after_step", "3")
+    layout = [*PP2_DP2, *OSFT, "--training.steps", "6"]
+    sft(tmp_path / "straight", hf_dir, tokenizer, chats, 4, *layout)
+    first = sft(tmp_path / "resumed", hf_dir, tokenizer, chats, 4, *layout, "--training.stop_after_step", "3")
     assert "stopping after step 3" in first.stdout
-    second = sft(tmp_path / "resumed", hf_dir, tokenizer, chats, 2, *layout)
+    second = sft(tmp_path / "resumed", hf_dir, tokenizer, chats, 4, *layout)
     assert "resuming from" in second.stdout
     assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")  # bitwise, 6 steps
-    for svds, loaded_as_saved in run_distributed(_resume_build_worker, 2,
-                                                 str(tmp_path / "resumed" / "ckpt" / "step-3")):
+    step = tmp_path / "resumed" / "ckpt" / "step-3"
+    for svds, loaded_as_saved in run_distributed(_resume_build_worker, 2, str(step)):
         assert svds == 0 and loaded_as_saved
+    # Other settings on resume, a factor checkpoint as the next task's start, a cast of the factors:
+    # each refused with the fix.
+    changed = sft(tmp_path / "resumed", hf_dir, tokenizer, chats, 4, *layout,
+                  "--finetune.osft_unfreeze_rank_ratio", "0.5", "--training.steps", "8", check=False)
+    # One line from rank 0 before any rendezvous (torchrun itself then exits 1).
+    assert changed.returncode != 0 and "train.py: error:" in changed.stderr
+    assert "resume with the same [finetune] settings" in changed.stderr
+    with pytest.raises(SeedckptError, match="--to dcp --dense"):
+        pretrained_args(str(step))
+    with pytest.raises(SeedckptError, match="casting them would break their orthonormality"):
+        convert(step, tmp_path / "cast", "dcp", dtype="bfloat16", progress=False)
+    assert not (tmp_path / "cast").exists()
 
 
 def _clip_sees_projected_worker(rank, world_size, hf, tokenizer, chats, folder):
@@ -187,16 +202,21 @@ def _clip_sees_projected_worker(rank, world_size, hf, tokenizer, chats, folder):
     cfg = load_config("configs/sft_debug.toml", [
         "--finetune.mode", "osft", "--finetune.pretrained", hf, "--data.tokenizer", tokenizer, "--data.path", chats,
         "--checkpoint.folder", folder, "--job.dump_folder", folder, "--training.steps", "1",
-        "--training.seq_len", "64", "--training.global_batch_size", "8", "--training.local_batch_size", "8",
+        "--training.seq_len", "64", "--training.global_batch_size", "8",
+        "--training.local_batch_size", str(8 // world_size),
         "--parallelism.pipeline_parallel_degree", "1", "--checkpoint.interval", "0"])
     prepare_finetune(cfg)
     leaks = []
     original = train.clip_grad_norm_
 
+    def full(t):
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+
     def clip(params, *args, **kwargs):
         for layer in (m for module in trainer.modules for m in module.modules() if isinstance(m, OSFTLinear)):
             for high, low in ((layer.U_high, layer.U_low), (layer.V_high, layer.V_low)):
-                leaks.append((torch.linalg.norm(high.T @ low.grad) / torch.linalg.norm(low.grad)).item())
+                grad = full(low.grad)
+                leaks.append((torch.linalg.norm(full(high).T @ grad) / torch.linalg.norm(grad)).item())
         return original(params, *args, **kwargs)
 
     train.clip_grad_norm_ = clip
@@ -205,9 +225,11 @@ def _clip_sees_projected_worker(rank, world_size, hf, tokenizer, chats, folder):
     return leaks
 
 
-def test_clipping_sees_only_projected_gradients(tmp_path, chat_inputs, hf_dir):
+@pytest.mark.parametrize("world", [1, 2], ids=["one_rank", "fsdp2_two_shards"])
+def test_clipping_sees_only_projected_gradients(tmp_path, chat_inputs, hf_dir, world):
+    """Under FSDP2 the projection's sums run over sharded rows: checked on the full gradients."""
     tokenizer, chats, _ = chat_inputs
-    [leaks] = run_distributed(_clip_sees_projected_worker, 1, str(hf_dir), str(tokenizer), str(chats),
-                              str(tmp_path / "run"))
-    assert len(leaks) == 2 * 4 * 7
-    assert max(leaks) <= 1e-5
+    for leaks in run_distributed(_clip_sees_projected_worker, world, str(hf_dir), str(tokenizer), str(chats),
+                                 str(tmp_path / "run")):
+        assert len(leaks) == 2 * 4 * 7
+        assert max(leaks) <= 1e-5
