@@ -140,11 +140,12 @@ def convert(src: str | Path, dst: str | Path, to: str, dtype: str | None = None,
         raise SeedckptError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     shard_bytes = parse_size(max_shard_size)
     source = open_checkpoint(src, args)
-    keeps_factors = manifest_osft(source.manifest) is not None and not (dense or to in ("hf", "torchtitan"))
+    has_factors = manifest_osft(source.manifest) is not None
+    keeps_factors = has_factors and not (dense or to in ("hf", "torchtitan"))
     if keeps_factors and dtype is not None:
         raise SeedckptError(f"{src} holds OSFT factors; casting them would break their orthonormality. Pass "
                             "--dense to write (and cast) the dense weights, or leave out --dtype")
-    if manifest_osft(source.manifest) is not None and not keeps_factors:
+    if has_factors and not keeps_factors:
         source = DenseOSFT(source)
     model_args = source.require_args()
     if not source.infos:

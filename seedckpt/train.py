@@ -46,7 +46,8 @@ from torch.distributed.tensor import DTensor
 
 from seedckpt.checkpoint import (TOKENIZER_DIR, DcpCheckpoint, complete_steps, make_manifest, prune_steps, step_dir,
                                  write_checkpoint)
-from seedckpt.checkpoint.manifest import OPTIMIZER_PREFIX, RNG_PREFIX, TRAIN_STATE_KEY, manifest_osft, read_manifest
+from seedckpt.checkpoint.manifest import (OPTIMIZER_PREFIX, RNG_PREFIX, TRAIN_STATE_KEY, manifest_osft, osft_record,
+                                       read_manifest)
 from seedckpt.config import JobConfig, load_config
 from seedckpt.data import IGNORE_INDEX, make_dataset
 from seedckpt.errors import SeedckptError
@@ -283,8 +284,7 @@ class Trainer:
         manifest = make_manifest("train", self.cfg.model.name, self.cfg.model.flavor, self.args,
                                  step=self.step, seed=self.cfg.training.seed, dtype="float32",
                                  finetune={"mode": ft.mode, "pretrained": ft.pretrained,
-                                           **({"osft_unfreeze_rank_ratio": self.osft.ratio,
-                                               "osft_target_patterns": list(self.osft.patterns)} if self.osft else {})})
+                                           **(osft_record(self.osft) if self.osft else {})})
         files = {f"{TOKENIZER_DIR}/{f.name}": f for f in tokenizer_files(tokenizer)} if tokenizer else {}
         path = write_checkpoint(step_dir(ckpt.folder, self.step), state, manifest, force=True, files=files)
         if self.rank == 0:

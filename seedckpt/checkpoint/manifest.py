@@ -130,6 +130,11 @@ def expected_shapes(args: ModelArgs, osft: OSFTSpec | None = None) -> dict[str, 
         return {fqn: tuple(t.shape) for fqn, t in model.state_dict().items()}
 
 
+def osft_record(spec: OSFTSpec) -> dict:
+    """The OSFT settings as a manifest's ``finetune`` entry records them (read by ``manifest_osft``)."""
+    return {"osft_unfreeze_rank_ratio": spec.ratio, "osft_target_patterns": list(spec.patterns)}
+
+
 def manifest_osft(manifest: dict | None) -> OSFTSpec | None:
     """The OSFT settings an OSFT run's checkpoint was trained with (its factors' shapes follow)."""
     finetune = (manifest or {}).get("finetune")
