@@ -1,7 +1,9 @@
 """Job configuration: TOML files with torchtitan's section/key names, overridable from the CLI.
 
 Precedence: dataclass defaults < TOML file < ``--section.key value`` arguments. Unknown sections
-or keys are errors (with a suggestion), so a typo never silently falls back to a default.
+or keys are errors (with a suggestion), so a typo never silently falls back to a default. Choices
+are ``Literal`` fields checked as they are read; ranges are checked by each section's ``validate``
+once the file and every override are applied -- all before any process group exists.
 
 ``[model]`` takes ``name`` and ``flavor`` plus any ``ModelArgs`` field (e.g. ``n_layers = 8``),
 which overrides the flavor -- handy for an 8B-shaped model with fewer layers.
@@ -11,11 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import sys
+import tempfile
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -28,7 +33,20 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 MODELS = {"llama3": (Transformer, LLAMA3_FLAVORS)}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTypeName = Literal["float32", "bfloat16", "float16"]
+DTYPES = {name: getattr(torch, name) for name in typing.get_args(DTypeName)}
+# The torch.distributed.pipelining schedules the trainer builds and runs (torch 2.13). torch's
+# get_schedule_class also accepts its abstract bases (PipelineScheduleSingle, PipelineScheduleMulti),
+# which every rank would only crash on, and ignores case, which the V-layout and split-backward
+# checks (exact names) would miss -- so the config takes exactly these names.
+PipelineSchedule = Literal["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
+                           "ZBVZeroBubble", "DualPipeV"]
+
+
+def _check(key: str, value, ok: bool, rule: str) -> None:
+    """One range rule of one key: ``training.lr = -1.0; it must be a finite number > 0``."""
+    if not ok:
+        raise SeedckptError(f"{key} = {value!r}; it must be {rule}")
 
 
 @dataclass
@@ -53,12 +71,26 @@ class Training:
     lr: float = 8e-4
     warmup_steps: int = 2
     max_norm: float = 1.0
-    seed: int = 0
-    mixed_precision_param: str = "float32"
-    mixed_precision_reduce: str = "float32"
+    seed: int = 0  # any integer: it is hashed into each tensor's and each step's generator
+    mixed_precision_param: DTypeName = "float32"
+    mixed_precision_reduce: DTypeName = "float32"
     # Save a checkpoint and exit after this step (0: run to `steps`), e.g. before a job's time
     # limit; the LR schedule still spans `steps`, so the resumed run continues exactly.
     stop_after_step: int = 0
+
+    def validate(self) -> None:
+        for key in ("steps", "local_batch_size", "seq_len"):
+            _check(f"training.{key}", getattr(self, key), getattr(self, key) >= 1, ">= 1")
+        _check("training.global_batch_size", self.global_batch_size,
+               self.global_batch_size == -1 or self.global_batch_size >= 1,
+               ">= 1, or -1 for local_batch_size x the data-parallel degree")
+        # nan passes no comparison and inf trains to nan: floats must be finite as well
+        _check("training.lr", self.lr, math.isfinite(self.lr) and self.lr > 0, "a finite number > 0")
+        _check("training.max_norm", self.max_norm, math.isfinite(self.max_norm) and self.max_norm >= 0,
+               "a finite number >= 0 (0: no clipping)")
+        _check("training.warmup_steps", self.warmup_steps, self.warmup_steps >= 0, ">= 0")
+        _check("training.stop_after_step", self.stop_after_step, self.stop_after_step >= 0,
+               ">= 0 (0: run to training.steps)")
 
 
 @dataclass
@@ -66,39 +98,58 @@ class Parallelism:
     pipeline_parallel_degree: int = 1
     data_parallel_shard_degree: int = -1
     data_parallel_replicate_degree: int = 1
-    pipeline_parallel_schedule: str = "1F1B"
+    pipeline_parallel_schedule: PipelineSchedule = "1F1B"
     pipeline_parallel_microbatches: int = -1  # -1: as many as stages
     pipeline_parallel_stages_per_rank: int = 1
     pipeline_parallel_split_points: list = field(default_factory=list)  # e.g. ["layers.4"]
-    fsdp_impl: str = "fsdp2"
-    fsdp_reshard_after_forward: str = "default"
+    fsdp_impl: Literal["fsdp2"] = "fsdp2"  # "manual" (torchtitan's other name) is not implemented
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+
+    def validate(self) -> None:
+        """Each degree on its own; whether they multiply to the world size is ParallelDims' job."""
+        for key in ("pipeline_parallel_degree", "data_parallel_replicate_degree", "pipeline_parallel_stages_per_rank"):
+            _check(f"parallelism.{key}", getattr(self, key), getattr(self, key) >= 1, ">= 1")
+        _check("parallelism.data_parallel_shard_degree", self.data_parallel_shard_degree,
+               self.data_parallel_shard_degree == -1 or self.data_parallel_shard_degree >= 1,
+               ">= 1, or -1 for the rest of the world size")
+        _check("parallelism.pipeline_parallel_microbatches", self.pipeline_parallel_microbatches,
+               self.pipeline_parallel_microbatches == -1 or self.pipeline_parallel_microbatches >= 1,
+               ">= 1, or -1 for one per pipeline stage")
 
 
 @dataclass
 class ActivationCheckpoint:
-    mode: str = "none"  # none | full | selective
+    mode: Literal["none", "full", "selective"] = "none"
     selective_every: int = 2  # selective: checkpoint every k-th block
+
+    def validate(self) -> None:
+        _check("activation_checkpoint.selective_every", self.selective_every, self.selective_every >= 1, ">= 1")
 
 
 @dataclass
 class Checkpoint:
     # Where a new run's weights come from: "seed_checkpoint" (load it) or "direct" (every rank
     # initializes its own shards from training.seed: bitwise what the seed made with it would hold).
-    init_from: str = "seed_checkpoint"
+    init_from: Literal["seed_checkpoint", "direct"] = "seed_checkpoint"
     seed_checkpoint: str = ""
     folder: str = "./checkpoints"
-    interval: int = 100
-    keep_latest_k: int = 3
+    interval: int = 100  # 0: only at the end (and at training.stop_after_step)
+    keep_latest_k: int = 3  # 0: keep all
+
+    def validate(self) -> None:
+        _check("checkpoint.interval", self.interval, self.interval >= 0, ">= 0 (0: save only at the end)")
+        _check("checkpoint.keep_latest_k", self.keep_latest_k, self.keep_latest_k >= 0, ">= 0 (0: keep all)")
 
 
 @dataclass
 class Data:
-    kind: str = "synthetic"  # synthetic | text | chat
+    kind: Literal["synthetic", "text", "chat"] = "synthetic"
     # text: a local text / JSONL {"text": ...} file (empty = the built-in corpus);
     # chat: JSONL {"messages": [...]} file(s), comma-separated or a directory of *.jsonl
     path: str = ""
     tokenizer: str = ""  # a Hugging Face tokenizer directory; empty = byte-level (text only)
-    overflow: str = "truncate"  # chat: a conversation longer than seq_len + 1 tokens is truncated or dropped
+    # chat: a conversation longer than seq_len + 1 tokens is truncated or dropped
+    overflow: Literal["truncate", "drop"] = "truncate"
     packing: bool = True  # chat: several conversations per row, attention masked per conversation
 
 
@@ -107,18 +158,30 @@ class Metrics:
     enable_tensorboard: bool = False
     log_freq: int = 1
 
+    def validate(self) -> None:
+        _check("metrics.log_freq", self.log_freq, self.log_freq >= 1, ">= 1 (log every log_freq-th step)")
+
 
 @dataclass
 class Profiling:
     steps: list = field(default_factory=list)  # e.g. [3, 4] (CLI: 3,4): Chrome traces of these steps
 
+    def validate(self) -> None:
+        """Entries are ints from TOML, text from the command line; the trainer reads them with int()."""
+        ok = all(str(step).isdigit() and int(step) >= 1 for step in self.steps)
+        _check("profiling.steps", self.steps, ok, "a list of step numbers >= 1, e.g. [3, 4] (command line: 3,4)")
+
 
 @dataclass
 class Finetune:
-    mode: str = "none"  # none | sft
-    pretrained: str = ""  # sft: a DCP checkpoint of ours or a Hugging Face Llama directory
-    osft_unfreeze_rank_ratio: float = 0.25
+    mode: Literal["none", "sft", "osft"] = "none"
+    pretrained: str = ""  # sft, osft: a DCP checkpoint of ours or a Hugging Face Llama directory
+    osft_unfreeze_rank_ratio: float = 0.25  # osft: the trainable fraction of each target's rank
     osft_target_patterns: list = field(default_factory=list)
+
+    def validate(self) -> None:
+        ratio = self.osft_unfreeze_rank_ratio
+        _check("finetune.osft_unfreeze_rank_ratio", ratio, 0.0 < ratio <= 1.0, "in (0, 1]")  # nan fails too
 
 
 @dataclass
@@ -133,6 +196,19 @@ class JobConfig:
     finetune: Finetune = field(default_factory=Finetune)
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
+
+    def validate(self) -> None:
+        """Every value on its own, then what one section needs of another. Runs once the TOML file
+        and every override are applied (``load_config``), so a bad value fails before any process
+        group or allocation. Fitting the model and the world size is ``ParallelDims.from_config``'s
+        job: fine-tuning replaces the model's shape first (``pin_model_args``)."""
+        for section in (self.training, self.parallelism, self.activation_checkpoint, self.checkpoint,
+                        self.metrics, self.profiling, self.finetune):
+            section.validate()
+        if self.data.kind == "chat" and not self.data.tokenizer:
+            raise SeedckptError("data.kind = 'chat' needs data.tokenizer: a Hugging Face tokenizer directory with a "
+                                "chat template (tokenizer.json + tokenizer_config.json)")
+        self.model_args()  # the flavor and the [model] overrides
 
     def model_args(self) -> ModelArgs:
         """The flavor's ModelArgs with the ``[model]`` overrides applied -- or, once fine-tuning has
@@ -184,8 +260,25 @@ def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -
                 _set(cfg, section, key, value, source=str(path))
     for section, key, text in parse_overrides(overrides):
         _set(cfg, section, key, text, source="command line", from_text=True)
-    cfg.model_args()  # validate flavor and overrides now, not deep inside a run
+    cfg.validate()  # only now: an override may repair what the file set, or break it
     return cfg
+
+
+def check_output_folders(cfg: JobConfig) -> None:
+    """Create ``checkpoint.folder`` and ``job.dump_folder`` and prove each is writable by writing
+    and deleting a file there -- so a read-only or mistyped path fails before rendezvous with the
+    key that names it, not as an OSError at the first checkpoint after hours of training."""
+    for key, folder in (("checkpoint.folder", cfg.checkpoint.folder), ("job.dump_folder", cfg.job.dump_folder)):
+        if Path(folder).exists() and not Path(folder).is_dir():
+            raise SeedckptError(f"{key} = {folder}: cannot write there (a file is in the way); "
+                                "choose a writable directory")
+        try:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=folder, prefix=".seedckpt-write-probe-"):
+                pass  # deleted on close
+        except OSError as e:
+            raise SeedckptError(f"{key} = {folder}: cannot write there ({e.strerror or e}); "
+                                "choose a writable directory") from None
 
 
 def parse_overrides(args: typing.Sequence[str]) -> list[tuple[str, str, str]]:
@@ -238,6 +331,11 @@ def _coerce(name: str, typ, value, source: str, from_text: bool):
         if value is None or (from_text and value.lower() in ("none", "null")):
             return None
         typ = next(a for a in typing.get_args(typ) if a is not type(None))
+    if typing.get_origin(typ) is Literal:  # a choice: TOML and command-line text alike give the name
+        allowed = typing.get_args(typ)
+        if value not in allowed:
+            raise SeedckptError(f"{source}: {name} = {value!r}; this version supports {', '.join(allowed)}")
+        return value
     bad = SeedckptError(f"{source}: {name} expects {getattr(typ, '__name__', typ)}, got {value!r}")
     if from_text:
         try:

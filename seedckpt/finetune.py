@@ -24,12 +24,11 @@ from models.llama import ModelArgs, RopeScaling, Transformer
 from seedckpt.checkpoint.manifest import SHAPE_FIELDS, manifest_osft
 from seedckpt.config import JobConfig, _flavors
 from seedckpt.errors import SeedckptError
-from seedckpt.osft import DEFAULT_TARGETS, OSFTSpec, frozen_rank, target_fqns
+from seedckpt.osft import DEFAULT_TARGETS, OSFTSpec, target_fqns
 from seedckpt.checkpoint import open_checkpoint
 from seedckpt.tokenizer import load_tokenizer
 
 VOCAB_MULTIPLE = 8
-MODES = ("none", "sft", "osft")
 
 
 def aligned_vocab_size(checkpoint_vocab: int, tokenizer_vocab: int) -> int:
@@ -87,7 +86,6 @@ def osft_spec(cfg: JobConfig) -> OSFTSpec | None:
 def check_osft_settings(cfg: JobConfig, args: ModelArgs) -> None:
     """The ratio is a fraction and the patterns name some of the model's linear layers."""
     ft = cfg.finetune
-    frozen_rank(2, 2, ft.osft_unfreeze_rank_ratio)  # raises with the allowed range
     patterns = ft.osft_target_patterns
     if not isinstance(patterns, list) or not all(isinstance(p, str) and p for p in patterns):
         raise SeedckptError(f"finetune.osft_target_patterns = {patterns!r}: give a list of names such as "
@@ -104,8 +102,6 @@ def prepare_finetune(cfg: JobConfig) -> str | None:
     grown to fit ``data.tokenizer``; returns a line for the run log (None for pretraining). Reads
     only metadata, so it runs before any process group: a bad set-up fails at once, with one line."""
     ft = cfg.finetune
-    if ft.mode not in MODES:
-        raise SeedckptError(f"finetune.mode = {ft.mode!r}; this version supports {', '.join(MODES)}")
     if ft.mode == "none":
         if ft.pretrained:
             raise SeedckptError("finetune.pretrained is set but finetune.mode = 'none'; set finetune.mode = 'sft' or 'osft'")

@@ -48,14 +48,14 @@ from seedckpt.checkpoint import (TOKENIZER_DIR, DcpCheckpoint, complete_steps, m
                                  write_checkpoint)
 from seedckpt.checkpoint.manifest import (OPTIMIZER_PREFIX, RNG_PREFIX, TRAIN_STATE_KEY, manifest_osft, osft_record,
                                        read_manifest)
-from seedckpt.config import JobConfig, load_config
+from seedckpt.config import DTYPES, JobConfig, load_config
 from seedckpt.data import IGNORE_INDEX, make_dataset
 from seedckpt.errors import SeedckptError
 from seedckpt.finetune import osft_spec, prepare_finetune
 from seedckpt.init import RECIPE_VERSION
 from seedckpt.metrics import MetricsLogger, peak_memory_bytes
 from seedckpt.osft import OSFTProjector
-from seedckpt.parallel import (DTYPES, ParallelDims, TiedEmbeddings, apply_activation_checkpointing, apply_fsdp,
+from seedckpt.parallel import (ParallelDims, TiedEmbeddings, apply_activation_checkpointing, apply_fsdp,
                                reshard_after_forward)
 from seedckpt.stages import build_stages, plan_rank_stages, stage_ids_for_rank
 from seedckpt.tokenizer import tokenizer_files

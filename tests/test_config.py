@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-from seedckpt.config import load_config, parse_overrides
+from seedckpt.config import check_output_folders, load_config, parse_overrides
 from seedckpt.errors import SeedckptError
 from seedckpt.parallel import ParallelDims
 
@@ -70,3 +71,152 @@ def test_override_without_value():
         load_config(None, ["--training.steps"])
     with pytest.raises(SeedckptError, match="overrides look like --section.key value"):
         load_config(None, ["steps=3"])
+
+
+def _refused(tmp_path, toml: str = "", overrides=()) -> str:
+    """The message load_config gives for a TOML text plus command-line overrides it must refuse."""
+    path = tmp_path / "job.toml"
+    path.write_text(toml)
+    with pytest.raises(SeedckptError) as err:
+        load_config(path, list(overrides))
+    return str(err.value)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["--training.lr", "-1"], "training.lr = -1.0; it must be a finite number > 0"),
+    (["--training.lr", "0"], "training.lr = 0.0; it must be a finite number > 0"),
+    (["--training.lr", "nan"], "training.lr = nan; it must be a finite number > 0"),
+    (["--training.lr", "inf"], "training.lr = inf; it must be a finite number > 0"),
+    (["--training.warmup_steps", "-1"], "training.warmup_steps = -1; it must be >= 0"),
+    (["--training.max_norm", "-0.5"], "training.max_norm = -0.5; it must be a finite number >= 0"),
+    (["--training.max_norm", "nan"], "training.max_norm = nan; it must be a finite number >= 0"),
+    (["--training.stop_after_step", "-3"], "training.stop_after_step = -3; it must be >= 0"),
+    (["--training.steps", "0"], "training.steps = 0; it must be >= 1"),
+    (["--training.local_batch_size", "0"], "training.local_batch_size = 0; it must be >= 1"),
+    (["--training.seq_len", "-8"], "training.seq_len = -8; it must be >= 1"),
+    (["--training.global_batch_size", "0"], "training.global_batch_size = 0; it must be >= 1, or -1"),
+    (["--checkpoint.interval", "-1"], "checkpoint.interval = -1; it must be >= 0"),
+    (["--checkpoint.keep_latest_k", "-2"], "checkpoint.keep_latest_k = -2; it must be >= 0"),
+    (["--metrics.log_freq", "0"], "metrics.log_freq = 0; it must be >= 1"),
+    (["--activation_checkpoint.selective_every", "0"], "activation_checkpoint.selective_every = 0; it must be >= 1"),
+    (["--parallelism.pipeline_parallel_degree", "0"], "parallelism.pipeline_parallel_degree = 0; it must be >= 1"),
+    (["--parallelism.data_parallel_shard_degree", "-2"],
+     "parallelism.data_parallel_shard_degree = -2; it must be >= 1, or -1"),
+    (["--parallelism.pipeline_parallel_stages_per_rank", "0"],
+     "parallelism.pipeline_parallel_stages_per_rank = 0; it must be >= 1"),
+    (["--parallelism.pipeline_parallel_microbatches", "0"],
+     "parallelism.pipeline_parallel_microbatches = 0; it must be >= 1, or -1"),
+    (["--finetune.osft_unfreeze_rank_ratio", "0"], "finetune.osft_unfreeze_rank_ratio = 0.0; it must be in (0, 1]"),
+    (["--finetune.osft_unfreeze_rank_ratio", "nan"], "finetune.osft_unfreeze_rank_ratio = nan; it must be in (0, 1]"),
+    (["--profiling.steps", "3,x"], "profiling.steps = ['3', 'x']; it must be a list of step numbers >= 1"),
+])
+def test_out_of_range_values_are_refused_with_the_key(tmp_path, overrides, message):
+    assert message in _refused(tmp_path, overrides=overrides)
+
+
+def test_range_checks_see_toml_values_and_the_overrides_that_replace_them(tmp_path):
+    assert "training.lr = nan" in _refused(tmp_path, "[training]\nlr = nan\n")
+    assert "training.lr = inf" in _refused(tmp_path, "[training]\nlr = inf\n")
+    assert "training.warmup_steps = -1" in _refused(tmp_path, "[training]\nwarmup_steps = -1\n")
+    path = tmp_path / "job.toml"
+    path.write_text("[training]\nlr = -1.0\n")
+    assert load_config(path, ["--training.lr", "0.01"]).training.lr == 0.01  # validated after the override
+
+
+def test_zero_means_off_where_the_trainer_says_so():
+    cfg = load_config(None, ["--training.max_norm", "0", "--training.warmup_steps", "0", "--checkpoint.interval", "0",
+                             "--checkpoint.keep_latest_k", "0", "--training.global_batch_size", "-1"])
+    assert (cfg.training.max_norm, cfg.checkpoint.interval, cfg.checkpoint.keep_latest_k) == (0.0, 0, 0)
+
+
+@pytest.mark.parametrize("schedule", ["PipelineScheduleSingle", "PipelineScheduleMulti", "Sideways", "1f1b"])
+def test_only_runnable_pipeline_schedules_are_accepted(tmp_path, schedule):
+    message = _refused(tmp_path, overrides=["--parallelism.pipeline_parallel_schedule", schedule])
+    assert (f"parallelism.pipeline_parallel_schedule = {schedule!r}; this version supports GPipe, 1F1B, "
+            "Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV") in message
+    assert "PipelineScheduleSingle, " not in message
+
+
+def test_every_runnable_schedule_is_one_torch_knows():
+    """The Literal names what train.py hands to torch's get_schedule_class, exactly as spelled."""
+    import typing
+
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+    from seedckpt.config import PipelineSchedule
+    for name in typing.get_args(PipelineSchedule):
+        schedule = get_schedule_class(name)
+        assert schedule.__name__.endswith(name) and schedule is not PipelineScheduleSingle
+
+
+@pytest.mark.parametrize("toml,overrides,message", [
+    ('[activation_checkpoint]\nmode = "some"\n', [],
+     "job.toml: activation_checkpoint.mode = 'some'; this version supports none, full, selective"),
+    ("[activation_checkpoint]\nmode = 1\n", [], "activation_checkpoint.mode = 1; this version supports none, full"),
+    ("", ["--activation_checkpoint.mode", "Full"],
+     "command line: activation_checkpoint.mode = 'Full'; this version supports none, full, selective"),
+    ('[training]\nmixed_precision_param = "fp8"\n', [],
+     "training.mixed_precision_param = 'fp8'; this version supports float32, bfloat16, float16"),
+    ("", ["--parallelism.fsdp_impl", "manual"], "parallelism.fsdp_impl = 'manual'; this version supports fsdp2"),
+    ("", ["--parallelism.fsdp_reshard_after_forward", "sometimes"], "this version supports default, always, never"),
+    ("", ["--data.kind", "json"], "data.kind = 'json'; this version supports synthetic, text, chat"),
+    ("", ["--data.overflow", "wrap"], "data.overflow = 'wrap'; this version supports truncate, drop"),
+    ("", ["--checkpoint.init_from", "random"],
+     "checkpoint.init_from = 'random'; this version supports seed_checkpoint, direct"),
+    ("", ["--finetune.mode", "lora"], "finetune.mode = 'lora'; this version supports none, sft, osft"),
+])
+def test_choices_are_checked_from_toml_and_command_line(tmp_path, toml, overrides, message):
+    assert message in _refused(tmp_path, toml, overrides)
+
+
+def test_choices_are_accepted_from_toml_and_command_line(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text('[activation_checkpoint]\nmode = "full"\n[data]\nkind = "text"\n')
+    cfg = load_config(path, ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"])
+    assert (cfg.activation_checkpoint.mode, cfg.data.kind) == ("full", "text")
+    assert cfg.parallelism.pipeline_parallel_schedule == "ZBVZeroBubble"
+
+
+def test_chat_data_needs_a_tokenizer():
+    with pytest.raises(SeedckptError, match="data.kind = 'chat' needs data.tokenizer"):
+        load_config(None, ["--data.kind", "chat"])
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.toml")), ids=lambda p: p.name)
+def test_every_shipped_config_passes_validation(path):
+    """A template whose header says to pass --data.tokenizer gets one, as its users do."""
+    load_config(path, ["--data.tokenizer", "tok"] if "--data.tokenizer" in path.read_text() else [])
+
+
+def test_output_folders_are_created_and_probed(tmp_path):
+    cfg = load_config(None, ["--checkpoint.folder", str(tmp_path / "a" / "ckpt"), "--job.dump_folder",
+                             str(tmp_path / "b")])
+    check_output_folders(cfg)
+    assert (tmp_path / "a" / "ckpt").is_dir() and (tmp_path / "b").is_dir()
+    assert not any((tmp_path / "a" / "ckpt").iterdir()) and not any((tmp_path / "b").iterdir())  # probe deleted
+
+
+def test_output_folder_with_a_file_in_the_way(tmp_path):
+    (tmp_path / "taken").write_text("")
+    cfg = load_config(None, ["--checkpoint.folder", str(tmp_path / "taken"), "--job.dump_folder", str(tmp_path)])
+    with pytest.raises(SeedckptError) as err:
+        check_output_folders(cfg)
+    assert f"checkpoint.folder = {tmp_path / 'taken'}: cannot write there (a file is in the way)" in str(err.value)
+    cfg = load_config(None, ["--checkpoint.folder", str(tmp_path), "--job.dump_folder", str(tmp_path / "taken" / "x")])
+    with pytest.raises(SeedckptError, match=r"job.dump_folder = .*: cannot write there \(Not a directory\)"):
+        check_output_folders(cfg)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_output_folder_without_write_permission(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        cfg = load_config(None, ["--checkpoint.folder", str(tmp_path), "--job.dump_folder", str(locked)])
+        with pytest.raises(SeedckptError) as err:
+            check_output_folders(cfg)
+    finally:
+        locked.chmod(0o700)
+    assert f"job.dump_folder = {locked}: cannot write there (Permission denied); choose a writable directory" \
+        in str(err.value)

@@ -143,25 +143,29 @@ def _rchar() -> int:
 @pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs Linux /proc/self/io")
 def test_read_volume_is_bounded_by_the_rows_asked_for(tmp_path):
     """A checkpoint ~100x larger than the rows requested: the process reads (``rchar``, every byte
-    through read/pread) at most 5 % more than it asks for, whatever rows it asks for."""
+    through read/pread) at most 5 % more than it asks for, whatever rows it asks for -- plus, with
+    checksums checked, at most the one integrity piece around each end of the request."""
     from seedckpt.checkpoint import RowWindow, open_checkpoint
+    from seedckpt.checkpoint.integrity import PIECE_BYTES
     from seedckpt.seed import create_seed_checkpoint
 
     path = create_seed_checkpoint(tiny_config("--model.vocab_size", "32768"), tmp_path / "big", seed=0,
                                   progress=False)  # 35 MiB, mostly embedding and output
     expected = stock_tensors(path)
-    checkpoint = open_checkpoint(path)
     g = torch.Generator().manual_seed(0)
-    for trial in range(6):
-        fqn = ("tok_embeddings.weight", "output.weight")[trial % 2]
-        rows = int(torch.randint(1, 700, (), generator=g))
-        start = int(torch.randint(0, 32768 - rows, (), generator=g))
-        window = RowWindow(torch.empty(rows, 128), start)
-        before = _rchar()
-        checkpoint.load({fqn: window})
-        read = _rchar() - before
-        assert torch.equal(window.dest, expected[fqn][start:start + rows])
-        assert read <= 1.05 * window.dest.nbytes, f"rows {start}+{rows}: read {read} for {window.dest.nbytes}"
+    for verify in (False, True):
+        checkpoint = open_checkpoint(path, verify=verify)
+        for trial in range(6):
+            fqn = ("tok_embeddings.weight", "output.weight")[trial % 2]
+            rows = int(torch.randint(1, 700, (), generator=g))
+            start = int(torch.randint(0, 32768 - rows, (), generator=g))
+            window = RowWindow(torch.empty(rows, 128), start)
+            before = _rchar()
+            checkpoint.load({fqn: window})
+            read = _rchar() - before
+            assert torch.equal(window.dest, expected[fqn][start:start + rows])
+            allowed = 1.05 * window.dest.nbytes + (2 * PIECE_BYTES if verify else 0)
+            assert read <= allowed, f"verify={verify} rows {start}+{rows}: read {read} for {window.dest.nbytes}"
 
 
 def test_foreign_checkpoint_loads_the_stock_way(tmp_path, debug_seed):

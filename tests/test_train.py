@@ -154,7 +154,7 @@ def test_sigkill_while_writing_leaves_previous_step_loadable(tmp_path, debug_see
     (4, ["--parallelism.pipeline_parallel_microbatches", "1"], "microbatches = 1 is less than the 2 pipeline ranks"),
     (4, ["--parallelism.pipeline_parallel_microbatches", "3"], "not divisible by pipeline_parallel_microbatches = 3"),
     (4, ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"], "pipeline_parallel_stages_per_rank = 2"),
-    (4, ["--parallelism.pipeline_parallel_schedule", "Sideways"], "Unknown schedule name 'Sideways'"),
+    (4, ["--parallelism.pipeline_parallel_schedule", "Sideways"], "pipeline_parallel_schedule = 'Sideways'; this version supports"),
     (4, ["--training.global_batch_size", "12"], "must be a multiple of local_batch_size x data-parallel degree = 16"),
     (1, ["--parallelism.pipeline_parallel_degree", "1", "--checkpoint.seed_checkpoint", "/nonexistent/seed"],
      "checkpoint.seed_checkpoint /nonexistent/seed does not exist"),

@@ -10,14 +10,14 @@ import os
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from seedckpt.checkpoint.atomic import PARTIAL_SUFFIX
 from seedckpt.checkpoint.base import Checkpoint
 from seedckpt.checkpoint.direct import DirectFileSystemReader
-from seedckpt.checkpoint.load import copy_shared, load_state, one_destination_per_source, quiet_single_process_dcp
+from seedckpt.checkpoint.integrity import Checksums, check_data_files
+from seedckpt.checkpoint.load import copy_shared, load_state, one_destination_per_source
 from seedckpt.checkpoint.manifest import TensorInfo, is_model_key, read_manifest
-from seedckpt.checkpoint.safe_pickle import read_dcp_metadata
+from seedckpt.checkpoint.safe_pickle import MAX_METADATA_BYTES, read_bounded, read_dcp_metadata
 from seedckpt.checkpoint.writer import RAW_ITEMS_KEY, tensor_infos
 from seedckpt.errors import SeedckptError
 from seedckpt.torchtitan import from_torchtitan_name, stored_names
@@ -28,7 +28,9 @@ class DcpCheckpoint(Checkpoint):
 
     kind = "dcp"
 
-    def __init__(self, path: str | os.PathLike, args=None):
+    def __init__(self, path: str | os.PathLike, args=None, verify: bool = True):
+        """``verify``: check every byte read against the checksums the manifest records (on by default;
+        checkpoints from before checksums, and foreign ones, have none to check)."""
         path = Path(path)
         if path.name.endswith(PARTIAL_SUFFIX):
             raise SeedckptError(f"{path} is an incomplete checkpoint left by an interrupted write; "
@@ -39,11 +41,16 @@ class DcpCheckpoint(Checkpoint):
         if not (path / ".metadata").is_file():
             raise SeedckptError(f"{path} is not a complete DCP checkpoint (no .metadata); "
                                 "it may be an interrupted write -- write it again")
+        manifest = read_manifest(path)
+        self.checksums = Checksums.from_manifest(manifest, path)
+        if self.checksums is not None:
+            self.checksums.check_metadata(read_bounded(path / ".metadata", MAX_METADATA_BYTES), path)
         self.metadata = read_dcp_metadata(path / ".metadata")
+        check_data_files(path, self.metadata.storage_data, self.checksums.files if self.checksums else None)
+        self.verify = verify and self.checksums is not None
         # Our FQN -> the key stored, where a checkpoint uses other names (torchtitan 0.3).
         self.stored = stored_names(self.metadata.state_dict_metadata)
         self.all_tensors = {from_torchtitan_name(k): v for k, v in tensor_infos(self.metadata).items()}
-        manifest = read_manifest(path)
         super().__init__(path, {f: i for f, i in self.all_tensors.items() if is_model_key(f)}, manifest, args)
         raw = (manifest or {}).get(RAW_ITEMS_KEY)
         self.raw_items = raw if isinstance(raw, dict) else {}
@@ -62,14 +69,14 @@ class DcpCheckpoint(Checkpoint):
         return key in keys or any(k.startswith(key + ".") for k in keys)
 
     def reader(self) -> DirectFileSystemReader:
-        return DirectFileSystemReader(self.path, self.raw_items, self.metadata)
+        return DirectFileSystemReader(self.path, self.raw_items, self.metadata,
+                                      self.checksums if self.verify else None)
 
     def read_tensor(self, fqn: str) -> torch.Tensor:
         info = self.all_tensors[fqn]
         key = self.stored.get(fqn, fqn)
         out = {key: torch.empty(info.shape, dtype=info.dtype)}
-        with quiet_single_process_dcp():
-            dcp.load(out, storage_reader=self.reader(), no_dist=True)
+        load_state(out, self.reader(), self.path, no_dist=True)
         return out[key]
 
     def load(self, state_dict: dict) -> None:

@@ -30,33 +30,42 @@ from torch.futures import Future
 
 from seedckpt.checkpoint.safe_pickle import SafeFileSystemReader
 from seedckpt.checkpoint.safetensors_header import SAFETENSORS_DTYPES, safetensors_header
+from seedckpt.checkpoint.integrity import Checksums, ItemChecks, crc, data_file, verify_item
 from seedckpt.errors import SeedckptError
 
-PIECE_BYTES = 16 * 2**20  # one preadv call; small enough to spread a tensor over the threads
+READ_BYTES = 16 * 2**20  # about one preadv call; small enough to spread a tensor over the threads
 STAGING_BYTES = 256 * 2**20  # at most this much is buffered at once for casts and device copies
 READ_THREADS = 8
 
 
 @dataclass(frozen=True)
 class RawChunk:
-    """Where the raw row-major bytes of one stored chunk are: ``path`` from ``start``."""
+    """Where the raw row-major bytes of one stored chunk are: ``path`` from ``start``; ``checks``:
+    the piece checksums of the item around them (``None``: none recorded, or checking is off)."""
 
     path: Path
     start: int
     shape: torch.Size
     dtype: torch.dtype
+    checks: ItemChecks | None = None
 
     @property
     def row_bytes(self) -> int:
         return math.prod(self.shape[1:]) * self.dtype.itemsize
 
+    @property
+    def nbytes(self) -> int:
+        return self.shape[0] * self.row_bytes if self.shape else self.dtype.itemsize
+
 
 class DirectReads:
-    """Runs a rank's read requests as ``preadv`` calls; counts the bytes read (``bytes_read``)."""
+    """Runs a rank's read requests as ``preadv`` calls, checking the pieces they cover against the
+    recorded checksums; counts the bytes asked for (``bytes_read``) and those read only to check the
+    pieces around them (``bytes_read_to_check``)."""
 
     def __init__(self, threads: int = READ_THREADS):
         self.threads = threads
-        self.bytes_read = 0
+        self.bytes_read = self.bytes_read_to_check = 0
 
     def run(self, items: list[ReadItem], locate, planner: LoadPlanner) -> None:
         """Fill every item's destination; ``locate(item)`` gives its ``RawChunk``."""
@@ -80,31 +89,54 @@ class DirectReads:
                 os.close(fd)
 
     def _finish(self, jobs: list[_Job], pool: ThreadPoolExecutor, planner: LoadPlanner) -> None:
-        pieces = [piece for job in jobs for piece in job.pieces()]
-        self.bytes_read += sum(pool.map(_read_piece, pieces))
+        units = [unit for job in jobs for unit in job.units()]
+        total = sum(pool.map(_read_unit, units))
+        asked = sum(job.hi - job.lo for job in jobs)
+        self.bytes_read += asked
+        self.bytes_read_to_check += total - asked
         for job in jobs:
             job.complete()
             planner.commit_tensor(job.item, job.target)
 
 
 class _Job:
-    """One read request: the byte range of its rows, and where the bytes go."""
+    """One read request: the byte range of its rows, the pieces around it to check, where the bytes go."""
 
     def __init__(self, item: ReadItem, chunk: RawChunk, target: torch.Tensor, fd: int):
         self.item, self.chunk, self.target, self.fd = item, chunk, target, fd
         offsets, lengths = list(item.storage_offsets) or [0], list(item.lengths) or [1]
-        self.first_row, self.rows = offsets[0], lengths[0]
+        first_row, rows = offsets[0], lengths[0]
         whole_rows = all(o == 0 and n == s for o, n, s in zip(offsets[1:], lengths[1:], chunk.shape[1:]))
         straight = (whole_rows and target.dtype == chunk.dtype and target.device.type == "cpu"
                     and target.is_contiguous())
-        self.buffer = None if straight else torch.empty((self.rows, *chunk.shape[1:]), dtype=chunk.dtype)
+        self.buffer = None if straight else torch.empty((rows, *chunk.shape[1:]), dtype=chunk.dtype)
+        self.lo = chunk.start + first_row * chunk.row_bytes  # the bytes asked for: [lo, hi)
+        self.hi = self.lo + rows * chunk.row_bytes
+        self.pieces = range(0)
+        if chunk.checks is not None:
+            self.pieces = range(*chunk.checks.covering(self.lo, self.hi, chunk.start + chunk.nbytes))
 
-    def pieces(self) -> list[tuple[int, memoryview, int, Path]]:
+    def units(self) -> list[_Unit]:
+        """The reads: whole checked pieces grouped up to ``READ_BYTES`` (or plain ranges when unchecked),
+        with the bytes around the request going into small side buffers."""
         dest = self.target if self.buffer is None else self.buffer
         view = memoryview(dest.reshape(-1).view(torch.uint8).numpy()) if dest.numel() else memoryview(b"")
-        start = self.chunk.start + self.first_row * self.chunk.row_bytes
-        return [(self.fd, view[k:k + PIECE_BYTES], start + k, self.chunk.path)
-                for k in range(0, view.nbytes, PIECE_BYTES)]
+        checks = self.chunk.checks
+        if checks is None:
+            bounds = [*range(self.lo, self.hi, READ_BYTES), self.hi]
+            groups = [(a, b, range(0)) for a, b in zip(bounds, bounds[1:])]
+            return [_Unit(self, a, b, pieces, [(self.lo, view)]) for a, b, pieces in groups]
+        cuts = checks.cuts
+        span_lo, span_hi = min(self.lo, cuts[self.pieces.start]), max(self.hi, cuts[self.pieces.stop])
+        segments = [(span_lo, memoryview(bytearray(self.lo - span_lo))), (self.lo, view),
+                    (self.hi, memoryview(bytearray(span_hi - self.hi)))]
+        units, group = [], []
+        for k in self.pieces:
+            group.append(k)
+            if cuts[k + 1] - cuts[group[0]] >= READ_BYTES or k == self.pieces.stop - 1:
+                units.append(_Unit(self, cuts[group[0]], cuts[k + 1], range(group[0], k + 1), segments))
+                group = []
+        return units
 
     def complete(self) -> None:
         if self.buffer is not None:
@@ -115,16 +147,46 @@ class _Job:
             self.target.copy_(part.reshape(self.target.shape))
 
 
-def _read_piece(piece: tuple[int, memoryview, int, Path]) -> int:
-    fd, view, offset, path = piece
-    done = 0
-    while done < view.nbytes:
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n == 0:
-            raise SeedckptError(f"{path} is truncated: a tensor's bytes end at {offset + view.nbytes}, the file at "
-                                f"{offset + done}; the checkpoint is damaged -- write it again")
-        done += n
-    return done
+@dataclass
+class _Unit:
+    """Bytes ``[lo, hi)`` of the job's file, the checked pieces among them, and where each byte goes:
+    ``segments`` are (file offset, memory) pairs, consecutive in the file."""
+
+    job: _Job
+    lo: int
+    hi: int
+    pieces: range
+    segments: list[tuple[int, memoryview]]
+
+    def views(self, lo: int, hi: int) -> list[memoryview]:
+        out = []
+        for start, mem in self.segments:
+            a, b = max(lo, start), min(hi, start + mem.nbytes)
+            if a < b:
+                out.append(mem[a - start:b - start])
+        return out
+
+
+def _read_unit(unit: _Unit) -> int:
+    fd, chunk = unit.job.fd, unit.job.chunk
+    position = unit.lo
+    for view in unit.views(unit.lo, unit.hi):
+        done = 0
+        while done < view.nbytes:
+            n = os.preadv(fd, [view[done:]], position + done)
+            if n == 0:
+                raise SeedckptError(f"{chunk.path} is truncated: a tensor's bytes end at {position + view.nbytes}, "
+                                    f"the file at {position + done}; the checkpoint is damaged -- write it again")
+            done += n
+        position += view.nbytes
+    checks = chunk.checks
+    for k in unit.pieces:
+        value = 0
+        for view in unit.views(checks.cuts[k], checks.cuts[k + 1]):
+            value = crc(view, value)
+        if value != checks.crcs[k]:
+            raise checks.mismatch(k, value, f"{unit.job.item.storage_index.fqn} in {chunk.path.parent}")
+    return unit.hi - unit.lo
 
 
 def _tensor_items(plan: LoadPlan, known) -> tuple[list[ReadItem], list[ReadItem]]:
@@ -144,9 +206,12 @@ class DirectFileSystemReader(SafeFileSystemReader):
     """A DCP storage reader for our checkpoints: reads the owned rows of every tensor item at the
     positions the manifest records (``raw_items``), the rest the stock way."""
 
-    def __init__(self, path, raw_items: dict, metadata: Metadata | None = None, threads: int = READ_THREADS):
+    def __init__(self, path, raw_items: dict, metadata: Metadata | None = None, checksums: Checksums | None = None,
+                 threads: int = READ_THREADS):
+        """``checksums``: check every byte read against them (``None``: nothing to check)."""
         super().__init__(path, metadata)
         self.raw = {(file, entry[0]): entry for file, entries in raw_items.items() for entry in entries}
+        self.checksums = checksums
         self.reads = DirectReads(threads)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
@@ -160,9 +225,25 @@ class DirectFileSystemReader(SafeFileSystemReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         direct, rest = _tensor_items(plan, lambda index: self._raw_entry(index) is not None)
         if rest:
+            self._check_whole(rest)
             super().read_data(LoadPlan(rest), planner).wait()
         self.reads.run(direct, self._locate, planner)
         return _done()
+
+    def _checks(self, index: MetadataIndex) -> ItemChecks | None:
+        info = self.storage_data[index]
+        return self.checksums.items.get((info.relative_path, info.offset)) if self.checksums else None
+
+    def _check_whole(self, items: list[ReadItem]) -> None:
+        """Items read the stock way (training state, tensors without a raw position) are small:
+        each is read once more, whole, to check it before DCP parses it."""
+        checks = {(c.file, c.offset): c for c in map(self._checks, (i.storage_index for i in items)) if c is not None}
+        for item in checks.values():
+            fd = os.open(data_file(Path(self.path), item.file), os.O_RDONLY)
+            try:
+                verify_item(fd, item, f"an entry of {self.path}")
+            finally:
+                os.close(fd)
 
     def _locate(self, item: ReadItem) -> RawChunk:
         index = item.storage_index
@@ -174,7 +255,8 @@ class DirectFileSystemReader(SafeFileSystemReader):
                 or nbytes != chunk.sizes.numel() * md.properties.dtype.itemsize):
             raise SeedckptError(f"{self.path}: the manifest's raw position of {index.fqn} does not fit its item in "
                                 f"{info.relative_path}; the checkpoint is damaged")
-        return RawChunk(_data_file(Path(self.path), info.relative_path), start, chunk.sizes, md.properties.dtype)
+        return RawChunk(data_file(Path(self.path), info.relative_path), start, chunk.sizes, md.properties.dtype,
+                        self._checks(index))
 
 
 class DirectHFReader(HuggingFaceStorageReader):
@@ -205,10 +287,3 @@ class DirectHFReader(HuggingFaceStorageReader):
         return RawChunk(path, data_start + entry["data_offsets"][0], torch.Size(entry["shape"]),
                         SAFETENSORS_DTYPES[entry["dtype"]])
 
-
-def _data_file(root: Path, name: str) -> Path:
-    """A data file named by ``.metadata``: a plain file name inside the checkpoint, nothing else."""
-    if not name or name != Path(name).name or name in (".", ".."):
-        raise SeedckptError(f"{root}/.metadata names the data file {name!r}, which is not inside the checkpoint; "
-                            "the checkpoint is damaged or crafted")
-    return root / name

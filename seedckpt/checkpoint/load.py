@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlan
@@ -114,18 +115,28 @@ class RowWindowLoadPlanner(DefaultLoadPlanner):
         return window.dest if window is not None else super().lookup_tensor(index)
 
 
-def load_state(state_dict: dict, reader, where) -> None:
+def load_state(state_dict: dict, reader, where, no_dist: bool = False) -> None:
     """``dcp.load`` through ``RowWindowLoadPlanner``; DCP's failures become one ``SeedckptError``.
 
-    Collective across the default process group when one is initialized.
+    Collective across the default process group when one is initialized (unless ``no_dist``).
     """
     try:
         with quiet_single_process_dcp():
-            dcp.load(state_dict, storage_reader=reader, planner=RowWindowLoadPlanner(state_dict))
-    except BaseException as e:  # DCP's CheckpointException derives from BaseException
-        if isinstance(e, (KeyboardInterrupt, SystemExit, SeedckptError)):
-            raise
-        raise SeedckptError(f"reading {where} failed: {e}") from e
+            dcp.load(state_dict, storage_reader=reader, planner=RowWindowLoadPlanner(state_dict), no_dist=no_dist)
+    except CheckpointException as e:  # a BaseException carrying each failed rank's exception
+        raise root_cause(e, f"reading {where}") from None
+
+
+def root_cause(error: CheckpointException, doing: str) -> SeedckptError:
+    """One line for a failed DCP load or save: our own message where we raised it, else the first
+    failed rank's exception (DCP's text embeds every rank's whole traceback)."""
+    for rank, (cause, _trace) in sorted(error.failures.items()):
+        while isinstance(cause, CheckpointException):
+            cause = next(iter(cause.failures.values()))[0]
+        if isinstance(cause, SeedckptError):
+            return cause
+        return SeedckptError(f"{doing} failed on rank {rank}: {type(cause).__name__}: {cause}")
+    return SeedckptError(f"{doing} failed: {str(error).splitlines()[-1] if str(error) else 'unknown error'}")
 
 
 @contextlib.contextmanager

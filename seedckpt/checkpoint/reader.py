@@ -12,17 +12,19 @@ from seedckpt.checkpoint.files import HFCheckpoint, SafetensorsFile, TorchFile
 from seedckpt.errors import SeedckptError
 
 
-def open_checkpoint(path: str | Path, args: ModelArgs | None = None, complete: bool = True) -> Checkpoint:
+def open_checkpoint(path: str | Path, args: ModelArgs | None = None, complete: bool = True,
+                    verify: bool = True) -> Checkpoint:
     """Detect the format of ``path`` (DCP directory, HF directory, ``.safetensors`` file,
     ``torch.save`` file) and check its tensors against the model it records; ``args`` describes
     the model when the checkpoint does not. ``complete=False``: a checkpoint may lack tensors
-    (a stage loads only some; its load names what is missing)."""
+    (a stage loads only some; its load names what is missing). ``verify``: check the bytes read
+    against the checksums the checkpoint records (ours do since they were introduced)."""
     path = Path(path)
     if path.name.endswith(PARTIAL_SUFFIX):
         raise SeedckptError(f"{path} is an incomplete output of an interrupted write; delete it and write it again")
     if path.is_dir():
         if (path / ".metadata").is_file():
-            checkpoint = DcpCheckpoint(path, args)
+            checkpoint = DcpCheckpoint(path, args, verify)
         elif (path / "config.json").is_file():
             checkpoint = HFCheckpoint(path)
         else:

@@ -8,6 +8,7 @@ of the classes DCP metadata consists of. (Tensor payloads are read either raw by
 
 from __future__ import annotations
 
+import io
 import pickle
 from pathlib import Path
 
@@ -47,14 +48,26 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
 
 
+MAX_METADATA_BYTES = 2**30  # a 405B checkpoint's .metadata is tens of MB
+
+
+def read_bounded(path: Path, limit: int) -> bytes:
+    """The bytes of a metadata file, refusing one larger than ``limit`` before reading it."""
+    size = path.stat().st_size
+    if size > limit:
+        raise SeedckptError(f"{path} is {size:,} bytes, more than the {limit:,} a checkpoint's metadata may take; "
+                            "it is damaged or crafted")
+    return path.read_bytes()
+
+
 def read_dcp_metadata(path: Path) -> Metadata:
     """The unpickled ``.metadata`` file at ``path``; a ``SeedckptError`` for anything else."""
-    with open(path, "rb") as f:
-        try:
-            metadata = _MetadataUnpickler(f).load()
-        except Exception as e:  # any damage to the pickle: truncation, bad opcodes, wrong types
-            raise SeedckptError(f"{path} is not valid DCP metadata ({e}); the checkpoint is "
-                                "corrupt or not a DCP checkpoint") from None
+    data = read_bounded(path, MAX_METADATA_BYTES)
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except Exception as e:  # any damage to the pickle: truncation, bad opcodes, wrong types, deep nesting
+        raise SeedckptError(f"{path} is not valid DCP metadata ({str(e)[:200]}); the checkpoint is "
+                            "corrupt or not a DCP checkpoint") from None
     if not isinstance(metadata, Metadata):
         raise SeedckptError(f"{path} does not hold DCP metadata")
     return metadata

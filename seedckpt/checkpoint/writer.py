@@ -34,23 +34,26 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from seedckpt.checkpoint.atomic import atomic_output, partial_of, write_json_synced
-from seedckpt.checkpoint.load import quiet_single_process_dcp
+from seedckpt.checkpoint.integrity import (CHECKSUMS_KEY, ItemChecks, PieceHasher, check_data_files, checksums_record,
+                                           crc, file_sizes)
+from seedckpt.checkpoint.load import quiet_single_process_dcp, root_cause
 from seedckpt.checkpoint.manifest import MANIFEST_NAME, TensorInfo, dtype_name, is_model_key
 from seedckpt.checkpoint.safe_pickle import read_dcp_metadata
-from seedckpt.errors import SeedckptError
 
 RAW_ITEMS_KEY = "raw_items"  # manifest: {file: [[item offset, raw data offset, raw nbytes], ...]}
 
 
 @dataclass
 class _Written:
-    """An item's DCP storage info plus where its raw tensor bytes start (``None``: bytes item).
+    """An item's DCP storage info, where its raw tensor bytes start (``None``: bytes item) and its
+    piece checksums.
 
     Only travels from the ranks to rank 0's ``finish``, which stores plain ``_StorageInfo`` in
-    ``.metadata`` (so stock readers see nothing new) and the raw positions in the manifest."""
+    ``.metadata`` (so stock readers see nothing new), the raw positions and checksums in the manifest."""
 
     info: _StorageInfo
     data_start: int | None
+    checks: ItemChecks
 
 
 class _RawStream:
@@ -58,19 +61,26 @@ class _RawStream:
 
     Measured here into tmpfs: 2.1 GB/s, against 0.8 GB/s through a buffered Python file (which
     copies every block once more). It also notes the offset at which the bytes of ``watch`` (the
-    tensor being saved) are written: the write whose buffer *is* that tensor's memory.
+    tensor being saved) are written: the write whose buffer *is* that tensor's memory; and it
+    checksums every byte of the item on the way (``integrity``).
     """
 
-    def __init__(self, fd: int):
-        self.fd, self.pos = fd, os.lseek(fd, 0, os.SEEK_CUR)
+    def __init__(self, fd: int, file_name: str):
+        self.fd, self.file_name, self.pos = fd, file_name, os.lseek(fd, 0, os.SEEK_CUR)
         self.watch: torch.Tensor | None = None
         self.data_start: int | None = None
+        self.hasher = PieceHasher(file_name, self.pos)
+
+    def begin_item(self) -> None:
+        self.data_start, self.hasher = None, PieceHasher(self.file_name, self.pos)
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
         if (self.watch is not None and view.nbytes == self.watch.nbytes and view.nbytes
                 and np.frombuffer(view, np.uint8).ctypes.data == self.watch.data_ptr()):
             self.data_start = self.pos
+            self.hasher.mark_start()
+        self.hasher.update(view)
         done = 0
         while done < view.nbytes:
             done += os.write(self.fd, view[done:])
@@ -98,6 +108,7 @@ class StreamingFileSystemWriter(FileSystemWriter):
         super().__init__(path, single_file_per_rank=True, sync_files=True)
         self.lookahead, self.workers = lookahead, workers
         self.raw_items: dict[str, list[list[int]]] = {}
+        self.checks: list[ItemChecks] = []
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         file_name = f"{plan.storage_data.prefix}0.distcp"
@@ -106,7 +117,7 @@ class StreamingFileSystemWriter(FileSystemWriter):
         torch.serialization.set_crc32_options(False)
         fd = os.open(Path(self.path) / file_name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            stream = _RawStream(fd)
+            stream = _RawStream(fd, file_name)
             with ThreadPoolExecutor(self.workers) as pool:
                 items, pending = iter(plan.items), deque()
 
@@ -122,7 +133,7 @@ class StreamingFileSystemWriter(FileSystemWriter):
                     data = future.result()
                     submit_next()
                     offset = stream.pos
-                    stream.data_start = None
+                    stream.begin_item()
                     if item.type == WriteItemType.BYTE_IO:
                         stream.write(data.getbuffer())
                     else:
@@ -131,7 +142,7 @@ class StreamingFileSystemWriter(FileSystemWriter):
                         stream.watch = None
                     length = stream.pos - offset
                     results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=_Written(
-                        _StorageInfo(file_name, offset, length), stream.data_start)))
+                        _StorageInfo(file_name, offset, length), stream.data_start, stream.hasher.finish())))
                     if isinstance(planner, LazySavePlanner):
                         planner.release(data)
                     del data
@@ -151,6 +162,7 @@ class StreamingFileSystemWriter(FileSystemWriter):
             for r in rank_results:
                 written: _Written = r.storage_data
                 plain[-1].append(WriteResult(r.index, r.size_in_bytes, written.info))
+                self.checks.append(written.checks)
                 if written.data_start is not None:
                     nbytes = _item_nbytes(metadata, r.index)
                     self.raw_items.setdefault(written.info.relative_path, []).append(
@@ -294,14 +306,18 @@ def write_checkpoint(path: str | os.PathLike, state_dict: dict, manifest: dict, 
             with quiet_single_process_dcp():
                 dcp.save(state_dict, storage_writer=writer, planner=planner, no_dist=not distributed)
         except CheckpointException as e:  # a BaseException wrapping each rank's failure
-            raise SeedckptError(f"writing {path} failed: {e}") from e
+            raise root_cause(e, f"writing {path}") from None
         if leader:
-            written = tensor_infos(read_dcp_metadata(partial / ".metadata"))
-            tensors = {fqn: info for fqn, info in written.items() if is_model_key(fqn)}
+            metadata = read_dcp_metadata(partial / ".metadata")
+            sizes = file_sizes(writer.checks)
+            check_data_files(partial, metadata.storage_data, sizes)  # publish only what is complete
+            tensors = {fqn: info for fqn, info in tensor_infos(metadata).items() if is_model_key(fqn)}
             manifest = {**manifest, "num_params": sum(i.numel for i in tensors.values()),
                         "tensors": {fqn: {"shape": list(i.shape), "dtype": dtype_name(i.dtype)}
                                     for fqn, i in tensors.items()},
-                        RAW_ITEMS_KEY: writer.raw_items}
+                        RAW_ITEMS_KEY: writer.raw_items,
+                        CHECKSUMS_KEY: checksums_record(writer.checks, crc((partial / ".metadata").read_bytes()),
+                                                        sizes)}
             write_json_synced(partial / MANIFEST_NAME, manifest)
             for name, source in (files or {}).items():
                 (partial / name).parent.mkdir(parents=True, exist_ok=True)

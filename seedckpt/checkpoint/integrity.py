@@ -1,0 +1,216 @@
+"""Checksums of every byte a checkpoint's data files hold: recorded when written, checked when read.
+
+``torch.save``'s zip CRC32 is off in our writer (it capped writing at ~0.4 GB/s), and a DCP
+directory has no checksum of its own, so a flipped bit would load silently. Instead every item
+(one ``torch.save`` record or bytes blob in a ``.distcp`` file) is cut into *pieces* and the
+CRC32C of each piece goes into the manifest (``checksums``).
+
+Why pieces, not whole items: a rank reads only the rows it owns (``direct``), and a check must not
+force it to read the whole item. The cuts fall at the start of the tensor's raw bytes and every
+``PIECE_BYTES`` after it, so an FSDP shard of a power-of-two split reads no byte more than it
+owns; an unaligned request reads at most one extra piece at each end. The bytes before the raw
+data (the zip and pickle records) form a head piece, checked by the rank that reads the first rows.
+
+Why CRC32C (``crc32c`` package, SSE4.2): measured here on one core, 11 GB/s, against 2.2 GB/s for
+``zlib.crc32`` and 12 GB/s for xxh3 -- as fast as the fastest, and the standard storage checksum.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import crc32c
+
+from seedckpt.errors import SeedckptError
+
+ALGORITHM = "crc32c"
+PIECE_BYTES = 1 << 20
+CHECKSUMS_KEY = "checksums"  # manifest: {"algorithm", "piece_bytes", "metadata", "files", "items"}
+
+
+def crc(data, value: int = 0) -> int:
+    return crc32c.crc32c(data, value)
+
+
+@dataclass(frozen=True)
+class ItemChecks:
+    """The pieces of one item: bytes ``[offset, offset + length)`` of ``file``, cut at ``start``
+    (where the raw tensor bytes begin; ``offset`` for a bytes item) and every ``piece`` after it."""
+
+    file: str
+    offset: int
+    length: int
+    start: int
+    crcs: tuple[int, ...]
+    piece: int = PIECE_BYTES
+    cuts: list[int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        end = self.offset + self.length
+        cuts = [self.offset] + ([self.start] if self.offset < self.start < end else [])
+        cuts += range(self.start + self.piece, end, self.piece)
+        cuts.append(end)
+        object.__setattr__(self, "cuts", cuts)
+        if len(self.crcs) != len(cuts) - 1 or not self.offset <= self.start <= end:
+            raise SeedckptError(f"the manifest's checksums of the item at byte {self.offset} of {self.file} do not "
+                                "fit the item; the manifest is damaged")
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+    def covering(self, lo: int, hi: int, data_end: int | None = None) -> tuple[int, int]:
+        """The piece indices ``[first, last)`` a read of bytes ``[lo, hi)`` must check: the pieces it
+        touches, plus the head when it starts at the raw data, plus the item's tail when it ends at
+        ``data_end`` (so the ranks that together read an item check all of it)."""
+        first = bisect.bisect_right(self.cuts, lo) - 1
+        last = bisect.bisect_left(self.cuts, hi) if hi > lo else first + 1
+        if first == 1 and lo == self.start:
+            first = 0
+        if hi == data_end:
+            last = len(self.cuts) - 1
+        return max(first, 0), min(last, len(self.cuts) - 1)
+
+    def mismatch(self, index: int, got: int, what: str) -> SeedckptError:
+        lo, hi = self.cuts[index], self.cuts[index + 1]
+        return SeedckptError(
+            f"{what} is corrupt: bytes {lo}..{hi} of {self.file} have CRC32C {got:08x}, {self.crcs[index]:08x} was "
+            "written; the checkpoint is damaged -- restore or write it again (`seedckpt verify` checks all of it)")
+
+
+class PieceHasher:
+    """CRC32C of an item's pieces as it is written, in order; ``mark_start`` when the raw tensor
+    bytes begin (the bytes before them become the head piece)."""
+
+    def __init__(self, file: str, offset: int, piece: int = PIECE_BYTES):
+        self.file, self.offset, self.piece = file, offset, piece
+        self.start = self.pos = self.closed = offset
+        self.next_cut = offset + piece
+        self.crcs: list[int] = []
+        self.value = 0
+
+    def mark_start(self) -> None:
+        if self.crcs or self.pos == self.offset:  # no head (or an implausibly long one: plain pieces)
+            return
+        self._close()
+        self.start, self.next_cut = self.pos, self.pos + self.piece
+
+    def update(self, view: memoryview) -> None:
+        while view.nbytes:
+            take = min(view.nbytes, self.next_cut - self.pos)
+            self.value = crc(view[:take], self.value)
+            self.pos += take
+            view = view[take:]
+            if self.pos == self.next_cut:
+                self._close()
+                self.next_cut += self.piece
+
+    def _close(self) -> None:
+        self.crcs.append(self.value)
+        self.value, self.closed = 0, self.pos
+
+    def finish(self) -> ItemChecks:
+        if self.pos > self.closed or not self.crcs:
+            self._close()
+        return ItemChecks(self.file, self.offset, self.pos - self.offset, self.start, tuple(self.crcs), self.piece)
+
+
+def checksums_record(items: list[ItemChecks], metadata_crc: int, file_sizes: dict[str, int]) -> dict:
+    """The manifest's ``checksums`` entry."""
+    by_file: dict[str, list] = {}
+    for item in sorted(items, key=lambda i: (i.file, i.offset)):
+        by_file.setdefault(item.file, []).append([item.offset, item.length, item.start, list(item.crcs)])
+    return {"algorithm": ALGORITHM, "piece_bytes": PIECE_BYTES, "metadata": metadata_crc, "files": file_sizes,
+            "items": by_file}
+
+
+@dataclass
+class Checksums:
+    """A checkpoint's recorded checksums: ``items[(file, offset)]``, ``.metadata``'s CRC, file sizes."""
+
+    items: dict[tuple[str, int], ItemChecks]
+    metadata: int
+    files: dict[str, int]
+
+    @classmethod
+    def from_manifest(cls, manifest: dict | None, where) -> Checksums | None:
+        """``None`` when the checkpoint records none (written before checksums, or by another tool)."""
+        record = (manifest or {}).get(CHECKSUMS_KEY)
+        if record is None:
+            return None
+        try:
+            if record["algorithm"] != ALGORITHM:
+                raise ValueError(f"unknown algorithm {record['algorithm']!r}")
+            piece = int(record["piece_bytes"])
+            items = {}
+            for file, entries in record["items"].items():
+                for offset, length, start, crcs in entries:
+                    items[(file, int(offset))] = ItemChecks(file, int(offset), int(length), int(start),
+                                                            tuple(int(c) for c in crcs), piece)
+            return cls(items, int(record["metadata"]), {str(f): int(n) for f, n in record["files"].items()})
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise SeedckptError(f"{where}: the manifest's checksums are damaged ({e!r})") from None
+
+    def check_metadata(self, data: bytes, where) -> None:
+        got = crc(data)
+        if got != self.metadata:
+            raise SeedckptError(f"{where}/.metadata is corrupt: CRC32C {got:08x}, {self.metadata:08x} was written; "
+                                "the checkpoint is damaged -- restore or write it again")
+
+
+def data_file(root: Path, name: str) -> Path:
+    """A data file named by ``.metadata``: a plain file name inside the checkpoint, nothing else."""
+    if not name or name != Path(name).name or name in (".", ".."):
+        raise SeedckptError(f"{root}/.metadata names the data file {name!r}, which is not inside the checkpoint; "
+                            "the checkpoint is damaged or crafted")
+    return root / name
+
+
+def check_data_files(root: Path, storage_data, written: dict[str, int] | None = None) -> None:
+    """Every data file that ``.metadata``'s items (``storage_data``) point into exists and is long
+    enough for them -- and, where the sizes ``written`` are recorded, has exactly that size."""
+    needed: dict[str, int] = dict.fromkeys(written or {}, 0)
+    for info in (storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    problems = []
+    for name, need in sorted(needed.items()):
+        try:
+            size = data_file(root, name).stat().st_size
+        except FileNotFoundError:
+            problems.append(f"{name} is missing")
+            continue
+        if written and name in written and size != written[name]:
+            problems.append(f"{name} has {size:,} bytes, {written[name]:,} were written")
+        elif size < need:
+            problems.append(f"{name} has {size:,} bytes, .metadata points up to byte {need:,}")
+    if problems:
+        raise SeedckptError(f"{root} is incomplete: {'; '.join(problems[:5])}; it was not fully written, was "
+                            "truncated or lost files -- restore or write it again")
+
+
+def file_sizes(items: list[ItemChecks]) -> dict[str, int]:
+    """Each data file's size: its items follow each other from byte 0 to its end."""
+    sizes: dict[str, int] = {}
+    for item in items:
+        sizes[item.file] = max(sizes.get(item.file, 0), item.end)
+    return sizes
+
+
+def verify_item(fd: int, checks: ItemChecks, what: str) -> int:
+    """Read all of an item from ``fd`` and check every piece; returns the bytes read."""
+    buffer = memoryview(bytearray(max(b - a for a, b in zip(checks.cuts, checks.cuts[1:]))))
+    for k, (lo, hi) in enumerate(zip(checks.cuts, checks.cuts[1:])):
+        view, done = buffer[:hi - lo], 0
+        while done < view.nbytes:
+            n = os.preadv(fd, [view[done:]], lo + done)
+            if n == 0:
+                raise SeedckptError(f"{what}: {checks.file} is truncated at byte {lo + done:,}; the checkpoint is "
+                                    "damaged -- restore or write it again")
+            done += n
+        got = crc(view)
+        if got != checks.crcs[k]:
+            raise checks.mismatch(k, got, what)
+    return checks.length
