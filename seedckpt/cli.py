@@ -1,4 +1,4 @@
-"""The ``seedckpt`` command: seed, inspect, plan, convert, diff.
+"""The ``seedckpt`` command: seed, inspect, verify, plan, convert, diff.
 
 User errors (``SeedckptError``) and environment errors (``OSError``: disk full, permission denied)
 print one line and exit 2; no traceback.
@@ -24,6 +24,11 @@ EXAMPLES = {
         examples:
           seedckpt inspect seeds/debug
           seedckpt inspect seeds/debug --json | python -m json.tool""",
+    "verify": """
+        examples:
+          seedckpt verify seeds/debug
+          seedckpt verify outputs/demo/checkpoints/step-100
+        exit status: 0 intact (or nothing recorded to check: it says so), 2 damaged or unreadable""",
     "plan": """
         examples:
           seedckpt plan --config configs/llama3_8b.toml
@@ -69,6 +74,11 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("checkpoint", help="checkpoint directory")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
 
+    verify = add("verify", "Read every byte of a checkpoint and check it against the CRC32C checksums written with "
+                           "it, and every data file's length; names each damaged tensor and file.")
+    verify.add_argument("checkpoint", help="checkpoint directory or file")
+    verify.add_argument("--quiet", action="store_true", help="no progress output")
+
     plan = add("plan", "Show which layers, parameters and bytes each pipeline stage and rank gets "
                        "(computed on meta: no memory, works for 405B).")
     plan.add_argument("--config", required=True, help="job config TOML")
@@ -88,6 +98,8 @@ def _parser() -> argparse.ArgumentParser:
                          help="an OSFT checkpoint: write each target's dense weight U diag(S) V^T instead of its "
                               "factors (always done for hf and torchtitan)")
     convert.add_argument("--force", action="store_true", help="replace an existing output")
+    convert.add_argument("--no-verify", action="store_true", help="skip checking the bytes read against the "
+                                                                   "source's checksums")
     convert.add_argument("--quiet", action="store_true", help="no progress output")
 
     diff = add("diff", "Compare two checkpoints of any supported formats tensor by tensor (HF names and the "
@@ -96,16 +108,18 @@ def _parser() -> argparse.ArgumentParser:
     diff.add_argument("b")
     diff.add_argument("--atol", type=float, default=0.0, help="largest |difference| still called equal")
     diff.add_argument("--config", help="job config describing the model, for sources without a manifest")
+    diff.add_argument("--no-verify", action="store_true", help="skip checking the bytes read against checksums")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     opts, rest = parser.parse_known_args(argv)
-    if rest and opts.command in ("inspect", "convert", "diff"):
+    if rest and opts.command in ("inspect", "verify", "convert", "diff"):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
-        commands = {"seed": _seed, "inspect": _inspect, "plan": _plan, "convert": _convert, "diff": _diff}
+        commands = {"seed": _seed, "inspect": _inspect, "verify": _verify, "plan": _plan, "convert": _convert,
+                    "diff": _diff}
         return commands[opts.command](opts, rest)
     except BrokenPipeError:  # output piped into `head` and closed: not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -151,7 +165,7 @@ def _inspect(opts, _rest) -> int:
             "num_tensors": len(tensors), "total_bytes": total,
             "tensors": {fqn: {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "bytes": t.nbytes}
                         for fqn, t in tensors.items()},
-            "tied": source.aliases,
+            "tied": source.aliases, "checksums": _checksum_note(source),
         }, indent=1))
         return 0
     m = source.manifest
@@ -164,12 +178,53 @@ def _inspect(opts, _rest) -> int:
         print("  no seedckpt manifest")
     if args:
         print(f"  args {json.dumps(args)}")
+    print(f"  {_checksum_note(source)}")
     print(f"  {len(tensors)} tensors, {sum(t.numel for t in tensors.values()):,} elements, {_gib(total)}")
     width = max((len(f) for f in tensors), default=0)
     for fqn, t in tensors.items():
         print(f"  {fqn:<{width}}  {str(list(t.shape)):<16} {dtype_name(t.dtype):<9} {t.nbytes:>14,}")
     for fqn, stored in source.aliases.items():
         print(f"  {fqn}: tied, not stored (reads {stored})")
+    return 0
+
+
+def _checksum_note(source) -> str:
+    checksums = getattr(source, "checksums", None)
+    if checksums is not None:
+        return f"checksums: crc32c of every byte ({len(checksums.items)} items); `seedckpt verify` reads and checks them"
+    if source.kind == "dcp":
+        return "no checksum: written before seedckpt recorded them, or by another tool; contents cannot be verified"
+    return f"no checksum: {source.kind} files carry none; contents cannot be verified"
+
+
+def _verify(opts, _rest) -> int:
+    """Exit 0 when every item matches its checksum (or, with none recorded, say so), 2 otherwise."""
+    import time
+
+    from seedckpt.checkpoint import open_checkpoint
+    from seedckpt.progress import Progress
+
+    # Checks .metadata's checksum, data file lengths, headers; not whether it is a whole model.
+    source = open_checkpoint(opts.checkpoint, complete=False)
+    checksums = getattr(source, "checksums", None)
+    if checksums is None:
+        print(f"{source.path}: complete (every data file holds what its metadata points to); {_checksum_note(source)}")
+        return 0
+    total = sum(item.length for item in checksums.items.values())
+    bar = Progress(total, "verify", enabled=not opts.quiet)
+    start = time.perf_counter()
+    try:
+        problems = source.verify(bar.update)
+    finally:
+        bar.close()
+    for problem in problems:
+        print(problem)
+    if problems:
+        print(f"damaged: {len(problems)} of {len(checksums.items)} items of {source.path} fail their checks")
+        return 2
+    seconds = time.perf_counter() - start
+    print(f"intact: {source.path}: {len(checksums.items)} items, {_gib(total)} checked in {seconds:.2f} s "
+          f"({total / max(seconds, 1e-9) / 1e9:.2f} GB/s)")
     return 0
 
 
@@ -211,7 +266,8 @@ def _convert(opts, _rest) -> int:
     from seedckpt.convert import convert
 
     path = convert(opts.src, opts.dst, opts.to, dtype=opts.dtype, max_shard_size=opts.max_shard_size,
-                   force=opts.force, progress=not opts.quiet, args=_model_args(opts.config), dense=opts.dense)
+                   force=opts.force, progress=not opts.quiet, args=_model_args(opts.config), dense=opts.dense,
+                   verify=not opts.no_verify)
     print(f"wrote {opts.to} checkpoint {path}")
     return 0
 
@@ -219,7 +275,7 @@ def _convert(opts, _rest) -> int:
 def _diff(opts, _rest) -> int:
     from seedckpt.convert import diff
 
-    equal, lines = diff(opts.a, opts.b, atol=opts.atol, args=_model_args(opts.config))
+    equal, lines = diff(opts.a, opts.b, atol=opts.atol, args=_model_args(opts.config), verify=not opts.no_verify)
     print("\n".join(lines))
     return 0 if equal else 1
 

@@ -135,6 +135,8 @@ class Checkpoint:
     folder: str = "./checkpoints"
     interval: int = 100  # 0: only at the end (and at training.stop_after_step)
     keep_latest_k: int = 3  # 0: keep all
+    # Check every byte loaded against the CRC32C checksums the checkpoint records (a few % of a load).
+    verify_checksums: bool = True
 
     def validate(self) -> None:
         _check("checkpoint.interval", self.interval, self.interval >= 0, ">= 0 (0: save only at the end)")

@@ -129,17 +129,17 @@ class DenseOSFT(Checkpoint):
 
 
 def convert(src: str | Path, dst: str | Path, to: str, dtype: str | None = None, max_shard_size: str = "5GB",
-            force: bool = False, progress: bool = True, args=None, dense: bool = False) -> Path:
+            force: bool = False, progress: bool = True, args=None, dense: bool = False, verify: bool = True) -> Path:
     """Convert ``src`` (any supported format) into ``dst`` as ``to``; returns ``dst``. An OSFT run's
     checkpoint keeps its factors unless ``dense`` (or the target is ``hf`` / ``torchtitan``, which
     have no place for them): then each target becomes its dense weight, for the next task of a
-    continual-learning sequence."""
+    continual-learning sequence. ``verify``: check the bytes read against the source's checksums."""
     if to not in TARGETS:
         raise SeedckptError(f"--to {to!r}: choose one of {', '.join(TARGETS)}")
     if dtype is not None and dtype not in DTYPES:
         raise SeedckptError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     shard_bytes = parse_size(max_shard_size)
-    source = open_checkpoint(src, args)
+    source = open_checkpoint(src, args, verify=verify)
     has_factors = manifest_osft(source.manifest) is not None
     keeps_factors = has_factors and not (dense or to in ("hf", "torchtitan"))
     if keeps_factors and dtype is not None:
@@ -226,9 +226,9 @@ def _write_hf(source: Checkpoint, dst: Path, infos: dict[str, TensorInfo], dtype
     return dst
 
 
-def diff(a: str | Path, b: str | Path, atol: float = 0.0, args=None) -> tuple[bool, list[str]]:
+def diff(a: str | Path, b: str | Path, atol: float = 0.0, args=None, verify: bool = True) -> tuple[bool, list[str]]:
     """Compare two checkpoints of any formats tensor by tensor; ``(equal, report lines)``."""
-    left, right = open_checkpoint(a, args), open_checkpoint(b, args)
+    left, right = open_checkpoint(a, args, verify=verify), open_checkpoint(b, args, verify=verify)
     lines, equal = [], True
     for fqn in _ordered(set(left.infos) | set(right.infos)):
         if fqn not in right.infos or fqn not in left.infos:

@@ -206,7 +206,7 @@ def _has_nan(t: torch.Tensor) -> bool:
 def build_stages(args: ModelArgs, specs: Sequence[StageSpec], device: torch.device | str,
                  checkpoint: str | None = None, seed: int | None = None,
                  shard_fn: Callable[[nn.Module], None] | None = None, grow_vocab: bool = False,
-                 osft: OSFTSpec | None = None, stage_group=None) -> list[Transformer]:
+                 osft: OSFTSpec | None = None, stage_group=None, verify: bool = True) -> list[Transformer]:
     """Build this rank's stage modules and give every tensor a value.
 
     Exactly one of ``checkpoint`` (load by FQN, the normal path: a DCP checkpoint or a Hugging Face
@@ -218,13 +218,14 @@ def build_stages(args: ModelArgs, specs: Sequence[StageSpec], device: torch.devi
     ``osft``: the target linears become ``OSFTLinear`` (on ``meta``, before sharding). A checkpoint
     that stores their factors (an OSFT run's ``step-N``) loads them like any tensor; from dense
     weights they are computed by ``osft.fill_factors`` across ``stage_group`` (the ranks holding
-    these stages; ``None``: this rank alone).
+    these stages; ``None``: this rank alone). ``verify``: check the bytes read against the
+    checkpoint's checksums.
     """
     if (checkpoint is None) == (seed is None):
         raise ValueError("give exactly one of checkpoint= or seed=")
     if osft is not None and checkpoint is None:
         raise SeedckptError("OSFT starts from pretrained weights: give a checkpoint")
-    reader = open_checkpoint(checkpoint, complete=False) if checkpoint is not None else None
+    reader = open_checkpoint(checkpoint, complete=False, verify=verify) if checkpoint is not None else None
     if reader is not None:
         reader.check_model_args(args, grow_vocab)
     modules = [build_stage_model(args, spec) for spec in specs]

@@ -183,7 +183,8 @@ class Trainer:
         self.modules = build_stages(self.args, self.specs, self.device, checkpoint=start.path,
                                     seed=None if start.path else train.seed, shard_fn=self._parallelize,
                                     grow_vocab=start.pretrained, osft=self.osft,
-                                    stage_group=self._stage_group() if self.osft is not None else None)
+                                    stage_group=self._stage_group() if self.osft is not None else None,
+                                    verify=cfg.checkpoint.verify_checksums)
         self.tied = self._tie_across_stages()
         # OSFT: gradients and trainable factors stay orthogonal to the frozen singular subspaces.
         self.projector = OSFTProjector(self.modules) if self.osft is not None else None
@@ -262,7 +263,7 @@ class Trainer:
 
     def _load_training_state(self, path: Path) -> None:
         state = self._training_state()
-        DcpCheckpoint(path).load(state)
+        DcpCheckpoint(path, verify=self.cfg.checkpoint.verify_checksums).load(state)
         for module, optimizer in zip(self.modules, self.optimizers):
             mine = get_optimizer_state_dict(module, optimizer, options=OPTIM_OPTIONS)
             set_optimizer_state_dict(module, optimizer, {k: state[OPTIMIZER_PREFIX + k] for k in mine},

@@ -7,14 +7,15 @@ they are; our names never change.
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from seedckpt.checkpoint.atomic import PARTIAL_SUFFIX
 from seedckpt.checkpoint.base import Checkpoint
-from seedckpt.checkpoint.direct import DirectFileSystemReader
-from seedckpt.checkpoint.integrity import Checksums, check_data_files
+from seedckpt.checkpoint.direct import READ_THREADS, DirectFileSystemReader
+from seedckpt.checkpoint.integrity import Checksums, ItemChecks, check_data_files, data_file, verify_item
 from seedckpt.checkpoint.load import copy_shared, load_state, one_destination_per_source
 from seedckpt.checkpoint.manifest import TensorInfo, is_model_key, read_manifest
 from seedckpt.checkpoint.safe_pickle import MAX_METADATA_BYTES, read_bounded, read_dcp_metadata
@@ -47,7 +48,7 @@ class DcpCheckpoint(Checkpoint):
             self.checksums.check_metadata(read_bounded(path / ".metadata", MAX_METADATA_BYTES), path)
         self.metadata = read_dcp_metadata(path / ".metadata")
         check_data_files(path, self.metadata.storage_data, self.checksums.files if self.checksums else None)
-        self.verify = verify and self.checksums is not None
+        self.check_reads = verify and self.checksums is not None
         # Our FQN -> the key stored, where a checkpoint uses other names (torchtitan 0.3).
         self.stored = stored_names(self.metadata.state_dict_metadata)
         self.all_tensors = {from_torchtitan_name(k): v for k, v in tensor_infos(self.metadata).items()}
@@ -70,7 +71,7 @@ class DcpCheckpoint(Checkpoint):
 
     def reader(self) -> DirectFileSystemReader:
         return DirectFileSystemReader(self.path, self.raw_items, self.metadata,
-                                      self.checksums if self.verify else None)
+                                      self.checksums if self.check_reads else None)
 
     def read_tensor(self, fqn: str) -> torch.Tensor:
         info = self.all_tensors[fqn]
@@ -92,3 +93,37 @@ class DcpCheckpoint(Checkpoint):
         for key in state_dict:
             if key not in copies:
                 state_dict[key] = stored[self.stored.get(key, key)]
+
+    def verify(self, on_bytes=lambda n: None) -> list[str]:
+        """Read every item whole and check each piece against the checksums written with it; the
+        problems found, each naming the tensor (or entry) and the file. ``on_bytes``: progress."""
+        if self.checksums is None:
+            return []
+        names = {(info.relative_path, info.offset): index for index, info in self.metadata.storage_data.items()}
+        problems = [f"{_describe(index)}: no checksum recorded for it in {info.relative_path}"
+                    for index, info in self.metadata.storage_data.items()
+                    if (info.relative_path, info.offset) not in self.checksums.items]
+        fds = {file: os.open(data_file(self.path, file), os.O_RDONLY) for file, _ in self.checksums.items}
+
+        def check(item: ItemChecks) -> str | None:
+            try:
+                on_bytes(verify_item(fds[item.file], item, f"{_describe(names.get((item.file, item.offset)))} in "
+                                                          f"{self.path}"))
+            except SeedckptError as e:
+                return str(e)
+            return None
+
+        try:
+            with ThreadPoolExecutor(READ_THREADS) as pool:
+                problems += [p for p in pool.map(check, self.checksums.items.values()) if p]
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        return problems
+
+
+def _describe(index) -> str:
+    """A stored item in words: its key, and where a tensor is cut into chunks, which one."""
+    if index is None:
+        return "bytes no entry of .metadata points to"
+    return index.fqn + (f" (chunk at {list(index.offset)})" if index.offset and any(index.offset) else "")

@@ -237,11 +237,15 @@ class DirectFileSystemReader(SafeFileSystemReader):
     def _check_whole(self, items: list[ReadItem]) -> None:
         """Items read the stock way (training state, tensors without a raw position) are small:
         each is read once more, whole, to check it before DCP parses it."""
-        checks = {(c.file, c.offset): c for c in map(self._checks, (i.storage_index for i in items)) if c is not None}
-        for item in checks.values():
-            fd = os.open(data_file(Path(self.path), item.file), os.O_RDONLY)
+        whole = {}
+        for item in items:
+            checks = self._checks(item.storage_index)
+            if checks is not None:
+                whole[(checks.file, checks.offset)] = (checks, item.storage_index.fqn)
+        for checks, fqn in whole.values():
+            fd = os.open(data_file(Path(self.path), checks.file), os.O_RDONLY)
             try:
-                verify_item(fd, item, f"an entry of {self.path}")
+                verify_item(fd, checks, f"{fqn} in {self.path}")
             finally:
                 os.close(fd)
 
