@@ -15,6 +15,8 @@ and root over a 1-D mesh of all ranks (dp_shard = RANKS, pp = 1; ``seedckpt.para
 * ``seedckpt``: ``build_stages(args, plan_rank_stages(args, 0, 1), "cpu", checkpoint=SEED,
   shard_fn=apply_fsdp)`` -- built on ``meta``, sharded, materialized; each rank reads only the rows
   it owns, then every tensor is checked to have a value.
+* ``seedckpt_unverified``: the same with ``verify=False``: the CRC32C checks of every byte read
+  (``seedckpt.checkpoint.integrity``) skipped -- the baseline of their cost.
 * ``stock_dcp``: the model built on ``meta``, sharded, ``to_empty``, then stock
   ``torch.distributed.checkpoint.load(model.state_dict(), checkpoint_id=STOCK)``. STOCK is written
   once, before the runs, by stock ``dcp.save(full_state_dict, no_dist=True)`` from the seed's
@@ -60,6 +62,8 @@ JSON lines on stdout (GB = 1e9 bytes, MiB = 2**20):
   ``max_rss_ratio`` and ``rank0_rss_ratio`` (seedckpt's peak RSS / the baseline's),
   ``max_read_ratio`` (seedckpt's largest per-rank read / the baseline's), ``same_values`` (every
   rank's shards sum to exactly the same float64 value under both: the same weights were loaded).
+* one per cache with ``verification``: ``cost`` (seedckpt's ready_s over seedckpt_unverified's, minus 1)
+  and ``within_verify_target`` (<= 0.10: checking every byte costs under 10 % of a load).
 
 The parent does not import torch (see ``common.py``). Checkpoints are written under ``--out-dir``,
 else a temporary directory removed at the end.
@@ -76,8 +80,8 @@ from pathlib import Path
 import common
 from common import DISK_BLOCK_BYTES, DISK_TEST_BYTES, emit, output_dir, proc_fields, remove, run_checked
 
-METHODS = ("seedckpt", "stock_dcp", "broadcast")
-READ_TARGET_RATIO, WALL_TARGET_S, DISK_TARGET_RATIO = 1.05, 4.0, 1.2
+METHODS = ("seedckpt", "seedckpt_unverified", "stock_dcp", "broadcast")
+READ_TARGET_RATIO, WALL_TARGET_S, DISK_TARGET_RATIO, VERIFY_TARGET = 1.05, 4.0, 1.2, 0.10
 SCRIPT = str(Path(__file__).resolve())
 
 
@@ -125,9 +129,9 @@ def worker(opts: argparse.Namespace) -> None:
 
     dist.barrier()
     before, start = proc_fields("io"), time.perf_counter()
-    if opts.worker == "seedckpt":
+    if opts.worker.startswith("seedckpt"):
         [model] = build_stages(seed.args, plan_rank_stages(seed.args, 0, 1), "cpu", checkpoint=opts.ckpt,
-                               shard_fn=shard)
+                               shard_fn=shard, verify=opts.worker == "seedckpt")
     else:
         with torch.device("meta"):
             model = Transformer(seed.args)
@@ -268,6 +272,11 @@ def run_all(opts: argparse.Namespace, methods: list[str], work: Path) -> None:
             if "seedckpt" in methods and base != "seedckpt":
                 compare(results["seedckpt", cache], results[base, cache], cache=cache, baseline=base,
                         flavor=opts.flavor, ranks=opts.ranks)
+        if {"seedckpt", "seedckpt_unverified"} <= set(methods):
+            cost = (max(r["ready_s"] for r in results["seedckpt", cache])
+                    / max(r["ready_s"] for r in results["seedckpt_unverified", cache]) - 1)
+            emit({"verification": True, "cache": cache, "flavor": opts.flavor, "ranks": opts.ranks, "cost": cost,
+                  "within_verify_target": cost <= VERIFY_TARGET})
 
 
 def main() -> None:

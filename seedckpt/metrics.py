@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import os
 import resource
 from pathlib import Path
 
@@ -19,16 +21,27 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 class MetricsLogger:
-    """Written by one rank (the caller decides which); appends, so a resumed run continues the file."""
+    """Written by one rank (the caller decides which). A resumed run continues the file: rows of the
+    steps after ``after_step`` (logged by the interrupted run past its last checkpoint, now replayed)
+    are dropped first, so the file keeps one row per step."""
 
-    def __init__(self, dump_folder: str | Path, enable_tensorboard: bool = False):
+    def __init__(self, dump_folder: str | Path, enable_tensorboard: bool = False, after_step: int = 0):
         self.folder = Path(dump_folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.path = self.folder / "metrics.jsonl"
+        self._drop_rows_after(after_step)
         self._file = open(self.path, "a")
         self._tb = None
         if enable_tensorboard:
             self._tb = self.check_tensorboard()(str(self.folder / "tensorboard"))
+
+    def _drop_rows_after(self, step: int) -> None:
+        if not self.path.is_file():
+            return
+        kept = [line for line in self.path.read_text().splitlines(keepends=True) if _step_of(line) <= step]
+        partial = self.path.with_name(f".{self.path.name}.partial")
+        partial.write_text("".join(kept))
+        os.replace(partial, self.path)
 
     @staticmethod
     def check_tensorboard():
@@ -53,6 +66,15 @@ class MetricsLogger:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def _step_of(line: str) -> float:
+    """A row's step; a damaged row (a crash mid-line) counts as past every step, so it is dropped."""
+    try:
+        step = json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
+    return step if isinstance(step, int) else math.inf
 
 
 def format_step(r: dict) -> str:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import gc
 import math
@@ -44,11 +45,11 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.distributed.tensor import DTensor
 
-from seedckpt.checkpoint import (TOKENIZER_DIR, DcpCheckpoint, complete_steps, make_manifest, prune_steps, step_dir,
-                                 write_checkpoint)
+from seedckpt.checkpoint import (TOKENIZER_DIR, DcpCheckpoint, complete_steps, destination_lock, make_manifest,
+                                 prune_steps, step_dir, write_checkpoint)
 from seedckpt.checkpoint.manifest import (OPTIMIZER_PREFIX, RNG_PREFIX, TRAIN_STATE_KEY, manifest_osft, osft_record,
                                        read_manifest)
-from seedckpt.config import DTYPES, JobConfig, load_config
+from seedckpt.config import DTYPES, JobConfig, check_output_folders, load_config
 from seedckpt.data import IGNORE_INDEX, make_dataset
 from seedckpt.errors import SeedckptError
 from seedckpt.finetune import osft_spec, prepare_finetune
@@ -74,6 +75,13 @@ def find_start(cfg: JobConfig) -> Start:
     steps = complete_steps(cfg.checkpoint.folder)
     if steps:
         newest = max(steps)
+        if newest > cfg.training.steps:
+            raise SeedckptError(f"{steps[newest]} is beyond training.steps = {cfg.training.steps}; raise "
+                                "training.steps to continue this run, or start a new checkpoint.folder")
+        try:
+            DcpCheckpoint(steps[newest])  # .metadata, its checksum and every data file's length
+        except SeedckptError as e:
+            raise SeedckptError(f"cannot resume: {e}; {fallback_hint(steps, newest)}") from None
         return Start(steps[newest], newest)
     if cfg.finetune.mode != "none":
         return Start(Path(cfg.finetune.pretrained), 0, pretrained=True)
@@ -88,6 +96,29 @@ def find_start(cfg: JobConfig) -> Start:
         raise SeedckptError(f"checkpoint.seed_checkpoint {seed} does not exist; create it with "
                             f"`python create_seed_checkpoint.py --config CONFIG --output {seed}`")
     return Start(Path(seed), 0)
+
+
+def fallback_hint(steps: dict[int, Path], broken: int) -> str:
+    """What to do about a damaged ``step-N``: which earlier checkpoint would resume instead. A run
+    never falls back by itself -- that would silently throw work away on a storage fault."""
+    for step in sorted((s for s in steps if s < broken), reverse=True):
+        try:
+            DcpCheckpoint(steps[step])
+        except SeedckptError:
+            continue
+        return (f"the newest intact checkpoint before it is {steps[step]}: move {steps[broken]} out of the folder "
+                f"to resume from step {step}")
+    return "no earlier checkpoint in the folder is intact: start again from the seed in a new checkpoint.folder"
+
+
+def changed_training_settings(cfg: JobConfig, start: Start) -> list[str]:
+    """The ``[training]`` values that differ from those ``start``'s checkpoint was trained with (they
+    all apply from the next step; the log says which changed)."""
+    saved = (read_manifest(start.path) or {}).get("training") if start.step else None
+    if not isinstance(saved, dict):
+        return []
+    now = dataclasses.asdict(cfg.training)
+    return [f"training.{k} {saved[k]!r} -> {v!r}" for k, v in now.items() if k in saved and saved[k] != v]
 
 
 def check_resume_matches_osft(cfg: JobConfig, start: Start) -> None:
@@ -179,22 +210,30 @@ class Trainer:
         self.log(f"{origin} {start.path or ''} (step {start.step}); mesh pp={self.dims.pp} "
                  f"dp_replicate={self.dims.dp_replicate} dp_shard={self.dims.dp_shard} on {self.device.type}; "
                  f"data: {self.data.description}")
+        for change in changed_training_settings(cfg, start):
+            self.log(f"resuming with a changed setting, applied from step {start.step + 1}: {change}")
         self.osft = osft_spec(cfg)
-        self.modules = build_stages(self.args, self.specs, self.device, checkpoint=start.path,
-                                    seed=None if start.path else train.seed, shard_fn=self._parallelize,
-                                    grow_vocab=start.pretrained, osft=self.osft,
-                                    stage_group=self._stage_group() if self.osft is not None else None,
-                                    verify=cfg.checkpoint.verify_checksums)
-        self.tied = self._tie_across_stages()
-        # OSFT: gradients and trainable factors stay orthogonal to the frozen singular subspaces.
-        self.projector = OSFTProjector(self.modules) if self.osft is not None else None
-        self.optimizers = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=train.lr,
-                                             betas=(0.9, 0.95), weight_decay=0.1) for m in self.modules]
-        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, warmup_cosine(train.warmup_steps, train.steps))
-                           for o in self.optimizers]
         self.step = start.step
-        if start.step:
-            self._load_training_state(start.path)
+        try:
+            self.modules = build_stages(self.args, self.specs, self.device, checkpoint=start.path,
+                                        seed=None if start.path else train.seed, shard_fn=self._parallelize,
+                                        grow_vocab=start.pretrained, osft=self.osft,
+                                        stage_group=self._stage_group() if self.osft is not None else None,
+                                        verify=cfg.checkpoint.verify_checksums)
+            self.tied = self._tie_across_stages()
+            # OSFT: gradients and trainable factors stay orthogonal to the frozen singular subspaces.
+            self.projector = OSFTProjector(self.modules) if self.osft is not None else None
+            self.optimizers = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=train.lr,
+                                                 betas=(0.9, 0.95), weight_decay=0.1) for m in self.modules]
+            self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, warmup_cosine(train.warmup_steps, train.steps))
+                               for o in self.optimizers]
+            if start.step:
+                self._load_training_state(start.path)
+        except SeedckptError as e:  # a damaged step-N: say which checkpoint would resume instead
+            if not start.step:
+                raise
+            raise SeedckptError(f"cannot resume: {e}; "
+                                f"{fallback_hint(complete_steps(cfg.checkpoint.folder), start.step)}") from None
         self.pipeline = self._build_pipeline() if self.dims.pp > 1 else None
         self.params = [p for m in self.modules for p in m.parameters()]
 
@@ -271,6 +310,9 @@ class Trainer:
         train_state = state[TRAIN_STATE_KEY]
         for scheduler in self.schedulers:
             scheduler.load_state_dict(train_state["lr_scheduler"])
+            # The state restores the peak LR it was saved with; the configured one applies (a
+            # change is logged). Warmup and decay are the configured schedule's already.
+            scheduler.base_lrs = [self.cfg.training.lr] * len(scheduler.base_lrs)
         torch.set_rng_state(state[f"{RNG_PREFIX}rank{self.rank}"])
         if train_state["step"] != self.step:
             raise SeedckptError(f"{path} records step {train_state['step']}, its name says {self.step}")
@@ -284,6 +326,7 @@ class Trainer:
         ft, tokenizer = self.cfg.finetune, self.cfg.data.tokenizer
         manifest = make_manifest("train", self.cfg.model.name, self.cfg.model.flavor, self.args,
                                  step=self.step, seed=self.cfg.training.seed, dtype="float32",
+                                 training=dataclasses.asdict(self.cfg.training),
                                  finetune={"mode": ft.mode, "pretrained": ft.pretrained,
                                            **(osft_record(self.osft) if self.osft else {})})
         files = {f"{TOKENIZER_DIR}/{f.name}": f for f in tokenizer_files(tokenizer)} if tokenizer else {}
@@ -327,7 +370,8 @@ class Trainer:
 
     def run(self) -> None:
         train, ckpt = self.cfg.training, self.cfg.checkpoint
-        metrics = MetricsLogger(self.cfg.job.dump_folder, self.cfg.metrics.enable_tensorboard) if self.rank == 0 else None
+        metrics = (MetricsLogger(self.cfg.job.dump_folder, self.cfg.metrics.enable_tensorboard, after_step=self.step)
+                   if self.rank == 0 else None)
         profile_steps = {int(s) for s in self.cfg.profiling.steps}
         tokens_per_step = self.global_batch * train.seq_len
         try:
@@ -430,13 +474,26 @@ def main(argv: list[str] | None = None) -> int:
         ParallelDims.from_config(cfg, int(os.environ.get("WORLD_SIZE", 1)))  # fail before any rendezvous
         if cfg.metrics.enable_tensorboard:
             MetricsLogger.check_tensorboard()
-        start = find_start(cfg)
-        check_resume_matches_osft(cfg, start)
-        data = make_dataset(cfg.data, cfg.model_args().vocab_size, cfg.training.seq_len, cfg.training.seed)
+        check_output_folders(cfg)
+        with contextlib.ExitStack() as run_lock:
+            if rank == 0:  # one run per checkpoint.folder: a second one fails here, naming the first
+                run_lock.enter_context(destination_lock(cfg.checkpoint.folder))
+            start = find_start(cfg)
+            check_resume_matches_osft(cfg, start)
+            if start.step == cfg.training.steps:
+                if rank == 0:
+                    print(f"[rank0] nothing to train: {start.path} already reached training.steps = "
+                          f"{cfg.training.steps}; raise --training.steps to continue", flush=True)
+                return 0
+            data = make_dataset(cfg.data, cfg.model_args().vocab_size, cfg.training.seq_len, cfg.training.seed)
+            return _train(cfg, start, data, rank)
     except SeedckptError as e:
         if rank == 0:
             print(f"train.py: error: {e}", file=sys.stderr)
         return 2
+
+
+def _train(cfg: JobConfig, start: Start, data, rank: int) -> int:
     _init_process_group()
     try:
         Trainer(cfg, start, data).run()

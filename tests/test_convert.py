@@ -138,7 +138,8 @@ def test_bfloat16_export(tmp_path, debug_seed):
 
 
 def _assert_nothing_written(tmp_path: Path, name: str):
-    assert not (tmp_path / name).exists() and not (tmp_path / f".{name}.partial").exists()
+    """No output and no partial of any writer (``.NAME.<pid>.partial``) left behind."""
+    assert not (tmp_path / name).exists() and not list(tmp_path.glob(f".{name}*.partial"))
 
 
 def test_missing_index_entry_fails_cleanly(tmp_path):

@@ -52,16 +52,25 @@ def test_bfloat16_seed_is_the_fp32_seed_cast_per_tensor(tmp_path, debug_seed):
 
 def test_refuses_to_overwrite_without_force(tmp_path, capsys):
     out = tmp_path / "seed"
+    seed = ["seed", "--config", str(REPO / "configs/debug.toml"), "--output", str(out), "--quiet"]
+    assert main(seed) == 0
+    before = (out / "seedckpt.json").read_bytes()
+    assert main([*seed, "--seed", "1"]) == 2
+    assert "--force" in capsys.readouterr().err and (out / "seedckpt.json").read_bytes() == before
+    assert main([*seed, "--seed", "1", "--force"]) == 0
+    assert json.loads((out / "seedckpt.json").read_text())["seed"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["seed"]  # no .partial / .old / .lock left behind
+
+
+def test_force_never_replaces_what_is_not_a_checkpoint(tmp_path, capsys):
+    out = tmp_path / "seed"
     out.mkdir()
     (out / "keep.txt").write_text("precious")
-    code = main(["seed", "--config", str(REPO / "configs/debug.toml"), "--output", str(out), "--quiet"])
-    assert code == 2
-    assert "--force" in capsys.readouterr().err
+    for force in ([], ["--force"]):
+        assert main(["seed", "--config", str(REPO / "configs/debug.toml"), "--output", str(out), "--quiet",
+                     *force]) == 2
+        assert "is a directory that is not a checkpoint" in capsys.readouterr().err
     assert (out / "keep.txt").read_text() == "precious"
-    assert main(["seed", "--config", str(REPO / "configs/debug.toml"), "--output", str(out), "--quiet",
-                 "--force"]) == 0
-    assert not (out / "keep.txt").exists() and (out / ".metadata").is_file()
-    assert [p.name for p in tmp_path.iterdir()] == ["seed"]  # no .partial / .old left behind
 
 
 def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
@@ -76,7 +85,7 @@ def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoint_module.StreamingFileSystemWriter, "write_data", write_then_fail)
     with pytest.raises((OSError, SeedckptError), match="disk full"):
         create_seed_checkpoint(tiny_config(), tmp_path / "seed", seed=0, progress=False)
-    assert partials and partials[0].parent.name == ".seed.partial"
+    assert partials and partials[0].parent.name == f".seed.{os.getpid()}.partial"
     assert list(tmp_path.iterdir()) == []
 
 

@@ -147,12 +147,12 @@ def test_conversion_memory_is_two_tensors_not_model(tmp_path):
 
 def test_sigkill_mid_write_leaves_nothing_acceptable(tmp_path):
     out = tmp_path / "seed"
-    partial = tmp_path / ".seed.partial"
     proc = subprocess.Popen([sys.executable, "create_seed_checkpoint.py", "--config", "configs/debug.toml",
                              "--model.dim", "1024", "--model.n_layers", "16", "--model.vocab_size", "8192",
                              "--output", str(out), "--quiet"], cwd=REPO,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
+    partial = tmp_path / f".seed.{proc.pid}.partial"  # the writer's own partial output
     deadline = time.monotonic() + 120
     while not any(partial.glob("*.distcp")) and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
@@ -173,3 +173,4 @@ def test_sigkill_mid_write_leaves_nothing_acceptable(tmp_path):
     create_seed_checkpoint(tiny_config("--model.dim", "1024", "--model.n_layers", "16",
                                        "--model.vocab_size", "8192"), out, seed=0, progress=False)
     assert not partial.exists() and DcpCheckpoint(out).manifest["kind"] == "seed"
+    assert [p.name for p in tmp_path.iterdir()] == ["seed"]  # the dead writer's lock file went too

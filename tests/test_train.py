@@ -135,15 +135,17 @@ def test_sigkill_while_writing_leaves_previous_step_loadable(tmp_path, debug_see
     with pytest.raises(AssertionError, match=r"died|Connection reset|Connection closed"):
         run_distributed(_killed_mid_checkpoint_worker, 2, str(debug_seed), str(folder), str(tmp_path), timeout=120)
     assert sorted(complete_steps(folder)) == [2]
-    assert [p.name for p in folder.iterdir() if p.name.startswith(".")] == [".step-4.partial"]
+    [partial] = folder.glob(".step-4.*.partial")  # rank 0's: .step-4.<its pid>.partial
+    # SIGKILL ran no cleanup: the lock file stays, its flock died with rank 0.
+    assert {p.name for p in folder.iterdir() if p.name.startswith(".")} == {partial.name, ".step-4.lock"}
     with pytest.raises(SeedckptError, match="interrupted write"):
-        DcpCheckpoint(folder / ".step-4.partial")
+        DcpCheckpoint(partial)
     assert model_state(folder / "step-2")["layers.0.attention.wq.weight"].abs().sum() > 0
     # The next run resumes from step 2 and cleans up the partial write when it saves step 4 again.
     resumed = torchrun(tmp_path / "again", debug_seed, 2, "--checkpoint.folder", str(folder),
                        "--checkpoint.interval", "2", "--training.steps", "4", "--training.local_batch_size", "8")
     assert "resuming from" in resumed.stdout and "step-2" in resumed.stdout
-    assert sorted(complete_steps(folder)) == [2, 4] and not (folder / ".step-4.partial").exists()
+    assert sorted(complete_steps(folder)) == [2, 4] and not any(p.name.startswith(".") for p in folder.iterdir())
 
 
 @pytest.mark.parametrize("world,overrides,message", [

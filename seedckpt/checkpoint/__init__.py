@@ -9,13 +9,15 @@ validation, safety and crash-safety live in one place each. By responsibility:
 * ``direct`` -- reading only the bytes a rank owns, straight into its tensors.
 * ``load`` -- DCP load with checks, ``RowWindow`` (some rows of a checkpoint tensor).
 * ``writer`` -- the streaming DCP writer (raw positions recorded), the lazy save planner.
-* ``atomic`` -- ``.NAME.partial`` + rename publishing.
+* ``atomic`` -- one writer per destination (a lock), ``.NAME.<pid>.partial`` + rename publishing.
+* ``integrity`` -- CRC32C checksums of every written byte, checked on every read.
 * ``manifest`` -- ``seedckpt.json``, tensor tables, model-args checks, training-state names.
 * ``safe_pickle`` / ``safetensors_header`` -- parsing untrusted metadata.
 * ``steps`` -- a training run's ``step-N`` folders.
 """
 
-from seedckpt.checkpoint.atomic import PARTIAL_SUFFIX, atomic_output, check_destination, write_json_synced
+from seedckpt.checkpoint.atomic import (PARTIAL_SUFFIX, atomic_output, check_destination, destination_lock,
+                                       write_json_synced)
 from seedckpt.checkpoint.base import Checkpoint
 from seedckpt.checkpoint.dcp_reader import DcpCheckpoint
 from seedckpt.checkpoint.load import RowWindow
@@ -26,7 +28,7 @@ from seedckpt.checkpoint.safe_pickle import SafeFileSystemReader
 from seedckpt.checkpoint.steps import complete_steps, prune_steps, step_dir
 from seedckpt.checkpoint.writer import LazySavePlanner, StreamingFileSystemWriter, write_checkpoint
 
-__all__ = ["PARTIAL_SUFFIX", "atomic_output", "check_destination", "write_json_synced", "Checkpoint",
+__all__ = ["PARTIAL_SUFFIX", "atomic_output", "check_destination", "destination_lock", "write_json_synced", "Checkpoint",
            "DcpCheckpoint", "RowWindow", "MANIFEST_NAME", "SHAPE_FIELDS", "TOKENIZER_DIR", "TensorInfo", "dtype_name",
            "is_model_key", "make_manifest", "open_checkpoint", "SafeFileSystemReader", "complete_steps",
            "prune_steps", "step_dir", "LazySavePlanner", "StreamingFileSystemWriter", "write_checkpoint"]

@@ -1,59 +1,167 @@
-"""Publishing outputs atomically: write into a hidden sibling, rename when complete.
+"""Publishing outputs atomically: one writer per destination, a hidden sibling, a rename when complete.
 
-A checkpoint (or converted file) is written into ``.NAME.partial`` and renamed to ``NAME`` only
-when complete and fsynced, so any path with the final name is complete, and a killed writer leaves
-only a ``.partial`` that no reader accepts.
+A checkpoint (or converted file) ``NAME`` is written by one process at a time: the writer holds
+an exclusive lock on ``.NAME.lock`` for the whole write, so a second writer fails before any work
+instead of mixing its tensors with the first one's manifest. It writes into ``.NAME.<pid>.partial``
+and renames that to ``NAME`` only when complete and fsynced, so any path with the final name is
+complete, and a killed writer leaves only a ``.partial`` that no reader accepts (and the next
+writer of ``NAME`` removes). ``--force`` replaces only an output of the same kind: a checkpoint
+directory (or an empty one) by a directory, a file by a file -- never an unrelated directory.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
+import re
+import shlex
 import shutil
+import socket
+import sys
+from collections.abc import Callable
+from datetime import datetime, timezone
 from pathlib import Path
 
 from seedckpt.errors import SeedckptError
 
-PARTIAL_SUFFIX = ".partial"
+PARTIAL_SUFFIX = ".partial"  # every partial output's name ends with it; readers refuse such paths
+LOCK_SUFFIX = ".lock"
 
 
 def partial_of(path: Path) -> Path:
-    return path.parent / f".{path.name}{PARTIAL_SUFFIX}"
-
-
-def check_destination(path: str | os.PathLike, force: bool) -> Path:
-    """Fail early (before any work) when ``path`` exists and ``force`` is not set."""
-    path = Path(path)
-    if path.exists() and not force:
-        raise SeedckptError(f"{path} already exists; pass --force to replace it or choose another destination")
-    return path
+    """This process's partial output for ``path``: its own name, so no two writers ever share one."""
+    return path.parent / f".{path.name}.{os.getpid()}{PARTIAL_SUFFIX}"
 
 
 @contextlib.contextmanager
-def atomic_output(path: str | os.PathLike, force: bool = False, directory: bool = True):
-    """Yield a hidden ``.NAME.partial`` sibling to write into; publish it as ``NAME`` on success.
+def destination_lock(path: str | os.PathLike):
+    """Hold the exclusive right to write ``path`` (a ``flock`` on ``.NAME.lock`` beside it).
 
-    On any error the partial output is removed, so a failed or rejected write leaves nothing behind.
+    Fails at once with a ``SeedckptError`` naming the holder when another process writes ``path``:
+    waiting would only hide that two runs target one destination. The kernel drops a ``flock``
+    when its process dies, so a crashed holder never blocks the next writer. The lock file is
+    removed on release; a writer that opened it just before must not then hold a lock on a file
+    nobody else can see, so after locking it checks that the path still names its file, else retries.
     """
-    path = check_destination(path, force)
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = partial_of(path)
-    remove(partial)
-    if directory:
-        partial.mkdir()
+    lock = path.parent / f".{path.name}{LOCK_SUFFIX}"
+    fd = _lock(lock, path)
     try:
-        yield partial
-        _publish(partial, path)
-    except BaseException:
-        remove(partial)
-        raise
+        since = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+        command = shlex.join(sys.argv).replace("\n", " ")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}, `{command}`, since {since}\n".encode(), 0)
+        yield path
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lock)  # before unlocking: whoever locks the old file next sees it is gone
+        os.close(fd)
+
+
+def _lock(lock: Path, path: Path) -> int:
+    """Open and ``flock`` the lock file ``lock`` of ``path``; return its descriptor."""
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lines = os.pread(fd, 65536, 0).decode(errors="replace").splitlines()
+            os.close(fd)
+            holder = lines[0].strip() if lines and lines[0].strip() else "another process"  # empty: just started
+            raise SeedckptError(f"{path} is being written by {holder}; wait for it to finish or choose another "
+                                "destination") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        opened = os.fstat(fd)
+        with contextlib.suppress(FileNotFoundError):
+            current = os.stat(lock)
+            if (current.st_dev, current.st_ino) == (opened.st_dev, opened.st_ino):
+                return fd
+        os.close(fd)  # the previous holder removed this file as it finished: lock the new one
+
+
+def check_destination(path: str | os.PathLike, force: bool, directory: bool = True) -> Path:
+    """Fail early (before any work) unless ``path`` may be written: it does not exist, or ``force``
+    is set and it is an output of the kind being written (see ``_why_not_replaceable``)."""
+    path = Path(path)
+    if path.exists():
+        refusal = _why_not_replaceable(path, directory)
+        if refusal:
+            raise SeedckptError(f"{path} {refusal}; --force replaces only "
+                                f"{'a checkpoint directory or an empty one' if directory else 'a file'}: choose "
+                                "another destination or remove it yourself")
+        if not force:
+            raise SeedckptError(f"{path} already exists; pass --force to replace it or choose another destination")
+    return path
+
+
+def _why_not_replaceable(path: Path, directory: bool) -> str | None:
+    """Why a ``directory`` (or file) output may not replace the existing ``path``; None if it may.
+
+    ``--force`` means "replace my previous output", so it must not delete a directory of other
+    data, nor turn a directory into a file. A checkpoint directory is DCP (``.metadata``) or
+    Hugging Face (``config.json`` plus safetensors weights).
+    """
+    if not directory:
+        if path.is_file():
+            return None
+        return "is a directory" if path.is_dir() else "is not a regular file"
+    if not path.is_dir():
+        return "is a file"
+    entries = sorted(child.name for child in path.iterdir())
+    weights = (path / "model.safetensors.index.json").is_file() or any(path.glob("*.safetensors"))
+    if not entries or (path / ".metadata").is_file() or ((path / "config.json").is_file() and weights):
+        return None
+    return (f"is a directory that is not a checkpoint (holds {len(entries)} "
+            f"entr{'y' if len(entries) == 1 else 'ies'}, e.g. {', '.join(entries[:3])})")
+
+
+@contextlib.contextmanager
+def atomic_output(path: str | os.PathLike, force: bool = False, directory: bool = True,
+                  check: Callable[[Path], None] | None = None):
+    """Yield this writer's hidden partial sibling of ``path`` to write into; publish it as ``path``
+    on success, after ``check(partial)`` (if given) has accepted it.
+
+    The destination's lock is held throughout, so a second writer fails before doing any work and
+    every partial of ``path`` that exists meanwhile is a crashed writer's: those are removed. On
+    any error (a failed ``check`` included) this writer's partial output is removed, so a failed
+    or rejected write leaves nothing behind and publishes nothing.
+    """
+    path = Path(path)
+    with destination_lock(path):
+        check_destination(path, force, directory)
+        _remove_stale_partials(path)
+        partial = partial_of(path)
+        if directory:
+            partial.mkdir()
+        try:
+            yield partial
+            if check is not None:
+                check(partial)
+            check_destination(path, force, directory)  # nothing else appeared there meanwhile
+            _publish(partial, path)
+        except BaseException:
+            remove(partial)
+            raise
+
+
+def _remove_stale_partials(path: Path) -> None:
+    """Remove ``.NAME.partial`` (the name before per-writer names) and ``.NAME.<pid>.partial``."""
+    stale = re.compile(re.escape(f".{path.name}") + r"(\.\d+)?" + re.escape(PARTIAL_SUFFIX))
+    for child in path.parent.iterdir():
+        if stale.fullmatch(child.name):
+            remove(child)
 
 
 def remove(path: Path) -> None:
-    if path.is_dir():
+    """Delete a file or a directory tree; a symlink itself, never what it points to."""
+    if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
-    elif path.exists():
+    elif path.is_symlink() or path.exists():
         path.unlink()
 
 

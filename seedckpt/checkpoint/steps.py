@@ -14,7 +14,8 @@ def step_dir(folder: str | os.PathLike, step: int) -> Path:
 
 
 def complete_steps(folder: str | os.PathLike) -> dict[int, Path]:
-    """Training checkpoints in ``folder`` that finished writing (``.partial`` ones never match)."""
+    """Training checkpoints in ``folder`` that finished writing: a writer's hidden
+    ``.step-N.<pid>.partial`` and ``.step-N.lock`` never match ``step-N``."""
     folder = Path(folder)
     out = {}
     if folder.is_dir():

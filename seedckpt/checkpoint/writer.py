@@ -33,12 +33,13 @@ from torch.distributed.checkpoint.planner import (SavePlan, SavePlanner, TensorW
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from seedckpt.checkpoint.atomic import atomic_output, partial_of, write_json_synced
+from seedckpt.checkpoint.atomic import atomic_output, write_json_synced
 from seedckpt.checkpoint.integrity import (CHECKSUMS_KEY, ItemChecks, PieceHasher, check_data_files, checksums_record,
                                            crc, file_sizes)
 from seedckpt.checkpoint.load import quiet_single_process_dcp, root_cause
 from seedckpt.checkpoint.manifest import MANIFEST_NAME, TensorInfo, dtype_name, is_model_key
 from seedckpt.checkpoint.safe_pickle import read_dcp_metadata
+from seedckpt.errors import SeedckptError
 
 RAW_ITEMS_KEY = "raw_items"  # manifest: {file: [[item offset, raw data offset, raw nbytes], ...]}
 
@@ -293,14 +294,28 @@ def write_checkpoint(path: str | os.PathLike, state_dict: dict, manifest: dict, 
     produce the data lazily (the seed writer generates each item when the writer asks for it).
     ``files`` maps relative names to files that rank 0 copies in before publishing (a fine-tuning
     run's tokenizer).
+
+    Rank 0 holds the destination's lock (``atomic_output``) for the whole write, so another writer
+    of ``path`` fails at once. It sends the other ranks the name of the partial directory it
+    created, or that it could not start (say the lock is held), in which case every rank raises
+    and none waits for it. A training run holds a lock on its whole folder (``destination_lock``),
+    so its ``step-N`` writes never contend.
     """
     path = Path(path)
     distributed = dist.is_available() and dist.is_initialized()
     leader = not distributed or dist.get_rank() == 0
-    # Only rank 0 prepares, publishes and cleans up; the others just write into the partial dir.
-    with atomic_output(path, force) if leader else contextlib.nullcontext(partial_of(path)) as partial:
-        if distributed:
-            dist.barrier()  # rank 0 has removed any stale partial directory
+    with contextlib.ExitStack() as publishing:
+        # Only rank 0 prepares, publishes and cleans up; the others just write into its partial dir.
+        names = [None]
+        try:
+            if leader:
+                names[0] = publishing.enter_context(atomic_output(path, force))
+        finally:
+            if distributed:
+                dist.broadcast_object_list(names, src=0)
+        partial = names[0]
+        if partial is None:
+            raise SeedckptError(f"rank 0 could not start writing {path}; its error says why")
         writer = StreamingFileSystemWriter(partial, lookahead=lookahead)
         try:
             with quiet_single_process_dcp():
