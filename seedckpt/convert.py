@@ -35,9 +35,9 @@ import torch
 
 from seedckpt.checkpoint import (TOKENIZER_DIR, Checkpoint, LazySavePlanner, TensorInfo, atomic_output, dtype_name,
                                  make_manifest, open_checkpoint, write_checkpoint, write_json_synced)
-from seedckpt.checkpoint.files import MANIFEST_KEY
+from seedckpt.checkpoint.files import MANIFEST_KEY, HFCheckpoint, TorchFile
 from seedckpt.checkpoint.manifest import manifest_osft
-from seedckpt.checkpoint.safetensors_header import SAFETENSORS_DTYPES
+from seedckpt.checkpoint.safetensors_header import SAFETENSORS_DTYPES, safetensors_header
 from seedckpt.checkpoint.writer import start_writeback
 from seedckpt.config import DTYPES
 from seedckpt.errors import SeedckptError
@@ -174,10 +174,11 @@ def convert(src: str | Path, dst: str | Path, to: str, dtype: str | None = None,
         if to == "hf":
             return _write_hf(source, Path(dst), infos, out_dtype, shard_bytes, force, bar)
         if to == "safetensors":
-            with atomic_output(dst, force, directory=False) as partial:
+            with atomic_output(dst, force, directory=False, check=safetensors_header) as partial:
                 write_safetensors(partial, infos, source.read_tensor, {MANIFEST_KEY: json.dumps(manifest)}, bar.update)
             return Path(dst)
-        with atomic_output(dst, force, directory=False) as partial:  # torch: one pickle, whole model
+        # torch: one pickle, whole model; published once it reads back as one
+        with atomic_output(dst, force, directory=False, check=TorchFile) as partial:
             state = {f: source.read_tensor(f).to(i.dtype) for f, i in infos.items()}
             bar.update(sum(i.nbytes for i in infos.values()))
             with open(partial, "wb") as f:
@@ -209,7 +210,7 @@ def _write_hf(source: Checkpoint, dst: Path, infos: dict[str, TensorInfo], dtype
 
     by_hf_name = {to_hf_name(f): f for f in infos}
     weight_map = {}
-    with atomic_output(dst, force) as partial:
+    with atomic_output(dst, force, check=HFCheckpoint) as partial:  # published once it reads back
         for k, fqns in enumerate(shards, start=1):
             file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
             write_safetensors(partial / file, {to_hf_name(f): infos[f] for f in fqns}, read_hf_layout,

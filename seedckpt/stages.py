@@ -225,7 +225,11 @@ def build_stages(args: ModelArgs, specs: Sequence[StageSpec], device: torch.devi
         raise ValueError("give exactly one of checkpoint= or seed=")
     if osft is not None and checkpoint is None:
         raise SeedckptError("OSFT starts from pretrained weights: give a checkpoint")
-    reader = open_checkpoint(checkpoint, complete=False, verify=verify) if checkpoint is not None else None
+    # ``args`` describes a checkpoint that records no model (a foreign DCP one), so model tensors this
+    # model has no place for (extra layers) are refused, not silently left out. A grown vocabulary
+    # is not the checkpoint's shape: then only what the checkpoint records is checked.
+    reader = (open_checkpoint(checkpoint, None if grow_vocab else args, complete=False, verify=verify)
+              if checkpoint is not None else None)
     if reader is not None:
         reader.check_model_args(args, grow_vocab)
     modules = [build_stage_model(args, spec) for spec in specs]

@@ -255,3 +255,33 @@ def test_oversized_dcp_metadata_is_refused_before_reading(tmp_path, debug_seed, 
     monkeypatch.setattr(safe_pickle, "MAX_METADATA_BYTES", 100)
     with pytest.raises(SeedckptError, match="more than the 100 a checkpoint's metadata may take"):
         safe_pickle.read_dcp_metadata(debug_seed / ".metadata")
+
+
+# -- a manifest or config that does not describe the tensors --------------------------------------
+
+def test_a_manifest_that_does_not_describe_its_tensors_is_refused(tmp_path, debug_seed):
+    path = tmp_path / "lying"
+    shutil.copytree(debug_seed, path)
+    manifest = json.loads((path / "seedckpt.json").read_text())
+    manifest["model"]["args"]["n_layers"] = 4  # 6 layers are stored beside it
+    (path / "seedckpt.json").write_text(json.dumps(manifest))
+    with pytest.raises(SeedckptError, match=r"weights do not match the model configuration: layers\.4\.\S+: "
+                                            r"unexpected"):
+        open_checkpoint(path)
+
+
+def test_extra_layers_of_a_checkpoint_without_manifest_are_an_error_listing_them(tmp_path, debug_seed):
+    """A foreign checkpoint with 6 layers loaded into a 4-layer model: refused, naming layers 4 and 5;
+    a pipeline stage's unowned layers (2 and 3 for the first of two stages) are fine."""
+    import torch.distributed.checkpoint as dcp
+
+    from seedckpt.stages import build_stages, plan_rank_stages
+    from tests.conftest import stock_load
+
+    dcp.save(stock_load(debug_seed), checkpoint_id=str(tmp_path / "foreign"), no_dist=True)
+    six = tiny_config().model_args()
+    [first] = build_stages(six, plan_rank_stages(six, 0, 2), "cpu", checkpoint=tmp_path / "foreign")
+    assert sorted({k.split(".")[1] for k in first.state_dict() if k.startswith("layers.")}) == ["0", "1", "2"]
+    four = tiny_config("--model.n_layers", "4").model_args()
+    with pytest.raises(SeedckptError, match=r"layers\.4\.\S+: unexpected.*layers\.5\."):
+        build_stages(four, plan_rank_stages(four, 0, 2), "cpu", checkpoint=tmp_path / "foreign")

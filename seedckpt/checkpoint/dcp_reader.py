@@ -18,7 +18,8 @@ from seedckpt.checkpoint.direct import READ_THREADS, DirectFileSystemReader
 from seedckpt.checkpoint.integrity import Checksums, ItemChecks, check_data_files, data_file, verify_item
 from seedckpt.checkpoint.load import copy_shared, load_state, one_destination_per_source
 from seedckpt.checkpoint.manifest import TensorInfo, is_model_key, read_manifest
-from seedckpt.checkpoint.safe_pickle import MAX_METADATA_BYTES, read_bounded, read_dcp_metadata
+from seedckpt.checkpoint.safe_pickle import read_dcp_metadata
+from seedckpt.checkpoint.untrusted import MAX_METADATA_BYTES, read_bounded
 from seedckpt.checkpoint.writer import RAW_ITEMS_KEY, tensor_infos
 from seedckpt.errors import SeedckptError
 from seedckpt.torchtitan import from_torchtitan_name, stored_names
@@ -103,7 +104,7 @@ class DcpCheckpoint(Checkpoint):
         problems = [f"{_describe(index)}: no checksum recorded for it in {info.relative_path}"
                     for index, info in self.metadata.storage_data.items()
                     if (info.relative_path, info.offset) not in self.checksums.items]
-        fds = {file: os.open(data_file(self.path, file), os.O_RDONLY) for file, _ in self.checksums.items}
+        fds = {file: os.open(data_file(self.path, file), os.O_RDONLY) for file in self.checksums.files}
 
         def check(item: ItemChecks) -> str | None:
             try:

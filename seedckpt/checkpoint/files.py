@@ -12,7 +12,6 @@ names, a ``torch.save`` file.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -22,6 +21,7 @@ from seedckpt.checkpoint.direct import DirectHFReader
 from seedckpt.checkpoint.load import RowWindow, copy_shared, load_state, one_destination_per_source, tensor_problems
 from seedckpt.checkpoint.manifest import TensorInfo, check_args_match, parse_manifest
 from seedckpt.checkpoint.safetensors_header import SAFETENSORS_DTYPES, safetensors_header
+from seedckpt.checkpoint.untrusted import read_json
 from seedckpt.errors import SeedckptError
 from seedckpt.hf import args_from_hf_config, from_hf_name, heads_of, permute_from_hf
 from seedckpt.modules import local, local_rows
@@ -39,10 +39,7 @@ class HFCheckpoint(Checkpoint):
     kind = "hf"
 
     def __init__(self, path: Path):
-        try:
-            self.config = json.loads((path / "config.json").read_text())
-        except (OSError, ValueError) as e:
-            raise SeedckptError(f"{path}/config.json cannot be read ({e})") from None
+        self.config = read_json(path / "config.json", "the model configuration")
         try:
             args = args_from_hf_config(self.config)
         except (TypeError, ValueError, ZeroDivisionError) as e:
@@ -50,9 +47,9 @@ class HFCheckpoint(Checkpoint):
         index = path / "model.safetensors.index.json"
         if index.is_file():
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
+                weight_map = read_json(index, "the safetensors index")["weight_map"]
                 files = sorted(set(weight_map.values()))
-            except (ValueError, KeyError, TypeError) as e:
+            except (KeyError, TypeError, AttributeError) as e:
                 raise SeedckptError(f"{index} is not a valid safetensors index ({e!r})") from None
         else:
             files = sorted(p.name for p in path.glob("*.safetensors"))

@@ -9,7 +9,6 @@ and nowhere else.
 from __future__ import annotations
 
 import datetime
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ import torch
 
 import seedckpt
 from models.llama import ModelArgs, Transformer
+from seedckpt.checkpoint.untrusted import MAX_JSON_BYTES, parse_json, read_bounded
 from seedckpt.errors import SeedckptError
 from seedckpt.osft import OSFTSpec, convert_to_osft
 
@@ -78,15 +78,12 @@ def read_manifest(path: Path) -> dict | None:
     file = path / MANIFEST_NAME
     if not file.is_file():
         return None
-    return parse_manifest(file.read_text(), file)
+    return parse_manifest(read_bounded(file, MAX_JSON_BYTES), file)
 
 
-def parse_manifest(text: str, where) -> dict:
+def parse_manifest(text: str | bytes, where) -> dict:
     """A manifest from its JSON text (a file of ours, or safetensors / torch.save metadata)."""
-    try:
-        manifest = json.loads(text)
-    except ValueError as e:
-        raise SeedckptError(f"{where}: the seedckpt manifest is not valid JSON ({e})") from None
+    manifest = parse_json(text, where, "the seedckpt manifest")
     if not isinstance(manifest, dict):
         raise SeedckptError(f"{where}: the seedckpt manifest is not a JSON object")
     return manifest

@@ -16,6 +16,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
+from seedckpt.checkpoint.untrusted import MAX_METADATA_BYTES, read_bounded
 from seedckpt.errors import SeedckptError
 
 
@@ -46,18 +47,6 @@ class _MetadataUnpickler(pickle.Unpickler):
         if allowed and "." not in name:
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
-
-
-MAX_METADATA_BYTES = 2**30  # a 405B checkpoint's .metadata is tens of MB
-
-
-def read_bounded(path: Path, limit: int) -> bytes:
-    """The bytes of a metadata file, refusing one larger than ``limit`` before reading it."""
-    size = path.stat().st_size
-    if size > limit:
-        raise SeedckptError(f"{path} is {size:,} bytes, more than the {limit:,} a checkpoint's metadata may take; "
-                            "it is damaged or crafted")
-    return path.read_bytes()
 
 
 def read_dcp_metadata(path: Path) -> Metadata:
