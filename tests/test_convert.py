@@ -245,6 +245,5 @@ def test_a_checkpoint_that_misses_the_model_names_what_it_has(tmp_path, debug_se
     dcp.save({f"model.{k}": v for k, v in stock_load(debug_seed).items()}, checkpoint_id=str(tmp_path / "prefixed"),
              no_dist=True)
     args = tiny_config().model_args()
-    with pytest.raises(SeedckptError, match=r"norm.weight: missing.*it has 57 model tensors this model does not "
-                                            r"use, e.g. model\."):
+    with pytest.raises(SeedckptError, match=r"it has 57 model tensors this model does not use, e.g. model\."):
         build_stages(args, plan_rank_stages(args, 1, 2), "cpu", checkpoint=tmp_path / "prefixed")

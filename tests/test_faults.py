@@ -139,3 +139,40 @@ def test_training_killed_anywhere_resumes_to_the_uninterrupted_losses(ctx, tmp_p
         code, _ = run(ctx, _train, argv(run_dir))
         assert code == 0, f"resume after a kill at {point:.3f}s failed"
         assert _losses(run_dir) == expected, f"killed at {point:.3f}s"
+
+
+def race(ctx, target, argvs: list[list[str]]) -> list[int]:
+    """Start every ``target(argv)`` at once; their exit codes."""
+    processes = [ctx.Process(target=target, args=(argv,)) for argv in argvs]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join()
+    return [process.exitcode for process in processes]
+
+
+def test_two_concurrent_conversions_publish_one_whole_output(ctx, tmp_path, debug_seed):
+    reference = tmp_path / "reference.safetensors"
+    assert run(ctx, _cli, ["convert", str(debug_seed), str(reference), "--to", "safetensors", "--quiet"])[0] == 0
+    out = tmp_path / "out.safetensors"
+    codes = race(ctx, _cli, [["convert", str(debug_seed), str(out), "--to", "safetensors", "--quiet"]] * 2)
+    assert sorted(codes) == [0, 2], codes  # the loser: the lock is held, or the output already exists
+    assert diff(out, reference)[0]
+    assert not list(tmp_path.glob(".out.safetensors*"))
+
+
+def test_two_training_runs_on_one_folder_one_trains_the_other_fails_up_front(ctx, tmp_path, debug_seed):
+    def argv(run_dir: Path) -> list[str]:
+        return [*TRAIN, "--checkpoint.seed_checkpoint", str(debug_seed), "--checkpoint.folder",
+                str(tmp_path / "shared" / "ckpt"), "--job.dump_folder", str(run_dir)]
+
+    assert run(ctx, _train, [*argv(tmp_path / "alone"), "--checkpoint.folder", str(tmp_path / "alone" / "ckpt")])[0] == 0
+    codes = race(ctx, _train, [argv(tmp_path / "first"), argv(tmp_path / "second")])
+    assert sorted(codes) == [0, 2], codes
+    winner = tmp_path / ("first" if codes[0] == 0 else "second")
+    assert _losses(winner) == _losses(tmp_path / "alone")
+    assert not (tmp_path / ("second" if codes[0] == 0 else "first") / "metrics.jsonl").exists()
+    assert sorted(p.name for p in (tmp_path / "shared" / "ckpt").iterdir()) == [f"step-{k}" for k in range(1, 5)]
+    for step in range(1, 5):
+        equal, lines = diff(tmp_path / "shared" / "ckpt" / f"step-{step}", tmp_path / "alone" / "ckpt" / f"step-{step}")
+        assert equal, lines

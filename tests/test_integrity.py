@@ -265,8 +265,8 @@ def test_a_manifest_that_does_not_describe_its_tensors_is_refused(tmp_path, debu
     manifest = json.loads((path / "seedckpt.json").read_text())
     manifest["model"]["args"]["n_layers"] = 4  # 6 layers are stored beside it
     (path / "seedckpt.json").write_text(json.dumps(manifest))
-    with pytest.raises(SeedckptError, match=r"weights do not match the model configuration: layers\.4\.\S+: "
-                                            r"unexpected"):
+    with pytest.raises(SeedckptError, match=r"weights do not match the model configuration: it has 18 model "
+                                            r"tensors this model does not use, e.g. layers\.4\."):
         open_checkpoint(path)
 
 
@@ -283,5 +283,5 @@ def test_extra_layers_of_a_checkpoint_without_manifest_are_an_error_listing_them
     [first] = build_stages(six, plan_rank_stages(six, 0, 2), "cpu", checkpoint=tmp_path / "foreign")
     assert sorted({k.split(".")[1] for k in first.state_dict() if k.startswith("layers.")}) == ["0", "1", "2"]
     four = tiny_config("--model.n_layers", "4").model_args()
-    with pytest.raises(SeedckptError, match=r"layers\.4\.\S+: unexpected.*layers\.5\."):
+    with pytest.raises(SeedckptError, match=r"it has 18 model tensors this model does not use, e.g. layers\.4\."):
         build_stages(four, plan_rank_stages(four, 0, 2), "cpu", checkpoint=tmp_path / "foreign")

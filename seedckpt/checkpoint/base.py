@@ -74,12 +74,14 @@ class Checkpoint:
             return
         want = expected_shapes(self.args, manifest_osft(self.manifest))
         problems = [f"{f}: missing" for f in want if f not in self.infos and complete]
-        problems += [f"{f}: unexpected" for f in self.infos if f not in want]
         problems += [f"{f}: shape {list(i.shape)}, config implies {list(want[f])}"
                      for f, i in self.infos.items() if f in want and i.shape != want[f]]
+        problems = problems[:10] + (["..."] if len(problems) > 10 else [])
+        unused = [f for f in self.infos if f not in want]  # loading would silently leave them out
+        if unused:
+            problems.append(f"it has {len(unused)} model tensors this model does not use, e.g. {', '.join(unused[:4])}")
         if problems:
-            raise SeedckptError(f"{self.path}: weights do not match the model configuration: "
-                                + "; ".join(problems[:10]) + (" ..." if len(problems) > 10 else ""))
+            raise SeedckptError(f"{self.path}: weights do not match the model configuration: " + "; ".join(problems))
 
     def check_covers(self, wanted: dict) -> None:
         """Every wanted tensor is in the checkpoint with the same global shape and a dtype that loads
