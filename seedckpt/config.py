@@ -102,7 +102,9 @@ class Parallelism:
     pipeline_parallel_microbatches: int = -1  # -1: as many as stages
     pipeline_parallel_stages_per_rank: int = 1
     pipeline_parallel_split_points: list = field(default_factory=list)  # e.g. ["layers.4"]
-    fsdp_impl: Literal["fsdp2"] = "fsdp2"  # "manual" (torchtitan's other name) is not implemented
+    # "manual": seedckpt.manual_fsdp, one flat sharded vector per stage and explicit collectives
+    # (data parallelism only; see JobConfig.validate)
+    fsdp_impl: Literal["fsdp2", "manual"] = "fsdp2"
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
 
     def validate(self) -> None:
@@ -210,7 +212,28 @@ class JobConfig:
         if self.data.kind == "chat" and not self.data.tokenizer:
             raise SeedckptError("data.kind = 'chat' needs data.tokenizer: a Hugging Face tokenizer directory with a "
                                 "chat template (tokenizer.json + tokenizer_config.json)")
+        self._check_manual_fsdp()
         self.model_args()  # the flavor and the [model] overrides
+
+    def _check_manual_fsdp(self) -> None:
+        """Manual FSDP shards one whole stage over a flat data-parallel group: refuse, naming each
+        key, what it has no code for (pipeline stages and their schedules, HSDP's 2-D mesh,
+        OSFT's frozen factors and per-matrix projections)."""
+        par = self.parallelism
+        if par.fsdp_impl != "manual":
+            return
+        unsupported = [(key, value, fix) for key, value, fix, ok in (
+            ("parallelism.pipeline_parallel_degree", par.pipeline_parallel_degree, "1",
+             par.pipeline_parallel_degree == 1),
+            ("parallelism.data_parallel_replicate_degree", par.data_parallel_replicate_degree, "1",
+             par.data_parallel_replicate_degree == 1),
+            ("finetune.mode", self.finetune.mode, "'none' or 'sft'", self.finetune.mode != "osft"),
+        ) if not ok]
+        if unsupported:
+            found = ", ".join(f"{key} = {value!r}" for key, value, _ in unsupported)
+            fixes = ", ".join(f"{key} = {fix}" for key, _, fix in unsupported)
+            raise SeedckptError(f"parallelism.fsdp_impl = 'manual' (one flat shard over plain data parallelism) "
+                                f"does not support {found}; set {fixes}, or use parallelism.fsdp_impl = 'fsdp2'")
 
     def model_args(self) -> ModelArgs:
         """The flavor's ModelArgs with the ``[model]`` overrides applied -- or, once fine-tuning has

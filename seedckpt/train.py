@@ -1,4 +1,5 @@
-"""Pretraining, SFT and OSFT: pipeline parallel x FSDP2 on a ``(pp, dp_replicate, dp_shard)`` mesh.
+"""Pretraining, SFT and OSFT: pipeline parallel x FSDP2 on a ``(pp, dp_replicate, dp_shard)`` mesh
+(or, with ``parallelism.fsdp_impl = "manual"``, data parallelism through ``manual_fsdp``).
 
 One run, end to end:
 
@@ -9,11 +10,13 @@ One run, end to end:
    never silently starts from random), or, with ``checkpoint.init_from = "direct"``, each rank's own
    per-tensor init from ``training.seed`` (bitwise the seed file that seed would make);
 3. build this rank's stage(s) through ``stages.build_stages`` -- the same load path for seed,
-   pretrained weights and resume -- with activation checkpointing and FSDP2 applied on ``meta``;
+   pretrained weights and resume -- with activation checkpointing and FSDP2 applied on ``meta``
+   (manual FSDP: the stage is built unsharded and then wrapped, each rank keeping its shard);
 4. for a resume, load optimizer, LR schedule and RNG from the same checkpoint;
 5. each step: the global batch for that step (same for every layout), this DP rank's slice,
    forward/backward through the pipeline schedule (or directly when pp = 1), for OSFT project the
-   gradients off the frozen subspaces, clip by the global gradient norm across PP and DP, AdamW
+   gradients off the frozen subspaces (manual FSDP: reduce-scatter the accumulated gradients, once
+   per step), clip by the global gradient norm across PP and DP, AdamW
    (for OSFT, project the trainable factors again), LR schedule, telemetry. The loss is the mean over the
    global batch's label tokens (chat data masks all but the assistant's), whatever the layout;
 6. every ``checkpoint.interval`` steps (and at the end) write ``step-N`` atomically and keep the
@@ -54,6 +57,7 @@ from seedckpt.data import IGNORE_INDEX, make_dataset
 from seedckpt.errors import SeedckptError
 from seedckpt.finetune import osft_spec, prepare_finetune
 from seedckpt.init import RECIPE_VERSION
+from seedckpt.manual_fsdp import FlatShardedModel
 from seedckpt.metrics import MetricsLogger, peak_memory_bytes
 from seedckpt.osft import OSFTProjector
 from seedckpt.parallel import (ParallelDims, TiedEmbeddings, apply_activation_checkpointing, apply_fsdp,
@@ -165,17 +169,21 @@ def warmup_cosine(warmup: int, total: int):
     return factor
 
 
-def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, pp_group, duplicates=()) -> torch.Tensor:
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, pp_group, duplicates=(),
+                    dp_group=None) -> torch.Tensor:
     """Clip by the norm over *all* gradients of the model: DP shards and pipeline stages
-    (``duplicates``: copies of a tied parameter, counted once through the original)."""
+    (``duplicates``: copies of a tied parameter, counted once through the original). FSDP2's
+    gradients are DTensors that know their DP mesh; plain shards (manual FSDP) name it: ``dp_group``."""
     skip = {id(p) for p in duplicates}
     grads = [p.grad for p in params if p.grad is not None and id(p) not in skip]
     norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
     if isinstance(norm, DTensor):  # partial over the FSDP mesh -> reduce to the full norm
         norm = norm.full_tensor()
-    if pp_group is not None:
+    groups = [g for g in (dp_group, pp_group) if g is not None]
+    if groups:  # sum of squares over the other ranks' parts
         squared = norm ** 2
-        dist.all_reduce(squared, group=pp_group)
+        for group in groups:
+            dist.all_reduce(squared, group=group)
         norm = squared.sqrt()
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
@@ -207,9 +215,10 @@ class Trainer:
         origin = ("resuming from" if start.step else "starting from pretrained" if start.pretrained
                   else "starting from seed checkpoint" if start.path else
                   f"initializing directly from seed {train.seed} ({RECIPE_VERSION}, no seed file):")
+        manual = par.fsdp_impl == "manual"
         self.log(f"{origin} {start.path or ''} (step {start.step}); mesh pp={self.dims.pp} "
-                 f"dp_replicate={self.dims.dp_replicate} dp_shard={self.dims.dp_shard} on {self.device.type}; "
-                 f"data: {self.data.description}")
+                 f"dp_replicate={self.dims.dp_replicate} dp_shard={self.dims.dp_shard} on {self.device.type}"
+                 f"{' with manual FSDP' if manual else ''}; data: {self.data.description}")
         for change in changed_training_settings(cfg, start):
             self.log(f"resuming with a changed setting, applied from step {start.step + 1}: {change}")
         self.osft = osft_spec(cfg)
@@ -220,11 +229,15 @@ class Trainer:
                                         grow_vocab=start.pretrained, osft=self.osft,
                                         stage_group=self._stage_group() if self.osft is not None else None,
                                         verify=cfg.checkpoint.verify_checksums)
+            # Manual FSDP (data parallelism only): each stage becomes one flat vector, sharded over DP.
+            dtypes = DTYPES[train.mixed_precision_param], DTYPES[train.mixed_precision_reduce]
+            self.flat = ([FlatShardedModel(m, self.mesh["dp_shard"].get_group(), *dtypes) for m in self.modules]
+                         if manual else None)
             self.tied = self._tie_across_stages()
             # OSFT: gradients and trainable factors stay orthogonal to the frozen singular subspaces.
             self.projector = OSFTProjector(self.modules) if self.osft is not None else None
-            self.optimizers = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=train.lr,
-                                                 betas=(0.9, 0.95), weight_decay=0.1) for m in self.modules]
+            self.optimizers = [torch.optim.AdamW(self._optimized_params(i), lr=train.lr, betas=(0.9, 0.95),
+                                                 weight_decay=0.1) for i in range(len(self.modules))]
             self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, warmup_cosine(train.warmup_steps, train.steps))
                                for o in self.optimizers]
             if start.step:
@@ -235,17 +248,26 @@ class Trainer:
             raise SeedckptError(f"cannot resume: {e}; "
                                 f"{fallback_hint(complete_steps(cfg.checkpoint.folder), start.step)}") from None
         self.pipeline = self._build_pipeline() if self.dims.pp > 1 else None
-        self.params = [p for m in self.modules for p in m.parameters()]
+        self.params = ([f.shard for f in self.flat] if self.flat is not None
+                       else [p for m in self.modules for p in m.parameters()])
 
     # -- setup -------------------------------------------------------------------------------
     def _parallelize(self, module: nn.Module) -> None:
         ac, train, par = self.cfg.activation_checkpoint, self.cfg.training, self.cfg.parallelism
         apply_activation_checkpointing(module, ac.mode, ac.selective_every)
+        if par.fsdp_impl == "manual":  # wrapped once loaded, unsharded (FlatShardedModel)
+            return
         # FSDP2 also carries mixed precision, so it is applied on one rank too when that is asked for.
         if self.dims.dp > 1 or (train.mixed_precision_param, train.mixed_precision_reduce) != ("float32",) * 2:
             mesh = self.mesh["dp_replicate", "dp_shard"] if self.dims.dp_replicate > 1 else self.mesh["dp_shard"]
             apply_fsdp(module, mesh, DTYPES[train.mixed_precision_param], DTYPES[train.mixed_precision_reduce],
                        reshard_after_forward(par.fsdp_reshard_after_forward, self.dims.pp))
+
+    def _optimized_params(self, i: int) -> list[nn.Parameter]:
+        """What stage ``i``'s optimizer steps: its trainable parameters, or manual FSDP's flat shard."""
+        if self.flat is not None:
+            return [self.flat[i].shard]
+        return [p for p in self.modules[i].parameters() if p.requires_grad]
 
     def _stage_group(self):
         """The ranks that hold this rank's stages (its DP group), or None on one DP rank."""
@@ -290,10 +312,23 @@ class Trainer:
         return leak.item()
 
     # -- checkpoint state beyond the weights ----------------------------------------------------
-    def _training_state(self) -> dict:
+    # Both implementations read and write FSDP2's flattened keys, so either resumes the other.
+    def _optimizer_state(self, i: int) -> dict:
+        if self.flat is not None:
+            return self.flat[i].optimizer_state_dict(self.optimizers[i])
+        return get_optimizer_state_dict(self.modules[i], self.optimizers[i], options=OPTIM_OPTIONS)
+
+    def _set_optimizer_state(self, i: int, state: dict) -> None:
+        if self.flat is not None:
+            self.flat[i].load_optimizer_state_dict(self.optimizers[i], state)
+        else:
+            set_optimizer_state_dict(self.modules[i], self.optimizers[i], state, options=OPTIM_OPTIONS)
+
+    def _training_state(self, optimizer_states: list[dict] | None = None) -> dict:
+        """Optimizer (``optimizer_states``: each stage's ``_optimizer_state``, when at hand), LR
+        schedule, step and this rank's RNG."""
         state = {}
-        for module, optimizer in zip(self.modules, self.optimizers):
-            optim = get_optimizer_state_dict(module, optimizer, options=OPTIM_OPTIONS)
+        for optim in optimizer_states or [self._optimizer_state(i) for i in range(len(self.modules))]:
             state.update({OPTIMIZER_PREFIX + k: v for k, v in optim.items()})
         state[TRAIN_STATE_KEY] = {"step": self.step, "lr_scheduler": self.schedulers[0].state_dict(),
                                 "samples_seen": self.step * self.global_batch}
@@ -301,12 +336,11 @@ class Trainer:
         return state
 
     def _load_training_state(self, path: Path) -> None:
-        state = self._training_state()
+        mine = [self._optimizer_state(i) for i in range(len(self.modules))]  # each stage's keys
+        state = self._training_state(mine)
         DcpCheckpoint(path, verify=self.cfg.checkpoint.verify_checksums).load(state)
-        for module, optimizer in zip(self.modules, self.optimizers):
-            mine = get_optimizer_state_dict(module, optimizer, options=OPTIM_OPTIONS)
-            set_optimizer_state_dict(module, optimizer, {k: state[OPTIMIZER_PREFIX + k] for k in mine},
-                                     options=OPTIM_OPTIONS)
+        for i, keys in enumerate(mine):
+            self._set_optimizer_state(i, {k: state[OPTIMIZER_PREFIX + k] for k in keys})
         train_state = state[TRAIN_STATE_KEY]
         for scheduler in self.schedulers:
             scheduler.load_state_dict(train_state["lr_scheduler"])
@@ -319,8 +353,8 @@ class Trainer:
 
     def save(self) -> None:
         state = {}
-        for module in self.modules:
-            state.update(module.state_dict())
+        for i, module in enumerate(self.modules):  # manual FSDP: full tensors on every rank, DCP writes each once
+            state.update(self.flat[i].full_state_dict() if self.flat is not None else module.state_dict())
         state.update(self._training_state())
         ckpt = self.cfg.checkpoint
         ft, tokenizer = self.cfg.finetune, self.cfg.data.tokenizer
@@ -378,17 +412,22 @@ class Trainer:
             while self.step < train.steps:
                 self.step += 1
                 t0 = time.perf_counter()
+                for flat in self.flat or ():  # per-step collective counts and times
+                    flat.reset_comm_stats()
                 with self._maybe_profile(self.step in profile_steps):
                     batches = list(self.local_batches(self.step))
                     data_wait = time.perf_counter() - t0
                     local_loss = self.train_step(batches)
+                    for flat in self.flat or ():  # one reduce-scatter per optimizer step, not per micro-batch
+                        flat.sync_gradients()
                     if self.tied is not None:
                         self.tied.sync_grads()
                     if self.projector is not None:  # before clipping: the norm counts only what the step applies
                         self.projector.project_gradients()
                     grad_norm = clip_grad_norm_(self.params, train.max_norm,
                                                 self.mesh["pp"].get_group() if self.dims.pp > 1 else None,
-                                                self.tied.duplicates if self.tied is not None else ())
+                                                self.tied.duplicates if self.tied is not None else (),
+                                                self.flat[0].group if self.flat is not None else None)
                     for optimizer, scheduler in zip(self.optimizers, self.schedulers):
                         optimizer.step()
                         optimizer.zero_grad(set_to_none=True)

@@ -157,7 +157,7 @@ def test_every_runnable_schedule_is_one_torch_knows():
      "command line: activation_checkpoint.mode = 'Full'; this version supports none, full, selective"),
     ('[training]\nmixed_precision_param = "fp8"\n', [],
      "training.mixed_precision_param = 'fp8'; this version supports float32, bfloat16, float16"),
-    ("", ["--parallelism.fsdp_impl", "manual"], "parallelism.fsdp_impl = 'manual'; this version supports fsdp2"),
+    ("", ["--parallelism.fsdp_impl", "fsdp3"], "parallelism.fsdp_impl = 'fsdp3'; this version supports fsdp2, manual"),
     ("", ["--parallelism.fsdp_reshard_after_forward", "sometimes"], "this version supports default, always, never"),
     ("", ["--data.kind", "json"], "data.kind = 'json'; this version supports synthetic, text, chat"),
     ("", ["--data.overflow", "wrap"], "data.overflow = 'wrap'; this version supports truncate, drop"),
