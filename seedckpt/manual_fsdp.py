@@ -4,8 +4,8 @@ Why it exists: FSDP2 hides its collectives behind hooks and DTensors. This wrapp
 with two public collectives on the data-parallel process group -- ``all_gather_single`` and
 ``reduce_scatter_single`` (torch 2.13's names for ``all_gather_into_tensor`` /
 ``reduce_scatter_tensor``, which it deprecates in their favour) -- so every byte moved is one call
-you can count and time (``gather_calls`` / ``gather_seconds``, ``reduce_scatter_calls`` /
-``reduce_scatter_seconds``), and compare against FSDP2 on the same run.
+you can count and time (``collectives.CollectiveTimes``, logged per step as for FSDP2), and compare
+against FSDP2 on the same run.
 
 The scheme (its memory is ZeRO stage 1's rather than FSDP's -- see the limits below):
 
@@ -45,18 +45,17 @@ Limits (why FSDP2 stays the default):
   block, overlapped with the previous block's compute.
 * **Scope.** One optimizer parameter group, every parameter trainable, pure data parallelism: no
   pipeline parallelism, no HSDP, no OSFT (``config`` refuses those before any rendezvous).
-* ``*_seconds`` are host wall time: exact for gloo (CPU collectives block), the launch time for
-  nccl unless the caller synchronizes the device.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from seedckpt.collectives import CollectiveTimes
 
 MASTER_DTYPE = torch.float32  # the shard, its gradient and the optimizer state
 
@@ -72,7 +71,8 @@ class FlatShardedModel:
     """
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup, param_dtype: torch.dtype = torch.float32,
-                 reduce_dtype: torch.dtype = torch.float32):
+                 reduce_dtype: torch.dtype = torch.float32, times: CollectiveTimes | None = None):
+        """``times``: where the training step's collectives are counted and timed."""
         named = list(module.named_parameters())  # a tied parameter once, under its first FQN
         frozen = [fqn for fqn, p in named if not p.requires_grad]
         if frozen:
@@ -100,7 +100,7 @@ class FlatShardedModel:
         for i, (_, p) in enumerate(named):
             p.register_post_accumulate_grad_hook(self._accumulate_into_flat_grad(i))
         module.register_forward_pre_hook(lambda _module, _args: self.gather())
-        self.reset_comm_stats()
+        self.times = times or CollectiveTimes()
 
     # -- layout -----------------------------------------------------------------------------------
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -126,18 +126,10 @@ class FlatShardedModel:
         return full
 
     # -- the training step ------------------------------------------------------------------------
-    def reset_comm_stats(self) -> None:
-        """Zero the collective counters (the trainer does it at the start of every step)."""
-        self.gather_calls, self.gather_seconds = 0, 0.0
-        self.reduce_scatter_calls, self.reduce_scatter_seconds = 0, 0.0
-
     @torch.no_grad()
     def gather(self) -> None:
         """All-gather the shards into ``full_params``, which the module's parameters view."""
-        start = time.perf_counter()
-        dist.all_gather_single(self.full_params, self.shard.to(self.param_dtype), group=self.group)
-        self.gather_seconds += time.perf_counter() - start
-        self.gather_calls += 1
+        self.times.all_gather(self.full_params, self.shard.to(self.param_dtype), self.group)
 
     def _accumulate_into_flat_grad(self, index: int) -> Callable[[torch.Tensor], None]:
         a, b = self.offsets[index], self.offsets[index + 1]
@@ -162,10 +154,7 @@ class FlatShardedModel:
             self.full_grad = torch.zeros(self.full_params.numel(), dtype=self.reduce_dtype, device=self.device)
         self.full_grad.div_(self.world)
         reduced = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
-        start = time.perf_counter()
-        dist.reduce_scatter_single(reduced, self.full_grad, op=dist.ReduceOp.SUM, group=self.group)
-        self.reduce_scatter_seconds += time.perf_counter() - start
-        self.reduce_scatter_calls += 1
+        self.times.reduce_scatter(reduced, self.full_grad, self.group)
         self.full_grad = None
         self.shard.grad = reduced.to(MASTER_DTYPE)
 

@@ -81,4 +81,6 @@ def format_step(r: dict) -> str:
     return (f"step {r['step']:>5}/{r['steps']}  loss {r['loss']:.4f}  lr {r['lr']:.2e}  "
             f"grad_norm {r['grad_norm']:.3f}  {r['tokens_per_s']:,.0f} tok/s  step {1e3 * r['step_time_s']:.0f} ms  "
             f"data {1e3 * r['data_wait_s']:.1f} ms  mem {r['peak_mem_bytes'] / 2**20:,.0f} MiB"
+            + (f"  all-gather {1e3 * r['all_gather_s']:.0f} ms  reduce-scatter {1e3 * r['reduce_scatter_s']:.0f} ms"
+               if r.get("all_gather_calls") or r.get("reduce_scatter_calls") else "")
             + (f"  osft_leak {r['osft_leak']:.1e}" if "osft_leak" in r else ""))

@@ -52,6 +52,7 @@ from seedckpt.checkpoint import (TOKENIZER_DIR, DcpCheckpoint, complete_steps, d
                                  prune_steps, step_dir, write_checkpoint)
 from seedckpt.checkpoint.manifest import (OPTIMIZER_PREFIX, RNG_PREFIX, TRAIN_STATE_KEY, manifest_osft, osft_record,
                                        read_manifest)
+from seedckpt.collectives import CollectiveTimes, time_fsdp2_collectives
 from seedckpt.config import DTYPES, JobConfig, check_output_folders, load_config
 from seedckpt.data import IGNORE_INDEX, make_dataset
 from seedckpt.errors import SeedckptError
@@ -222,6 +223,7 @@ class Trainer:
         for change in changed_training_settings(cfg, start):
             self.log(f"resuming with a changed setting, applied from step {start.step + 1}: {change}")
         self.osft = osft_spec(cfg)
+        self.collectives = CollectiveTimes()  # this rank's all-gathers and reduce-scatters, per step
         self.step = start.step
         try:
             self.modules = build_stages(self.args, self.specs, self.device, checkpoint=start.path,
@@ -231,8 +233,8 @@ class Trainer:
                                         verify=cfg.checkpoint.verify_checksums)
             # Manual FSDP (data parallelism only): each stage becomes one flat vector, sharded over DP.
             dtypes = DTYPES[train.mixed_precision_param], DTYPES[train.mixed_precision_reduce]
-            self.flat = ([FlatShardedModel(m, self.mesh["dp_shard"].get_group(), *dtypes) for m in self.modules]
-                         if manual else None)
+            self.flat = ([FlatShardedModel(m, self.mesh["dp_shard"].get_group(), *dtypes, self.collectives)
+                          for m in self.modules] if manual else None)
             self.tied = self._tie_across_stages()
             # OSFT: gradients and trainable factors stay orthogonal to the frozen singular subspaces.
             self.projector = OSFTProjector(self.modules) if self.osft is not None else None
@@ -262,6 +264,7 @@ class Trainer:
             mesh = self.mesh["dp_replicate", "dp_shard"] if self.dims.dp_replicate > 1 else self.mesh["dp_shard"]
             apply_fsdp(module, mesh, DTYPES[train.mixed_precision_param], DTYPES[train.mixed_precision_reduce],
                        reshard_after_forward(par.fsdp_reshard_after_forward, self.dims.pp))
+            time_fsdp2_collectives(module, self.collectives)
 
     def _optimized_params(self, i: int) -> list[nn.Parameter]:
         """What stage ``i``'s optimizer steps: its trainable parameters, or manual FSDP's flat shard."""
@@ -412,8 +415,7 @@ class Trainer:
             while self.step < train.steps:
                 self.step += 1
                 t0 = time.perf_counter()
-                for flat in self.flat or ():  # per-step collective counts and times
-                    flat.reset_comm_stats()
+                self.collectives.reset()
                 with self._maybe_profile(self.step in profile_steps):
                     batches = list(self.local_batches(self.step))
                     data_wait = time.perf_counter() - t0
@@ -434,10 +436,11 @@ class Trainer:
                         scheduler.step()
                     if self.projector is not None:  # AdamW's per-element scaling leaves the complement
                         self.projector.project_parameters()
-                stats = torch.stack([local_loss.double(), torch.tensor(float(peak_memory_bytes(self.device)),
-                                                                       dtype=torch.float64, device=self.device)])
+                comm = dataclasses.asdict(self.collectives)
+                stats = torch.tensor([local_loss.item(), float(peak_memory_bytes(self.device)), *comm.values()],
+                                     dtype=torch.float64, device=self.device)
                 dist.all_reduce(stats[:1])  # sum of the last stages' DP-local parts (each x dp)
-                dist.all_reduce(stats[1:], op=dist.ReduceOp.MAX)
+                dist.all_reduce(stats[1:], op=dist.ReduceOp.MAX)  # the busiest rank's memory and collectives
                 step_time = time.perf_counter() - t0
                 logging = self.step % self.cfg.metrics.log_freq == 0 or self.step == train.steps
                 extra = {"osft_leak": self._osft_leak()} if logging and self.projector is not None else {}
@@ -445,7 +448,9 @@ class Trainer:
                     metrics.log({"step": self.step, "steps": train.steps, "loss": stats[0].item() / self.dims.dp,
                                  "lr": self.schedulers[0].get_last_lr()[0], "grad_norm": grad_norm.item(),
                                  "label_tokens": self.label_tokens, "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
-                                 "data_wait_s": data_wait, "peak_mem_bytes": int(stats[1].item()), **extra})
+                                 "data_wait_s": data_wait, "peak_mem_bytes": int(stats[1].item()),
+                                 **{k: (int if k.endswith("calls") else float)(v) for k, v in zip(comm, stats[2:].tolist())},
+                                 **extra})
                 stopping = self.step == train.stop_after_step
                 if stopping or (ckpt.interval > 0 and (self.step % ckpt.interval == 0 or self.step == train.steps)):
                     self.save()

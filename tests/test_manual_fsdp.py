@@ -31,30 +31,15 @@ def _losses(run: Path, field: str = "loss") -> list[float]:
     return [json.loads(line)[field] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def _train(run: Path, seed: str, impl: str, *overrides: str, start=None):
-    """One Trainer run; for manual FSDP, the (gathers, reduce-scatters) of every step, recorded
-    where the trainer zeroes the counters (the start of each step) and at the end."""
-    from seedckpt.manual_fsdp import FlatShardedModel
+def _train(run: Path, seed: str, impl: str, *overrides: str, start=None) -> tuple[int, int]:
+    """One Trainer run; returns the (all-gathers, reduce-scatters) issued while it was built
+    (per-step counts are in its metrics.jsonl)."""
     from seedckpt.train import Trainer
 
-    per_step, reset = [], FlatShardedModel.reset_comm_stats
-
-    def record_then_reset(self):
-        if hasattr(self, "gather_calls"):  # not the first call, from __init__
-            per_step.append((self.gather_calls, self.reduce_scatter_calls))
-        reset(self)
-
-    FlatShardedModel.reset_comm_stats = record_then_reset
-    try:
-        trainer = Trainer(_config(run, seed, impl, *overrides), start)
-        trainer.run()
-    finally:
-        FlatShardedModel.reset_comm_stats = reset
-    if trainer.flat is not None:
-        [flat] = trainer.flat
-        per_step.append((flat.gather_calls, flat.reduce_scatter_calls))
-        assert flat.gather_seconds > 0 and flat.reduce_scatter_seconds > 0
-    return per_step
+    trainer = Trainer(_config(run, seed, impl, *overrides), start)
+    built = (trainer.collectives.all_gather_calls, trainer.collectives.reduce_scatter_calls)
+    trainer.run()
+    return built
 
 
 def _parity_worker(rank, world_size, seed, tmp, impls):
@@ -69,10 +54,10 @@ def _parity_worker(rank, world_size, seed, tmp, impls):
 def runs(tmp_path_factory, debug_seed):
     """10 steps from the debug seed: one process, and FSDP2 and manual FSDP on 2 and 4 ranks."""
     tmp = tmp_path_factory.mktemp("manual_fsdp")
-    counts = {1: run_distributed(_parity_worker, 1, str(debug_seed), str(tmp), ["fsdp2"])[0]}
+    built = {1: run_distributed(_parity_worker, 1, str(debug_seed), str(tmp), ["fsdp2"])[0]}
     for world in (2, 4):
-        counts[world] = run_distributed(_parity_worker, world, str(debug_seed), str(tmp), ["fsdp2", "manual"])[0]
-    return tmp, counts
+        built[world] = run_distributed(_parity_worker, world, str(debug_seed), str(tmp), ["fsdp2", "manual"])[0]
+    return tmp, built
 
 
 @pytest.mark.parametrize("field,rtol", [("loss", 1e-5), ("grad_norm", 1e-4)])
@@ -93,12 +78,18 @@ def test_manual_fsdp_matches_fsdp2_and_one_process(runs, field, rtol):
 
 
 def test_reduce_scatter_runs_once_per_optimizer_step(runs):
-    _, counts = runs
+    """Counted per step in metrics.jsonl (the busiest rank): manual FSDP gathers once per micro-batch
+    and reduce-scatters once per optimizer step; FSDP2 reduce-scatters every module's gradients
+    after every micro-batch's backward (7 modules: 6 blocks and the root)."""
+    tmp, built = runs
     for world, micro_steps in ((2, 4), (4, 2)):
-        per_step = counts[world]["manual"]
-        assert per_step[0] == (0, 0)  # nothing moved before the first step (loading is local)
-        # One gather per micro-batch forward, one reduce-scatter per optimizer step.
-        assert per_step[1:] == [(micro_steps, 1)] * 10, (world, per_step)
+        assert built[world]["manual"] == (0, 0)  # nothing moved before the first step (loading is local)
+        rows = [json.loads(line) for line in (tmp / f"manual-{world}" / "metrics.jsonl").read_text().splitlines()]
+        assert [(r["all_gather_calls"], r["reduce_scatter_calls"]) for r in rows] == [(micro_steps, 1)] * 10
+        assert all(r["all_gather_s"] > 0 and r["reduce_scatter_s"] > 0 for r in rows)
+        fsdp2 = [json.loads(line) for line in (tmp / f"fsdp2-{world}" / "metrics.jsonl").read_text().splitlines()]
+        assert [r["reduce_scatter_calls"] for r in fsdp2] == [7 * micro_steps] * 10
+        assert all(r["all_gather_calls"] > 0 and r["all_gather_s"] > 0 for r in fsdp2)
 
 
 def _checkpoint_worker(rank, world_size, seed, tmp):
