@@ -49,7 +49,7 @@ demo: install
 	@echo "  OSFT export (dense)  $(DEMO)/osft_hf"
 
 test: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=20 tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --durations=20 tests
 
 bench: install
 	$(BIN)/python benchmarks/seed.py
