@@ -251,8 +251,12 @@ def _plan(opts, overrides) -> int:
     for r in plan["ranks"]:
         print(f"  {r['pp_rank']:>7} {str(r['stages']):<10} {r['params']:>16,} {_gib(r['param_bytes']):>12} "
               f"{_gib(r['param_bytes_per_dp_shard']):>13} {_gib(r['train_state_bytes_per_gpu']):>12}")
-    print("  train/GPU = fp32 params + grads + AdamW moments (16 B/param) sharded over dp_shard; "
-          "activations not included")
+    if plan["fsdp_impl"] == "manual":
+        print("  train/GPU = manual FSDP: gathered params + gradient buffer whole on every rank, fp32 master "
+              "copy + AdamW moments (12 B/param) sharded over dp_shard; activations not included")
+    else:
+        print("  train/GPU = fp32 params + grads + AdamW moments (16 B/param) sharded over dp_shard; "
+              "activations not included")
     return 0
 
 

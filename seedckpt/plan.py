@@ -11,13 +11,14 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from seedckpt.config import JobConfig
+from seedckpt.config import DTYPES, JobConfig
 from seedckpt.modules import state_tensors
 from seedckpt.parallel import ParallelDims
 from seedckpt.stages import split_layers, stage_ids_for_rank
 
 # fp32 parameter + fp32 gradient + two fp32 AdamW moments.
 TRAIN_BYTES_PER_PARAM = 16
+SHARDED_BY_MANUAL_FSDP = 12  # its fp32 master shard and the two moments; the rest is whole on every rank
 
 
 @dataclass
@@ -38,7 +39,19 @@ class RankPlan:
     params: int
     param_bytes: int
     param_bytes_per_dp_shard: int
-    train_state_bytes_per_gpu: int  # params + grads + AdamW moments, sharded over dp_shard
+    train_state_bytes_per_gpu: int  # params + grads + AdamW moments per GPU (see train_state_bytes)
+
+
+def train_state_bytes(cfg: JobConfig, params: int, dp_shard: int) -> int:
+    """Parameters, gradients and AdamW moments per GPU. FSDP2 shards all of it over ``dp_shard``.
+    Manual FSDP shards only the fp32 master copy and the moments: the gathered parameters (in
+    ``mixed_precision_param``) and the gradient buffer (in ``mixed_precision_reduce``) are whole
+    on every rank."""
+    if cfg.parallelism.fsdp_impl == "manual":
+        train = cfg.training
+        whole = DTYPES[train.mixed_precision_param].itemsize + DTYPES[train.mixed_precision_reduce].itemsize
+        return params * whole + -(-params * SHARDED_BY_MANUAL_FSDP // dp_shard)
+    return -(-params * TRAIN_BYTES_PER_PARAM // dp_shard)
 
 
 def make_plan(cfg: JobConfig, world_size: int | None = None) -> dict:
@@ -77,12 +90,12 @@ def make_plan(cfg: JobConfig, world_size: int | None = None) -> dict:
         params = sum(s.params for s in mine)
         ranks.append(RankPlan(r, [s.stage for s in mine], params, sum(s.param_bytes for s in mine),
                               -(-sum(s.param_bytes for s in mine) // dp_shard),
-                              -(-params * TRAIN_BYTES_PER_PARAM // dp_shard)))
+                              train_state_bytes(cfg, params, dp_shard)))
     return {
         "model": cfg.model.name, "flavor": cfg.model.flavor, "args": args.to_dict(),
         "total_params": sum(counts), "total_bytes": sum(nbytes),
         "pipeline_parallel_degree": pp, "stages_per_rank": per_rank,
         "data_parallel_shard_degree": dp_shard,
-        "data_parallel_replicate_degree": dims.dp_replicate,
+        "data_parallel_replicate_degree": dims.dp_replicate, "fsdp_impl": par.fsdp_impl,
         "stages": [asdict(s) for s in stages], "ranks": [asdict(r) for r in ranks],
     }

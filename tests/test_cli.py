@@ -68,6 +68,21 @@ def test_plan_405b_on_meta(capsys):
     assert rank0["param_bytes_per_dp_shard"] == -(-rank0["param_bytes"] // 64)
 
 
+def test_plan_counts_what_manual_fsdp_does_not_shard(capsys):
+    """FSDP2: 16 B/param over dp_shard. Manual FSDP (bf16 params, fp32 reduce): 2 + 4 B/param whole on
+    every rank, the 12 B of master copy and moments over dp_shard."""
+    def plan(*overrides):
+        assert main(["plan", "--config", str(REPO / "configs/debug.toml"), "--parallelism.pipeline_parallel_degree",
+                     "1", "--world-size", "4", "--json", *overrides]) == 0
+        return json.loads(capsys.readouterr().out)["ranks"][0]
+
+    fsdp2 = plan()
+    manual = plan("--parallelism.fsdp_impl", "manual", "--training.mixed_precision_param", "bfloat16")
+    params = fsdp2["params"]
+    assert fsdp2["train_state_bytes_per_gpu"] == -(-params * 16 // 4)
+    assert manual["train_state_bytes_per_gpu"] == params * 6 + -(-params * 12 // 4)
+
+
 def test_plan_text_for_interleaved_stages(capsys):
     assert main(["plan", "--config", str(REPO / "configs/debug.toml"),
                  "--parallelism.pipeline_parallel_stages_per_rank", "2",
