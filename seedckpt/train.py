@@ -49,7 +49,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 from torch.distributed.tensor import DTensor
 
 from seedckpt.checkpoint import (TOKENIZER_DIR, DcpCheckpoint, complete_steps, destination_lock, make_manifest,
-                                 prune_steps, step_dir, write_checkpoint)
+                                 open_checkpoint, prune_steps, step_dir, write_checkpoint)
 from seedckpt.checkpoint.manifest import (OPTIMIZER_PREFIX, RNG_PREFIX, TRAIN_STATE_KEY, manifest_osft, osft_record,
                                        read_manifest)
 from seedckpt.collectives import CollectiveTimes, time_fsdp2_collectives
@@ -100,6 +100,7 @@ def find_start(cfg: JobConfig) -> Start:
     if not Path(seed).is_dir():
         raise SeedckptError(f"checkpoint.seed_checkpoint {seed} does not exist; create it with "
                             f"`python create_seed_checkpoint.py --config CONFIG --output {seed}`")
+    open_checkpoint(seed, complete=False)  # damaged or incomplete: one line now, not one per rank later
     return Start(Path(seed), 0)
 
 

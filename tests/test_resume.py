@@ -147,3 +147,17 @@ def test_an_unusable_checkpoint_folder_is_refused_before_training(tmp_path, debu
     err = capsys.readouterr().err
     assert "checkpoint.folder" in err and "a file is in the way" in err, err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_an_incomplete_seed_is_one_line_before_any_rendezvous(tmp_path, debug_seed, capsys, monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.chdir(REPO)
+    seed = tmp_path / "seed"
+    shutil.copytree(debug_seed, seed)
+    [data] = seed.glob("*.distcp")
+    os.truncate(data, data.stat().st_size - 1)
+    assert train_in_process(tmp_path / "run", seed) == 2
+    err = capsys.readouterr().err
+    assert "incomplete" in err and data.name in err and len(err.strip().splitlines()) == 1, err
+    assert not dist.is_initialized()
