@@ -189,7 +189,7 @@ def _inspect(opts, _rest) -> int:
 
 
 def _checksum_note(source) -> str:
-    checksums = getattr(source, "checksums", None)
+    checksums = source.checksums
     if checksums is not None:
         return f"checksums: crc32c of every byte ({len(checksums.items)} items); `seedckpt verify` reads and checks them"
     if source.kind == "dcp":
@@ -206,7 +206,7 @@ def _verify(opts, _rest) -> int:
 
     # Checks .metadata's checksum, data file lengths, headers; not whether it is a whole model.
     source = open_checkpoint(opts.checkpoint, complete=False)
-    checksums = getattr(source, "checksums", None)
+    checksums = source.checksums
     if checksums is None:
         print(f"{source.path}: complete (every data file holds what its metadata points to); {_checksum_note(source)}")
         return 0

@@ -25,6 +25,7 @@ class Checkpoint:
     records (or the one the caller described, for formats that record none)."""
 
     kind = ""
+    checksums = None  # ``integrity.Checksums`` where the format records them (our DCP checkpoints)
 
     def __init__(self, path: Path, infos: dict[str, TensorInfo], manifest: dict | None,
                  args: ModelArgs | None = None):

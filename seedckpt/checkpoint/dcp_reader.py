@@ -18,7 +18,7 @@ from seedckpt.checkpoint.direct import READ_THREADS, DirectFileSystemReader
 from seedckpt.checkpoint.integrity import Checksums, ItemChecks, check_data_files, data_file, verify_item
 from seedckpt.checkpoint.load import copy_shared, load_state, one_destination_per_source
 from seedckpt.checkpoint.manifest import TensorInfo, is_model_key, read_manifest
-from seedckpt.checkpoint.safe_pickle import read_dcp_metadata
+from seedckpt.checkpoint.safe_pickle import parse_dcp_metadata
 from seedckpt.checkpoint.untrusted import MAX_METADATA_BYTES, read_bounded
 from seedckpt.checkpoint.writer import RAW_ITEMS_KEY, tensor_infos
 from seedckpt.errors import SeedckptError
@@ -45,9 +45,10 @@ class DcpCheckpoint(Checkpoint):
                                 "it may be an interrupted write -- write it again")
         manifest = read_manifest(path)
         self.checksums = Checksums.from_manifest(manifest, path)
+        data = read_bounded(path / ".metadata", MAX_METADATA_BYTES)
         if self.checksums is not None:
-            self.checksums.check_metadata(read_bounded(path / ".metadata", MAX_METADATA_BYTES), path)
-        self.metadata = read_dcp_metadata(path / ".metadata")
+            self.checksums.check_metadata(data, path)
+        self.metadata = parse_dcp_metadata(data, path / ".metadata")
         check_data_files(path, self.metadata.storage_data, self.checksums.files if self.checksums else None)
         self.check_reads = verify and self.checksums is not None
         # Our FQN -> the key stored, where a checkpoint uses other names (torchtitan 0.3).

@@ -130,13 +130,15 @@ def load_state(state_dict: dict, reader, where, no_dist: bool = False) -> None:
 def root_cause(error: CheckpointException, doing: str) -> SeedckptError:
     """One line for a failed DCP load or save: our own message where we raised it, else the first
     failed rank's exception (DCP's text embeds every rank's whole traceback)."""
-    for rank, (cause, _trace) in sorted(error.failures.items()):
-        while isinstance(cause, CheckpointException):
-            cause = next(iter(cause.failures.values()))[0]
-        if isinstance(cause, SeedckptError):
-            return cause
-        return SeedckptError(f"{doing} failed on rank {rank}: {type(cause).__name__}: {cause}")
-    return SeedckptError(f"{doing} failed: {str(error).splitlines()[-1] if str(error) else 'unknown error'}")
+    if not error.failures:
+        return SeedckptError(f"{doing} failed: {str(error).splitlines()[-1] if str(error) else 'unknown error'}")
+    rank = min(error.failures)
+    cause = error.failures[rank][0]
+    while isinstance(cause, CheckpointException) and cause.failures:
+        cause = cause.failures[min(cause.failures)][0]
+    if isinstance(cause, SeedckptError):
+        return cause
+    return SeedckptError(f"{doing} failed on rank {rank}: {type(cause).__name__}: {cause}")
 
 
 @contextlib.contextmanager

@@ -51,7 +51,11 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def read_dcp_metadata(path: Path) -> Metadata:
     """The unpickled ``.metadata`` file at ``path``; a ``SeedckptError`` for anything else."""
-    data = read_bounded(path, MAX_METADATA_BYTES)
+    return parse_dcp_metadata(read_bounded(path, MAX_METADATA_BYTES), path)
+
+
+def parse_dcp_metadata(data: bytes, path: Path) -> Metadata:
+    """``.metadata``'s bytes (read once, also to check their checksum) unpickled."""
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     except Exception as e:  # any damage to the pickle: truncation, bad opcodes, wrong types, deep nesting

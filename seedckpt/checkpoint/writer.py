@@ -38,7 +38,7 @@ from seedckpt.checkpoint.integrity import (CHECKSUMS_KEY, ItemChecks, PieceHashe
                                            crc, file_sizes)
 from seedckpt.checkpoint.load import quiet_single_process_dcp, root_cause
 from seedckpt.checkpoint.manifest import MANIFEST_NAME, TensorInfo, dtype_name, is_model_key
-from seedckpt.checkpoint.safe_pickle import read_dcp_metadata
+from seedckpt.checkpoint.safe_pickle import parse_dcp_metadata
 from seedckpt.errors import SeedckptError
 
 RAW_ITEMS_KEY = "raw_items"  # manifest: {file: [[item offset, raw data offset, raw nbytes], ...]}
@@ -323,7 +323,8 @@ def write_checkpoint(path: str | os.PathLike, state_dict: dict, manifest: dict, 
         except CheckpointException as e:  # a BaseException wrapping each rank's failure
             raise root_cause(e, f"writing {path}") from None
         if leader:
-            metadata = read_dcp_metadata(partial / ".metadata")
+            metadata_bytes = (partial / ".metadata").read_bytes()
+            metadata = parse_dcp_metadata(metadata_bytes, partial / ".metadata")
             sizes = file_sizes(writer.checks)
             check_data_files(partial, metadata.storage_data, sizes)  # publish only what is complete
             tensors = {fqn: info for fqn, info in tensor_infos(metadata).items() if is_model_key(fqn)}
@@ -331,8 +332,7 @@ def write_checkpoint(path: str | os.PathLike, state_dict: dict, manifest: dict, 
                         "tensors": {fqn: {"shape": list(i.shape), "dtype": dtype_name(i.dtype)}
                                     for fqn, i in tensors.items()},
                         RAW_ITEMS_KEY: writer.raw_items,
-                        CHECKSUMS_KEY: checksums_record(writer.checks, crc((partial / ".metadata").read_bytes()),
-                                                        sizes)}
+                        CHECKSUMS_KEY: checksums_record(writer.checks, crc(metadata_bytes), sizes)}
             write_json_synced(partial / MANIFEST_NAME, manifest)
             for name, source in (files or {}).items():
                 (partial / name).parent.mkdir(parents=True, exist_ok=True)
