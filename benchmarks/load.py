@@ -97,9 +97,9 @@ def make_stock(seed_dir: str, out: str) -> None:
     import torch.distributed.checkpoint as dcp
 
     from models.llama import Transformer
-    from seedckpt.checkpoint import open_checkpoint
+    from seedckpt.layouts import open_model_checkpoint
 
-    seed = open_checkpoint(seed_dir)
+    seed = open_model_checkpoint(seed_dir)
     with torch.device("meta"):
         model = Transformer(seed.args)
     names = dict.fromkeys(stored_names(model).values())
@@ -115,14 +115,14 @@ def worker(opts: argparse.Namespace) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from models.llama import Transformer
-    from seedckpt.checkpoint import open_checkpoint
+    from seedckpt.layouts import open_model_checkpoint
     from seedckpt.parallel import apply_fsdp
     from seedckpt.stages import build_stages, plan_rank_stages
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    seed = open_checkpoint(opts.seed)
+    seed = open_model_checkpoint(opts.seed)
 
     def shard(module):
         apply_fsdp(module, mesh, torch.float32, torch.float32, True)

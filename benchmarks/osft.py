@@ -61,7 +61,7 @@ def svd_worker(opts: argparse.Namespace) -> None:
 
     import seedckpt.osft as osft
     import seedckpt.stages as stages
-    from seedckpt.checkpoint import open_checkpoint
+    from seedckpt.layouts import open_model_checkpoint
     from seedckpt.parallel import apply_fsdp
 
     dist.init_process_group("gloo")
@@ -80,7 +80,7 @@ def svd_worker(opts: argparse.Namespace) -> None:
         return result
 
     stages.fill_factors = timed_fill
-    args = open_checkpoint(opts.seed).args
+    args = open_model_checkpoint(opts.seed).args
     shard = (lambda m: apply_fsdp(m, mesh, torch.float32, torch.float32, True)) if mesh else None
     stages.build_stages(args, stages.plan_rank_stages(args, 0, 1), "cpu", checkpoint=opts.seed, shard_fn=shard,
                         osft=osft.OSFTSpec(RATIO), stage_group=mesh.get_group() if mesh else None)
@@ -93,11 +93,11 @@ def serial_svds(seed: str) -> dict[str, float]:
     import torch
 
     from models.llama import Transformer
-    from seedckpt.checkpoint import open_checkpoint
+    from seedckpt.layouts import open_model_checkpoint
     from seedckpt.osft import decompose, target_fqns
 
     torch.set_num_threads(1)
-    reader = open_checkpoint(seed)
+    reader = open_model_checkpoint(seed)
     with torch.device("meta"):
         model = Transformer(reader.args)
     seconds = {}
@@ -114,11 +114,11 @@ def forward_costs(seed: str) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
-    from seedckpt.checkpoint import open_checkpoint
+    from seedckpt.layouts import open_model_checkpoint
     from seedckpt.osft import OSFTLinear, decompose
 
     torch.set_num_threads(1)
-    reader = open_checkpoint(seed)
+    reader = open_model_checkpoint(seed)
     shapes = sorted({reader.infos[f].shape for f in reader.infos if f.startswith("layers.0.") and f.endswith("w1.weight")
                      or f.startswith("layers.0.") and f.endswith(("wq.weight", "wk.weight", "w2.weight"))})
     records = []

@@ -44,13 +44,13 @@ def make_hf_dir(path: Path, flavor: str) -> None:
     import torch
 
     from models.llama import LLAMA3_FLAVORS
+    from models.llama_hf import hf_config, to_hf_name
     from seedckpt.checkpoint import TensorInfo, write_json_synced
-    from seedckpt.convert import write_safetensors
-    from seedckpt.checkpoint.manifest import expected_shapes
-    from seedckpt.hf import hf_config, to_hf_name
+    from seedckpt.checkpoint.formats.safetensors_file import write_safetensors
+    from seedckpt.layouts import codec_for
 
     args = dataclasses.replace(LLAMA3_FLAVORS[flavor], tie_word_embeddings=True)
-    shapes = {f: s for f, s in expected_shapes(args).items() if f != "output.weight"}
+    shapes = {f: s for f, s in codec_for().layout(args).shapes.items() if f != "output.weight"}
     names = {to_hf_name(f): TensorInfo(s, torch.bfloat16) for f, s in shapes.items()}
     generator = torch.Generator().manual_seed(0)
 
@@ -83,11 +83,11 @@ def worker(method: str, hf_dir: str, report: str, launched: float) -> None:
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     if method == "seedckpt":
-        from seedckpt.checkpoint import open_checkpoint
+        from seedckpt.layouts import open_model_checkpoint
         from seedckpt.parallel import apply_fsdp
         from seedckpt.stages import build_stages, plan_rank_stages
 
-        args = open_checkpoint(hf_dir).args
+        args = open_model_checkpoint(hf_dir).args
         [model] = build_stages(args, plan_rank_stages(args, 0, 1), "cpu", checkpoint=hf_dir,
                                shard_fn=lambda m: apply_fsdp(m, mesh, torch.float32, torch.float32, True))
     else:

@@ -1,7 +1,7 @@
 """Llama-3 / 3.1 decoder (RMSNorm, RoPE with optional 3.1 scaling, GQA, SwiGLU).
 
 Names follow Meta's and torchtitan <= 0.2's layout (``tok_embeddings``, ``layers.{i}.attention.wq``
-...); torchtitan 0.3's renamed ones are mapped by ``seedckpt.torchtitan``, never changed here. RoPE
+...); torchtitan 0.3's renamed ones are mapped by ``models.llama_torchtitan``, never changed here. RoPE
 uses Meta's interleaved-pair convention (HF conversion therefore permutes ``wq``/``wk``).
 
 The model is *pipeline friendly* (torchtitan's recipe): ``layers`` is an ``nn.ModuleDict`` keyed
@@ -131,6 +131,10 @@ class ModelArgs:
         return cls(**d)
 
 
+# ModelArgs fields that decide which tensors exist and their shapes: a config must agree with a
+# checkpoint on these (loading an untied checkpoint into a tied model would keep one of two matrices).
+SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden_dim", "tie_word_embeddings")
+
 _LLAMA31_ROPE = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
 _LLAMA32_ROPE = dict(_LLAMA31_ROPE, factor=32.0)
 
@@ -152,6 +156,17 @@ LLAMA3_FLAVORS: dict[str, ModelArgs] = {
     "405B": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2,
                       multiple_of=4096, rope_scaling=RopeScaling(**_LLAMA31_ROPE), max_seq_len=131072),
 }
+
+
+def tied_weights(args: ModelArgs) -> dict[str, str]:
+    """FQNs whose tensor is another's: ``{tied: source}`` (a tied output is the embedding)."""
+    return {"output.weight": "tok_embeddings.weight"} if args.tie_word_embeddings else {}
+
+
+def flavor_of(args: ModelArgs) -> str | None:
+    """The released flavor with these tensor shapes, if any."""
+    return next((name for name, flavor in LLAMA3_FLAVORS.items()
+                 if all(getattr(flavor, f) == getattr(args, f) for f in SHAPE_FIELDS)), None)
 
 
 def rope_frequencies(args: ModelArgs, device: torch.device | None = None) -> torch.Tensor:

@@ -153,9 +153,10 @@ def _seed(opts, overrides) -> int:
 def _inspect(opts, _rest) -> int:
     """DCP: every entry of the metadata (optimizer state included) and the manifest. Other formats
     (HF directory, .safetensors, torch.save): their model tensors in our names."""
-    from seedckpt.checkpoint import dtype_name, open_checkpoint
+    from seedckpt.checkpoint import dtype_name
+    from seedckpt.layouts import open_model_checkpoint
 
-    source = open_checkpoint(opts.checkpoint)
+    source = open_model_checkpoint(opts.checkpoint)
     tensors = {fqn: t for fqn, t in source.tensors().items() if fqn not in source.aliases}  # stored ones
     args = source.args.to_dict() if source.args else None
     total = sum(t.nbytes for t in tensors.values())
@@ -201,11 +202,11 @@ def _verify(opts, _rest) -> int:
     """Exit 0 when every item matches its checksum (or, with none recorded, say so), 2 otherwise."""
     import time
 
-    from seedckpt.checkpoint import open_checkpoint
+    from seedckpt.layouts import open_model_checkpoint
     from seedckpt.progress import Progress
 
     # Checks .metadata's checksum, data file lengths, headers; not whether it is a whole model.
-    source = open_checkpoint(opts.checkpoint, complete=False)
+    source = open_model_checkpoint(opts.checkpoint, complete=False)
     checksums = source.checksums
     if checksums is None:
         print(f"{source.path}: complete (every data file holds what its metadata points to); {_checksum_note(source)}")

@@ -24,7 +24,8 @@ from typing import Literal
 
 import torch
 
-from models.llama import LLAMA3_FLAVORS, ModelArgs, Transformer
+from models.llama import ModelArgs
+from models.spec import ModelSpec, model_spec
 from seedckpt.errors import SeedckptError
 
 if sys.version_info >= (3, 11):
@@ -32,7 +33,6 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-MODELS = {"llama3": (Transformer, LLAMA3_FLAVORS)}
 DTypeName = Literal["float32", "bfloat16", "float16"]
 DTYPES = {name: getattr(torch, name) for name in typing.get_args(DTypeName)}
 # The torch.distributed.pipelining schedules the trainer builds and runs (torch 2.13). torch's
@@ -240,13 +240,13 @@ class JobConfig:
         read them from the pretrained checkpoint, those (``pin_model_args``)."""
         if self._pinned_args is not None:
             return self._pinned_args
-        flavors = _flavors(self.model.name)
+        flavors = self.model_spec().flavors
         if self.model.flavor not in flavors:
             raise SeedckptError(f"unknown model.flavor {self.model.flavor!r} for {self.model.name}; "
                                 f"choose one of {sorted(flavors)}")
         base = flavors[self.model.flavor].to_dict()
         try:
-            return ModelArgs.from_dict({**base, **self.model.overrides})
+            return self.model_spec().args.from_dict({**base, **self.model.overrides})
         except (TypeError, ValueError, ZeroDivisionError) as e:
             raise SeedckptError(f"invalid [model] settings: {e}") from None
 
@@ -255,15 +255,16 @@ class JobConfig:
     def pin_model_args(self, args: ModelArgs) -> None:
         self._pinned_args = args
 
+    def model_spec(self) -> ModelSpec:
+        """The spec of ``model.name``: its class, flavors and name adapters."""
+        try:
+            return model_spec(self.model.name)
+        except ValueError as e:
+            raise SeedckptError(str(e)) from None
+
     def build_model(self):
-        """The model class for ``model.name`` instantiated with ``model_args()`` (use under a device context)."""
-        return MODELS[self.model.name][0](self.model_args())
-
-
-def _flavors(name: str) -> dict[str, ModelArgs]:
-    if name not in MODELS:
-        raise SeedckptError(f"unknown model.name {name!r}; choose one of {sorted(MODELS)}")
-    return MODELS[name][1]
+        """The model ``model.name`` with ``model_args()`` (use under a device context)."""
+        return self.model_spec().model(self.model_args())
 
 
 def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -> JobConfig:

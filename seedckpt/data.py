@@ -188,18 +188,3 @@ def builtin_corpus() -> bytes:
         if spec is not None and spec.origin and spec.origin.endswith(".py"):
             parts.append(Path(spec.origin).read_bytes())
     return b"\n".join(parts)
-
-
-def make_dataset(data, vocab_size: int, seq_len: int, seed: int):
-    """The dataset that the ``[data]`` section ``data`` describes."""
-    if data.kind == "synthetic":
-        return SyntheticData(vocab_size, seq_len, seed)
-    if data.kind == "text":
-        if data.tokenizer:
-            return TextData.tokenized(data.path, data.tokenizer, vocab_size, seq_len, seed)
-        return TextData.bytes(data.path, vocab_size, seq_len, seed)
-    if data.kind == "chat":
-        from seedckpt.chat import ChatData
-
-        return ChatData(data, vocab_size, seq_len, seed)
-    raise SeedckptError(f"data.kind = {data.kind!r}; choose synthetic, text or chat")

@@ -20,12 +20,11 @@ from pathlib import Path
 
 import torch
 
-from models.llama import ModelArgs, RopeScaling, Transformer
-from seedckpt.checkpoint.manifest import SHAPE_FIELDS, manifest_osft
-from seedckpt.config import JobConfig, _flavors
+from models.llama import ModelArgs, RopeScaling
+from seedckpt.config import JobConfig
 from seedckpt.errors import SeedckptError
-from seedckpt.osft import DEFAULT_TARGETS, OSFTSpec, target_fqns
-from seedckpt.checkpoint import open_checkpoint
+from seedckpt.layouts import open_model_checkpoint
+from seedckpt.osft import DEFAULT_TARGETS, OSFTSpec, manifest_osft, target_fqns
 from seedckpt.tokenizer import load_tokenizer
 
 VOCAB_MULTIPLE = 8
@@ -42,7 +41,7 @@ def pretrained_args(path: str) -> ModelArgs:
     if not Path(path).exists():
         raise SeedckptError(f"finetune.pretrained {path} does not exist; give a DCP checkpoint directory or a "
                             "Hugging Face Llama directory (config.json + *.safetensors)")
-    checkpoint = open_checkpoint(path)
+    checkpoint = open_model_checkpoint(path)
     if manifest_osft(checkpoint.manifest) is not None:
         raise SeedckptError(f"finetune.pretrained {path} holds an OSFT run's SVD factors, not dense weights; "
                             f"for the next task export it first: seedckpt convert {path} DENSE_DIR --to dcp --dense "
@@ -55,13 +54,14 @@ def check_model_section(cfg: JobConfig, args: ModelArgs, where: str) -> None:
     model = cfg.model
     conflicts = []
     if "flavor" in model.given:
-        flavor = _flavors(model.name).get(model.flavor)
+        flavor = cfg.model_spec().flavors.get(model.flavor)
         if flavor is None:
             raise SeedckptError(f"unknown model.flavor {model.flavor!r}")
         # The flavor as the [model] overrides shape it (an 8B flavor with n_layers = 2 is fine).
         flavor = dataclasses.replace(flavor, **{k: _as_args_value(k, v) for k, v in model.overrides.items()})
         conflicts += [f"model.flavor = {model.flavor!r} has {f} = {getattr(flavor, f)!r}, the checkpoint "
-                      f"{getattr(args, f)!r}" for f in SHAPE_FIELDS if getattr(flavor, f) != getattr(args, f)]
+                      f"{getattr(args, f)!r}" for f in cfg.model_spec().shape_fields
+                      if getattr(flavor, f) != getattr(args, f)]
     conflicts += [f"model.{key} = {value!r}, the checkpoint has {getattr(args, key)!r}"
                   for key, value in model.overrides.items() if _as_args_value(key, value) != getattr(args, key)]
     if conflicts:
@@ -91,7 +91,7 @@ def check_osft_settings(cfg: JobConfig, args: ModelArgs) -> None:
         raise SeedckptError(f"finetune.osft_target_patterns = {patterns!r}: give a list of names such as "
                             "[\"attention.wq\", \"feed_forward.w1\"] (empty: the default targets)")
     with torch.device("meta"):
-        model = Transformer(args)
+        model = cfg.model_spec().model(args)
     if not target_fqns(model, patterns):
         raise SeedckptError(f"finetune.osft_target_patterns = {patterns!r} match no linear layer of the model; "
                             f"use suffixes like {', '.join(DEFAULT_TARGETS[:3])} ...")

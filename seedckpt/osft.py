@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from seedckpt.checkpoint import Checkpoint, ModelLayout, TensorInfo
 from seedckpt.errors import SeedckptError
 from seedckpt.modules import copy_full_into
 
@@ -62,6 +63,22 @@ class OSFTSpec:
 
     ratio: float
     patterns: tuple[str, ...] = ()
+
+
+def osft_record(spec: OSFTSpec) -> dict:
+    """The OSFT settings as a manifest's ``finetune`` entry records them (read by ``manifest_osft``)."""
+    return {"osft_unfreeze_rank_ratio": spec.ratio, "osft_target_patterns": list(spec.patterns)}
+
+
+def manifest_osft(manifest: dict | None) -> OSFTSpec | None:
+    """The OSFT settings an OSFT run's checkpoint was trained with (its factors' shapes follow)."""
+    finetune = (manifest or {}).get("finetune")
+    if not isinstance(finetune, dict) or finetune.get("mode") != "osft":
+        return None
+    try:
+        return OSFTSpec(float(finetune["osft_unfreeze_rank_ratio"]), tuple(finetune["osft_target_patterns"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise SeedckptError(f"the manifest's OSFT settings are damaged ({e!r})") from None
 
 
 def frozen_rank(m: int, n: int, ratio: float) -> int:
@@ -293,3 +310,31 @@ class OSFTProjector:
             for high, low in ((layer.U_high, layer.U_low), (layer.V_high, layer.V_low)):
                 worst = max(worst, torch.linalg.norm(_coefficients(high, low)).item())
         return worst
+
+
+class DenseOSFT(Checkpoint):
+    """An OSFT run's checkpoint seen as the dense model it computes: each target's ``weight`` is
+    U_high diag(S_high) V_high^T + U_low diag(S_low) V_low^T, rebuilt (in fp32, then stored in the
+    factors' dtype) only when read -- one matrix at a time, as the converters stream."""
+
+    def __init__(self, source: Checkpoint, dense: ModelLayout | None):
+        """``dense``: the model's layout without factors (what the rebuilt checkpoint holds)."""
+        self.source, self.kind = source, source.kind
+        self.targets = {fqn.removesuffix(".U_high") for fqn in source.infos if fqn.endswith(".U_high")}
+        infos = {}
+        for fqn, info in source.infos.items():
+            base, _, name = fqn.rpartition(".")
+            if base not in self.targets:
+                infos[fqn] = info
+            elif name == "U_high":
+                infos[f"{base}.weight"] = TensorInfo((info.shape[0], source.infos[f"{base}.V_high"].shape[0]),
+                                                     info.dtype)
+        super().__init__(source.path, infos, source.manifest, dense)
+
+    def read_tensor(self, fqn: str) -> torch.Tensor:
+        base = fqn.removesuffix(".weight")
+        if base not in self.targets:
+            return self.source.read_tensor(fqn)
+        f = {name: self.source.read_tensor(f"{base}.{name}").float() for name in FROZEN + TRAINABLE}
+        dense = (f["U_high"] * f["S_high"]) @ f["V_high"].T + (f["U_low"] * f["S_low"]) @ f["V_low"].T
+        return dense.to(self.infos[fqn].dtype)

@@ -83,8 +83,8 @@ def create_seed_checkpoint(cfg: JobConfig, output: str | os.PathLike, seed: int,
         bar.update(block.numel() * torch_dtype.itemsize)
         return block.view(row_stop - row_start, *shape[1:])
 
-    manifest = make_manifest("seed", cfg.model.name, cfg.model.flavor, cfg.model_args(), seed=seed, dtype=dtype,
-                             init={"recipe": RECIPE_VERSION, "chunk_numel": CHUNK_NUMEL})
+    manifest = make_manifest("seed", cfg.model.name, cfg.model.flavor, cfg.model_args().to_dict(), seed=seed,
+                             dtype=dtype, init={"recipe": RECIPE_VERSION, "chunk_numel": CHUNK_NUMEL})
     # The writer's threads do the parallelism; intra-op threads would only contend with them.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -29,10 +29,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from models.llama import ModelArgs, Transformer
-from seedckpt.checkpoint import RowWindow, open_checkpoint
+from models.llama import ModelArgs
+from models.spec import LLAMA3, ModelSpec
+from seedckpt.checkpoint import RowWindow
 from seedckpt.errors import SeedckptError
 from seedckpt.init import init_model
+from seedckpt.layouts import check_args_match, open_model_checkpoint
 from seedckpt.modules import local, local_rows, nonpersistent_buffers, state_tensors
 from seedckpt.osft import FROZEN, TRAINABLE, OSFTSpec, convert_to_osft, fill_factors
 
@@ -119,10 +121,10 @@ def plan_rank_stages(args: ModelArgs, pp_rank: int, pp_degree: int, stages_per_r
             for s in stage_ids_for_rank(pp_rank, pp_degree, stages_per_rank, schedule)]
 
 
-def build_stage_model(args: ModelArgs, spec: StageSpec) -> Transformer:
+def build_stage_model(args: ModelArgs, spec: StageSpec, model_spec: ModelSpec = LLAMA3) -> nn.Module:
     """The stage's part of the model, on ``meta`` (nothing allocated)."""
     with torch.device("meta"):
-        model = Transformer(args)
+        model = model_spec.model(args)
     owned = {str(i) for i in spec.layers}
     for name in list(model.layers):
         if name not in owned:
@@ -206,7 +208,8 @@ def _has_nan(t: torch.Tensor) -> bool:
 def build_stages(args: ModelArgs, specs: Sequence[StageSpec], device: torch.device | str,
                  checkpoint: str | None = None, seed: int | None = None,
                  shard_fn: Callable[[nn.Module], None] | None = None, grow_vocab: bool = False,
-                 osft: OSFTSpec | None = None, stage_group=None, verify: bool = True) -> list[Transformer]:
+                 osft: OSFTSpec | None = None, stage_group=None, verify: bool = True,
+                 model_spec: ModelSpec = LLAMA3) -> list[nn.Module]:
     """Build this rank's stage modules and give every tensor a value.
 
     Exactly one of ``checkpoint`` (load by FQN, the normal path: a DCP checkpoint or a Hugging Face
@@ -228,11 +231,11 @@ def build_stages(args: ModelArgs, specs: Sequence[StageSpec], device: torch.devi
     # ``args`` describes a checkpoint that records no model (a foreign DCP one), so model tensors this
     # model has no place for (extra layers) are refused, not silently left out. A grown vocabulary
     # is not the checkpoint's shape: then only what the checkpoint records is checked.
-    reader = (open_checkpoint(checkpoint, None if grow_vocab else args, complete=False, verify=verify)
-              if checkpoint is not None else None)
+    reader = (open_model_checkpoint(checkpoint, None if grow_vocab else args, complete=False, verify=verify,
+                                    model=model_spec.name) if checkpoint is not None else None)
     if reader is not None:
-        reader.check_model_args(args, grow_vocab)
-    modules = [build_stage_model(args, spec) for spec in specs]
+        check_args_match(reader, args, grow_vocab, model_spec.name)
+    modules = [build_stage_model(args, spec, model_spec) for spec in specs]
     targets = {}  # OSFT: FQN -> OSFTLinear
     if osft is not None:
         for module in modules:

@@ -49,18 +49,19 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 from torch.distributed.tensor import DTensor
 
 from seedckpt.checkpoint import (TOKENIZER_DIR, DcpCheckpoint, complete_steps, destination_lock, make_manifest,
-                                 open_checkpoint, prune_steps, step_dir, write_checkpoint)
-from seedckpt.checkpoint.manifest import (OPTIMIZER_PREFIX, RNG_PREFIX, TRAIN_STATE_KEY, manifest_osft, osft_record,
-                                       read_manifest)
+                                 prune_steps, step_dir, write_checkpoint)
+from seedckpt.checkpoint.manifest import OPTIMIZER_PREFIX, RNG_PREFIX, TRAIN_STATE_KEY, read_manifest
 from seedckpt.collectives import CollectiveTimes, time_fsdp2_collectives
 from seedckpt.config import DTYPES, JobConfig, check_output_folders, load_config
-from seedckpt.data import IGNORE_INDEX, make_dataset
+from seedckpt.data import IGNORE_INDEX
+from seedckpt.datasets import make_dataset
 from seedckpt.errors import SeedckptError
 from seedckpt.finetune import osft_spec, prepare_finetune
 from seedckpt.init import RECIPE_VERSION
+from seedckpt.layouts import open_model_checkpoint
 from seedckpt.manual_fsdp import FlatShardedModel
 from seedckpt.metrics import MetricsLogger, peak_memory_bytes
-from seedckpt.osft import OSFTProjector
+from seedckpt.osft import OSFTProjector, manifest_osft, osft_record
 from seedckpt.parallel import (ParallelDims, TiedEmbeddings, apply_activation_checkpointing, apply_fsdp,
                                reshard_after_forward)
 from seedckpt.stages import build_stages, plan_rank_stages, stage_ids_for_rank
@@ -100,7 +101,7 @@ def find_start(cfg: JobConfig) -> Start:
     if not Path(seed).is_dir():
         raise SeedckptError(f"checkpoint.seed_checkpoint {seed} does not exist; create it with "
                             f"`python create_seed_checkpoint.py --config CONFIG --output {seed}`")
-    open_checkpoint(seed, complete=False)  # damaged or incomplete: one line now, not one per rank later
+    open_model_checkpoint(seed, complete=False)  # damaged or incomplete: one line now, not one per rank later
     return Start(Path(seed), 0)
 
 
@@ -362,7 +363,7 @@ class Trainer:
         state.update(self._training_state())
         ckpt = self.cfg.checkpoint
         ft, tokenizer = self.cfg.finetune, self.cfg.data.tokenizer
-        manifest = make_manifest("train", self.cfg.model.name, self.cfg.model.flavor, self.args,
+        manifest = make_manifest("train", self.cfg.model.name, self.cfg.model.flavor, self.args.to_dict(),
                                  step=self.step, seed=self.cfg.training.seed, dtype="float32",
                                  training=dataclasses.asdict(self.cfg.training),
                                  finetune={"mode": ft.mode, "pretrained": ft.pretrained,

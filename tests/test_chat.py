@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from models.llama import ModelArgs, Transformer
 from seedckpt.chat import ChatData, render_with_mask
 from seedckpt.config import Data
-from seedckpt.data import IGNORE_INDEX, make_dataset
+from seedckpt.data import IGNORE_INDEX
+from seedckpt.datasets import make_dataset
 from seedckpt.errors import SeedckptError
 from seedckpt.tokenizer import load_tokenizer
 from tests.tokenizers import build_tiny_tokenizer, corpus_of, make_chats

@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from models.llama_hf import permute_from_hf, permute_to_hf
 from seedckpt.cli import main
 from seedckpt.config import load_config
 from seedckpt.convert import convert, diff
 from seedckpt.errors import SeedckptError
-from seedckpt.hf import permute_from_hf, permute_to_hf
+from seedckpt.layouts import open_model_checkpoint
 from seedckpt.seed import create_seed_checkpoint
 from seedckpt.stages import build_stages, plan_rank_stages
 
@@ -36,9 +37,8 @@ def _hf_llama(tie: bool = False, seed: int = 0):
 
 
 def _our_logits(checkpoint, tokens, pp: int = 1):
-    from seedckpt.checkpoint import open_checkpoint
 
-    args = open_checkpoint(checkpoint).args
+    args = open_model_checkpoint(checkpoint).args
     h = tokens
     for rank in range(pp):
         [stage] = build_stages(args, plan_rank_stages(args, rank, pp), "cpu", checkpoint=checkpoint)
@@ -90,9 +90,7 @@ def test_tied_embeddings_are_stored_once_and_read_as_the_output(tmp_path):
     hf = _hf_llama(tie=True)
     hf.save_pretrained(tmp_path / "hf")
     convert(tmp_path / "hf", tmp_path / "dcp", "dcp", progress=False)
-    from seedckpt.checkpoint import DcpCheckpoint
-
-    reader = DcpCheckpoint(tmp_path / "dcp")
+    reader = open_model_checkpoint(tmp_path / "dcp")
     assert "output.weight" not in reader.metadata.state_dict_metadata
     assert torch.equal(reader.read_tensor("output.weight"), reader.read_tensor("tok_embeddings.weight"))
     with torch.no_grad():
@@ -212,7 +210,7 @@ def test_torchtitan_03_checkpoints_load_convert_and_are_written(tmp_path, debug_
     import torch.distributed.checkpoint as dcp
 
     from seedckpt.checkpoint import DcpCheckpoint
-    from seedckpt.torchtitan import to_torchtitan_name
+    from models.llama_torchtitan import to_torchtitan_name
     from tests.conftest import stock_load, tiny_config
 
     titan = {to_torchtitan_name(k): v for k, v in stock_load(debug_seed).items()}

@@ -26,7 +26,7 @@ def _seed_state(seed_path) -> dict[str, torch.Tensor]:
 
 
 def _write_variant(path, state):
-    return write_checkpoint(path, state, make_manifest("seed", "llama3", "debug", ARGS))
+    return write_checkpoint(path, state, make_manifest("seed", "llama3", "debug", ARGS.to_dict()))
 
 
 def test_missing_tensor_is_named(debug_seed, tmp_path):

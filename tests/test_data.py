@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from seedckpt.data import ALPHABET, SyntheticData, TextData, builtin_corpus, make_dataset
+from seedckpt.data import ALPHABET, SyntheticData, TextData, builtin_corpus
+from seedckpt.datasets import make_dataset
 from seedckpt.config import Data
 from seedckpt.errors import SeedckptError
 

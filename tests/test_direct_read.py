@@ -36,9 +36,9 @@ def stock_tensors(path) -> dict[str, torch.Tensor]:
     """Every model tensor as stock DCP reads it (``FileSystemReader``: torch.load of whole items)."""
     import torch.distributed.checkpoint as dcp
 
-    from seedckpt.checkpoint import open_checkpoint
+    from seedckpt.layouts import open_model_checkpoint
 
-    state = {f: torch.empty(i.shape, dtype=i.dtype) for f, i in open_checkpoint(path).infos.items()}
+    state = {f: torch.empty(i.shape, dtype=i.dtype) for f, i in open_model_checkpoint(path).infos.items()}
     dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
     return state
 
@@ -114,8 +114,8 @@ def _layout_worker(rank, world_size, seed_path, resume_path):
             with torch.no_grad():
                 for t in modules[0].state_dict().values():
                     local(t).mul_(-3).add_(0.25)
-            write_checkpoint(resume_path, modules[0].state_dict(), make_manifest("train", "llama3", "debug", args),
-                             force=True)
+            manifest = make_manifest("train", "llama3", "debug", args.to_dict())
+            write_checkpoint(resume_path, modules[0].state_dict(), manifest, force=True)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     modules = build_stages(args, plan_rank_stages(args, rank // 2, 2), "cpu", checkpoint=resume_path,
                            shard_fn=_fsdp(mesh["dp"]))
@@ -145,7 +145,8 @@ def test_read_volume_is_bounded_by_the_rows_asked_for(tmp_path):
     """A checkpoint ~100x larger than the rows requested: the process reads (``rchar``, every byte
     through read/pread) at most 5 % more than it asks for, whatever rows it asks for -- plus, with
     checksums checked, at most the one integrity piece around each end of the request."""
-    from seedckpt.checkpoint import RowWindow, open_checkpoint
+    from seedckpt.checkpoint import RowWindow
+    from seedckpt.layouts import open_model_checkpoint
     from seedckpt.checkpoint.integrity import PIECE_BYTES
     from seedckpt.seed import create_seed_checkpoint
 
@@ -154,7 +155,7 @@ def test_read_volume_is_bounded_by_the_rows_asked_for(tmp_path):
     expected = stock_tensors(path)
     g = torch.Generator().manual_seed(0)
     for verify in (False, True):
-        checkpoint = open_checkpoint(path, verify=verify)
+        checkpoint = open_model_checkpoint(path, verify=verify)
         for trial in range(6):
             fqn = ("tok_embeddings.weight", "output.weight")[trial % 2]
             rows = int(torch.randint(1, 700, (), generator=g))
@@ -186,11 +187,11 @@ def test_damaged_positions_and_truncated_files_are_errors(tmp_path, debug_seed):
     import json
     import shutil
 
-    from seedckpt.checkpoint import open_checkpoint
+    from seedckpt.layouts import open_model_checkpoint
     from seedckpt.errors import SeedckptError
 
     args = tiny_config().model_args()
-    state = {f: torch.empty(i.shape) for f, i in open_checkpoint(debug_seed).infos.items()}
+    state = {f: torch.empty(i.shape) for f, i in open_model_checkpoint(debug_seed).infos.items()}
     lying = tmp_path / "lying"
     shutil.copytree(debug_seed, lying)
     manifest = json.loads((lying / "seedckpt.json").read_text())
@@ -199,10 +200,10 @@ def test_damaged_positions_and_truncated_files_are_errors(tmp_path, debug_seed):
             entry[1] += 10**9  # points past its item
     (lying / "seedckpt.json").write_text(json.dumps(manifest))
     with pytest.raises(SeedckptError, match="raw position .* does not fit"):
-        open_checkpoint(lying, args).load(dict(state))
+        open_model_checkpoint(lying, args).load(dict(state))
     short = tmp_path / "short"
     shutil.copytree(debug_seed, short)
     [data] = short.glob("*.distcp")
     os.truncate(data, data.stat().st_size // 2)
     with pytest.raises(SeedckptError, match="truncated"):
-        open_checkpoint(short, args).load(dict(state))
+        open_model_checkpoint(short, args).load(dict(state))

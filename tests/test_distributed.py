@@ -118,10 +118,10 @@ def _hf_stage_worker(rank, world_size, hf_dir, dcp_dir):
     """pp=2 x dp_shard=2 stages loaded from an HF directory equal those loaded from its DCP copy."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from seedckpt.checkpoint import open_checkpoint
+    from seedckpt.layouts import open_model_checkpoint
     from seedckpt.stages import build_stages, plan_rank_stages
 
-    args = open_checkpoint(dcp_dir).args
+    args = open_model_checkpoint(dcp_dir).args
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp_shard"))
     specs = plan_rank_stages(args, mesh.get_local_rank("pp"), 2)
     [from_hf] = build_stages(args, specs, "cpu", checkpoint=hf_dir, shard_fn=_fsdp(mesh["dp_shard"]))

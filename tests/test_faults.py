@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from seedckpt.checkpoint import DcpCheckpoint, open_checkpoint
+from seedckpt.checkpoint import DcpCheckpoint
+from seedckpt.layouts import open_model_checkpoint
 from seedckpt.convert import diff
 
 REPO = Path(__file__).resolve().parents[1]
@@ -135,7 +136,7 @@ def test_training_killed_anywhere_resumes_to_the_uninterrupted_losses(ctx, tmp_p
         run(ctx, _train, argv(run_dir), kill_after=point)
         for step_dir in sorted((run_dir / "ckpt").glob("step-*")) if (run_dir / "ckpt").exists() else []:
             assert DcpCheckpoint(step_dir).verify() == [], f"killed at {point:.3f}s: {step_dir} damaged"
-            open_checkpoint(step_dir)
+            open_model_checkpoint(step_dir)
         code, _ = run(ctx, _train, argv(run_dir))
         assert code == 0, f"resume after a kill at {point:.3f}s failed"
         assert _losses(run_dir) == expected, f"killed at {point:.3f}s"

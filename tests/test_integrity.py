@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from seedckpt.checkpoint import DcpCheckpoint, open_checkpoint
+from seedckpt.checkpoint import DcpCheckpoint
+from seedckpt.layouts import open_model_checkpoint
 from seedckpt.checkpoint.integrity import PIECE_BYTES, ItemChecks, PieceHasher
 from seedckpt.cli import main as cli
 from seedckpt.errors import SeedckptError
@@ -34,7 +35,7 @@ def _two_rank_checkpoint_worker(rank, world_size, path):
              f"layers.{rank}.attention_norm.weight": torch.randn(128, generator=g),
              f"rng.rank{rank}": torch.get_rng_state(),
              "train_state": {"step": 7, "lr_scheduler": {"base_lrs": [3e-4], "last_epoch": 7}}}
-    write_checkpoint(path, state, make_manifest("train", "llama3", "debug", tiny_config().model_args()))
+    write_checkpoint(path, state, make_manifest("train", "llama3", "debug", tiny_config().model_args().to_dict()))
 
 
 @pytest.fixture(scope="module")
@@ -109,10 +110,10 @@ def test_old_and_foreign_checkpoints_load_and_say_no_checksum(tmp_path, debug_se
     manifest = json.loads((old / "seedckpt.json").read_text())
     del manifest["checksums"]
     (old / "seedckpt.json").write_text(json.dumps(manifest))
-    state = {f: torch.empty(i.shape, dtype=i.dtype) for f, i in open_checkpoint(debug_seed).infos.items()}
+    state = {f: torch.empty(i.shape, dtype=i.dtype) for f, i in open_model_checkpoint(debug_seed).infos.items()}
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "foreign")), no_dist=True)
     for path in (old, tmp_path / "foreign"):
-        open_checkpoint(path, tiny_config().model_args()).load(dict(state))
+        open_model_checkpoint(path, tiny_config().model_args()).load(dict(state))
         assert cli(["inspect", str(path)]) == 0
         assert "no checksum" in capsys.readouterr().out
         assert cli(["verify", str(path), "--quiet"]) == 0
@@ -126,7 +127,7 @@ def test_a_flipped_metadata_byte_is_caught(tmp_path, debug_seed):
     data[len(data) // 2] ^= 0x01
     (path / ".metadata").write_bytes(bytes(data))
     with pytest.raises(SeedckptError, match=r"\.metadata is corrupt"):
-        open_checkpoint(path)
+        open_model_checkpoint(path)
 
 
 def test_skipping_verification_loads_corrupt_bytes(tmp_path, debug_seed):
@@ -142,9 +143,9 @@ def test_skipping_verification_loads_corrupt_bytes(tmp_path, debug_seed):
         f.seek(info.offset + info.length // 2)
         f.write(bytes([byte[0] ^ 0x80]))
     with pytest.raises(SeedckptError, match="output.weight .*corrupt"):
-        open_checkpoint(path).read_tensor("output.weight")
-    damaged = open_checkpoint(path, verify=False).read_tensor("output.weight")
-    assert not torch.equal(damaged, open_checkpoint(debug_seed).read_tensor("output.weight"))
+        open_model_checkpoint(path).read_tensor("output.weight")
+    damaged = open_model_checkpoint(path, verify=False).read_tensor("output.weight")
+    assert not torch.equal(damaged, open_model_checkpoint(debug_seed).read_tensor("output.weight"))
 
 
 def test_pieces_align_with_the_raw_data_and_reads_cover_what_they_touch():
@@ -267,7 +268,7 @@ def test_a_manifest_that_does_not_describe_its_tensors_is_refused(tmp_path, debu
     (path / "seedckpt.json").write_text(json.dumps(manifest))
     with pytest.raises(SeedckptError, match=r"weights do not match the model configuration: it has 18 model "
                                             r"tensors this model does not use, e.g. layers\.4\."):
-        open_checkpoint(path)
+        open_model_checkpoint(path)
 
 
 def test_extra_layers_of_a_checkpoint_without_manifest_are_an_error_listing_them(tmp_path, debug_seed):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from seedckpt.checkpoint import open_checkpoint
+from seedckpt.layouts import open_model_checkpoint
 from seedckpt.convert import convert
 from seedckpt.errors import SeedckptError
 from seedckpt.finetune import pretrained_args
@@ -45,7 +45,7 @@ def _svd_worker(rank, world_size, hf, hsdp=False):
     calls = []
     original = osft.decompose
     osft.decompose = lambda w, ratio: calls.append(w.shape) or original(w, ratio)
-    args = open_checkpoint(hf).args
+    args = open_model_checkpoint(hf).args
     mesh = init_device_mesh("cpu", (world_size,)) if world_size > 1 else None
     if hsdp:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
@@ -79,7 +79,7 @@ def test_distributed_svd_gives_the_same_factors_on_1_2_and_4_ranks_and_hsdp(hf_d
             assert factors.keys() == reference.keys()
             for fqn, value in factors.items():
                 assert torch.equal(value, reference[fqn]), (world, fqn)
-    reader = open_checkpoint(hf_dir)
+    reader = open_model_checkpoint(hf_dir)
     for fqn in ("layers.0.attention.wq", "layers.3.feed_forward.w2"):
         dense = reader.read_tensor(f"{fqn}.weight")
         f = {name: reference[f"{fqn}.{name}"] for name in FROZEN + TRAINABLE}
@@ -108,7 +108,7 @@ def test_osft_on_pp2_x_dp_shard2_from_hf_keeps_the_frozen_subspace(tmp_path, cha
     late = model_state(tmp_path / "run" / "ckpt" / "step-20")
     targets = sorted({k.rsplit(".", 1)[0] for k in late if k.endswith(".U_high")})
     assert len(targets) == 4 * 7
-    reader = open_checkpoint(hf_dir)
+    reader = open_model_checkpoint(hf_dir)
     for fqn in targets:
         for name in FROZEN:  # frozen: bitwise untouched by 10 more steps of AdamW
             assert torch.equal(early[f"{fqn}.{name}"], late[f"{fqn}.{name}"]), (fqn, name)
@@ -133,7 +133,7 @@ def _exports_compute_the_osft_model(tmp_path: Path, step: Path) -> None:
     from seedckpt.convert import diff
     from seedckpt.stages import build_stages, plan_rank_stages
 
-    args = open_checkpoint(step).args
+    args = open_model_checkpoint(step).args
     tokens = torch.randint(0, args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     [osft_model] = build_stages(args, plan_rank_stages(args, 0, 1), "cpu", checkpoint=step, osft=SPEC)
     convert(step, tmp_path / "hf_export", "hf", progress=False)
@@ -141,7 +141,7 @@ def _exports_compute_the_osft_model(tmp_path: Path, step: Path) -> None:
     convert(step, tmp_path / "factors", "dcp", progress=False)
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_export").eval()
     [dense] = build_stages(args, plan_rank_stages(args, 0, 1), "cpu", checkpoint=tmp_path / "dense")
-    assert "layers.0.attention.wq.weight" in open_checkpoint(tmp_path / "dense").infos
+    assert "layers.0.attention.wq.weight" in open_model_checkpoint(tmp_path / "dense").infos
     assert diff(step, tmp_path / "factors")[0]
     with torch.no_grad():
         reference = osft_model(tokens)
@@ -157,7 +157,7 @@ def _resume_build_worker(rank, world_size, step_dir):
     calls = []
     original = osft.decompose
     osft.decompose = lambda w, ratio: calls.append(1) or original(w, ratio)
-    reader = open_checkpoint(step_dir)
+    reader = open_model_checkpoint(step_dir)
     args = reader.args
     [stage] = build_stages(args, plan_rank_stages(args, rank, 2), "cpu", checkpoint=step_dir, osft=SPEC)
     saved = {k: reader.read_tensor(k) for k in stage.state_dict()}

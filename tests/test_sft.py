@@ -12,10 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from seedckpt.checkpoint import DcpCheckpoint
 from seedckpt.convert import convert
-from seedckpt.checkpoint import open_checkpoint
-from seedckpt.hf import from_hf_name
+from seedckpt.layouts import open_model_checkpoint
+from models.llama_hf import from_hf_name
 from seedckpt.stages import build_stages, plan_rank_stages
 from tests.dist import run_distributed
 from tests.tokenizers import build_tiny_tokenizer, make_chats
@@ -100,7 +99,7 @@ def test_sft_from_hf_parity_export_and_transformers_agree(tmp_path, chat_inputs,
     assert reference[-1] < reference[0] - 0.5  # the masked loss falls
 
     step = tmp_path / "split" / "ckpt" / "step-10"
-    args = DcpCheckpoint(step).args
+    args = open_model_checkpoint(step).args
     assert args.tie_word_embeddings == tie and args.vocab_size == -(-tokenizer_vocab // 8) * 8
     convert(step, tmp_path / "export", "hf", progress=False)
     config = json.loads((tmp_path / "export" / "config.json").read_text())
@@ -135,7 +134,7 @@ def _read_recording_worker(rank, world_size, hf_dir, dcp_dir):
             return original(self, plan, planner)
         cls.read_data = recording
 
-    args = open_checkpoint(dcp_dir).args
+    args = open_model_checkpoint(dcp_dir).args
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp_shard"))
     specs = plan_rank_stages(args, mesh.get_local_rank("pp"), 2)
     out = {}
@@ -173,7 +172,7 @@ def _vocab_growth_worker(rank, world_size, checkpoint, vocab):
 
     from seedckpt.modules import local_rows
 
-    args = dataclasses.replace(open_checkpoint(checkpoint).args, vocab_size=vocab)
+    args = dataclasses.replace(open_model_checkpoint(checkpoint).args, vocab_size=vocab)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp_shard"))
     specs = plan_rank_stages(args, mesh.get_local_rank("pp"), 2)
     [stage] = build_stages(args, specs, "cpu", checkpoint=checkpoint, grow_vocab=True,
@@ -186,7 +185,7 @@ def _vocab_growth_worker(rank, world_size, checkpoint, vocab):
 def test_vocab_growth_across_pipeline_and_fsdp_shards(tmp_path, source):
     hf = _hf_llama(tmp_path / "hf", 40, tie=False)
     checkpoint = hf if source == "hf" else convert(hf, tmp_path / "dcp", "dcp", progress=False)
-    full = {f: open_checkpoint(checkpoint).read_tensor(f) for f in ("tok_embeddings.weight", "output.weight")}
+    full = {f: open_model_checkpoint(checkpoint).read_tensor(f) for f in ("tok_embeddings.weight", "output.weight")}
     seen = {f: [] for f in full}
     for result in run_distributed(_vocab_growth_worker, 4, str(checkpoint), 128):
         for fqn, ((lo, hi), rows) in result.items():

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import seedckpt.checkpoint.writer as writer_module
-from seedckpt.checkpoint import complete_steps, open_checkpoint, write_checkpoint
+from seedckpt.checkpoint import complete_steps, write_checkpoint
+from seedckpt.layouts import open_model_checkpoint
 from seedckpt.checkpoint.atomic import atomic_output, check_destination, destination_lock
 from seedckpt.cli import main
 from seedckpt.convert import convert, diff
@@ -92,7 +93,7 @@ def test_a_killed_holder_does_not_block_the_next_writer(tmp_path):
         holder.stdout.close()
     assert os.listdir(tmp_path) == [".out.lock"]
     create_seed_checkpoint(tiny_config(), dst, seed=0, progress=False)
-    assert os.listdir(tmp_path) == ["out"] and open_checkpoint(dst).manifest["seed"] == 0
+    assert os.listdir(tmp_path) == ["out"] and open_model_checkpoint(dst).manifest["seed"] == 0
 
 
 def test_two_racing_seeds_publish_one_whole_checkpoint(tmp_path):
@@ -107,7 +108,7 @@ def test_two_racing_seeds_publish_one_whole_checkpoint(tmp_path):
     [(code, _, err)] = [result for seed, result in results.items() if seed != winner]
     assert code == 2 and _holder(procs[winner].pid) in err and err.endswith(FIX), err
     assert f"seed {winner}," in results[winner][1]
-    assert open_checkpoint(out).manifest["seed"] == winner
+    assert open_model_checkpoint(out).manifest["seed"] == winner
     assert main([*SEED, "--output", str(tmp_path / "alone"), "--seed", str(winner), *big]) == 0
     equal, lines = diff(out, tmp_path / "alone")
     assert equal, lines
@@ -133,12 +134,12 @@ def test_force_replaces_only_an_output_of_its_own_kind(tmp_path, debug_seed, cap
     seed = tmp_path / "seed"
     assert main([*SEED, "--output", str(seed), "--seed", "1"]) == 0
     assert main([*SEED, "--output", str(seed), "--seed", "2", "--force"]) == 0
-    assert open_checkpoint(seed).manifest["seed"] == 2
+    assert open_model_checkpoint(seed).manifest["seed"] == 2
     file = tmp_path / "m.safetensors"
     convert(debug_seed, file, "safetensors", progress=False)
     assert main(["convert", str(debug_seed), str(file), "--to", "safetensors", "--dtype", "bfloat16", "--force",
                  "--quiet"]) == 0
-    assert open_checkpoint(file).infos["norm.weight"].dtype == torch.bfloat16
+    assert open_model_checkpoint(file).infos["norm.weight"].dtype == torch.bfloat16
     assert sorted(os.listdir(tmp_path)) == ["docs", "folder", "m.safetensors", "seed"]
 
 
@@ -180,7 +181,7 @@ def test_stale_partials_are_never_read_and_the_next_write_removes_them(tmp_path,
     for partial in stale:
         shutil.copytree(debug_seed, partial)  # even a complete-looking one stays unread
         with pytest.raises(SeedckptError, match="incomplete output of an interrupted write"):
-            open_checkpoint(partial)
+            open_model_checkpoint(partial)
     (tmp_path / ".out.safetensors.123.partial").write_text("")  # another destination's: not ours to remove
     convert(debug_seed, tmp_path / "out", "dcp", progress=False)
     assert sorted(os.listdir(tmp_path)) == [".out.safetensors.123.partial", "out"]

@@ -1,34 +1,39 @@
-"""Checkpoint I/O: the one reader and the one writer.
+"""Checkpoint I/O: the one reader and the one writer, knowing no model.
 
 Every read (seed, stage load, resume, convert, inspect, diff) starts at ``open_checkpoint`` and
-every write goes through ``write_checkpoint`` (or, for converted files, ``atomic_output``), so
-validation, safety and crash-safety live in one place each. By responsibility:
+every write goes through ``write_checkpoint`` (DCP) or a format's ``write`` (``atomic_output``), so
+validation, safety and crash-safety live in one place each. What this layer knows of a model comes
+from its caller (``model``: expected shapes, tied FQNs, name adapters). By responsibility:
 
-* ``reader`` -- ``open_checkpoint(path)``: format detection, returns a ``base.Checkpoint``;
-  ``dcp_reader``, ``files`` (HF directory, safetensors file, torch.save file) implement it.
+* ``formats`` -- one module per format (DCP, torchtitan names over DCP, HF directory, one
+  safetensors file, torch.save file), each with a reader and ``write``; ``open_checkpoint``.
+* ``base`` -- ``Checkpoint``, what every reader offers; ``WriteJob``, what every writer takes.
+* ``model`` -- ``ModelLayout`` and the codec / name-adapter protocols a caller implements.
 * ``direct`` -- reading only the bytes a rank owns, straight into its tensors.
 * ``load`` -- DCP load with checks, ``RowWindow`` (some rows of a checkpoint tensor).
 * ``writer`` -- the streaming DCP writer (raw positions recorded), the lazy save planner.
 * ``atomic`` -- one writer per destination (a lock), ``.NAME.<pid>.partial`` + rename publishing.
 * ``integrity`` -- CRC32C checksums of every written byte, checked on every read.
-* ``manifest`` -- ``seedckpt.json``, tensor tables, model-args checks, training-state names.
-* ``safe_pickle`` / ``safetensors_header`` -- parsing untrusted metadata.
+* ``manifest`` -- ``seedckpt.json``, tensor tables, training-state names.
+* ``safe_pickle`` / ``safetensors_header`` / ``untrusted`` -- parsing untrusted metadata.
 * ``steps`` -- a training run's ``step-N`` folders.
 """
 
 from seedckpt.checkpoint.atomic import (PARTIAL_SUFFIX, atomic_output, check_destination, destination_lock,
                                        write_json_synced)
-from seedckpt.checkpoint.base import Checkpoint
-from seedckpt.checkpoint.dcp_reader import DcpCheckpoint
+from seedckpt.checkpoint.base import Checkpoint, WriteJob
+from seedckpt.checkpoint.formats import FORMATS, open_checkpoint
+from seedckpt.checkpoint.formats.dcp import DcpCheckpoint
 from seedckpt.checkpoint.load import RowWindow
-from seedckpt.checkpoint.manifest import (MANIFEST_NAME, SHAPE_FIELDS, TOKENIZER_DIR, TensorInfo, dtype_name,
-                                          is_model_key, make_manifest)
-from seedckpt.checkpoint.reader import open_checkpoint
+from seedckpt.checkpoint.manifest import (MANIFEST_NAME, TOKENIZER_DIR, TensorInfo, dtype_name, is_model_key,
+                                          make_manifest)
+from seedckpt.checkpoint.model import ModelLayout
 from seedckpt.checkpoint.safe_pickle import SafeFileSystemReader
 from seedckpt.checkpoint.steps import complete_steps, prune_steps, step_dir
 from seedckpt.checkpoint.writer import LazySavePlanner, StreamingFileSystemWriter, write_checkpoint
 
-__all__ = ["PARTIAL_SUFFIX", "atomic_output", "check_destination", "destination_lock", "write_json_synced", "Checkpoint",
-           "DcpCheckpoint", "RowWindow", "MANIFEST_NAME", "SHAPE_FIELDS", "TOKENIZER_DIR", "TensorInfo", "dtype_name",
-           "is_model_key", "make_manifest", "open_checkpoint", "SafeFileSystemReader", "complete_steps",
-           "prune_steps", "step_dir", "LazySavePlanner", "StreamingFileSystemWriter", "write_checkpoint"]
+__all__ = ["PARTIAL_SUFFIX", "atomic_output", "check_destination", "destination_lock", "write_json_synced",
+           "Checkpoint", "WriteJob", "FORMATS", "open_checkpoint", "DcpCheckpoint", "RowWindow", "MANIFEST_NAME", "TOKENIZER_DIR",
+           "TensorInfo", "dtype_name", "is_model_key", "make_manifest", "ModelLayout", "SafeFileSystemReader",
+           "complete_steps", "prune_steps", "step_dir", "LazySavePlanner", "StreamingFileSystemWriter",
+           "write_checkpoint"]

@@ -1,39 +1,52 @@
 """``Checkpoint``: what every reader offers, whatever the format.
 
 One protocol for every command and the stage builder: the tensor table (our FQNs), the manifest
-and model args, ``read_tensor`` (one whole tensor, for convert/diff) and ``load`` (a state dict in
-place, each rank reading only what it asks for), plus the checks that run before anything is
-allocated.
+and the model it records, ``read_tensor`` (one whole tensor, for convert/diff) and ``load`` (a
+state dict in place, each rank reading only what it asks for), plus the checks that run before
+anything is allocated. What it knows of the model comes from its caller (``checkpoint.model``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from models.llama import ModelArgs
 from seedckpt.checkpoint.load import RowWindow, tensor_problems
-from seedckpt.checkpoint.manifest import (TensorInfo, check_args_match, expected_shapes, is_model_key, manifest_osft,
-                                          manifest_args, manifest_flavor)
+from seedckpt.checkpoint.manifest import TensorInfo, is_model_key
+from seedckpt.checkpoint.model import ModelCodec, ModelLayout
 from seedckpt.errors import SeedckptError
 from seedckpt.modules import copy_full_into
 
 
 class Checkpoint:
-    """An opened checkpoint. ``infos``: its model tensors by our FQNs; ``args``: the model it
-    records (or the one the caller described, for formats that record none)."""
+    """An opened checkpoint. ``infos``: its model tensors by our FQNs; ``layout``: the model it
+    records (through the caller's ``codec``), else the one the caller described, else None."""
 
     kind = ""
     checksums = None  # ``integrity.Checksums`` where the format records them (our DCP checkpoints)
 
     def __init__(self, path: Path, infos: dict[str, TensorInfo], manifest: dict | None,
-                 args: ModelArgs | None = None):
+                 recorded: ModelLayout | None = None, layout: ModelLayout | None = None):
         self.path, self.infos, self.manifest = path, infos, manifest
-        self.recorded_args = manifest_args(manifest, path)
-        self.args = self.recorded_args or args
+        self.recorded, self.layout = recorded, recorded or layout
         # FQNs that are not stored but read from another tensor: {fqn: source} (a tied output).
         self.aliases: dict[str, str] = {}
+
+    @property
+    def args(self):
+        """The model's configuration object (the model spec's), or None when nobody described it."""
+        return self.layout.args if self.layout is not None else None
+
+    def alias_tied(self, stored: dict[str, TensorInfo]) -> None:
+        """Give each tied FQN the model declares (``layout.aliases``) and the checkpoint does not store
+        its source's entry: a tied checkpoint stores the matrix once (seeds and HF do)."""
+        for fqn, source in (self.layout.aliases if self.layout is not None else {}).items():
+            if fqn not in stored and source in stored:
+                self.infos[fqn] = stored[source]
+                self.aliases[fqn] = source
 
     def tensors(self) -> dict[str, TensorInfo]:
         """Every tensor entry (training state included where the format has it), by our FQNs."""
@@ -55,25 +68,19 @@ class Checkpoint:
                 else:
                     copy_full_into(wanted, full)
 
-    def require_args(self) -> ModelArgs:
-        if self.args is None:
+    def require_args(self):
+        if self.layout is None:
             raise SeedckptError(f"{self.path} does not record its model configuration; pass --config with the "
                                 "config it was trained with")
-        return self.args
+        return self.layout.args
 
-    def check_model_args(self, args: ModelArgs, grow_vocab: bool = False) -> None:
-        """Fail (before any allocation) if ``args`` does not describe the checkpoint's model.
-        A foreign checkpoint that records no model is checked tensor by tensor at load time."""
-        if self.recorded_args is not None:
-            check_args_match(self.recorded_args, args, self.path, manifest_flavor(self.manifest), grow_vocab)
-
-    def check_against_args(self, complete: bool = True) -> None:
-        """The tensors must be the model that ``args`` describes (a manifest that disagrees with the
+    def check_against_layout(self, complete: bool = True) -> None:
+        """The tensors must be the model the layout describes (a manifest that disagrees with the
         tensors beside it is not trusted); with ``complete``, all of it (conversion, diff), else
         what a stage does not need may be absent (``check_covers`` names what a load lacks)."""
-        if self.args is None:
+        if self.layout is None:
             return
-        want = expected_shapes(self.args, manifest_osft(self.manifest))
+        want = self.layout.shapes
         problems = [f"{f}: missing" for f in want if f not in self.infos and complete]
         problems += [f"{f}: shape {list(i.shape)}, config implies {list(want[f])}"
                      for f, i in self.infos.items() if f in want and i.shape != want[f]]
@@ -107,3 +114,28 @@ class Checkpoint:
     def has_entry(self, key: str) -> bool:
         """A non-tensor entry (training state) is present; only DCP checkpoints store them."""
         return False
+
+
+@dataclass(frozen=True)
+class WriteJob:
+    """What a format's ``write(source, dst, job)`` writes: these tensors of ``source`` (our FQNs, in
+    file order, each in the dtype given) with this manifest. ``shard_bytes``: the most bytes per file
+    for formats that shard (HF); ``codec``: the caller's model knowledge, for formats that name the
+    model their way (HF names and ``config.json``, torchtitan's names)."""
+
+    infos: dict[str, TensorInfo]
+    manifest: dict
+    force: bool = False
+    on_bytes: Callable[[int], None] = lambda nbytes: None
+    shard_bytes: int = 5 * 10**9
+    codec: ModelCodec | None = None
+
+
+def recorded_layout(codec: ModelCodec | None, manifest: dict | None, where) -> ModelLayout | None:
+    """The model ``manifest`` records, as the caller's codec reads it (None without either)."""
+    if codec is None or manifest is None:
+        return None
+    try:
+        return codec.recorded_layout(manifest)
+    except ValueError as e:
+        raise SeedckptError(f"{where}: the seedckpt manifest is damaged ({e})") from None

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from seedckpt.checkpoint.manifest import TensorInfo
 from seedckpt.checkpoint.untrusted import MAX_METADATA_BYTES, read_bounded
 from seedckpt.errors import SeedckptError
 
@@ -64,6 +65,12 @@ def parse_dcp_metadata(data: bytes, path: Path) -> Metadata:
     if not isinstance(metadata, Metadata):
         raise SeedckptError(f"{path} does not hold DCP metadata")
     return metadata
+
+
+def tensor_infos(metadata: Metadata) -> dict[str, TensorInfo]:
+    """The tensors a DCP checkpoint stores, by stored key."""
+    return {fqn: TensorInfo(tuple(md.size), md.properties.dtype)
+            for fqn, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
 
 
 class SafeFileSystemReader(FileSystemReader):

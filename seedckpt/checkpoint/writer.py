@@ -26,8 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties,
-                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import (SavePlan, SavePlanner, TensorWriteData, WriteItem,
                                                   WriteItemType)
 from torch.distributed.checkpoint.storage import WriteResult
@@ -37,12 +36,9 @@ from seedckpt.checkpoint.atomic import atomic_output, write_json_synced
 from seedckpt.checkpoint.integrity import (CHECKSUMS_KEY, ItemChecks, PieceHasher, check_data_files, checksums_record,
                                            crc, file_sizes)
 from seedckpt.checkpoint.load import quiet_single_process_dcp, root_cause
-from seedckpt.checkpoint.manifest import MANIFEST_NAME, TensorInfo, dtype_name, is_model_key
-from seedckpt.checkpoint.safe_pickle import parse_dcp_metadata
+from seedckpt.checkpoint.manifest import MANIFEST_NAME, RAW_ITEMS_KEY, dtype_name, is_model_key
+from seedckpt.checkpoint.safe_pickle import parse_dcp_metadata, tensor_infos
 from seedckpt.errors import SeedckptError
-
-RAW_ITEMS_KEY = "raw_items"  # manifest: {file: [[item offset, raw data offset, raw nbytes], ...]}
-
 
 @dataclass
 class _Written:
@@ -273,12 +269,6 @@ def _compact_cpu(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.is_contiguous() and tensor.untyped_storage().nbytes() == tensor.nbytes:
         return tensor
     return tensor.clone(memory_format=torch.contiguous_format)
-
-
-def tensor_infos(metadata: Metadata) -> dict[str, TensorInfo]:
-    """The tensors a DCP checkpoint stores, by stored key."""
-    return {fqn: TensorInfo(tuple(md.size), md.properties.dtype)
-            for fqn, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
 
 
 def write_checkpoint(path: str | os.PathLike, state_dict: dict, manifest: dict, force: bool = False,

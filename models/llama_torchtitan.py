@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import re
 
+import torch
+
 _QKV_OURS = re.compile(r"(layers\.\d+\.attention)\.(w[qkv])\.weight")
 _QKV_THEIRS = re.compile(r"(layers\.\d+\.attention)\.qkv_linear\.(w[qkv])\.weight")
 
@@ -23,12 +25,23 @@ def to_torchtitan_name(fqn: str) -> str:
 
 
 def from_torchtitan_name(key: str) -> str:
-    """torchtitan 0.3's name -> our FQN (other keys pass through)."""
+    """torchtitan 0.3's name -> our FQN (other keys, training state included, pass through)."""
     if key == "lm_head.weight":
         return "output.weight"
     return _QKV_THEIRS.sub(r"\1.\2.weight", key) if _QKV_THEIRS.fullmatch(key) else key
 
 
-def stored_names(keys) -> dict[str, str]:
-    """For a checkpoint with these keys: ``{our FQN: stored key}`` where they differ (torchtitan 0.3)."""
-    return {ours: key for key in keys if (ours := from_torchtitan_name(key)) != key}
+class TorchtitanNames:
+    """torchtitan 0.3's names as the checkpoint layer's name adapter: a renaming, rows untouched."""
+
+    def to_stored(self, fqn: str) -> str:
+        return to_torchtitan_name(fqn)
+
+    def from_stored(self, name: str) -> str:
+        return from_torchtitan_name(name)
+
+    def row_groups(self, fqn: str) -> None:
+        return None
+
+    def to_stored_rows(self, fqn: str, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor

@@ -1,7 +1,8 @@
 """DCP checkpoints: ours (read at the recorded raw positions) and foreign ones (the stock way).
 
-torchtitan 0.3 names are mapped to ours (``seedckpt.torchtitan``), so its checkpoints load as
-they are; our names never change.
+Other tools' names for the model's tensors (the caller's ``codec.renamings``: torchtitan 0.3's) are
+mapped to ours, so their checkpoints load as they are; our names never change. ``write`` streams
+any checkpoint into a DCP one through the one writer, optionally in another tool's names.
 """
 
 from __future__ import annotations
@@ -13,16 +14,19 @@ from pathlib import Path
 import torch
 
 from seedckpt.checkpoint.atomic import PARTIAL_SUFFIX
-from seedckpt.checkpoint.base import Checkpoint
+from seedckpt.checkpoint.base import Checkpoint, WriteJob, recorded_layout
 from seedckpt.checkpoint.direct import READ_THREADS, DirectFileSystemReader
 from seedckpt.checkpoint.integrity import Checksums, ItemChecks, check_data_files, data_file, verify_item
 from seedckpt.checkpoint.load import copy_shared, load_state, one_destination_per_source
-from seedckpt.checkpoint.manifest import TensorInfo, is_model_key, read_manifest
-from seedckpt.checkpoint.safe_pickle import parse_dcp_metadata
+from seedckpt.checkpoint.manifest import RAW_ITEMS_KEY, TensorInfo, is_model_key, read_manifest
+from seedckpt.checkpoint.model import ModelCodec, ModelLayout, NameAdapter
+from seedckpt.checkpoint.safe_pickle import parse_dcp_metadata, tensor_infos
 from seedckpt.checkpoint.untrusted import MAX_METADATA_BYTES, read_bounded
-from seedckpt.checkpoint.writer import RAW_ITEMS_KEY, tensor_infos
+from seedckpt.checkpoint.writer import LazySavePlanner, write_checkpoint
 from seedckpt.errors import SeedckptError
-from seedckpt.torchtitan import from_torchtitan_name, stored_names
+
+OUR_NAMES = True  # stores any tensor under our FQNs (OSFT factors too)
+TIED_STORED_ONCE = True  # a tied matrix is stored once; the reader aliases the other FQN to it
 
 
 class DcpCheckpoint(Checkpoint):
@@ -30,9 +34,12 @@ class DcpCheckpoint(Checkpoint):
 
     kind = "dcp"
 
-    def __init__(self, path: str | os.PathLike, args=None, verify: bool = True):
-        """``verify``: check every byte read against the checksums the manifest records (on by default;
-        checkpoints from before checksums, and foreign ones, have none to check)."""
+    def __init__(self, path: str | os.PathLike, codec: ModelCodec | None = None, layout: ModelLayout | None = None,
+                 verify: bool = True):
+        """``codec``/``layout``: the caller's model knowledge (``checkpoint.model``); without them,
+        tensors keep their stored names. ``verify``: check every byte read against the checksums the
+        manifest records (on by default; checkpoints from before checksums, and foreign ones, have
+        none to check)."""
         path = Path(path)
         if path.name.endswith(PARTIAL_SUFFIX):
             raise SeedckptError(f"{path} is an incomplete checkpoint left by an interrupted write; "
@@ -51,18 +58,18 @@ class DcpCheckpoint(Checkpoint):
         self.metadata = parse_dcp_metadata(data, path / ".metadata")
         check_data_files(path, self.metadata.storage_data, self.checksums.files if self.checksums else None)
         self.check_reads = verify and self.checksums is not None
-        # Our FQN -> the key stored, where a checkpoint uses other names (torchtitan 0.3).
-        self.stored = stored_names(self.metadata.state_dict_metadata)
-        self.all_tensors = {from_torchtitan_name(k): v for k, v in tensor_infos(self.metadata).items()}
-        super().__init__(path, {f: i for f, i in self.all_tensors.items() if is_model_key(f)}, manifest, args)
+        # Our FQN -> the key stored, where a checkpoint uses another tool's names.
+        self.stored = _renamed(self.metadata.state_dict_metadata, codec.renamings.values() if codec else ())
+        ours = {key: fqn for fqn, key in self.stored.items()}
+        self.all_tensors = {ours.get(k, k): v for k, v in tensor_infos(self.metadata).items()}
+        super().__init__(path, {f: i for f, i in self.all_tensors.items() if is_model_key(f)}, manifest,
+                         recorded_layout(codec, manifest, path), layout)
         raw = (manifest or {}).get(RAW_ITEMS_KEY)
         self.raw_items = raw if isinstance(raw, dict) else {}
-        embedding = self.all_tensors.get("tok_embeddings.weight")
-        if self.args is not None and self.args.tie_word_embeddings and embedding and "output.weight" not in self.infos:
-            # A tied checkpoint may store the matrix once (seeds do): the output reads the embedding.
-            self.stored["output.weight"] = self.stored.get("tok_embeddings.weight", "tok_embeddings.weight")
-            self.all_tensors["output.weight"] = self.infos["output.weight"] = embedding
-            self.aliases["output.weight"] = "tok_embeddings.weight"
+        self.alias_tied(dict(self.all_tensors))
+        for fqn, source in self.aliases.items():
+            self.stored[fqn] = self.stored.get(source, source)
+            self.all_tensors[fqn] = self.infos[fqn]
 
     def tensors(self) -> dict[str, TensorInfo]:
         return self.all_tensors
@@ -122,6 +129,30 @@ class DcpCheckpoint(Checkpoint):
             for fd in fds.values():
                 os.close(fd)
         return problems
+
+
+def _renamed(keys, renamings) -> dict[str, str]:
+    """``{our FQN: stored key}`` for the keys that one of the ``renamings`` maps to another name."""
+    stored = {}
+    for key in keys:
+        for names in renamings:
+            fqn = names.from_stored(key)
+            if fqn is not None and fqn != key:
+                stored[fqn] = key
+                break
+    return stored
+
+
+def write(source: Checkpoint, dst: Path, job: WriteJob, names: NameAdapter | None = None) -> Path:
+    """``source``'s tensors as a DCP checkpoint with ``job.manifest``, each read when the writer asks
+    for it (one tensor in memory at a time); ``names``: another tool's names instead of ours."""
+    fqn_of = {names.to_stored(f) if names else f: f for f in job.infos}
+
+    def produce(key: str, start: int, stop: int) -> torch.Tensor:
+        job.on_bytes(job.infos[fqn_of[key]].nbytes)
+        return source.read_tensor(fqn_of[key])[start:stop]
+    state = {k: torch.empty(job.infos[f].shape, dtype=job.infos[f].dtype, device="meta") for k, f in fqn_of.items()}
+    return write_checkpoint(dst, state, job.manifest, force=job.force, planner=LazySavePlanner(produce), lookahead=1)
 
 
 def _describe(index) -> str:

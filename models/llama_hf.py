@@ -1,10 +1,14 @@
-"""Hugging Face Llama layout: tensor names, the q/k RoPE permutation and ``config.json``.
+"""Hugging Face's layout of a Llama: tensor names, the q/k RoPE permutation and ``config.json``.
 
 Meta's (and our) RoPE rotates interleaved pairs ``(x0, x1), (x2, x3), ...`` of each head; HF's
 ``LlamaForCausalLM`` rotates halves ``(x0, x_{d/2}), ...``. Converting ``wq``/``wk`` therefore
 reorders the rows *within each head* (per KV head for ``wk``, which matters with GQA). Getting this
 wrong is subtle: logits still look plausible (torchtitan measured KL 5.4e-6 instead of ~1e-13), so
 tests compare logits against ``transformers`` at 1e-5.
+
+``HFNames`` is this layout as the checkpoint layer's name adapter (``seedckpt.checkpoint.model``):
+it maps names both ways and says which tensors' rows are permuted in groups (heads). Errors here are
+``ValueError``s; the format that reads or writes the file names it.
 """
 
 from __future__ import annotations
@@ -13,9 +17,7 @@ import re
 
 import torch
 
-from models.llama import LLAMA3_FLAVORS, ModelArgs, RopeScaling
-from seedckpt.checkpoint.manifest import SHAPE_FIELDS
-from seedckpt.errors import SeedckptError
+from models.llama import LLAMA3_FLAVORS, ModelArgs, RopeScaling, flavor_of
 
 _LAYER = {
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -42,7 +44,7 @@ def to_hf_name(fqn: str) -> str:
     m = _OURS.fullmatch(fqn)
     if m and m.group(2) in _LAYER:
         return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}"
-    raise SeedckptError(f"{fqn} has no Hugging Face Llama name")
+    raise ValueError(f"{fqn} has no Hugging Face Llama name")
 
 
 def from_hf_name(name: str) -> str | None:
@@ -54,7 +56,7 @@ def from_hf_name(name: str) -> str | None:
         return f"layers.{m.group(1)}.{_LAYER_INV[m.group(2)]}"
     if name.endswith("rotary_emb.inv_freq"):
         return None
-    raise SeedckptError(f"unexpected tensor {name!r} in a Llama checkpoint")
+    raise ValueError(f"unexpected tensor {name!r} in a Llama checkpoint")
 
 
 def heads_of(fqn: str, args: ModelArgs) -> int | None:
@@ -76,6 +78,31 @@ def permute_from_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Half-split rows -> interleaved-pair rows, per head (inverse of ``permute_to_hf``)."""
     rows, cols = w.shape
     return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+class HFNames:
+    """The name adapter between our FQNs and HF's for one model (``args`` gives the head counts)."""
+
+    def __init__(self, args: ModelArgs):
+        self.args = args
+
+    def to_stored(self, fqn: str) -> str:
+        return to_hf_name(fqn)
+
+    def from_stored(self, name: str) -> str | None:
+        return from_hf_name(name)
+
+    def row_groups(self, fqn: str) -> int | None:
+        """Rows of ``fqn`` are permuted within this many equal groups (its heads), or None."""
+        return heads_of(fqn, self.args)
+
+    def to_stored_rows(self, fqn: str, tensor: torch.Tensor) -> torch.Tensor:
+        heads = heads_of(fqn, self.args)
+        return permute_to_hf(tensor, heads) if heads else tensor
+
+    def from_stored_rows(self, tensor: torch.Tensor, groups: int) -> torch.Tensor:
+        """Whole groups of rows as stored -> ours."""
+        return permute_from_hf(tensor, groups)
 
 
 def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict:
@@ -101,19 +128,19 @@ def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict:
 def args_from_hf_config(cfg: dict) -> ModelArgs:
     """Our ModelArgs for an HF Llama ``config.json`` (a released flavor's own args when shapes match)."""
     if cfg.get("model_type") not in (None, "llama"):
-        raise SeedckptError(f"config.json has model_type {cfg.get('model_type')!r}; only Llama is supported")
+        raise ValueError(f"config.json has model_type {cfg.get('model_type')!r}; only Llama is supported")
     try:
         dim, hidden = cfg["hidden_size"], cfg["intermediate_size"]
         n_heads = cfg["num_attention_heads"]
         if cfg.get("head_dim") not in (None, dim // n_heads):
-            raise SeedckptError(f"config.json head_dim {cfg['head_dim']} != hidden_size / num_attention_heads")
+            raise ValueError(f"config.json head_dim {cfg['head_dim']} != hidden_size / num_attention_heads")
         rope = cfg.get("rope_scaling") or cfg.get("rope_parameters")
         scaling = None
         if rope and rope.get("rope_type", rope.get("type")) == "llama3":
             scaling = RopeScaling(**{k: rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
                                                           "original_max_position_embeddings")})
         elif rope and rope.get("rope_type", rope.get("type")) not in (None, "default"):
-            raise SeedckptError(f"unsupported rope scaling {rope!r}; only Llama-3 ('llama3') scaling is supported")
+            raise ValueError(f"unsupported rope scaling {rope!r}; only Llama-3 ('llama3') scaling is supported")
         theta = cfg.get("rope_theta", (rope or {}).get("rope_theta", 10000.0))
         base = int(2 * 4 * dim / 3)
         args = ModelArgs(dim=dim, n_layers=cfg["num_hidden_layers"], n_heads=n_heads,
@@ -124,9 +151,9 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
                          max_seq_len=cfg.get("max_position_embeddings", 8192),
                          tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)))
     except KeyError as e:
-        raise SeedckptError(f"config.json lacks {e.args[0]!r}; is it a Llama config?") from None
+        raise ValueError(f"config.json lacks {e.args[0]!r}; is it a Llama config?") from None
     if args.ffn_hidden_dim != hidden:
-        raise SeedckptError(f"cannot express intermediate_size={hidden} for hidden_size={dim}")
+        raise ValueError(f"cannot express intermediate_size={hidden} for hidden_size={dim}")
     name = flavor_of(args)
     if name is None:
         return args
@@ -134,9 +161,3 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
     return ModelArgs(**{**canonical.to_dict(), "norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
                         "rope_scaling": args.rope_scaling, "max_seq_len": args.max_seq_len,
                         "tie_word_embeddings": args.tie_word_embeddings})
-
-
-def flavor_of(args: ModelArgs) -> str | None:
-    """The released flavor with these tensor shapes, if any."""
-    return next((name for name, flavor in LLAMA3_FLAVORS.items()
-                 if all(getattr(flavor, f) == getattr(args, f) for f in SHAPE_FIELDS)), None)

@@ -1,0 +1,53 @@
+"""Checkpoint formats, one module each, every one with a reader and a ``write(source, dst, job)``.
+
+* ``dcp`` -- ours and foreign DCP checkpoints (other tools' names mapped through the caller's codec);
+* ``torchtitan`` -- DCP in torchtitan 0.3's names: an adapter over ``dcp`` (written; read as ``dcp``);
+* ``hf`` -- a Hugging Face model directory;
+* ``safetensors_file`` -- one ``.safetensors`` file with our FQNs;
+* ``torch_file`` -- a ``torch.save`` file.
+
+``open_checkpoint`` is the one way into a checkpoint, whatever its format; ``FORMATS`` maps each
+``convert --to`` target to its module. Each module also says whether it stores any tensor under our
+FQNs (``OUR_NAMES``: OSFT factors fit) and whether it stores a tied matrix once (``TIED_STORED_ONCE``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from seedckpt.checkpoint.atomic import PARTIAL_SUFFIX
+from seedckpt.checkpoint.base import Checkpoint
+from seedckpt.checkpoint.formats import dcp, hf, safetensors_file, torch_file, torchtitan
+from seedckpt.checkpoint.model import ModelCodec, ModelLayout
+from seedckpt.errors import SeedckptError
+
+FORMATS = {"dcp": dcp, "hf": hf, "safetensors": safetensors_file, "torch": torch_file, "torchtitan": torchtitan}
+
+
+def open_checkpoint(path: str | Path, codec: ModelCodec | None = None, layout: ModelLayout | None = None,
+                    complete: bool = True, verify: bool = True) -> Checkpoint:
+    """Detect the format of ``path`` (DCP directory, HF directory, ``.safetensors`` file,
+    ``torch.save`` file) and check its tensors against the model it records (read with the caller's
+    ``codec``); ``layout`` describes the model when the checkpoint does not. ``complete=False``: a
+    checkpoint may lack tensors (a stage loads only some; its load names what is missing).
+    ``verify``: check the bytes read against the checksums the checkpoint records (ours do)."""
+    path = Path(path)
+    if path.name.endswith(PARTIAL_SUFFIX):
+        raise SeedckptError(f"{path} is an incomplete output of an interrupted write; delete it and write it again")
+    if path.is_dir():
+        if (path / ".metadata").is_file():
+            checkpoint = dcp.DcpCheckpoint(path, codec, layout, verify)
+        elif hf.detect(path):
+            checkpoint = hf.HFCheckpoint(path, codec)
+        else:
+            raise SeedckptError(f"{path} is neither a DCP checkpoint (no .metadata; an interrupted write?) nor a "
+                                "Hugging Face directory (no config.json)")
+    elif path.is_file():
+        file_format = safetensors_file.SafetensorsFile if path.suffix == ".safetensors" else torch_file.TorchFile
+        checkpoint = file_format(path, codec, layout)
+    else:
+        raise SeedckptError(f"no checkpoint at {path}: give a DCP or Hugging Face directory, a .safetensors "
+                            "file or a torch.save file (create a seed with `seedckpt seed --config CONFIG "
+                            "--output DIR`)")
+    checkpoint.check_against_layout(complete)
+    return checkpoint

@@ -1,0 +1,181 @@
+"""Hugging Face model directories: ``config.json`` + ``*.safetensors`` (+ index).
+
+The model's HF names and row order come from the caller's codec (``codec.hf_names``): names are
+mapped to ours and permuted rows (Llama's q/k RoPE heads) put back in our order. A tied model (no
+``lm_head.weight``) gives ``output.weight`` the embedding. ``load`` goes through DCP's
+``HuggingFaceStorageReader`` (reading rows with ``direct.DirectHFReader``), so each rank reads
+only its tensors and rows. ``write`` streams ``model-0000k-of-0000n.safetensors`` shards of at
+most ``shard_bytes``, the index and a ``config.json`` that ``transformers`` loads; the tokenizer
+files a fine-tuning checkpoint carries are copied along.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from seedckpt.checkpoint.atomic import atomic_output, write_json_synced
+from seedckpt.checkpoint.base import Checkpoint, WriteJob
+from seedckpt.checkpoint.direct import DirectHFReader
+from seedckpt.checkpoint.formats.safetensors_file import read_safetensor, write_safetensors
+from seedckpt.checkpoint.load import RowWindow, copy_shared, load_state, one_destination_per_source, tensor_problems
+from seedckpt.checkpoint.manifest import TOKENIZER_DIR, TensorInfo
+from seedckpt.checkpoint.model import ModelCodec
+from seedckpt.checkpoint.safetensors_header import SAFETENSORS_DTYPES, safetensors_header
+from seedckpt.checkpoint.untrusted import read_json
+from seedckpt.errors import SeedckptError
+from seedckpt.modules import local, local_rows
+
+OUR_NAMES = False  # only the model's dense tensors have HF names
+TIED_STORED_ONCE = True  # as HF stores a tied model: no lm_head.weight
+
+
+def detect(path: Path) -> bool:
+    return path.is_dir() and (path / "config.json").is_file()
+
+
+class HFCheckpoint(Checkpoint):
+    kind = "hf"
+
+    def __init__(self, path: Path, codec: ModelCodec | None):
+        if codec is None:
+            raise SeedckptError(f"{path} is a Hugging Face directory: reading it needs the model family "
+                                "(the caller passes its codec)")
+        self.config = read_json(path / "config.json", "the model configuration")
+        try:
+            layout = codec.hf_layout(self.config)
+        except (TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
+            raise SeedckptError(f"{path}/config.json describes no valid model of this family ({e})") from None
+        self.names = codec.hf_names(layout)
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = read_json(index, "the safetensors index")["weight_map"]
+                files = sorted(set(weight_map.values()))
+            except (KeyError, TypeError, AttributeError) as e:
+                raise SeedckptError(f"{index} is not a valid safetensors index ({e!r})") from None
+        else:
+            files = sorted(p.name for p in path.glob("*.safetensors"))
+            weight_map = None
+        self.location: dict[str, tuple[Path, str]] = {}  # our fqn -> (file, hf name)
+        infos = {}
+        for file in files:
+            if not isinstance(file, str) or Path(file).name != file or not (path / file).is_file():
+                raise SeedckptError(f"{index} lists {file!r}, which is not a file in {path}")
+            header, _, _ = safetensors_header(path / file)
+            for name, entry in header.items():
+                fqn = self._ours(name, path / file)
+                if fqn is None:
+                    continue
+                self.location[fqn] = (path / file, name)
+                infos[fqn] = TensorInfo(tuple(entry["shape"]), SAFETENSORS_DTYPES[entry["dtype"]])
+        if weight_map is not None:
+            absent = [n for n, f in weight_map.items() if self._ours(n, index) is not None
+                      and self.location.get(self._ours(n, index), (None, None))[1] != n]
+            if absent:
+                raise SeedckptError(f"{index} lists tensors that its files do not contain: {absent[:5]}")
+        super().__init__(path, infos, None, layout)  # config.json records the model
+        self.alias_tied(dict(infos))
+        for fqn, source in self.aliases.items():
+            self.location[fqn] = self.location[source]
+
+    def _ours(self, name: str, where: Path) -> str | None:
+        try:
+            return self.names.from_stored(name)
+        except ValueError as e:
+            raise SeedckptError(f"{where}: {e}") from None
+
+    def read_tensor(self, fqn: str) -> torch.Tensor:
+        file, name = self.location[fqn]
+        tensor = read_safetensor(file, name)
+        groups = self.names.row_groups(fqn)
+        return self.names.from_stored_rows(tensor, groups) if groups else tensor
+
+    def load(self, state_dict: dict) -> None:
+        """Fill ``state_dict`` (our FQNs) through DCP's HF reader: each rank requests only its
+        tensors and, for FSDP shards, its rows. Permuted rows (q/k heads) are permuted within each
+        group, so a shard reads the whole groups around its rows and keeps its part. A tied output
+        is read from the embedding. Lossless casts only (bf16 into fp32)."""
+        problems = []
+        for fqn, wanted in state_dict.items():
+            info = self.infos.get(fqn)
+            problems += [f"{fqn}: missing"] if info is None else tensor_problems(fqn, info, wanted)
+        if problems:
+            raise SeedckptError(f"{self.path} does not cover the model: " + "; ".join(problems))
+        names, shared = one_destination_per_source(state_dict, lambda fqn: self.location[fqn][1])
+        fqn_of = {self.location[fqn][1]: fqn for fqn in state_dict}
+        by_name, permuted = {}, []
+        for name, wanted in names.items():
+            groups = self.names.row_groups(fqn_of[name])
+            if groups:
+                window = _whole_groups(wanted, groups)
+                if window is not None:
+                    by_name[name] = window
+                    permuted.append((wanted, window, groups))
+            else:
+                by_name[name] = wanted
+        load_state(by_name, DirectHFReader(self.path), self.path)
+        with torch.no_grad():
+            for wanted, window, groups in permuted:
+                group_rows = wanted.shape[0] // groups
+                rows = window.dest.shape[0]
+                lo, hi = local_rows(wanted) or (0, wanted.shape[0])
+                full = self.names.from_stored_rows(window.dest, rows // group_rows)
+                local(wanted).copy_(full[lo - window.start:hi - window.start])
+        copy_shared(state_dict, names, shared)
+
+
+def _whole_groups(wanted: torch.Tensor, groups: int) -> RowWindow | None:
+    """A buffer for the whole row groups that this rank's rows of ``wanted`` fall in (None: no rows)."""
+    lo, hi = local_rows(wanted) or (0, wanted.shape[0])
+    if hi <= lo:
+        return None
+    group_rows = wanted.shape[0] // groups
+    first, last = lo // group_rows, -(-hi // group_rows)
+    buffer = torch.empty(((last - first) * group_rows, *wanted.shape[1:]), dtype=wanted.dtype)
+    return RowWindow(buffer, first * group_rows)
+
+
+def write(source: Checkpoint, dst: Path, job: WriteJob) -> Path:
+    """Shards of at most ``job.shard_bytes`` in HF's names and row order, the index, ``config.json``
+    and the source's tokenizer files; published once the directory reads back as an HF model."""
+    if job.codec is None or source.layout is None:
+        raise SeedckptError(f"{source.path}: writing Hugging Face files needs the model it holds")
+    names = job.codec.hf_names(source.layout)
+    shards: list[list[str]] = [[]]
+    size = 0
+    for fqn, info in job.infos.items():
+        if shards[-1] and size + info.nbytes > job.shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(fqn)
+        size += info.nbytes
+    try:
+        by_hf_name = {names.to_stored(f): f for f in job.infos}
+    except ValueError as e:
+        raise SeedckptError(f"{source.path}: {e}") from None
+
+    def read_hf_layout(hf_name: str) -> torch.Tensor:
+        fqn = by_hf_name[hf_name]
+        return names.to_stored_rows(fqn, source.read_tensor(fqn))
+
+    hf_name_of = {f: n for n, f in by_hf_name.items()}
+    weight_map = {}
+    dtype = next(iter(job.infos.values())).dtype
+    with atomic_output(dst, job.force, check=lambda path: HFCheckpoint(path, job.codec)) as partial:
+        for k, fqns in enumerate(shards, start=1):
+            file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+            write_safetensors(partial / file, {hf_name_of[f]: job.infos[f] for f in fqns}, read_hf_layout,
+                              {"format": "pt"}, job.on_bytes)
+            weight_map.update({hf_name_of[f]: file for f in fqns})
+        index = {"metadata": {"total_size": sum(i.nbytes for i in job.infos.values())}, "weight_map": weight_map}
+        write_json_synced(partial / "model.safetensors.index.json", index)
+        write_json_synced(partial / "config.json", job.codec.hf_config(source.layout, dtype))
+        tokenizer = source.path / TOKENIZER_DIR if source.path.is_dir() else None
+        if tokenizer is not None and tokenizer.is_dir():
+            for file in tokenizer.iterdir():
+                if file.is_file() and not file.is_symlink():
+                    shutil.copyfile(file, partial / file.name)
+    return Path(dst)

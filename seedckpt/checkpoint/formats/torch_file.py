@@ -1,0 +1,57 @@
+"""A ``torch.save`` file: ``{fqn: tensor}`` (optionally under ``"model"``) plus our manifest.
+
+Read with ``weights_only=True`` and ``mmap=True``. ``torch.save`` pickles one object, so writing
+holds the whole model in memory -- prefer safetensors for large models.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from seedckpt.checkpoint.atomic import atomic_output
+from seedckpt.checkpoint.base import Checkpoint, WriteJob, recorded_layout
+from seedckpt.checkpoint.formats.safetensors_file import MANIFEST_KEY, embedded_manifest
+from seedckpt.checkpoint.manifest import TensorInfo
+from seedckpt.checkpoint.model import ModelCodec, ModelLayout
+from seedckpt.errors import SeedckptError
+
+OUR_NAMES = True
+TIED_STORED_ONCE = False
+
+
+class TorchFile(Checkpoint):
+    kind = "torch"
+
+    def __init__(self, path: Path, codec: ModelCodec | None = None, layout: ModelLayout | None = None):
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:  # torch raises many types for foreign or damaged files
+            raise SeedckptError(f"{path} is not a supported checkpoint (DCP directory, HF directory, "
+                                f".safetensors or torch.save file): {e}") from None
+        if isinstance(obj, dict) and isinstance(obj.get("model"), dict):
+            obj = obj["model"]
+        if not isinstance(obj, dict):
+            raise SeedckptError(f"{path} holds a {type(obj).__name__}, not a dict of tensors")
+        manifest = embedded_manifest(obj.get(MANIFEST_KEY), path)
+        self._tensors = {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)}
+        infos = {k: TensorInfo(tuple(v.shape), v.dtype) for k, v in self._tensors.items()}
+        super().__init__(path, infos, manifest, recorded_layout(codec, manifest, path), layout)
+
+    def read_tensor(self, fqn: str) -> torch.Tensor:
+        return self._tensors[fqn].clone()  # out of the mmap: callers may keep it past the file
+
+
+def write(source: Checkpoint, dst: Path, job: WriteJob) -> Path:
+    """One pickle of the whole model; published once it reads back as one."""
+    with atomic_output(dst, job.force, directory=False, check=TorchFile) as partial:
+        state = {f: source.read_tensor(f).to(i.dtype) for f, i in job.infos.items()}
+        job.on_bytes(sum(i.nbytes for i in job.infos.values()))
+        with open(partial, "wb") as f:
+            torch.save({**state, MANIFEST_KEY: json.dumps(job.manifest)}, f)
+            f.flush()
+            os.fsync(f.fileno())
+    return Path(dst)

@@ -1,0 +1,24 @@
+"""torchtitan's checkpoints: DCP with torchtitan 0.3's names, an adapter over the ``dcp`` format.
+
+Reading needs nothing here: the DCP reader maps every renaming the caller's codec knows
+(``codec.renamings``), so torchtitan's checkpoints open as ``dcp``. Writing uses torchtitan's names
+(``qkv_linear``, ``lm_head``), which its checkpointer loads as they are.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from seedckpt.checkpoint.base import Checkpoint, WriteJob
+from seedckpt.checkpoint.formats import dcp
+from seedckpt.errors import SeedckptError
+
+OUR_NAMES = False  # only the model's dense tensors have torchtitan names
+TIED_STORED_ONCE = False  # torchtitan's model state holds lm_head.weight as its own entry
+
+
+def write(source: Checkpoint, dst: Path, job: WriteJob) -> Path:
+    names = (job.codec.renamings if job.codec is not None else {}).get("torchtitan")
+    if names is None:
+        raise SeedckptError("this model has no torchtitan names; convert --to dcp instead")
+    return dcp.write(source, dst, job, names)

@@ -1,0 +1,62 @@
+"""What the checkpoint layer knows of a model: only what its caller hands down.
+
+This layer moves tensors by name and checks bytes; it imports no model and no fine-tuning method.
+Where a format needs model knowledge -- the tensors a model has, which FQN reads another tensor
+(a tied output), the names and row order another tool uses, the model a manifest or an HF
+``config.json`` records -- the caller supplies it as a ``ModelLayout`` and a ``ModelCodec``
+(``seedckpt.layouts`` builds both from the model spec). A caller that passes neither still gets
+every tensor by its stored name: ``inspect`` of a foreign checkpoint, ``verify``, a training-state
+load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """One model's tensors. ``args`` is the model's own configuration object, opaque here and
+    handed back to callers (``Checkpoint.args``); ``record`` is the same as a manifest stores it."""
+
+    args: Any
+    record: dict
+    shapes: dict[str, tuple[int, ...]]  # every tensor the model has, by FQN
+    aliases: dict[str, str] = field(default_factory=dict)  # {FQN: stored FQN it reads} (a tied output)
+    flavor: str | None = None  # the released shapes the args match, if any
+
+
+class NameAdapter(Protocol):
+    """Another tool's names (and row order) for a model's tensors."""
+
+    def to_stored(self, fqn: str) -> str: ...
+
+    def from_stored(self, name: str) -> str | None:
+        """Our FQN for a stored name; None for stored tensors the model does not keep."""
+
+    def row_groups(self, fqn: str) -> int | None:
+        """Stored rows of ``fqn`` are permuted within this many equal groups (None: rows as ours)."""
+
+    def to_stored_rows(self, fqn: str, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def from_stored_rows(self, tensor: torch.Tensor, groups: int) -> torch.Tensor:
+        """Whole groups of stored rows (``row_groups``) in our order."""
+
+
+class ModelCodec(Protocol):
+    """The caller's knowledge of a model family, for formats that record a model or rename it."""
+
+    renamings: dict  # {tool: NameAdapter}: other tools' DCP names, read as they are (torchtitan 0.3's)
+
+    def recorded_layout(self, manifest: dict) -> ModelLayout | None:
+        """The model a manifest records (None: it records none); ``ValueError`` if damaged."""
+
+    def hf_layout(self, config: dict) -> ModelLayout:
+        """The model an HF ``config.json`` describes; ``ValueError`` if it describes none."""
+
+    def hf_names(self, layout: ModelLayout) -> NameAdapter: ...
+
+    def hf_config(self, layout: ModelLayout, dtype: torch.dtype) -> dict: ...
