@@ -134,7 +134,8 @@ def _listed_config_keys(help_text: str) -> dict[str, set[str]]:
                                             (["train.py"], "examples:")], ids=["seedckpt", "train.py"])
 def test_help_lists_every_config_key(command, epilog):
     """Listed from the dataclasses: a key added to a section shows up, and needs a doc (test_config)."""
-    from seedckpt.config import JobConfig, ModelArgs
+    from models.llama import ModelArgs
+    from seedckpt.config import JobConfig
 
     proc = subprocess.run([sys.executable, *command, "--help"], cwd=REPO, capture_output=True, text=True,
                           timeout=120, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
