@@ -50,19 +50,30 @@ EXAMPLES = {
 }
 
 
+class _ParserListingConfigKeys(argparse.ArgumentParser):
+    """``seedckpt --help`` ends with every config key (``config_reference``). Rendered only when
+    help is printed, since seedckpt.config imports torch, which ``seedckpt seed`` must not load
+    before it has set its environment variables."""
+
+    def format_help(self) -> str:
+        from seedckpt.config import config_reference
+        return f"{super().format_help()}\n{config_reference()}\n"
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _ParserListingConfigKeys(
         prog="seedckpt", description="Seed checkpoints for pipeline x FSDP2 LLM training.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="run `seedckpt COMMAND --help` for each command's options and examples")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                parser_class=argparse.ArgumentParser)
 
     def add(name: str, help: str) -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help, description=help, epilog=textwrap.dedent(EXAMPLES[name]),
                               formatter_class=argparse.RawDescriptionHelpFormatter)
 
     seed = add("seed", "Initialize the full model on CPU and write a DCP seed checkpoint. "
-                       "Any config key can be overridden with --section.key value.")
+                       "Any config key can be overridden with --section.key value (`seedckpt --help` lists them).")
     seed.add_argument("--config", required=True, help="job config TOML, e.g. configs/debug.toml")
     seed.add_argument("--output", help="checkpoint directory (default: checkpoint.seed_checkpoint)")
     seed.add_argument("--seed", type=int, help="init seed (default: training.seed)")
@@ -80,7 +91,8 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--quiet", action="store_true", help="no progress output")
 
     plan = add("plan", "Show which layers, parameters and bytes each pipeline stage and rank gets "
-                       "(computed on meta: no memory, works for 405B).")
+                       "(computed on meta: no memory, works for 405B). Any config key can be overridden with "
+                       "--section.key value (`seedckpt --help` lists them).")
     plan.add_argument("--config", required=True, help="job config TOML")
     plan.add_argument("--world-size", type=int, help="resolve data_parallel_shard_degree = -1 against this")
     plan.add_argument("--json", action="store_true", help="machine-readable output")

@@ -7,17 +7,24 @@ once the file and every override are applied -- all before any process group exi
 
 ``[model]`` takes ``name`` and ``flavor`` plus any ``ModelArgs`` field (e.g. ``n_layers = 8``),
 which overrides the flavor -- handy for an 8B-shaped model with fewer layers.
+
+Every key carries a one-line doc (``option``); ``config_reference`` lists them all for ``--help``.
+``load_config`` returns a frozen ``JobConfig``: the loader gathers and checks every value first and
+then constructs the sections, so nothing can change a config once it is validated.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
 import sys
 import tempfile
+import textwrap
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -25,7 +32,7 @@ from typing import Literal
 import torch
 
 from models.llama import ModelArgs
-from models.spec import ModelSpec, model_spec
+from models.spec import MODELS, ModelSpec, model_spec
 from seedckpt.errors import SeedckptError
 
 if sys.version_info >= (3, 11):
@@ -49,34 +56,60 @@ def _check(key: str, value, ok: bool, rule: str) -> None:
         raise SeedckptError(f"{key} = {value!r}; it must be {rule}")
 
 
-@dataclass
+def option(default, doc: str, *, toml_key: bool = True):
+    """A section field with its one-line doc, which ``config_reference`` (and so ``--help``) prints.
+
+    ``toml_key=False`` marks a field the loader fills itself, which no TOML file or ``--section.key``
+    may set. A list or read-only mapping default is rebuilt for each instance: dataclasses refuse an
+    unhashable default (a list shared by every instance would be one list).
+    """
+    metadata = {"doc": doc, "toml_key": toml_key}
+    if isinstance(default, (list, types.MappingProxyType)):
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def _flavor_names() -> str:
+    return "; ".join(f"{name}: {', '.join(spec.flavors)}" for name, spec in MODELS.items())
+
+
+@dataclass(frozen=True)
 class Job:
-    dump_folder: str = "./outputs"
+    """the run's outputs"""
+    dump_folder: str = option("./outputs", "metrics.jsonl, TensorBoard events (tensorboard/) and profiler "
+                                           "traces (traces/) of the run")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Model:
-    name: str = "llama3"
-    flavor: str = "debug"
-    overrides: dict = field(default_factory=dict)  # ModelArgs fields set in [model]
-    given: set = field(default_factory=set)  # keys the user set (fine-tuning checks them against the checkpoint)
+    """the architecture; a new run's shape, checked against the checkpoint when fine-tuning"""
+    name: str = option("llama3", f"model family: {', '.join(MODELS)}")
+    flavor: str = option("debug", f"preset shape of the family ({_flavor_names()})")
+    overrides: Mapping = option(types.MappingProxyType({}), "the ModelArgs fields set in [model], which "
+                                                            "override the flavor's", toml_key=False)
+    given: frozenset = option(frozenset(), "the [model] keys the user set (fine-tuning checks them against the "
+                                           "pretrained checkpoint)", toml_key=False)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Training:
-    steps: int = 10
-    local_batch_size: int = 8
-    global_batch_size: int = -1
-    seq_len: int = 128
-    lr: float = 8e-4
-    warmup_steps: int = 2
-    max_norm: float = 1.0
-    seed: int = 0  # any integer: it is hashed into each tensor's and each step's generator
-    mixed_precision_param: DTypeName = "float32"
-    mixed_precision_reduce: DTypeName = "float32"
-    # Save a checkpoint and exit after this step (0: run to `steps`), e.g. before a job's time
-    # limit; the LR schedule still spans `steps`, so the resumed run continues exactly.
-    stop_after_step: int = 0
+    """the optimization loop (AdamW, linear warmup then cosine decay to 10 % of lr)"""
+    steps: int = option(10, "optimizer steps of the run; the learning-rate schedule spans them")
+    local_batch_size: int = option(8, "sequences per data-parallel rank and step")
+    global_batch_size: int = option(-1, "sequences per step over all data-parallel ranks; more than local x "
+                                        "data-parallel degree accumulates gradients (-1: exactly that)")
+    seq_len: int = option(128, "tokens per sequence")
+    lr: float = option(8e-4, "peak learning rate, reached after warmup_steps")
+    warmup_steps: int = option(2, "steps of linear learning-rate warmup")
+    max_norm: float = option(1.0, "clip the global gradient norm to this (0: no clipping)")
+    seed: int = option(0, "any integer: hashed into each tensor's init generator and each step's data")
+    mixed_precision_param: DTypeName = option("float32", "dtype of the parameters in forward and backward "
+                                                         "(FSDP2's param_dtype; the optimizer keeps float32)")
+    mixed_precision_reduce: DTypeName = option("float32", "dtype gradients are reduced in across data-parallel "
+                                                          "ranks")
+    stop_after_step: int = option(0, "save a checkpoint and exit after this step, e.g. before a job's time limit; "
+                                     "the schedule still spans steps, so a resumed run continues exactly "
+                                     "(0: run to steps)")
 
     def validate(self) -> None:
         for key in ("steps", "local_batch_size", "seq_len"):
@@ -93,19 +126,27 @@ class Training:
                ">= 0 (0: run to training.steps)")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Parallelism:
-    pipeline_parallel_degree: int = 1
-    data_parallel_shard_degree: int = -1
-    data_parallel_replicate_degree: int = 1
-    pipeline_parallel_schedule: PipelineSchedule = "1F1B"
-    pipeline_parallel_microbatches: int = -1  # -1: as many as stages
-    pipeline_parallel_stages_per_rank: int = 1
-    pipeline_parallel_split_points: list = field(default_factory=list)  # e.g. ["layers.4"]
-    # "manual": seedckpt.manual_fsdp, one flat sharded vector per stage and explicit collectives
-    # (data parallelism only; see JobConfig.validate)
-    fsdp_impl: Literal["fsdp2", "manual"] = "fsdp2"
-    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    """the device mesh: pipeline stages x FSDP2 shards (x replicas)"""
+    pipeline_parallel_degree: int = option(1, "ranks along the pipeline (the mesh's pp dimension)")
+    data_parallel_shard_degree: int = option(-1, "ranks each stage's parameters are sharded over "
+                                                 "(-1: the rest of the world size)")
+    data_parallel_replicate_degree: int = option(1, "replicas of the sharded model (HSDP when > 1)")
+    pipeline_parallel_schedule: PipelineSchedule = option("1F1B", "torch.distributed.pipelining schedule")
+    pipeline_parallel_microbatches: int = option(-1, "microbatches per local batch (-1: one per pipeline stage)")
+    pipeline_parallel_stages_per_rank: int = option(1, "pipeline stages each rank holds (2 or more for the "
+                                                       "interleaved and V schedules)")
+    pipeline_parallel_split_points: list = option([], 'the first layer of each stage after the first, e.g. '
+                                                      '["layers.4"] (command line: layers.4,layers.8; '
+                                                      'empty: an even split)')
+    fsdp_impl: Literal["fsdp2", "manual"] = option("fsdp2", "fsdp2: torch's fully_shard; manual: "
+                                                            "seedckpt.manual_fsdp, one flat sharded vector per "
+                                                            "stage and explicit collectives (data parallelism "
+                                                            "only)")
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = option(
+        "default", "free the gathered parameters after forward (default: unless pipelining, where each "
+                   "microbatch would gather them again)")
 
     def validate(self) -> None:
         """Each degree on its own; whether they multiply to the world size is ParallelDims' job."""
@@ -119,56 +160,63 @@ class Parallelism:
                ">= 1, or -1 for one per pipeline stage")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ActivationCheckpoint:
-    mode: Literal["none", "full", "selective"] = "none"
-    selective_every: int = 2  # selective: checkpoint every k-th block
+    """recompute activations in backward instead of keeping them"""
+    mode: Literal["none", "full", "selective"] = option("none", "full: every transformer block; selective: every "
+                                                                "selective_every-th block")
+    selective_every: int = option(2, "selective: checkpoint every k-th block")
 
     def validate(self) -> None:
         _check("activation_checkpoint.selective_every", self.selective_every, self.selective_every >= 1, ">= 1")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Checkpoint:
-    # Where a new run's weights come from: "seed_checkpoint" (load it) or "direct" (every rank
-    # initializes its own shards from training.seed: bitwise what the seed made with it would hold).
-    init_from: Literal["seed_checkpoint", "direct"] = "seed_checkpoint"
-    seed_checkpoint: str = ""
-    folder: str = "./checkpoints"
-    interval: int = 100  # 0: only at the end (and at training.stop_after_step)
-    keep_latest_k: int = 3  # 0: keep all
-    # Check every byte loaded against the CRC32C checksums the checkpoint records (a few % of a load).
-    verify_checksums: bool = True
+    """where the weights come from and where the run saves"""
+    init_from: Literal["seed_checkpoint", "direct"] = option(
+        "seed_checkpoint", "a new run's weights: load seed_checkpoint, or direct: every rank initializes its own "
+                           "shards from training.seed (bitwise what the seed made with it would hold)")
+    seed_checkpoint: str = option("", "the seed checkpoint directory a new run loads")
+    folder: str = option("./checkpoints", "the run's step-N checkpoints; a run resumes from the latest complete one")
+    interval: int = option(100, "save every this many steps (0: only at the end and at training.stop_after_step)")
+    keep_latest_k: int = option(3, "step checkpoints kept, the older ones deleted (0: keep all)")
+    verify_checksums: bool = option(True, "check every byte loaded against the CRC32C checksums the checkpoint "
+                                          "records (a few % of a load)")
 
     def validate(self) -> None:
         _check("checkpoint.interval", self.interval, self.interval >= 0, ">= 0 (0: save only at the end)")
         _check("checkpoint.keep_latest_k", self.keep_latest_k, self.keep_latest_k >= 0, ">= 0 (0: keep all)")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Data:
-    kind: Literal["synthetic", "text", "chat"] = "synthetic"
-    # text: a local text / JSONL {"text": ...} file (empty = the built-in corpus);
-    # chat: JSONL {"messages": [...]} file(s), comma-separated or a directory of *.jsonl
-    path: str = ""
-    tokenizer: str = ""  # a Hugging Face tokenizer directory; empty = byte-level (text only)
-    # chat: a conversation longer than seq_len + 1 tokens is truncated or dropped
-    overflow: Literal["truncate", "drop"] = "truncate"
-    packing: bool = True  # chat: several conversations per row, attention masked per conversation
+    """the training tokens"""
+    kind: Literal["synthetic", "text", "chat"] = option("synthetic", "synthetic: random tokens; text: a corpus; "
+                                                                     "chat: conversations, loss on assistant tokens")
+    path: str = option("", 'text: a text or JSONL {"text": ...} file (empty: the built-in corpus); chat: JSONL '
+                           '{"messages": [...]} file(s), comma-separated or a directory of *.jsonl')
+    tokenizer: str = option("", "a Hugging Face tokenizer directory (empty: byte-level, text only)")
+    overflow: Literal["truncate", "drop"] = option("truncate", "chat: what happens to a conversation longer than "
+                                                               "seq_len + 1 tokens")
+    packing: bool = option(True, "chat: several conversations per row, attention masked per conversation")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Metrics:
-    enable_tensorboard: bool = False
-    log_freq: int = 1
+    """what each step logs"""
+    enable_tensorboard: bool = option(False, "also write TensorBoard events to job.dump_folder/tensorboard")
+    log_freq: int = option(1, "log every log_freq-th step (and the last one)")
 
     def validate(self) -> None:
         _check("metrics.log_freq", self.log_freq, self.log_freq >= 1, ">= 1 (log every log_freq-th step)")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Profiling:
-    steps: list = field(default_factory=list)  # e.g. [3, 4] (CLI: 3,4): Chrome traces of these steps
+    """torch profiler traces"""
+    steps: list = option([], "steps to trace, e.g. [3, 4] (command line: 3,4): Chrome traces in "
+                             "job.dump_folder/traces")
 
     def validate(self) -> None:
         """Entries are ints from TOML, text from the command line; the trainer reads them with int()."""
@@ -176,20 +224,27 @@ class Profiling:
         _check("profiling.steps", self.steps, ok, "a list of step numbers >= 1, e.g. [3, 4] (command line: 3,4)")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Finetune:
-    mode: Literal["none", "sft", "osft"] = "none"
-    pretrained: str = ""  # sft, osft: a DCP checkpoint of ours or a Hugging Face Llama directory
-    osft_unfreeze_rank_ratio: float = 0.25  # osft: the trainable fraction of each target's rank
-    osft_target_patterns: list = field(default_factory=list)
+    """start from pretrained weights instead of a seed"""
+    mode: Literal["none", "sft", "osft"] = option("none", "none: pretraining; sft: full fine-tuning; osft: "
+                                                          "orthogonal subspace fine-tuning")
+    pretrained: str = option("", "sft, osft: a DCP checkpoint of ours or a Hugging Face Llama directory")
+    osft_unfreeze_rank_ratio: float = option(0.25, "osft: the trainable fraction of each target's rank")
+    osft_target_patterns: list = option([], 'osft: the block linears to train, by name suffix or regular '
+                                            'expression, e.g. '
+                                            '["attention.wq", "feed_forward.w1"] (empty: every attention and '
+                                            'feed-forward matrix)')
 
     def validate(self) -> None:
         ratio = self.osft_unfreeze_rank_ratio
         _check("finetune.osft_unfreeze_rank_ratio", ratio, 0.0 < ratio <= 1.0, "in (0, 1]")  # nan fails too
 
 
-@dataclass
+@dataclass(frozen=True)
 class JobConfig:
+    """One job's settings, one frozen dataclass per ``[section]``: built once by ``load_config`` and
+    then only read, so every rank and every part of the run sees the values that were validated."""
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
@@ -253,7 +308,7 @@ class JobConfig:
     _pinned_args: ModelArgs | None = field(default=None, repr=False)
 
     def pin_model_args(self, args: ModelArgs) -> None:
-        self._pinned_args = args
+        object.__setattr__(self, "_pinned_args", args)  # the one write to a loaded config (being replaced)
 
     def model_spec(self) -> ModelSpec:
         """The spec of ``model.name``: its class, flavors and name adapters."""
@@ -268,8 +323,8 @@ class JobConfig:
 
 
 def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -> JobConfig:
-    """Read ``path`` (optional) and apply ``--section.key value`` overrides."""
-    cfg = JobConfig()
+    """Read ``path`` (optional) and apply ``--section.key value`` overrides; returns a frozen JobConfig."""
+    settings = _Settings()
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -283,11 +338,53 @@ def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -
             if not isinstance(values, dict):
                 raise SeedckptError(f"{path}: top-level key {section!r} must be a [section]")
             for key, value in values.items():
-                _set(cfg, section, key, value, source=str(path))
+                settings.set(section, key, value, source=str(path))
     for section, key, text in parse_overrides(overrides):
-        _set(cfg, section, key, text, source="command line", from_text=True)
+        settings.set(section, key, text, source="command line", from_text=True)
+    cfg = settings.build()
     cfg.validate()  # only now: an override may repair what the file set, or break it
     return cfg
+
+
+def config_reference(width: int = 100) -> str:
+    """Every section and key with its type or choices, default and doc, as ``--help`` prints it.
+
+    Rendered from the dataclasses themselves, so the listing cannot drift from what the loader
+    accepts (a test checks that every field has a doc)."""
+    sections = _sections()
+    defaults = {section: cls() for section, cls in sections.items()}
+    rows = {section: [(f"  {key} = {_toml_literal(getattr(defaults[section], key))}",
+                       f"({_type_name(_field_type(cls, key))}) {f.metadata.get('doc', '')}")
+                      for key, f in _toml_keys(cls).items()]
+            for section, cls in sections.items()}
+    column = 2 + max(len(setting) for section_rows in rows.values() for setting, _ in section_rows)
+    lines = ["config keys (TOML: [section] key = value; command line, which wins: --section.key value):"]
+    for section, cls in sections.items():
+        lines += ["", f"[{section}]  {cls.__doc__}"]
+        for setting, doc in rows[section]:
+            wrapped = textwrap.wrap(doc, width=max(width - column, 30), break_on_hyphens=False)
+            lines.append(setting.ljust(column) + wrapped[0])
+            lines += [" " * column + more for more in wrapped[1:]]
+        if cls is Model:
+            lines += textwrap.wrap(f"and any {ModelArgs.__module__}.ModelArgs field, which replaces the flavor's "
+                                   f"value: {', '.join(f.name for f in dataclasses.fields(ModelArgs))}",
+                                   width=width, initial_indent="  ", subsequent_indent="    ")
+    return "\n".join(lines)
+
+
+def _toml_literal(value) -> str:
+    """A default as it would be written in a TOML file."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_literal(item) for item in value) + "]"
+    return json.dumps(value) if isinstance(value, str) else repr(value)
+
+
+def _type_name(typ) -> str:
+    if typing.get_origin(typ) is Literal:
+        return " | ".join(json.dumps(choice) for choice in typing.get_args(typ))
+    return typ.__name__
 
 
 def check_output_folders(cfg: JobConfig) -> None:
@@ -327,24 +424,46 @@ def parse_overrides(args: typing.Sequence[str]) -> list[tuple[str, str, str]]:
     return out
 
 
-def _set(cfg: JobConfig, section: str, key: str, value, source: str, from_text: bool = False) -> None:
-    sections = {f.name: f for f in dataclasses.fields(JobConfig) if not f.name.startswith("_")}
-    if section not in sections:
-        raise SeedckptError(f"{source}: unknown section [{section}]{_suggest(section, sections)}")
-    target = getattr(cfg, section)
-    fields = {f.name: f for f in dataclasses.fields(target) if f.name not in ("overrides", "given")}
-    if section == "model":
-        target.given.add(key)
-    if section == "model" and key not in fields:
-        arg_fields = {f.name: f for f in dataclasses.fields(ModelArgs)}
-        if key not in arg_fields:
-            raise SeedckptError(f"{source}: unknown key model.{key}"
-                                f"{_suggest(key, {**fields, **arg_fields})}")
-        target.overrides[key] = _coerce(f"model.{key}", _field_type(ModelArgs, key), value, source, from_text)
-        return
-    if key not in fields:
-        raise SeedckptError(f"{source}: unknown key {section}.{key}{_suggest(key, fields)}")
-    setattr(target, key, _coerce(f"{section}.{key}", _field_type(type(target), key), value, source, from_text))
+class _Settings:
+    """What the TOML file and the command line set, each value typed and checked as it is read (a
+    later one replaces an earlier one); ``build`` then constructs the frozen config in one go."""
+
+    def __init__(self):
+        self.sections = _sections()
+        self.values: dict[str, dict] = {section: {} for section in self.sections}
+        self.model_args: dict = {}  # ModelArgs fields set in [model]
+
+    def set(self, section: str, key: str, value, source: str, from_text: bool = False) -> None:
+        if section not in self.sections:
+            raise SeedckptError(f"{source}: unknown section [{section}]{_suggest(section, self.sections)}")
+        cls = self.sections[section]
+        keys = _toml_keys(cls)
+        if section == "model" and key not in keys:
+            arg_fields = {f.name: f for f in dataclasses.fields(ModelArgs)}
+            if key not in arg_fields:
+                raise SeedckptError(f"{source}: unknown key model.{key}{_suggest(key, {**keys, **arg_fields})}")
+            self.model_args[key] = _coerce(f"model.{key}", _field_type(ModelArgs, key), value, source, from_text)
+            return
+        if key not in keys:
+            raise SeedckptError(f"{source}: unknown key {section}.{key}{_suggest(key, keys)}")
+        self.values[section][key] = _coerce(f"{section}.{key}", _field_type(cls, key), value, source, from_text)
+
+    def build(self) -> JobConfig:
+        model = {**self.values["model"], "overrides": types.MappingProxyType(dict(self.model_args)),
+                 "given": frozenset(self.values["model"]) | frozenset(self.model_args)}
+        return JobConfig(**{section: cls(**(model if section == "model" else self.values[section]))
+                            for section, cls in self.sections.items()})
+
+
+def _sections() -> dict[str, type]:
+    """``[section]`` name -> its dataclass, in JobConfig's order."""
+    hints = typing.get_type_hints(JobConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(JobConfig) if not f.name.startswith("_")}
+
+
+def _toml_keys(section_cls) -> dict[str, dataclasses.Field]:
+    """The fields of a section a TOML file or ``--section.key`` may set (not those the loader fills)."""
+    return {f.name: f for f in dataclasses.fields(section_cls) if f.metadata.get("toml_key", True)}
 
 
 def _field_type(cls, name: str):

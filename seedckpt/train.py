@@ -52,7 +52,7 @@ from seedckpt.checkpoint import (TOKENIZER_DIR, DcpCheckpoint, complete_steps, d
                                  prune_steps, step_dir, write_checkpoint)
 from seedckpt.checkpoint.manifest import OPTIMIZER_PREFIX, RNG_PREFIX, TRAIN_STATE_KEY, read_manifest
 from seedckpt.collectives import CollectiveTimes, time_fsdp2_collectives
-from seedckpt.config import DTYPES, JobConfig, check_output_folders, load_config
+from seedckpt.config import DTYPES, JobConfig, check_output_folders, config_reference, load_config
 from seedckpt.data import IGNORE_INDEX
 from seedckpt.datasets import make_dataset
 from seedckpt.errors import SeedckptError
@@ -506,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
                "  torchrun --nproc-per-node 4 train.py --config configs/debug.toml\n"
                "  torchrun --nproc-per-node 4 train.py --config configs/debug.toml --training.steps 50 \\\n"
                "      --parallelism.pipeline_parallel_schedule Interleaved1F1B "
-               "--parallelism.pipeline_parallel_stages_per_rank 2")
+               "--parallelism.pipeline_parallel_stages_per_rank 2\n\n" + config_reference())
     parser.add_argument("--config", required=True, help="job config TOML, e.g. configs/debug.toml")
     opts, overrides = parser.parse_known_args(argv)
     rank = int(os.environ.get("RANK", 0))

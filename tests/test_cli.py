@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -114,3 +116,34 @@ def test_user_errors_are_one_line_without_traceback(args, message):
     assert proc.returncode == 2
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def _listed_config_keys(help_text: str) -> dict[str, set[str]]:
+    """``{section: {key, ...}}`` as the config reference at the end of a --help lists them."""
+    listed, section = {}, None
+    for line in help_text.splitlines():
+        if header := re.match(r"\[(\w+)\]  \S", line):
+            section = header.group(1)
+            listed[section] = set()
+        elif section and (setting := re.match(r"  (\w+) = \S", line)):
+            listed[section].add(setting.group(1))
+    return listed
+
+
+@pytest.mark.parametrize("command,epilog", [(["-m", "seedckpt.cli"], "run `seedckpt COMMAND --help`"),
+                                            (["train.py"], "examples:")], ids=["seedckpt", "train.py"])
+def test_help_lists_every_config_key(command, epilog):
+    """Listed from the dataclasses: a key added to a section shows up, and needs a doc (test_config)."""
+    from models.llama import ModelArgs
+    from seedckpt.config import JobConfig
+
+    proc = subprocess.run([sys.executable, *command, "--help"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.index(epilog) < proc.stdout.index("config keys")  # the reference follows the usual help
+    sections = {f.name: f.default_factory for f in dataclasses.fields(JobConfig) if not f.name.startswith("_")}
+    assert _listed_config_keys(proc.stdout) == {
+        name: {f.name for f in dataclasses.fields(cls) if f.metadata.get("toml_key", True)} for name, cls in sections.items()}
+    model_section = proc.stdout[proc.stdout.index("[model]"):proc.stdout.index("[training]")]
+    assert all(re.search(rf"\b{f.name}\b", model_section) for f in dataclasses.fields(ModelArgs))
+    assert 'mixed_precision_param = "float32"' in proc.stdout and '"bfloat16"' in proc.stdout  # default, choices

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 from pathlib import Path
 
 import pytest
 
-from seedckpt.config import check_output_folders, load_config, parse_overrides
+from seedckpt.config import JobConfig, check_output_folders, config_reference, load_config, parse_overrides
 from seedckpt.errors import SeedckptError
 from seedckpt.parallel import ParallelDims
 
@@ -220,3 +222,50 @@ def test_output_folder_without_write_permission(tmp_path):
         locked.chmod(0o700)
     assert f"job.dump_folder = {locked}: cannot write there (Permission denied); choose a writable directory" \
         in str(err.value)
+
+
+def _sections() -> dict[str, type]:
+    return {f.name: f.default_factory for f in dataclasses.fields(JobConfig) if not f.name.startswith("_")}
+
+
+@pytest.mark.parametrize("section", _sections())
+def test_every_config_key_has_a_doc(section):
+    """--help prints these (config_reference): a key added without one fails here."""
+    cls = _sections()[section]
+    assert cls.__doc__ and not cls.__doc__.startswith(f"{cls.__name__}(")  # its own, not dataclass's signature
+    for f in dataclasses.fields(cls):
+        assert f.metadata.get("doc", "").strip(), f"{section}.{f.name} has no doc: declare it with option(default, doc)"
+        assert "\n" not in f.metadata["doc"]
+
+
+def test_config_reference_shows_type_choices_default_and_doc():
+    reference = config_reference()
+    assert re.search(r'^  steps = 10 +\(int\) optimizer steps', reference, re.MULTILINE)
+    assert re.search(r'^  mixed_precision_param = "float32" +\("float32" \| "bfloat16" \| "float16"\) dtype',
+                     reference, re.MULTILINE)
+    assert re.search(r"^  verify_checksums = true +\(bool\)", reference, re.MULTILINE)
+    assert "overrides" not in reference and "given =" not in reference  # filled by the loader, not keys
+
+
+def test_a_loaded_config_is_frozen(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text('[model]\nn_layers = 4\n[finetune]\nosft_target_patterns = ["attention.wq"]\n')
+    cfg = load_config(path, ["--training.steps", "3"])
+    for section in _sections():
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(cfg, section, getattr(cfg, section))
+        for f in dataclasses.fields(getattr(cfg, section)):
+            with pytest.raises(dataclasses.FrozenInstanceError):
+                setattr(getattr(cfg, section), f.name, getattr(getattr(cfg, section), f.name))
+    with pytest.raises(TypeError):
+        cfg.model.overrides["n_layers"] = 8  # a read-only mapping
+    assert dict(cfg.model.overrides) == {"n_layers": 4} and cfg.model.given == frozenset({"n_layers"})
+    assert cfg.model_args().n_layers == 4 and cfg.training.steps == 3
+
+
+def test_loading_twice_shares_nothing():
+    """Defaults are built per config: what one load sets is not in the next one."""
+    first = load_config(None, ["--model.n_layers", "2", "--profiling.steps", "3"])
+    second = load_config(None)
+    assert (dict(second.model.overrides), second.model.given, second.profiling.steps) == ({}, frozenset(), [])
+    assert first.profiling.steps is not second.profiling.steps
