@@ -243,12 +243,12 @@ def _verify(opts, _rest) -> int:
 
 def _plan(opts, overrides) -> int:
     from seedckpt.config import load_config
-    from seedckpt.finetune import prepare_finetune
     from seedckpt.plan import make_plan
+    from seedckpt.resolve import default_world_size, resolve
 
     cfg = load_config(opts.config, overrides)
-    prepare_finetune(cfg)  # fine-tuning: the pretrained checkpoint's model, vocabulary grown for the tokenizer
-    plan = make_plan(cfg, opts.world_size)
+    # fine-tuning: the pretrained checkpoint's model, vocabulary grown for the tokenizer
+    plan = make_plan(resolve(cfg, opts.world_size or default_world_size(cfg)))
     if opts.json:
         print(json.dumps(plan, indent=1))
         return 0

@@ -259,8 +259,8 @@ class JobConfig:
     def validate(self) -> None:
         """Every value on its own, then what one section needs of another. Runs once the TOML file
         and every override are applied (``load_config``), so a bad value fails before any process
-        group or allocation. Fitting the model and the world size is ``ParallelDims.from_config``'s
-        job: fine-tuning replaces the model's shape first (``pin_model_args``)."""
+        group or allocation. Fitting the model and the world size is ``resolve``'s job (fine-tuning's
+        model comes from its pretrained checkpoint)."""
         for section in (self.training, self.parallelism, self.activation_checkpoint, self.checkpoint,
                         self.metrics, self.profiling, self.finetune):
             section.validate()
@@ -291,10 +291,8 @@ class JobConfig:
                                 f"does not support {found}; set {fixes}, or use parallelism.fsdp_impl = 'fsdp2'")
 
     def model_args(self) -> ModelArgs:
-        """The flavor's ModelArgs with the ``[model]`` overrides applied -- or, once fine-tuning has
-        read them from the pretrained checkpoint, those (``pin_model_args``)."""
-        if self._pinned_args is not None:
-            return self._pinned_args
+        """The flavor's ModelArgs with the ``[model]`` overrides applied: the model this config
+        describes. A run's model is ``resolve``'s (fine-tuning takes the pretrained checkpoint's)."""
         flavors = self.model_spec().flavors
         if self.model.flavor not in flavors:
             raise SeedckptError(f"unknown model.flavor {self.model.flavor!r} for {self.model.name}; "
@@ -304,11 +302,6 @@ class JobConfig:
             return self.model_spec().args.from_dict({**base, **self.model.overrides})
         except (TypeError, ValueError, ZeroDivisionError) as e:
             raise SeedckptError(f"invalid [model] settings: {e}") from None
-
-    _pinned_args: ModelArgs | None = field(default=None, repr=False)
-
-    def pin_model_args(self, args: ModelArgs) -> None:
-        object.__setattr__(self, "_pinned_args", args)  # the one write to a loaded config (being replaced)
 
     def model_spec(self) -> ModelSpec:
         """The spec of ``model.name``: its class, flavors and name adapters."""

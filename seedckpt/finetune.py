@@ -97,10 +97,10 @@ def check_osft_settings(cfg: JobConfig, args: ModelArgs) -> None:
                             f"use suffixes like {', '.join(DEFAULT_TARGETS[:3])} ...")
 
 
-def prepare_finetune(cfg: JobConfig) -> str | None:
-    """Validate ``[finetune]`` and pin ``cfg.model_args()`` to the pretrained model, its vocabulary
-    grown to fit ``data.tokenizer``; returns a line for the run log (None for pretraining). Reads
-    only metadata, so it runs before any process group: a bad set-up fails at once, with one line."""
+def finetune_model(cfg: JobConfig) -> tuple[ModelArgs, str] | None:
+    """Validate ``[finetune]``; the pretrained model's args, its vocabulary grown to fit
+    ``data.tokenizer``, and a line for the run log (None for pretraining). Reads only metadata, so
+    it runs before any process group: a bad set-up fails at once, with one line."""
     ft = cfg.finetune
     if ft.mode == "none":
         if ft.pretrained:
@@ -121,6 +121,5 @@ def prepare_finetune(cfg: JobConfig) -> str | None:
             vocab = (f"vocabulary grown from {args.vocab_size} to {grown} rows for the tokenizer's {tokenizer_vocab} "
                      "tokens (new rows = mean of the old)")
         args = dataclasses.replace(args, vocab_size=grown)
-    cfg.pin_model_args(args)
-    return (f"{ft.mode} from {ft.pretrained}: dim {args.dim}, {args.n_layers} layers, {vocab}, "
-            f"{'tied' if args.tie_word_embeddings else 'untied'} embeddings")
+    return args, (f"{ft.mode} from {ft.pretrained}: dim {args.dim}, {args.n_layers} layers, {vocab}, "
+                  f"{'tied' if args.tie_word_embeddings else 'untied'} embeddings")

@@ -39,11 +39,11 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @classmethod
-    def from_config(cls, cfg: JobConfig, world_size: int) -> "ParallelDims":
+    def from_config(cls, cfg: JobConfig, world_size: int, args) -> "ParallelDims":
         """Resolve ``-1`` and validate everything about the layout that can fail later.
 
         Each key's own range was checked by ``load_config``; what is left needs the world size or
-        the final model shape, which fine-tuning pins from its checkpoint after loading the config.
+        the model's shape ``args`` (fine-tuning's comes from the pretrained checkpoint: ``resolve``).
         """
         par, train = cfg.parallelism, cfg.training
         pp, rep, shard = (par.pipeline_parallel_degree, par.data_parallel_replicate_degree,
@@ -60,11 +60,11 @@ class ParallelDims:
                                 f"but the world size is {world_size}; make them multiply to the world size "
                                 "(or set data_parallel_shard_degree = -1)")
         dims = cls(pp, rep, shard)
-        max_seq_len = cfg.model_args().max_seq_len
+        max_seq_len = args.max_seq_len
         if train.seq_len > max_seq_len:
             raise SeedckptError(f"training.seq_len = {train.seq_len} exceeds model.max_seq_len = {max_seq_len}; "
                                 "shorten the sequences or raise model.max_seq_len")
-        split_layers(cfg.model_args().n_layers, pp * par.pipeline_parallel_stages_per_rank,
+        split_layers(args.n_layers, pp * par.pipeline_parallel_stages_per_rank,
                      par.pipeline_parallel_split_points)
         if pp == 1 and par.pipeline_parallel_stages_per_rank != 1:
             raise SeedckptError("pipeline_parallel_stages_per_rank > 1 needs pipeline_parallel_degree > 1")

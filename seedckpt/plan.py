@@ -13,7 +13,7 @@ import torch
 
 from seedckpt.config import DTYPES, JobConfig
 from seedckpt.modules import state_tensors
-from seedckpt.parallel import ParallelDims
+from seedckpt.resolve import Run
 from seedckpt.stages import split_layers, stage_ids_for_rank
 
 # fp32 parameter + fp32 gradient + two fp32 AdamW moments.
@@ -54,21 +54,17 @@ def train_state_bytes(cfg: JobConfig, params: int, dp_shard: int) -> int:
     return -(-params * TRAIN_BYTES_PER_PARAM // dp_shard)
 
 
-def make_plan(cfg: JobConfig, world_size: int | None = None) -> dict:
-    """Validated like a training run; without ``world_size``, ``data_parallel_shard_degree = -1`` means 1."""
-    args = cfg.model_args()
+def make_plan(run: Run) -> dict:
+    """Parameters and bytes per stage and per rank of a resolved run (validated like a training run)."""
+    cfg, args, dims = run.cfg, run.args, run.dims
     par = cfg.parallelism
-    if world_size is None:
-        world_size = (par.pipeline_parallel_degree * par.data_parallel_replicate_degree
-                      * max(1, par.data_parallel_shard_degree))
-    dims = ParallelDims.from_config(cfg, world_size)
     pp, per_rank, dp_shard = dims.pp, par.pipeline_parallel_stages_per_rank, dims.dp_shard
     num_stages = pp * per_rank
     layers = split_layers(args.n_layers, num_stages, par.pipeline_parallel_split_points)
     owner = {s: r for r in range(pp)
              for s in stage_ids_for_rank(r, pp, per_rank, par.pipeline_parallel_schedule)}
     with torch.device("meta"):
-        model = cfg.build_model()
+        model = run.spec.model(args)
     stage_of_layer = {i: s for s, ids in enumerate(layers) for i in ids}
     counts = [0] * num_stages
     nbytes = [0] * num_stages

@@ -32,6 +32,7 @@ from seedckpt.errors import SeedckptError
 from seedckpt.init import CHUNK_NUMEL, RECIPE_VERSION, generate_flat, init_model
 from seedckpt.modules import state_tensors
 from seedckpt.progress import Progress
+from seedckpt.resolve import default_world_size, resolve
 
 BLOCK_NUMEL = 16 * CHUNK_NUMEL  # target elements per written block (64 MiB in fp32)
 
@@ -64,8 +65,9 @@ def create_seed_checkpoint(cfg: JobConfig, output: str | os.PathLike, seed: int,
         raise SeedckptError(f"--dtype {dtype} is not supported; choose one of {sorted(DTYPES)}")
     output = check_destination(output, force)
     torch_dtype = DTYPES[dtype]
+    run = resolve(cfg, default_world_size(cfg))
     with torch.device("meta"):
-        model = cfg.build_model()
+        model = run.spec.model(run.args)
     specs = init_model(model, seed, materialize=False)
     state = {fqn: torch.empty(t.shape, dtype=torch_dtype, device="meta")
              for fqn, t in state_tensors(model).items()}
@@ -83,7 +85,7 @@ def create_seed_checkpoint(cfg: JobConfig, output: str | os.PathLike, seed: int,
         bar.update(block.numel() * torch_dtype.itemsize)
         return block.view(row_stop - row_start, *shape[1:])
 
-    manifest = make_manifest("seed", cfg.model.name, cfg.model.flavor, cfg.model_args().to_dict(), seed=seed,
+    manifest = make_manifest("seed", cfg.model.name, cfg.model.flavor, run.args.to_dict(), seed=seed,
                              dtype=dtype, init={"recipe": RECIPE_VERSION, "chunk_numel": CHUNK_NUMEL})
     # The writer's threads do the parallelism; intra-op threads would only contend with them.
     threads = torch.get_num_threads()
