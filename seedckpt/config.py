@@ -161,6 +161,8 @@ class Data:
 class Metrics:
     enable_tensorboard: bool = False
     log_freq: int = 1
+    # per-step DP all-gather/reduce-scatter calls and seconds; auto: on for manual FSDP (free), off for FSDP2
+    collective_timing: Literal["auto", "on", "off"] = "auto"
 
     def validate(self) -> None:
         _check("metrics.log_freq", self.log_freq, self.log_freq >= 1, ">= 1 (log every log_freq-th step)")

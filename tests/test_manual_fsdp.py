@@ -22,9 +22,11 @@ LAYOUT = [*COMMON, "--parallelism.pipeline_parallel_degree", "1", "--training.lo
 
 
 def _config(run: Path, seed: str, impl: str, *overrides: str):
+    """FSDP2's collectives are timed too (off by default for it): these tests count them."""
     return load_config(REPO / "configs/debug.toml", [
-        *LAYOUT, "--parallelism.fsdp_impl", impl, "--checkpoint.seed_checkpoint", seed,
-        "--checkpoint.folder", str(run / "ckpt"), "--job.dump_folder", str(run), *overrides])
+        *LAYOUT, "--parallelism.fsdp_impl", impl, "--metrics.collective_timing", "on",
+        "--checkpoint.seed_checkpoint", seed, "--checkpoint.folder", str(run / "ckpt"), "--job.dump_folder", str(run),
+        *overrides])
 
 
 def _losses(run: Path, field: str = "loss") -> list[float]:
@@ -37,7 +39,8 @@ def _train(run: Path, seed: str, impl: str, *overrides: str, start=None) -> tupl
     from seedckpt.train import Trainer
 
     trainer = Trainer(_config(run, seed, impl, *overrides), start)
-    built = (trainer.collectives.all_gather_calls, trainer.collectives.reduce_scatter_calls)
+    times = trainer.data_parallel.collectives
+    built = (times.all_gather_calls, times.reduce_scatter_calls)
     trainer.run()
     return built
 
@@ -95,15 +98,17 @@ def test_reduce_scatter_runs_once_per_optimizer_step(runs):
 def _checkpoint_worker(rank, world_size, seed, tmp):
     """Manual: 5 steps and stop, resume to 10. FSDP2 resumes the manual step-5 and trains to 10.
     Round trip: FSDP2 loads the manual step-5 and saves it, manual loads that and saves it."""
-    from seedckpt.train import Start, Trainer
+    from seedckpt.start import open_start
+    from seedckpt.train import Trainer
 
     tmp = Path(tmp)
     _train(tmp / "manual", seed, "manual", "--checkpoint.interval", "5", "--training.stop_after_step", "5")
     _train(tmp / "manual", seed, "manual", "--checkpoint.interval", "5")
     first = tmp / "manual" / "ckpt" / "step-5"
-    _train(tmp / "fsdp2", seed, "fsdp2", start=Start(first, 5))
-    Trainer(_config(tmp / "to-fsdp2", seed, "fsdp2"), Start(first, 5)).save()
-    Trainer(_config(tmp / "back", seed, "manual"), Start(tmp / "to-fsdp2" / "ckpt" / "step-5", 5)).save()
+    to_fsdp2, back = _config(tmp / "to-fsdp2", seed, "fsdp2"), _config(tmp / "back", seed, "manual")
+    _train(tmp / "fsdp2", seed, "fsdp2", start=open_start(to_fsdp2, first, 5))
+    Trainer(to_fsdp2, open_start(to_fsdp2, first, 5)).save()
+    Trainer(back, open_start(back, tmp / "to-fsdp2" / "ckpt" / "step-5", 5)).save()
 
 
 def test_checkpoints_resume_bitwise_and_round_trip_through_fsdp2(runs, debug_seed):
@@ -130,7 +135,7 @@ def _mixed_precision_worker(rank, world_size, tmp):
     _train(Path(tmp) / "fsdp2", "", "fsdp2", *mixed)
     trainer = Trainer(_config(Path(tmp) / "manual", "", "manual", *mixed))
     trainer.run()
-    [flat], [module] = trainer.flat, trainer.modules
+    [flat], [module] = trainer.data_parallel.flat, trainer.modules
     state = flat.full_state_dict()
     return {"fqns": flat.fqns, "shard": flat.shard.dtype, "compute": module.output.weight.dtype,
             "tied": module.output.weight is module.tok_embeddings.weight,

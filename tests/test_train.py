@@ -188,7 +188,7 @@ def test_direct_init_refuses_a_configured_seed_made_otherwise(tmp_path, debug_se
     import shutil
 
     from seedckpt.config import load_config
-    from seedckpt.train import find_start
+    from seedckpt.start import find_start
 
     def start(seed_path, seed):
         cfg = load_config(None, ["--checkpoint.init_from", "direct", "--checkpoint.seed_checkpoint", str(seed_path),
