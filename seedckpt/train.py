@@ -116,8 +116,8 @@ class Trainer:
         self.osft = osft_spec(cfg)
         try:
             self.modules = build_stages(self.args, self.specs, self.device, checkpoint=start.checkpoint,
-                                        seed=None if start.checkpoint else train.seed, shard_fn=self._parallelize,
-                                        grow_vocab=start.pretrained, osft=self.osft,
+                                        seed=train.seed if start.checkpoint is None else None,
+                                        shard_fn=self._parallelize, grow_vocab=start.pretrained, osft=self.osft,
                                         stage_group=self.data_parallel.stage_group() if self.osft is not None else None,
                                         verify=cfg.checkpoint.verify_checksums)
             self.data_parallel.wrap_loaded(self.modules)
@@ -134,6 +134,7 @@ class Trainer:
             raise SeedckptError(f"cannot resume: {e}; "
                                 f"{fallback_hint(complete_steps(cfg.checkpoint.folder), start.step)}") from None
         self.pipeline = self._build_pipeline() if self.dims.pp > 1 else None
+        # Clipped: the gradients of what the optimizers step (frozen parameters have none).
         self.params = [p for i in range(len(self.modules)) for p in self.data_parallel.parameters(i)]
 
     # -- setup -------------------------------------------------------------------------------
