@@ -1,7 +1,7 @@
 """Data parallelism behind one interface: FSDP2 (``fully_shard``, the default) or manual FSDP
 (``parallelism.fsdp_impl = "manual"``, ``manual_fsdp.FlatShardedModel``).
 
-The trainer never asks which one runs. For each of this rank's stage modules it calls, in order:
+The trainer never asks which one runs. It calls, in order:
 
 1. ``shard_on_meta(module)`` while the stage is still on ``meta`` (``stages.build_stages``'s
    ``shard_fn``): FSDP2 shards here, so each rank materializes and loads only its shards;
@@ -13,7 +13,8 @@ and then, each step: ``parameters(i)`` is what stage ``i``'s optimizer steps and
 group clipping sums the squared norm over. For checkpoints, ``model_state_dict(i)`` and
 ``optimizer_state_dict(i, ...)`` / ``load_optimizer_state_dict(i, ...)`` use FSDP2's keys (the
 optimizer's flattened: ``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``), so a checkpoint of
-either implementation resumes the other.
+either implementation resumes the other. ``stage_group()`` names the ranks that hold the same
+stages (OSFT's distributed SVD runs across them).
 
 Collective timing (``metrics.collective_timing``) -- on by default only where it costs nothing:
 manual FSDP issues its two collectives itself, so timing them is two clock reads a call (``auto``:
