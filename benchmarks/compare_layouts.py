@@ -66,6 +66,7 @@ def run_layout(name: str, opts, seed: Path, work: Path) -> list[dict]:
             "--job.dump_folder", str(run_dir), "--training.steps", str(opts.steps),
             "--training.global_batch_size", str(opts.global_batch), "--training.local_batch_size", str(local),
             "--training.seq_len", str(opts.seq_len), "--parallelism.pipeline_parallel_degree", "1",
+            "--metrics.collective_timing", "on",  # FSDP2's too (off by default): the table compares them
             *[a.format(ranks=ranks) for a in extra]]
     launcher = ([sys.executable] if ranks == 1 else
                 [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"])

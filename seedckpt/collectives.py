@@ -2,7 +2,8 @@
 
 ``CollectiveTimes`` counts the all-gathers and reduce-scatters a rank issues and the host wall time
 spent in them; the trainer zeroes it at the start of every step and logs it beside step time, data
-wait and peak memory. Manual FSDP adds to it around its own calls. FSDP2 issues its collectives
+wait and peak memory -- when ``metrics.collective_timing`` asks for it (``data_parallel`` says what
+``auto`` means). Manual FSDP adds to it around its own calls. FSDP2 issues its collectives
 inside its hooks, so ``time_fsdp2_collectives`` swaps in its public extension point for custom
 communication (``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter``) with comms
 that call the same ``torch.distributed`` functions as FSDP2's defaults, timed.

@@ -207,6 +207,9 @@ class Metrics:
     """what each step logs"""
     enable_tensorboard: bool = option(False, "also write TensorBoard events to job.dump_folder/tensorboard")
     log_freq: int = option(1, "log every log_freq-th step (and the last one)")
+    collective_timing: Literal["auto", "on", "off"] = option(
+        "auto", "per-step data-parallel all-gather / reduce-scatter calls and seconds; auto: on for manual FSDP "
+                "(it issues them itself: free), off for FSDP2 (timing swaps its comms through a private API)")
 
     def validate(self) -> None:
         _check("metrics.log_freq", self.log_freq, self.log_freq >= 1, ">= 1 (log every log_freq-th step)")

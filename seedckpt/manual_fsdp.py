@@ -4,8 +4,8 @@ Why it exists: FSDP2 hides its collectives behind hooks and DTensors. This wrapp
 with two public collectives on the data-parallel process group -- ``all_gather_single`` and
 ``reduce_scatter_single`` (torch 2.13's names for ``all_gather_into_tensor`` /
 ``reduce_scatter_tensor``, which it deprecates in their favour) -- so every byte moved is one call
-you can count and time (``collectives.CollectiveTimes``, logged per step as for FSDP2), and compare
-against FSDP2 on the same run.
+you can count and time (``collectives.CollectiveTimes``, logged per step; free, so on by default),
+and compare against FSDP2 on the same run (``metrics.collective_timing = "on"`` times FSDP2's too).
 
 The scheme (its memory is ZeRO stage 1's rather than FSDP's -- see the limits below):
 

@@ -9,7 +9,7 @@ for ``train.py``, ``seedckpt plan`` and ``seedckpt seed``; nothing changes the c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from models.spec import ModelSpec
 from seedckpt.config import JobConfig
@@ -30,6 +30,12 @@ class Run:
     start: Start | None = None
     notes: tuple[str, ...] = ()
 
+    def with_start(self) -> Run:
+        """This run with where it starts: the checkpoint folder's newest ``step-N``, the pretrained
+        weights or the seed, opened once (``start.find_start``). A training run calls it under the
+        folder's lock, after the config's own checks have passed."""
+        return replace(self, start=find_start(self.cfg, self.args))
+
 
 def default_world_size(cfg: JobConfig) -> int:
     """The world the config's degrees describe, ``data_parallel_shard_degree = -1`` counting as 1
@@ -38,10 +44,10 @@ def default_world_size(cfg: JobConfig) -> int:
     return par.pipeline_parallel_degree * par.data_parallel_replicate_degree * max(1, par.data_parallel_shard_degree)
 
 
-def resolve(cfg: JobConfig, world_size: int, with_start: bool = False) -> Run:
-    """Model args, parallel dims and (``with_start``: a training run) the start, each checked; every
-    failure is one ``SeedckptError`` naming the key to change. Reads only metadata."""
+def resolve(cfg: JobConfig, world_size: int) -> Run:
+    """Model args and parallel dims (a training run adds its start: ``Run.with_start``), each checked;
+    every failure is one ``SeedckptError`` naming the key to change. Reads only metadata."""
     finetune = finetune_model(cfg)
     args, notes = (finetune[0], (finetune[1],)) if finetune else (cfg.model_args(), ())
     dims = ParallelDims.from_config(cfg, world_size, args)
-    return Run(cfg, cfg.model_spec(), args, dims, find_start(cfg) if with_start else None, notes)
+    return Run(cfg, cfg.model_spec(), args, dims, notes=notes)

@@ -22,6 +22,7 @@ Seed, resume and fine-tuning all use this one path.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
@@ -31,7 +32,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from models.llama import ModelArgs
 from models.spec import LLAMA3, ModelSpec
-from seedckpt.checkpoint import RowWindow
+from seedckpt.checkpoint import Checkpoint, RowWindow
 from seedckpt.errors import SeedckptError
 from seedckpt.init import init_model
 from seedckpt.layouts import check_args_match, open_model_checkpoint
@@ -206,15 +207,16 @@ def _has_nan(t: torch.Tensor) -> bool:
 
 
 def build_stages(args: ModelArgs, specs: Sequence[StageSpec], device: torch.device | str,
-                 checkpoint: str | None = None, seed: int | None = None,
+                 checkpoint: str | Path | Checkpoint | None = None, seed: int | None = None,
                  shard_fn: Callable[[nn.Module], None] | None = None, grow_vocab: bool = False,
                  osft: OSFTSpec | None = None, stage_group=None, verify: bool = True,
                  model_spec: ModelSpec = LLAMA3) -> list[nn.Module]:
     """Build this rank's stage modules and give every tensor a value.
 
     Exactly one of ``checkpoint`` (load by FQN, the normal path: a DCP checkpoint or a Hugging Face
-    Llama directory) or ``seed`` (direct per-rank init, bitwise equal to loading the seed made with
-    that seed) must be given. The checkpoint is checked against ``args`` before anything is
+    Llama directory; a path, or a ``Checkpoint`` already opened as below, as the trainer's start is)
+    or ``seed`` (direct per-rank init, bitwise equal to loading the seed made with that seed) must
+    be given. The checkpoint is checked against ``args`` before anything is
     allocated. ``shard_fn`` (e.g. activation checkpointing + FSDP2) is applied on ``meta``.
     ``grow_vocab``: ``args.vocab_size`` may exceed the checkpoint's; the new rows get the mean of
     the checkpoint's rows (collective over the FSDP shards of the first and last stages).
@@ -231,8 +233,11 @@ def build_stages(args: ModelArgs, specs: Sequence[StageSpec], device: torch.devi
     # ``args`` describes a checkpoint that records no model (a foreign DCP one), so model tensors this
     # model has no place for (extra layers) are refused, not silently left out. A grown vocabulary
     # is not the checkpoint's shape: then only what the checkpoint records is checked.
-    reader = (open_model_checkpoint(checkpoint, None if grow_vocab else args, complete=False, verify=verify,
-                                    model=model_spec.name) if checkpoint is not None else None)
+    if checkpoint is None or isinstance(checkpoint, Checkpoint):
+        reader = checkpoint
+    else:
+        reader = open_model_checkpoint(checkpoint, None if grow_vocab else args, complete=False, verify=verify,
+                                       model=model_spec.name)
     if reader is not None:
         check_args_match(reader, args, grow_vocab, model_spec.name)
     modules = [build_stage_model(args, spec, model_spec) for spec in specs]

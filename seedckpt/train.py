@@ -1,26 +1,25 @@
-"""Pretraining, SFT and OSFT: pipeline parallel x FSDP2 on a ``(pp, dp_replicate, dp_shard)`` mesh
-(or, with ``parallelism.fsdp_impl = "manual"``, data parallelism through ``manual_fsdp``).
+"""Pretraining, SFT and OSFT: the training loop, pipeline parallel x data parallel on a
+``(pp, dp_replicate, dp_shard)`` mesh.
 
-One run, end to end:
+One run, end to end -- the trainer is the loop; each other concern is one module:
 
-1. validate the layout (``ParallelDims``), the fine-tuning set-up and the data before touching a
-   process group;
-2. pick the start: the newest complete ``checkpoint.folder/step-N``, else
-   ``finetune.pretrained`` for SFT / OSFT, else ``checkpoint.seed_checkpoint`` (which must exist -- a run
-   never silently starts from random), or, with ``checkpoint.init_from = "direct"``, each rank's own
-   per-tensor init from ``training.seed`` (bitwise the seed file that seed would make);
+1. resolve the config once (``resolve``): the model (fine-tuning's from the pretrained checkpoint),
+   the layout (``ParallelDims``) and the data, all checked before touching a process group;
+2. pick the start (``start``): the newest complete ``step-N``, the pretrained weights, the seed, or
+   direct init -- opened once, before any rendezvous, and handed on;
 3. build this rank's stage(s) through ``stages.build_stages`` -- the same load path for seed,
-   pretrained weights and resume -- with activation checkpointing and FSDP2 applied on ``meta``
-   (manual FSDP: the stage is built unsharded and then wrapped, each rank keeping its shard);
-4. for a resume, load optimizer, LR schedule and RNG from the same checkpoint;
+   pretrained weights and resume -- with activation checkpointing applied on ``meta`` and data
+   parallelism (``data_parallel``: FSDP2, or manual FSDP) applied on ``meta`` or once loaded;
+4. the train state (``train_state``: optimizers, LR schedules, RNG, data position); for a resume it
+   loads itself from the same checkpoint;
 5. each step: the global batch for that step (same for every layout), this DP rank's slice,
-   forward/backward through the pipeline schedule (or directly when pp = 1), for OSFT project the
-   gradients off the frozen subspaces (manual FSDP: reduce-scatter the accumulated gradients, once
-   per step), clip by the global gradient norm across PP and DP, AdamW
+   forward/backward through the pipeline schedule (or directly when pp = 1), finish the
+   data-parallel gradients (manual FSDP: one reduce-scatter per step), for OSFT project the
+   gradients off the frozen subspaces, clip by the global gradient norm across PP and DP, AdamW
    (for OSFT, project the trainable factors again), LR schedule, telemetry. The loss is the mean over the
    global batch's label tokens (chat data masks all but the assistant's), whatever the layout;
-6. every ``checkpoint.interval`` steps (and at the end) write ``step-N`` atomically and keep the
-   newest ``keep_latest_k``.
+6. every ``checkpoint.interval`` steps (and at the end) the train state writes ``step-N``
+   atomically, and the newest ``keep_latest_k`` are kept.
 """
 
 from __future__ import annotations
@@ -30,146 +29,35 @@ import contextlib
 import dataclasses
 import datetime
 import gc
-import math
 import os
 import sys
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                     set_optimizer_state_dict)
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.distributed.tensor import DTensor
 
-from seedckpt.checkpoint import (TOKENIZER_DIR, DcpCheckpoint, complete_steps, destination_lock, make_manifest,
-                                 prune_steps, step_dir, write_checkpoint)
-from seedckpt.checkpoint.manifest import OPTIMIZER_PREFIX, RNG_PREFIX, TRAIN_STATE_KEY, read_manifest
-from seedckpt.collectives import CollectiveTimes, time_fsdp2_collectives
-from seedckpt.config import DTYPES, JobConfig, check_output_folders, config_reference, load_config
+from seedckpt.checkpoint import complete_steps, destination_lock, prune_steps
+from seedckpt.config import check_output_folders, config_reference, load_config
 from seedckpt.data import IGNORE_INDEX
+from seedckpt.data_parallel import make_data_parallel
 from seedckpt.datasets import make_dataset
 from seedckpt.errors import SeedckptError
-from seedckpt.finetune import osft_spec, prepare_finetune
+from seedckpt.finetune import osft_spec
 from seedckpt.init import RECIPE_VERSION
-from seedckpt.layouts import open_model_checkpoint
-from seedckpt.manual_fsdp import FlatShardedModel
 from seedckpt.metrics import MetricsLogger, peak_memory_bytes
-from seedckpt.osft import OSFTProjector, manifest_osft, osft_record
-from seedckpt.parallel import (ParallelDims, TiedEmbeddings, apply_activation_checkpointing, apply_fsdp,
-                               reshard_after_forward)
+from seedckpt.osft import OSFTProjector
+from seedckpt.parallel import TiedEmbeddings, apply_activation_checkpointing
+from seedckpt.resolve import Run, resolve
 from seedckpt.stages import build_stages, plan_rank_stages, stage_ids_for_rank
-from seedckpt.tokenizer import tokenizer_files
-
-OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-@dataclass
-class Start:
-    path: Path | None  # None: initialize directly from training.seed
-    step: int  # 0 when starting from the seed or the pretrained weights
-    pretrained: bool = False  # fine-tuning's first start: the vocabulary may grow
-
-
-def find_start(cfg: JobConfig) -> Start:
-    steps = complete_steps(cfg.checkpoint.folder)
-    if steps:
-        newest = max(steps)
-        if newest > cfg.training.steps:
-            raise SeedckptError(f"{steps[newest]} is beyond training.steps = {cfg.training.steps}; raise "
-                                "training.steps to continue this run, or start a new checkpoint.folder")
-        try:
-            DcpCheckpoint(steps[newest])  # .metadata, its checksum and every data file's length
-        except SeedckptError as e:
-            raise SeedckptError(f"cannot resume: {e}; {fallback_hint(steps, newest)}") from None
-        return Start(steps[newest], newest)
-    if cfg.finetune.mode != "none":
-        return Start(Path(cfg.finetune.pretrained), 0, pretrained=True)
-    if cfg.checkpoint.init_from == "direct":
-        check_direct_init_matches_seed(cfg)
-        return Start(None, 0)
-    seed = cfg.checkpoint.seed_checkpoint
-    if not seed:
-        raise SeedckptError("no checkpoint to start from: set checkpoint.seed_checkpoint (create it with "
-                            "`python create_seed_checkpoint.py --config CONFIG`)")
-    if not Path(seed).is_dir():
-        raise SeedckptError(f"checkpoint.seed_checkpoint {seed} does not exist; create it with "
-                            f"`python create_seed_checkpoint.py --config CONFIG --output {seed}`")
-    open_model_checkpoint(seed, complete=False)  # damaged or incomplete: one line now, not one per rank later
-    return Start(Path(seed), 0)
-
-
-def fallback_hint(steps: dict[int, Path], broken: int) -> str:
-    """What to do about a damaged ``step-N``: which earlier checkpoint would resume instead. A run
-    never falls back by itself -- that would silently throw work away on a storage fault."""
-    for step in sorted((s for s in steps if s < broken), reverse=True):
-        try:
-            DcpCheckpoint(steps[step])
-        except SeedckptError:
-            continue
-        return (f"the newest intact checkpoint before it is {steps[step]}: move {steps[broken]} out of the folder "
-                f"to resume from step {step}")
-    return "no earlier checkpoint in the folder is intact: start again from the seed in a new checkpoint.folder"
-
-
-def changed_training_settings(cfg: JobConfig, start: Start) -> list[str]:
-    """The ``[training]`` values that differ from those ``start``'s checkpoint was trained with (they
-    all apply from the next step; the log says which changed)."""
-    saved = (read_manifest(start.path) or {}).get("training") if start.step else None
-    if not isinstance(saved, dict):
-        return []
-    now = dataclasses.asdict(cfg.training)
-    return [f"training.{k} {saved[k]!r} -> {v!r}" for k, v in now.items() if k in saved and saved[k] != v]
-
-
-def check_resume_matches_osft(cfg: JobConfig, start: Start) -> None:
-    """A resumed run must train what its checkpoint holds: the same OSFT settings (the factors'
-    shapes follow from them), or dense weights for a run without OSFT."""
-    if not start.step:
-        return
-    saved = manifest_osft(read_manifest(start.path))
-    wanted = osft_spec(cfg)
-    if saved != wanted:
-        raise SeedckptError(f"{start.path} was trained with {_describe_osft(saved)}, but the config asks for "
-                            f"{_describe_osft(wanted)}; resume with the same [finetune] settings, or start a new "
-                            "checkpoint.folder")
-
-
-def _describe_osft(spec) -> str:
-    return f"osft (ratio {spec.ratio}, targets {list(spec.patterns)})" if spec is not None else "no osft"
-
-
-def check_direct_init_matches_seed(cfg: JobConfig) -> None:
-    """Direct init promises the values of the seed made with ``training.seed``; when a configured
-    ``seed_checkpoint`` exists and was made otherwise (another seed, an older init recipe), refuse
-    rather than silently start from different weights."""
-    path = Path(cfg.checkpoint.seed_checkpoint) if cfg.checkpoint.seed_checkpoint else None
-    manifest = read_manifest(path) if path is not None and path.is_dir() else None
-    if manifest is None:
-        return
-    recipe = (manifest.get("init") or {}).get("recipe")
-    made = (manifest.get("seed"), recipe)
-    if made != (cfg.training.seed, RECIPE_VERSION):
-        raise SeedckptError(
-            f"checkpoint.init_from = direct would draw seed {cfg.training.seed} with {RECIPE_VERSION}, but "
-            f"checkpoint.seed_checkpoint {path} was made with seed {made[0]} and {recipe or 'an unknown recipe'}: "
-            "load it (checkpoint.init_from = seed_checkpoint), or unset checkpoint.seed_checkpoint")
-
-
-def warmup_cosine(warmup: int, total: int):
-    """Linear warmup to the peak LR, then cosine decay to 10 % of it at ``total``."""
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        progress = (step - warmup) / max(1, total - warmup)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return factor
+from seedckpt.start import changed_training_settings, check_resume_matches_osft, fallback_hint
+from seedckpt.train_state import TrainState
 
 
 def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, pp_group, duplicates=(),
@@ -194,17 +82,23 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, pp_group, dupli
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig, start: Start | None = None, data=None):
-        self.cfg = cfg
-        self.rank, world = dist.get_rank(), dist.get_world_size()
-        self.dims = ParallelDims.from_config(cfg, world)
+    """The training loop over this rank's stages, built from a start (``start``), a data-parallel
+    implementation (``data_parallel``) and a train state (``train_state``)."""
+
+    def __init__(self, run: Run, data=None):
+        """``run``: the config resolved for this world, with its start (``resolve(cfg, world).with_start()``)."""
+        cfg = self.cfg = run.cfg
+        self.rank = dist.get_rank()
+        if run.start is None or run.dims.pp * run.dims.dp != dist.get_world_size():
+            raise ValueError("Trainer needs a run resolved for this world size, with its start")
+        self.dims = run.dims
         self.device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
                        if torch.cuda.is_available() else torch.device("cpu"))
         self.mesh = self.dims.build_mesh(self.device.type)
         self.pp_rank = self.mesh.get_local_rank("pp")
         self.dp_rank = self.mesh.get_local_rank("dp_replicate") * self.dims.dp_shard + self.mesh.get_local_rank("dp_shard")
         par, train = cfg.parallelism, cfg.training
-        self.args = cfg.model_args()
+        self.args = run.args
         self.specs = plan_rank_stages(self.args, self.pp_rank, self.dims.pp, par.pipeline_parallel_stages_per_rank,
                                       par.pipeline_parallel_schedule, par.pipeline_parallel_split_points)
         self.accum = self.dims.accumulation_steps(cfg)
@@ -214,73 +108,46 @@ class Trainer:
         self.global_batch = self.dims.global_batch_size(cfg)
         self.data = data or make_dataset(cfg.data, self.args.vocab_size, train.seq_len, train.seed)
 
-        start = start or find_start(cfg)
+        start = run.start
+        self.data_parallel = make_data_parallel(cfg, self.dims, self.mesh)
         origin = ("resuming from" if start.step else "starting from pretrained" if start.pretrained
                   else "starting from seed checkpoint" if start.path else
                   f"initializing directly from seed {train.seed} ({RECIPE_VERSION}, no seed file):")
-        manual = par.fsdp_impl == "manual"
         self.log(f"{origin} {start.path or ''} (step {start.step}); mesh pp={self.dims.pp} "
                  f"dp_replicate={self.dims.dp_replicate} dp_shard={self.dims.dp_shard} on {self.device.type}"
-                 f"{' with manual FSDP' if manual else ''}; data: {self.data.description}")
+                 f"{self.data_parallel.log_label}; data: {self.data.description}")
         for change in changed_training_settings(cfg, start):
             self.log(f"resuming with a changed setting, applied from step {start.step + 1}: {change}")
         self.osft = osft_spec(cfg)
-        self.collectives = CollectiveTimes()  # this rank's all-gathers and reduce-scatters, per step
-        self.step = start.step
         try:
-            self.modules = build_stages(self.args, self.specs, self.device, checkpoint=start.path,
-                                        seed=None if start.path else train.seed, shard_fn=self._parallelize,
-                                        grow_vocab=start.pretrained, osft=self.osft,
-                                        stage_group=self._stage_group() if self.osft is not None else None,
+            self.modules = build_stages(self.args, self.specs, self.device, checkpoint=start.checkpoint,
+                                        seed=train.seed if start.checkpoint is None else None,
+                                        shard_fn=self._parallelize, grow_vocab=start.pretrained, osft=self.osft,
+                                        stage_group=self.data_parallel.stage_group() if self.osft is not None else None,
                                         verify=cfg.checkpoint.verify_checksums)
-            # Manual FSDP (data parallelism only): each stage becomes one flat vector, sharded over DP.
-            dtypes = DTYPES[train.mixed_precision_param], DTYPES[train.mixed_precision_reduce]
-            self.flat = ([FlatShardedModel(m, self.mesh["dp_shard"].get_group(), *dtypes, self.collectives)
-                          for m in self.modules] if manual else None)
+            self.data_parallel.wrap_loaded(self.modules)
             self.tied = self._tie_across_stages()
             # OSFT: gradients and trainable factors stay orthogonal to the frozen singular subspaces.
             self.projector = OSFTProjector(self.modules) if self.osft is not None else None
-            self.optimizers = [torch.optim.AdamW(self._optimized_params(i), lr=train.lr, betas=(0.9, 0.95),
-                                                 weight_decay=0.1) for i in range(len(self.modules))]
-            self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, warmup_cosine(train.warmup_steps, train.steps))
-                               for o in self.optimizers]
+            self.state = TrainState(cfg, self.args, self.modules, self.data_parallel, start.step, self.global_batch,
+                                    self.osft)
             if start.step:
-                self._load_training_state(start.path)
+                self.state.load(start.checkpoint)
         except SeedckptError as e:  # a damaged step-N: say which checkpoint would resume instead
             if not start.step:
                 raise
             raise SeedckptError(f"cannot resume: {e}; "
                                 f"{fallback_hint(complete_steps(cfg.checkpoint.folder), start.step)}") from None
         self.pipeline = self._build_pipeline() if self.dims.pp > 1 else None
-        self.params = ([f.shard for f in self.flat] if self.flat is not None
-                       else [p for m in self.modules for p in m.parameters()])
+        # Clipped: the gradients of what the optimizers step (frozen parameters have none).
+        self.params = [p for i in range(len(self.modules)) for p in self.data_parallel.parameters(i)]
 
     # -- setup -------------------------------------------------------------------------------
     def _parallelize(self, module: nn.Module) -> None:
-        ac, train, par = self.cfg.activation_checkpoint, self.cfg.training, self.cfg.parallelism
+        """Applied to each stage module on ``meta``: activation checkpointing, then data parallelism."""
+        ac = self.cfg.activation_checkpoint
         apply_activation_checkpointing(module, ac.mode, ac.selective_every)
-        if par.fsdp_impl == "manual":  # wrapped once loaded, unsharded (FlatShardedModel)
-            return
-        # FSDP2 also carries mixed precision, so it is applied on one rank too when that is asked for.
-        if self.dims.dp > 1 or (train.mixed_precision_param, train.mixed_precision_reduce) != ("float32",) * 2:
-            mesh = self.mesh["dp_replicate", "dp_shard"] if self.dims.dp_replicate > 1 else self.mesh["dp_shard"]
-            apply_fsdp(module, mesh, DTYPES[train.mixed_precision_param], DTYPES[train.mixed_precision_reduce],
-                       reshard_after_forward(par.fsdp_reshard_after_forward, self.dims.pp))
-            time_fsdp2_collectives(module, self.collectives)
-
-    def _optimized_params(self, i: int) -> list[nn.Parameter]:
-        """What stage ``i``'s optimizer steps: its trainable parameters, or manual FSDP's flat shard."""
-        if self.flat is not None:
-            return [self.flat[i].shard]
-        return [p for p in self.modules[i].parameters() if p.requires_grad]
-
-    def _stage_group(self):
-        """The ranks that hold this rank's stages (its DP group), or None on one DP rank."""
-        if self.dims.dp == 1:
-            return None
-        if self.dims.dp_replicate == 1:
-            return self.mesh["dp_shard"].get_group()
-        return self.mesh["dp_replicate", "dp_shard"]._flatten().get_group()
+        self.data_parallel.shard_on_meta(module)
 
     def _tie_across_stages(self) -> TiedEmbeddings | None:
         par = self.cfg.parallelism
@@ -316,62 +183,10 @@ class Trainer:
         dist.all_reduce(leak, op=dist.ReduceOp.MAX)
         return leak.item()
 
-    # -- checkpoint state beyond the weights ----------------------------------------------------
-    # Both implementations read and write FSDP2's flattened keys, so either resumes the other.
-    def _optimizer_state(self, i: int) -> dict:
-        if self.flat is not None:
-            return self.flat[i].optimizer_state_dict(self.optimizers[i])
-        return get_optimizer_state_dict(self.modules[i], self.optimizers[i], options=OPTIM_OPTIONS)
-
-    def _set_optimizer_state(self, i: int, state: dict) -> None:
-        if self.flat is not None:
-            self.flat[i].load_optimizer_state_dict(self.optimizers[i], state)
-        else:
-            set_optimizer_state_dict(self.modules[i], self.optimizers[i], state, options=OPTIM_OPTIONS)
-
-    def _training_state(self, optimizer_states: list[dict] | None = None) -> dict:
-        """Optimizer (``optimizer_states``: each stage's ``_optimizer_state``, when at hand), LR
-        schedule, step and this rank's RNG."""
-        state = {}
-        for optim in optimizer_states or [self._optimizer_state(i) for i in range(len(self.modules))]:
-            state.update({OPTIMIZER_PREFIX + k: v for k, v in optim.items()})
-        state[TRAIN_STATE_KEY] = {"step": self.step, "lr_scheduler": self.schedulers[0].state_dict(),
-                                "samples_seen": self.step * self.global_batch}
-        state[f"{RNG_PREFIX}rank{self.rank}"] = torch.get_rng_state()
-        return state
-
-    def _load_training_state(self, path: Path) -> None:
-        mine = [self._optimizer_state(i) for i in range(len(self.modules))]  # each stage's keys
-        state = self._training_state(mine)
-        DcpCheckpoint(path, verify=self.cfg.checkpoint.verify_checksums).load(state)
-        for i, keys in enumerate(mine):
-            self._set_optimizer_state(i, {k: state[OPTIMIZER_PREFIX + k] for k in keys})
-        train_state = state[TRAIN_STATE_KEY]
-        for scheduler in self.schedulers:
-            scheduler.load_state_dict(train_state["lr_scheduler"])
-            # The state restores the peak LR it was saved with; the configured one applies (a
-            # change is logged). Warmup and decay are the configured schedule's already.
-            scheduler.base_lrs = [self.cfg.training.lr] * len(scheduler.base_lrs)
-        torch.set_rng_state(state[f"{RNG_PREFIX}rank{self.rank}"])
-        if train_state["step"] != self.step:
-            raise SeedckptError(f"{path} records step {train_state['step']}, its name says {self.step}")
-
     def save(self) -> None:
-        state = {}
-        for i, module in enumerate(self.modules):  # manual FSDP: full tensors on every rank, DCP writes each once
-            state.update(self.flat[i].full_state_dict() if self.flat is not None else module.state_dict())
-        state.update(self._training_state())
-        ckpt = self.cfg.checkpoint
-        ft, tokenizer = self.cfg.finetune, self.cfg.data.tokenizer
-        manifest = make_manifest("train", self.cfg.model.name, self.cfg.model.flavor, self.args.to_dict(),
-                                 step=self.step, seed=self.cfg.training.seed, dtype="float32",
-                                 training=dataclasses.asdict(self.cfg.training),
-                                 finetune={"mode": ft.mode, "pretrained": ft.pretrained,
-                                           **(osft_record(self.osft) if self.osft else {})})
-        files = {f"{TOKENIZER_DIR}/{f.name}": f for f in tokenizer_files(tokenizer)} if tokenizer else {}
-        path = write_checkpoint(step_dir(ckpt.folder, self.step), state, manifest, force=True, files=files)
+        path = self.state.save()
         if self.rank == 0:
-            prune_steps(ckpt.folder, ckpt.keep_latest_k)
+            prune_steps(self.cfg.checkpoint.folder, self.cfg.checkpoint.keep_latest_k)
         self.log(f"saved checkpoint {path}")
 
     # -- the loop -------------------------------------------------------------------------------
@@ -408,22 +223,24 @@ class Trainer:
         return total
 
     def run(self) -> None:
-        train, ckpt = self.cfg.training, self.cfg.checkpoint
-        metrics = (MetricsLogger(self.cfg.job.dump_folder, self.cfg.metrics.enable_tensorboard, after_step=self.step)
+        train, ckpt, state = self.cfg.training, self.cfg.checkpoint, self.state
+        metrics = (MetricsLogger(self.cfg.job.dump_folder, self.cfg.metrics.enable_tensorboard, after_step=state.step)
                    if self.rank == 0 else None)
         profile_steps = {int(s) for s in self.cfg.profiling.steps}
         tokens_per_step = self.global_batch * train.seq_len
+        # Logged only when timed (metrics.collective_timing): an untimed run's rows carry no collective columns.
+        collectives = self.data_parallel.collectives
         try:
-            while self.step < train.steps:
-                self.step += 1
+            while state.step < train.steps:
+                state.step += 1
                 t0 = time.perf_counter()
-                self.collectives.reset()
-                with self._maybe_profile(self.step in profile_steps):
-                    batches = list(self.local_batches(self.step))
+                if collectives is not None:
+                    collectives.reset()
+                with self._maybe_profile(state.step in profile_steps):
+                    batches = list(self.local_batches(state.step))
                     data_wait = time.perf_counter() - t0
                     local_loss = self.train_step(batches)
-                    for flat in self.flat or ():  # one reduce-scatter per optimizer step, not per micro-batch
-                        flat.sync_gradients()
+                    self.data_parallel.sync_gradients()
                     if self.tied is not None:
                         self.tied.sync_grads()
                     if self.projector is not None:  # before clipping: the norm counts only what the step applies
@@ -431,33 +248,33 @@ class Trainer:
                     grad_norm = clip_grad_norm_(self.params, train.max_norm,
                                                 self.mesh["pp"].get_group() if self.dims.pp > 1 else None,
                                                 self.tied.duplicates if self.tied is not None else (),
-                                                self.flat[0].group if self.flat is not None else None)
-                    for optimizer, scheduler in zip(self.optimizers, self.schedulers):
+                                                self.data_parallel.grad_norm_group)
+                    for optimizer, scheduler in zip(state.optimizers, state.schedulers):
                         optimizer.step()
                         optimizer.zero_grad(set_to_none=True)
                         scheduler.step()
                     if self.projector is not None:  # AdamW's per-element scaling leaves the complement
                         self.projector.project_parameters()
-                comm = dataclasses.asdict(self.collectives)
+                comm = dataclasses.asdict(collectives) if collectives is not None else {}
                 stats = torch.tensor([local_loss.item(), float(peak_memory_bytes(self.device)), *comm.values()],
                                      dtype=torch.float64, device=self.device)
                 dist.all_reduce(stats[:1])  # sum of the last stages' DP-local parts (each x dp)
                 dist.all_reduce(stats[1:], op=dist.ReduceOp.MAX)  # the busiest rank's memory and collectives
                 step_time = time.perf_counter() - t0
-                logging = self.step % self.cfg.metrics.log_freq == 0 or self.step == train.steps
+                logging = state.step % self.cfg.metrics.log_freq == 0 or state.step == train.steps
                 extra = {"osft_leak": self._osft_leak()} if logging and self.projector is not None else {}
                 if metrics is not None and logging:
-                    metrics.log({"step": self.step, "steps": train.steps, "loss": stats[0].item() / self.dims.dp,
-                                 "lr": self.schedulers[0].get_last_lr()[0], "grad_norm": grad_norm.item(),
+                    metrics.log({"step": state.step, "steps": train.steps, "loss": stats[0].item() / self.dims.dp,
+                                 "lr": state.schedulers[0].get_last_lr()[0], "grad_norm": grad_norm.item(),
                                  "label_tokens": self.label_tokens, "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
                                  "data_wait_s": data_wait, "peak_mem_bytes": int(stats[1].item()),
                                  **{k: (int if k.endswith("calls") else float)(v) for k, v in zip(comm, stats[2:].tolist())},
                                  **extra})
-                stopping = self.step == train.stop_after_step
-                if stopping or (ckpt.interval > 0 and (self.step % ckpt.interval == 0 or self.step == train.steps)):
+                stopping = state.step == train.stop_after_step
+                if stopping or (ckpt.interval > 0 and (state.step % ckpt.interval == 0 or state.step == train.steps)):
                     self.save()
                 if stopping:
-                    self.log(f"stopping after step {self.step} (training.stop_after_step); run again to resume")
+                    self.log(f"stopping after step {state.step} (training.stop_after_step); run again to resume")
                     break
             # Let every rank's outstanding pipeline sends complete before the group is torn down.
             dist.barrier()
@@ -475,7 +292,7 @@ class Trainer:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         with torch.profiler.profile(activities=activities) as prof:
             yield
-        trace = Path(self.cfg.job.dump_folder) / "traces" / f"step-{self.step}-rank{self.rank}.json"
+        trace = Path(self.cfg.job.dump_folder) / "traces" / f"step-{self.state.step}-rank{self.rank}.json"
         trace.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(trace))
         self.log(f"wrote Chrome trace {trace}", all_ranks=True)
@@ -514,35 +331,35 @@ def main(argv: list[str] | None = None) -> int:
         warnings.simplefilter("ignore")  # every rank sees the same data and config: rank 0 warns for all
     try:  # every rank validates the same config, so rank 0 speaks for all
         cfg = load_config(opts.config, overrides)
-        finetune = prepare_finetune(cfg)
-        if finetune and rank == 0:
-            print(f"[rank0] {finetune}", flush=True)
-        ParallelDims.from_config(cfg, int(os.environ.get("WORLD_SIZE", 1)))  # fail before any rendezvous
+        run = resolve(cfg, int(os.environ.get("WORLD_SIZE", 1)))  # fail before any rendezvous
+        if rank == 0:
+            for note in run.notes:
+                print(f"[rank0] {note}", flush=True)
         if cfg.metrics.enable_tensorboard:
             MetricsLogger.check_tensorboard()
         check_output_folders(cfg)
         with contextlib.ExitStack() as run_lock:
             if rank == 0:  # one run per checkpoint.folder: a second one fails here, naming the first
                 run_lock.enter_context(destination_lock(cfg.checkpoint.folder))
-            start = find_start(cfg)
-            check_resume_matches_osft(cfg, start)
-            if start.step == cfg.training.steps:
+            run = run.with_start()
+            check_resume_matches_osft(cfg, run.start)
+            if run.start.step == cfg.training.steps:
                 if rank == 0:
-                    print(f"[rank0] nothing to train: {start.path} already reached training.steps = "
+                    print(f"[rank0] nothing to train: {run.start.path} already reached training.steps = "
                           f"{cfg.training.steps}; raise --training.steps to continue", flush=True)
                 return 0
-            data = make_dataset(cfg.data, cfg.model_args().vocab_size, cfg.training.seq_len, cfg.training.seed)
-            return _train(cfg, start, data, rank)
+            data = make_dataset(cfg.data, run.args.vocab_size, cfg.training.seq_len, cfg.training.seed)
+            return _train(run, data, rank)
     except SeedckptError as e:
         if rank == 0:
             print(f"train.py: error: {e}", file=sys.stderr)
         return 2
 
 
-def _train(cfg: JobConfig, start: Start, data, rank: int) -> int:
+def _train(run: Run, data, rank: int) -> int:
     _init_process_group()
     try:
-        Trainer(cfg, start, data).run()
+        Trainer(run, data).run()
     except (SeedckptError, OSError) as e:  # may hit one stage only: each failing rank reports
         print(f"train.py: error on rank {rank}: {e}", file=sys.stderr)
         return 2

@@ -11,7 +11,7 @@ import pytest
 
 from seedckpt.config import JobConfig, check_output_folders, config_reference, load_config, parse_overrides
 from seedckpt.errors import SeedckptError
-from seedckpt.parallel import ParallelDims
+from seedckpt.resolve import resolve
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_shipped_configs_are_valid_training_layouts(name, world_size):
     cfg = load_config(REPO / "configs" / f"{name}.toml")
     assert f"--world-size {world_size}" in (REPO / "configs" / f"{name}.toml").read_text() or name == "debug"
-    dims = ParallelDims.from_config(cfg, world_size)  # what train.py checks before rendezvous
+    dims = resolve(cfg, world_size).dims  # what train.py checks before rendezvous
     assert dims.pp * dims.dp == world_size
 
 

@@ -22,22 +22,36 @@ LAYOUT = [*COMMON, "--parallelism.pipeline_parallel_degree", "1", "--training.lo
 
 
 def _config(run: Path, seed: str, impl: str, *overrides: str):
+    """FSDP2's collectives are timed too (off by default for it): these tests count them."""
     return load_config(REPO / "configs/debug.toml", [
-        *LAYOUT, "--parallelism.fsdp_impl", impl, "--checkpoint.seed_checkpoint", seed,
-        "--checkpoint.folder", str(run / "ckpt"), "--job.dump_folder", str(run), *overrides])
+        *LAYOUT, "--parallelism.fsdp_impl", impl, "--metrics.collective_timing", "on",
+        "--checkpoint.seed_checkpoint", seed, "--checkpoint.folder", str(run / "ckpt"), "--job.dump_folder", str(run),
+        *overrides])
 
 
 def _losses(run: Path, field: str = "loss") -> list[float]:
     return [json.loads(line)[field] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+def _trainer(cfg, start=None):
+    """A Trainer of ``cfg`` in this world, from ``start`` (else where the config starts)."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from seedckpt.resolve import resolve
+    from seedckpt.train import Trainer
+
+    run = resolve(cfg, dist.get_world_size())
+    return Trainer(dataclasses.replace(run, start=start) if start is not None else run.with_start())
+
+
 def _train(run: Path, seed: str, impl: str, *overrides: str, start=None) -> tuple[int, int]:
     """One Trainer run; returns the (all-gathers, reduce-scatters) issued while it was built
     (per-step counts are in its metrics.jsonl)."""
-    from seedckpt.train import Trainer
-
-    trainer = Trainer(_config(run, seed, impl, *overrides), start)
-    built = (trainer.collectives.all_gather_calls, trainer.collectives.reduce_scatter_calls)
+    trainer = _trainer(_config(run, seed, impl, *overrides), start)
+    times = trainer.data_parallel.collectives
+    built = (times.all_gather_calls, times.reduce_scatter_calls)
     trainer.run()
     return built
 
@@ -95,15 +109,17 @@ def test_reduce_scatter_runs_once_per_optimizer_step(runs):
 def _checkpoint_worker(rank, world_size, seed, tmp):
     """Manual: 5 steps and stop, resume to 10. FSDP2 resumes the manual step-5 and trains to 10.
     Round trip: FSDP2 loads the manual step-5 and saves it, manual loads that and saves it."""
-    from seedckpt.train import Start, Trainer
+    from seedckpt.start import open_start
 
     tmp = Path(tmp)
     _train(tmp / "manual", seed, "manual", "--checkpoint.interval", "5", "--training.stop_after_step", "5")
     _train(tmp / "manual", seed, "manual", "--checkpoint.interval", "5")
     first = tmp / "manual" / "ckpt" / "step-5"
-    _train(tmp / "fsdp2", seed, "fsdp2", start=Start(first, 5))
-    Trainer(_config(tmp / "to-fsdp2", seed, "fsdp2"), Start(first, 5)).save()
-    Trainer(_config(tmp / "back", seed, "manual"), Start(tmp / "to-fsdp2" / "ckpt" / "step-5", 5)).save()
+    to_fsdp2, back = _config(tmp / "to-fsdp2", seed, "fsdp2"), _config(tmp / "back", seed, "manual")
+    args = to_fsdp2.model_args()
+    _train(tmp / "fsdp2", seed, "fsdp2", start=open_start(to_fsdp2, args, first, 5))
+    _trainer(to_fsdp2, open_start(to_fsdp2, args, first, 5)).save()
+    _trainer(back, open_start(back, args, tmp / "to-fsdp2" / "ckpt" / "step-5", 5)).save()
 
 
 def test_checkpoints_resume_bitwise_and_round_trip_through_fsdp2(runs, debug_seed):
@@ -123,14 +139,12 @@ def test_checkpoints_resume_bitwise_and_round_trip_through_fsdp2(runs, debug_see
 
 def _mixed_precision_worker(rank, world_size, tmp):
     """A tied model (one matrix for embedding and output) in bf16 compute / fp32 reduce."""
-    from seedckpt.train import Trainer
-
     mixed = ["--training.mixed_precision_param", "bfloat16", "--model.tie_word_embeddings", "true",
              "--checkpoint.init_from", "direct", "--training.steps", "4"]
     _train(Path(tmp) / "fsdp2", "", "fsdp2", *mixed)
-    trainer = Trainer(_config(Path(tmp) / "manual", "", "manual", *mixed))
+    trainer = _trainer(_config(Path(tmp) / "manual", "", "manual", *mixed))
     trainer.run()
-    [flat], [module] = trainer.flat, trainer.modules
+    [flat], [module] = trainer.data_parallel.flat, trainer.modules
     state = flat.full_state_dict()
     return {"fqns": flat.fqns, "shard": flat.shard.dtype, "compute": module.output.weight.dtype,
             "tied": module.output.weight is module.tok_embeddings.weight,

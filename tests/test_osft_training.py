@@ -196,8 +196,8 @@ def _clip_sees_projected_worker(rank, world_size, hf, tokenizer, chats, folder):
     any component in span(U_high)/span(V_high)."""
     import seedckpt.train as train
     from seedckpt.config import load_config
-    from seedckpt.finetune import prepare_finetune
     from seedckpt.osft import OSFTLinear
+    from seedckpt.resolve import resolve
 
     cfg = load_config("configs/sft_debug.toml", [
         "--finetune.mode", "osft", "--finetune.pretrained", hf, "--data.tokenizer", tokenizer, "--data.path", chats,
@@ -205,7 +205,6 @@ def _clip_sees_projected_worker(rank, world_size, hf, tokenizer, chats, folder):
         "--training.seq_len", "64", "--training.global_batch_size", "8",
         "--training.local_batch_size", str(8 // world_size),
         "--parallelism.pipeline_parallel_degree", "1", "--checkpoint.interval", "0"])
-    prepare_finetune(cfg)
     leaks = []
     original = train.clip_grad_norm_
 
@@ -220,7 +219,7 @@ def _clip_sees_projected_worker(rank, world_size, hf, tokenizer, chats, folder):
         return original(params, *args, **kwargs)
 
     train.clip_grad_norm_ = clip
-    trainer = train.Trainer(cfg)
+    trainer = train.Trainer(resolve(cfg, world_size).with_start())
     trainer.run()
     return leaks
 

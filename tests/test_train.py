@@ -108,11 +108,51 @@ def test_resume_is_bitwise_identical(tmp_path, debug_seed):
     assert losses(tmp_path / "direct") == losses(tmp_path / "straight")
 
 
+def _default_comms_worker(rank, world_size, seed, run):
+    """Two FSDP2 steps with the default metrics.collective_timing; which comms each fully_shard-ed
+    module runs, and whether manual FSDP on the same mesh would time its own calls."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from seedckpt.config import load_config
+    from seedckpt.data_parallel import make_data_parallel
+    from seedckpt.resolve import resolve
+    from seedckpt.train import Trainer
+
+    def config(*overrides):
+        return load_config(REPO / "configs/debug.toml", [
+            *COMMON, "--training.steps", "2", "--parallelism.pipeline_parallel_degree", "1",
+            "--training.local_batch_size", "4", "--checkpoint.seed_checkpoint", seed,
+            "--checkpoint.folder", str(Path(run) / "ckpt"), "--job.dump_folder", run, *overrides])
+
+    trainer = Trainer(resolve(config(), world_size).with_start())
+    trainer.run()
+    comms = [(type(group._all_gather_comm).__name__, type(group._reduce_scatter_comm).__name__)
+             for module in trainer.modules for m in module.modules() if isinstance(m, FSDPModule)
+             for group in m._get_fsdp_state()._fsdp_param_groups]
+    manual = make_data_parallel(config("--parallelism.fsdp_impl", "manual"), trainer.dims, trainer.mesh)
+    return {"comms": comms, "fsdp2_timed": trainer.data_parallel.collectives is not None,
+            "manual_timed": manual.collectives is not None}
+
+
+def test_fsdp2_keeps_its_default_comms_unless_timing_is_asked_for(tmp_path, debug_seed):
+    """metrics.collective_timing = auto: FSDP2's collectives are not replaced by timed ones (that
+    needs torch's private _fsdp_api), so its rows carry no collective columns; manual FSDP, whose
+    timing is free, still times its own calls."""
+    [info, _] = run_distributed(_default_comms_worker, 2, str(debug_seed), str(tmp_path))
+    assert len(info["comms"]) == 7  # 6 blocks and the root
+    assert set(info["comms"]) == {("DefaultAllGather", "DefaultReduceScatter")}
+    assert not info["fsdp2_timed"] and info["manual_timed"]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
+    assert not any(k.startswith(("all_gather", "reduce_scatter")) for r in rows for k in r)
+
+
 def _killed_mid_checkpoint_worker(rank, world_size, seed, folder, dump):
     """Train pp=2 with a checkpoint every 2 steps; rank 0 (which would publish the checkpoint) is
     SIGKILLed while writing step 4, after its data files are written and before ``.metadata``."""
     from seedckpt.checkpoint import StreamingFileSystemWriter
     from seedckpt.config import load_config
+    from seedckpt.resolve import resolve
     from seedckpt.train import Trainer
 
     original = StreamingFileSystemWriter.write_data
@@ -127,7 +167,7 @@ def _killed_mid_checkpoint_worker(rank, world_size, seed, folder, dump):
     cfg = load_config(REPO / "configs/debug.toml", [
         *COMMON, "--checkpoint.interval", "2", "--checkpoint.seed_checkpoint", seed,
         "--checkpoint.folder", folder, "--job.dump_folder", dump, "--training.local_batch_size", "8"])
-    Trainer(cfg).run()
+    Trainer(resolve(cfg, world_size).with_start()).run()
 
 
 def test_sigkill_while_writing_leaves_previous_step_loadable(tmp_path, debug_seed):
@@ -188,12 +228,12 @@ def test_direct_init_refuses_a_configured_seed_made_otherwise(tmp_path, debug_se
     import shutil
 
     from seedckpt.config import load_config
-    from seedckpt.train import find_start
+    from seedckpt.start import find_start
 
     def start(seed_path, seed):
         cfg = load_config(None, ["--checkpoint.init_from", "direct", "--checkpoint.seed_checkpoint", str(seed_path),
                                  "--training.seed", str(seed), "--checkpoint.folder", str(tmp_path / "ckpt")])
-        return find_start(cfg)
+        return find_start(cfg, cfg.model_args())
 
     assert start(debug_seed, 0).path is None  # debug_seed was made with seed 0 and the current recipe
     with pytest.raises(SeedckptError, match="made with seed 0"):
