@@ -273,18 +273,22 @@ def _plan(opts, overrides) -> int:
     return 0
 
 
-def _model_args(config: str | None):
+def _model(config: str | None) -> dict:
+    """``--config``'s model (family and args) for checkpoints that record none; else the default family."""
     from seedckpt.config import load_config
 
-    return load_config(config).model_args() if config else None
+    if not config:
+        return {}
+    cfg = load_config(config)
+    return {"args": cfg.model_args(), "model": cfg.model.name}
 
 
 def _convert(opts, _rest) -> int:
     from seedckpt.convert import convert
 
     path = convert(opts.src, opts.dst, opts.to, dtype=opts.dtype, max_shard_size=opts.max_shard_size,
-                   force=opts.force, progress=not opts.quiet, args=_model_args(opts.config), dense=opts.dense,
-                   verify=not opts.no_verify)
+                   force=opts.force, progress=not opts.quiet, dense=opts.dense,
+                   verify=not opts.no_verify, **_model(opts.config))
     print(f"wrote {opts.to} checkpoint {path}")
     return 0
 
@@ -292,7 +296,7 @@ def _convert(opts, _rest) -> int:
 def _diff(opts, _rest) -> int:
     from seedckpt.convert import diff
 
-    equal, lines = diff(opts.a, opts.b, atol=opts.atol, args=_model_args(opts.config), verify=not opts.no_verify)
+    equal, lines = diff(opts.a, opts.b, atol=opts.atol, verify=not opts.no_verify, **_model(opts.config))
     print("\n".join(lines))
     return 0 if equal else 1
 

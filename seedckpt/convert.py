@@ -50,19 +50,21 @@ def _ordered(fqns) -> list[str]:
 
 
 def convert(src: str | Path, dst: str | Path, to: str, dtype: str | None = None, max_shard_size: str = "5GB",
-            force: bool = False, progress: bool = True, args=None, dense: bool = False, verify: bool = True) -> Path:
+            force: bool = False, progress: bool = True, args=None, dense: bool = False, verify: bool = True,
+            model: str = DEFAULT_MODEL) -> Path:
     """Convert ``src`` (any supported format) into ``dst`` as ``to``; returns ``dst``. An OSFT run's
     checkpoint keeps its factors unless ``dense`` (or the target has no place for them): then each
     target becomes its dense weight, for the next task of a continual-learning sequence. ``verify``:
-    check the bytes read against the source's checksums."""
+    check the bytes read against the source's checksums. ``model``: the model family (``model.name``)
+    of a source that does not record it, which ``args`` then describes."""
     if to not in FORMATS:
         raise SeedckptError(f"--to {to!r}: choose one of {', '.join(TARGETS)}")
     if dtype is not None and dtype not in DTYPES:
         raise SeedckptError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     target = FORMATS[to]
     shard_bytes = parse_size(max_shard_size)
-    codec = codec_for(DEFAULT_MODEL)
-    source = open_model_checkpoint(src, args, verify=verify)
+    codec = codec_for(model)
+    source = open_model_checkpoint(src, args, verify=verify, model=model)
     has_factors = manifest_osft(source.manifest) is not None
     keeps_factors = has_factors and target.OUR_NAMES and not dense
     if keeps_factors and dtype is not None:
@@ -82,7 +84,7 @@ def convert(src: str | Path, dst: str | Path, to: str, dtype: str | None = None,
     bar = Progress(sum(i.nbytes for i in infos.values()), f"convert {source.kind}->{to}", enabled=progress)
     recorded = source.manifest or {}
     flavor = recorded.get("model", {}).get("flavor") or source.layout.flavor
-    manifest = make_manifest("converted", DEFAULT_MODEL, flavor, model_args.to_dict(), dtype=dtype_name(out_dtype),
+    manifest = make_manifest("converted", model, flavor, model_args.to_dict(), dtype=dtype_name(out_dtype),
                              seed=recorded.get("seed"), source={"format": source.kind, "path": str(src)},
                              **({"finetune": recorded["finetune"]} if keeps_factors else {}))
     try:
@@ -91,9 +93,10 @@ def convert(src: str | Path, dst: str | Path, to: str, dtype: str | None = None,
         bar.close()
 
 
-def diff(a: str | Path, b: str | Path, atol: float = 0.0, args=None, verify: bool = True) -> tuple[bool, list[str]]:
+def diff(a: str | Path, b: str | Path, atol: float = 0.0, args=None, verify: bool = True,
+         model: str = DEFAULT_MODEL) -> tuple[bool, list[str]]:
     """Compare two checkpoints of any formats tensor by tensor; ``(equal, report lines)``."""
-    left, right = open_model_checkpoint(a, args, verify=verify), open_model_checkpoint(b, args, verify=verify)
+    left, right = (open_model_checkpoint(path, args, verify=verify, model=model) for path in (a, b))
     lines, equal = [], True
     for fqn in _ordered(set(left.infos) | set(right.infos)):
         if fqn not in right.infos or fqn not in left.infos:

@@ -124,7 +124,7 @@ class Trainer:
                                         seed=train.seed if start.checkpoint is None else None,
                                         shard_fn=self._parallelize, grow_vocab=start.pretrained, osft=self.osft,
                                         stage_group=self.data_parallel.stage_group() if self.osft is not None else None,
-                                        verify=cfg.checkpoint.verify_checksums)
+                                        verify=cfg.checkpoint.verify_checksums, model_spec=run.spec)
             self.data_parallel.wrap_loaded(self.modules)
             self.tied = self._tie_across_stages()
             # OSFT: gradients and trainable factors stay orthogonal to the frozen singular subspaces.

@@ -6,8 +6,9 @@
 * ``safetensors_file`` -- one ``.safetensors`` file with our FQNs;
 * ``torch_file`` -- a ``torch.save`` file.
 
-``open_checkpoint`` is the one way into a checkpoint, whatever its format; ``FORMATS`` maps each
-``convert --to`` target to its module. Each module also says whether it stores any tensor under our
+Each module has ``detect(path)``, ``reader(path, codec, layout, verify)`` (its ``Checkpoint``) and
+``write(source, dst, job)``. ``FORMATS`` maps each ``convert --to`` target to its module and
+``open_checkpoint``, the one way into a checkpoint, asks each in turn. Each module also says whether it stores any tensor under our
 FQNs (``OUR_NAMES``: OSFT factors fit) and whether it stores a tied matrix once (``TIED_STORED_ONCE``).
 """
 
@@ -34,17 +35,12 @@ def open_checkpoint(path: str | Path, codec: ModelCodec | None = None, layout: M
     path = Path(path)
     if path.name.endswith(PARTIAL_SUFFIX):
         raise SeedckptError(f"{path} is an incomplete output of an interrupted write; delete it and write it again")
-    if path.is_dir():
-        if (path / ".metadata").is_file():
-            checkpoint = dcp.DcpCheckpoint(path, codec, layout, verify)
-        elif hf.detect(path):
-            checkpoint = hf.HFCheckpoint(path, codec)
-        else:
-            raise SeedckptError(f"{path} is neither a DCP checkpoint (no .metadata; an interrupted write?) nor a "
-                                "Hugging Face directory (no config.json)")
-    elif path.is_file():
-        file_format = safetensors_file.SafetensorsFile if path.suffix == ".safetensors" else torch_file.TorchFile
-        checkpoint = file_format(path, codec, layout)
+    found = next((module for module in FORMATS.values() if module.detect(path)), None)
+    if found is not None:
+        checkpoint = found.reader(path, codec, layout, verify)
+    elif path.is_dir():
+        raise SeedckptError(f"{path} is neither a DCP checkpoint (no .metadata; an interrupted write?) nor a "
+                            "Hugging Face directory (no config.json)")
     else:
         raise SeedckptError(f"no checkpoint at {path}: give a DCP or Hugging Face directory, a .safetensors "
                             "file or a torch.save file (create a seed with `seedckpt seed --config CONFIG "

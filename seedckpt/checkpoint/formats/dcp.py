@@ -29,6 +29,15 @@ OUR_NAMES = True  # stores any tensor under our FQNs (OSFT factors too)
 TIED_STORED_ONCE = True  # a tied matrix is stored once; the reader aliases the other FQN to it
 
 
+def detect(path: Path) -> bool:
+    return path.is_dir() and (path / ".metadata").is_file()
+
+
+def reader(path: Path, codec: ModelCodec | None = None, layout: ModelLayout | None = None,
+           verify: bool = True) -> DcpCheckpoint:
+    return DcpCheckpoint(path, codec, layout, verify)
+
+
 class DcpCheckpoint(Checkpoint):
     """A DCP directory (``.metadata`` + ``*.distcp``), with or without our manifest."""
 

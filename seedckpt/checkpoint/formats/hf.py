@@ -22,7 +22,7 @@ from seedckpt.checkpoint.direct import DirectHFReader
 from seedckpt.checkpoint.formats.safetensors_file import read_safetensor, write_safetensors
 from seedckpt.checkpoint.load import RowWindow, copy_shared, load_state, one_destination_per_source, tensor_problems
 from seedckpt.checkpoint.manifest import TOKENIZER_DIR, TensorInfo
-from seedckpt.checkpoint.model import ModelCodec
+from seedckpt.checkpoint.model import ModelCodec, ModelLayout
 from seedckpt.checkpoint.safetensors_header import SAFETENSORS_DTYPES, safetensors_header
 from seedckpt.checkpoint.untrusted import read_json
 from seedckpt.errors import SeedckptError
@@ -34,6 +34,12 @@ TIED_STORED_ONCE = True  # as HF stores a tied model: no lm_head.weight
 
 def detect(path: Path) -> bool:
     return path.is_dir() and (path / "config.json").is_file()
+
+
+def reader(path: Path, codec: ModelCodec | None = None, layout: ModelLayout | None = None,
+           verify: bool = True) -> HFCheckpoint:
+    """HF files carry no checksums (``verify`` has nothing to check) and record their model."""
+    return HFCheckpoint(path, codec)
 
 
 class HFCheckpoint(Checkpoint):

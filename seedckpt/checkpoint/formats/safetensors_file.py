@@ -42,6 +42,16 @@ def embedded_manifest(text, path: Path) -> dict | None:
     return parse_manifest(text, path) if isinstance(text, str) else None
 
 
+def detect(path: Path) -> bool:
+    return path.is_file() and path.suffix == ".safetensors"
+
+
+def reader(path: Path, codec: ModelCodec | None = None, layout: ModelLayout | None = None,
+           verify: bool = True) -> SafetensorsFile:
+    """No checksums to ``verify`` in a safetensors file."""
+    return SafetensorsFile(path, codec, layout)
+
+
 class SafetensorsFile(Checkpoint):
     kind = "safetensors"
 

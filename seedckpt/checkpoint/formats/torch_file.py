@@ -23,6 +23,17 @@ OUR_NAMES = True
 TIED_STORED_ONCE = False
 
 
+def detect(path: Path) -> bool:
+    """Any other file: ``torch.load`` decides (weights only)."""
+    return path.is_file() and path.suffix != ".safetensors"
+
+
+def reader(path: Path, codec: ModelCodec | None = None, layout: ModelLayout | None = None,
+           verify: bool = True) -> TorchFile:
+    """No checksums to ``verify`` in a torch.save file."""
+    return TorchFile(path, codec, layout)
+
+
 class TorchFile(Checkpoint):
     kind = "torch"
 

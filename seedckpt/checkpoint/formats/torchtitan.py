@@ -17,6 +17,11 @@ OUR_NAMES = False  # only the model's dense tensors have torchtitan names
 TIED_STORED_ONCE = False  # torchtitan's model state holds lm_head.weight as its own entry
 
 
+def detect(path: Path) -> bool:
+    """Never chosen by detection: a torchtitan checkpoint is DCP, read by ``dcp``."""
+    return False
+
+
 def write(source: Checkpoint, dst: Path, job: WriteJob) -> Path:
     names = (job.codec.renamings if job.codec is not None else {}).get("torchtitan")
     if names is None:
