@@ -11,6 +11,9 @@ Three measurements, each printed as one JSON line on stdout:
   ``os.write`` in 64 MiB blocks, then fsynced -- the ceiling any checkpoint writer can reach.
 * ``seedckpt``: the product, ``create_seed_checkpoint.py --config ... --output DIR --force --quiet``.
   Its line includes ``fraction_of_disk_bw`` (its GB/s over the disk's).
+* ``seed_workers`` (with ``--workers-sweep``): the product with ``--workers 1, 2, 4, ...`` up to the
+  usable cores, each pinned to that many cores with ``taskset``, and ``speedup_vs_1_worker``
+  against the 1-worker run of the same sweep.
 * ``naive_baseline``: what torchtitan does -- build the full model on CPU (paying for the default
   ``nn.Linear`` init), run the same per-tensor recipe over it (``seedckpt.init.init_model``) and
   save ``model.state_dict()`` with stock ``torch.distributed.checkpoint.save``. Skip it with
@@ -30,6 +33,8 @@ OMP_NUM_THREADS (left as the caller set it) are recorded on every checkpoint lin
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -61,6 +66,8 @@ def main() -> None:
     parser.add_argument("--skip-baseline", action="store_true",
                         help="do not run the naive baseline (for flavors that do not fit in RAM)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--workers-sweep", action="store_true",
+                        help="also time --workers 1, 2, 4, ... (each pinned to as many cores with taskset)")
     opts = parser.parse_args()
     with output_dir(opts.out_dir, "seedckpt-bench-") as out_dir:
         run_all(opts, out_dir)
@@ -72,14 +79,11 @@ def run_all(opts: argparse.Namespace, out_dir: Path) -> None:
 
     labels = {"benchmark": "seed", "flavor": opts.flavor, "dtype": opts.dtype}
     seedckpt_dir = out_dir / "seedckpt"
-    product = measure([
-        sys.executable, "create_seed_checkpoint.py",
-        # Seeding reads only [model]; any config file works once the flavor is overridden.
-        "--config", "configs/debug.toml", "--model.flavor", opts.flavor,
-        "--output", str(seedckpt_dir), "--seed", str(SEED), "--dtype", opts.dtype, "--force", "--quiet"],
-        seedckpt_dir, **labels, impl="seedckpt")
+    product = measure(seed_command(opts, seedckpt_dir), seedckpt_dir, **labels, impl="seedckpt")
     product["fraction_of_disk_bw"] = product["gb_per_s"] / disk_gb_per_s
     emit(product)
+    if opts.workers_sweep:
+        sweep_workers(opts, out_dir / "sweep", disk_gb_per_s)
 
     if opts.skip_baseline:
         return
@@ -90,6 +94,31 @@ def run_all(opts: argparse.Namespace, out_dir: Path) -> None:
     emit(baseline)
     emit({**labels, "speedup_vs_baseline": baseline["wall_s"] / product["wall_s"],
           "rss_ratio_vs_baseline": product["peak_rss_gib"] / baseline["peak_rss_gib"]})
+
+
+def seed_command(opts: argparse.Namespace, output: Path, *extra: str) -> list[str]:
+    # Seeding reads only [model]; any config file works once the flavor is overridden.
+    return [sys.executable, "create_seed_checkpoint.py", "--config", "configs/debug.toml", "--model.flavor",
+            opts.flavor, "--output", str(output), "--seed", str(SEED), "--dtype", opts.dtype, "--force", "--quiet",
+            *extra]
+
+
+def sweep_workers(opts: argparse.Namespace, output: Path, disk_gb_per_s: float) -> None:
+    """The seed with 1, 2, 4, ... workers, each run pinned to its first that-many usable cores."""
+    if shutil.which("taskset") is None:
+        emit({"benchmark": "seed_workers", "skipped": "taskset not found (util-linux)"})
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    counts = sorted({1 << k for k in range(len(cores).bit_length()) if 1 << k <= len(cores)} | {len(cores)})
+    first = None
+    for workers in counts:
+        pinned = ["taskset", "-c", ",".join(map(str, cores[:workers]))]
+        line = measure(pinned + seed_command(opts, output, "--workers", str(workers)), output,
+                       benchmark="seed_workers", flavor=opts.flavor, dtype=opts.dtype, workers=workers)
+        first = first or line["wall_s"]
+        emit({**line, "speedup_vs_1_worker": first / line["wall_s"],
+              "fraction_of_disk_bw": line["gb_per_s"] / disk_gb_per_s})
+        remove(output)
 
 
 if __name__ == "__main__":

@@ -80,6 +80,8 @@ def _parser() -> argparse.ArgumentParser:
     seed.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
     seed.add_argument("--force", action="store_true", help="replace an existing checkpoint")
     seed.add_argument("--quiet", action="store_true", help="no progress output")
+    seed.add_argument("--workers", type=int, help="generating and writing threads, one data file each "
+                                                  "(default: every usable core)")
 
     inspect = add("inspect", "List a checkpoint's tensors (shape, dtype, bytes) and manifest.")
     inspect.add_argument("checkpoint", help="checkpoint directory")
@@ -157,7 +159,7 @@ def _seed(opts, overrides) -> int:
         raise SeedckptError("no output directory: pass --output DIR or set checkpoint.seed_checkpoint")
     seed = cfg.training.seed if opts.seed is None else opts.seed
     path = create_seed_checkpoint(cfg, output, seed=seed, dtype=opts.dtype, force=opts.force,
-                                  progress=not opts.quiet)
+                                  progress=not opts.quiet, workers=opts.workers)
     print(f"wrote seed checkpoint {path} (model {cfg.model.name} {cfg.model.flavor}, seed {seed}, {opts.dtype})")
     return 0
 

@@ -6,9 +6,11 @@ cuts every tensor into row blocks (DCP "chunks", exactly as a sharded save would
 block only when the writer asks for it, from (seed, FQN, recipe) via ``seedckpt.init`` -- the same
 function a rank uses to initialize its stage directly, so the values are bitwise identical. The
 ``StreamingFileSystemWriter`` keeps only a few blocks in flight, so peak memory is bounded by the
-block size (~64 MiB) times the lookahead, not by the model: a 405B seed needs no more RAM than a
-1B one. Blocks are generated on worker threads (torch ops release the GIL) while the previous
-block is written, so seeding runs at the speed of the RNG or the disk, whichever is slower.
+block size times the blocks in flight (``IN_FLIGHT_BYTES``, whatever the worker count), not by the
+model: a 405B seed needs no more RAM than a 1B one. Every usable core works (``--workers``): each
+worker writes its own data file, generating the next block on a thread (torch ops, checksums and
+writes release the GIL) while the previous one is written, so seeding runs at the speed of all the
+cores' RNG or of the disk, whichever is slower.
 
 Everything runs on the CPU; the command line also hides GPUs (``CUDA_VISIBLE_DEVICES=""``) so a
 GPU host does not even create a CUDA context. The result is an ordinary DCP checkpoint plus
@@ -35,6 +37,20 @@ from seedckpt.progress import Progress
 from seedckpt.resolve import default_world_size, resolve
 
 BLOCK_NUMEL = 16 * CHUNK_NUMEL  # target elements per written block (64 MiB in fp32)
+# Generated blocks in flight are bounded by this many fp32 bytes, whatever the worker count: each
+# worker holds two blocks (one generated, one written), so more workers write smaller blocks.
+IN_FLIGHT_BYTES = 1 << 30
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask: ``taskset``, cgroups' cpusets)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def block_numel(workers: int) -> int:
+    """Elements per block for ``workers`` workers: ``BLOCK_NUMEL``, smaller where the blocks in
+    flight would exceed ``IN_FLIGHT_BYTES`` (but not below one generator chunk for that)."""
+    return min(BLOCK_NUMEL, max(CHUNK_NUMEL, IN_FLIGHT_BYTES // (2 * workers * 4)))
 
 
 def ensure_single_process() -> None:
@@ -45,22 +61,29 @@ def ensure_single_process() -> None:
                             "plain `python create_seed_checkpoint.py ...`, not torchrun")
 
 
-def block_rows(shape: torch.Size) -> int:
-    """Rows per block: whole generator chunks per block where the row width allows it.
+def block_rows(shape: torch.Size, target: int = BLOCK_NUMEL) -> int:
+    """Rows per block of about ``target`` elements: whole generator chunks per block where the row
+    width allows it.
 
     A block of ``r`` rows spans elements ``[k*r*w, (k+1)*r*w)``; when ``r*w`` is a multiple of
     ``CHUNK_NUMEL`` every block starts on a chunk boundary and no random number is drawn twice.
     """
     width = math.prod(shape[1:])
     aligned = CHUNK_NUMEL // math.gcd(width, CHUNK_NUMEL)  # fewest rows spanning whole chunks
-    if aligned * width <= 4 * BLOCK_NUMEL:
-        return aligned * max(1, BLOCK_NUMEL // (aligned * width))
-    return max(1, BLOCK_NUMEL // width)
+    if aligned * width <= 4 * target:
+        return aligned * max(1, target // (aligned * width))
+    return max(1, target // width)
 
 
-def create_seed_checkpoint(cfg: JobConfig, output: str | os.PathLike, seed: int,
-                           dtype: str = "float32", force: bool = False, progress: bool = True) -> Path:
+def create_seed_checkpoint(cfg: JobConfig, output: str | os.PathLike, seed: int, dtype: str = "float32",
+                           force: bool = False, progress: bool = True, workers: int | None = None) -> Path:
+    """Write the seed of ``cfg``'s model to ``output``. ``workers`` (default: every usable core)
+    generate blocks and write them into as many data files at once; the values do not depend on
+    it, only the file layout does."""
     ensure_single_process()
+    workers = usable_cores() if workers is None else workers
+    if workers < 1:
+        raise SeedckptError(f"--workers {workers}: give at least 1 (default: the {usable_cores()} usable cores)")
     if dtype not in DTYPES:
         raise SeedckptError(f"--dtype {dtype} is not supported; choose one of {sorted(DTYPES)}")
     output = check_destination(output, force)
@@ -74,7 +97,8 @@ def create_seed_checkpoint(cfg: JobConfig, output: str | os.PathLike, seed: int,
     bar = Progress(sum(t.numel() for t in state.values()) * torch_dtype.itemsize, f"seed {cfg.model.flavor}",
                    enabled=progress)
 
-    pool = BlockPool()
+    pool = BlockPool(keep=2 * workers + 2)  # two blocks in flight per worker
+    target = block_numel(workers)
 
     def produce(fqn: str, row_start: int, row_stop: int) -> torch.Tensor:
         shape = state[fqn].shape
@@ -95,8 +119,10 @@ def create_seed_checkpoint(cfg: JobConfig, output: str | os.PathLike, seed: int,
     collecting = gc.isenabled()
     gc.disable()
     try:
+        # One data file per worker, each with one generating thread one block ahead of its writer.
         path = write_checkpoint(output, state, manifest, force=force,
-                                planner=LazySavePlanner(produce, block_rows, pool))
+                                planner=LazySavePlanner(produce, lambda shape: block_rows(shape, target), pool),
+                                lookahead=1, parallel_files=workers, resolvers=1)
     finally:
         if collecting:
             gc.enable()

@@ -21,9 +21,10 @@ def tiny_config(*overrides: str):
 
 @pytest.fixture(scope="session")
 def debug_seed(tmp_path_factory):
-    """The debug model's seed checkpoint (seed 0), written once for the whole test session."""
+    """The debug model's seed checkpoint (seed 0), written once for the whole test session by two
+    workers (two data files), whatever the machine's core count."""
     path = tmp_path_factory.mktemp("seeds") / "debug"
-    create_seed_checkpoint(tiny_config(), path, seed=0, progress=False)
+    create_seed_checkpoint(tiny_config(), path, seed=0, progress=False, workers=2)
     return path
 
 

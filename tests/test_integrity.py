@@ -68,7 +68,7 @@ def test_every_byte_flip_is_caught_by_verify_and_by_loading_naming_the_tensor(ch
     _load_everything(path)  # intact: loads
     g = torch.Generator().manual_seed(0)
     files = sorted(path.glob("*.distcp"))
-    assert len(files) == (1 if which == "seed" else 2)
+    assert len(files) == 2  # the seed's two workers' files; the two ranks' files
     for data in files:
         size = data.stat().st_size
         for offset in torch.randint(0, size, (FLIPS_PER_FILE,), generator=g).tolist():
@@ -134,9 +134,9 @@ def test_skipping_verification_loads_corrupt_bytes(tmp_path, debug_seed):
     """``--no-verify`` / ``checkpoint.verify_checksums = false`` really turns the check off."""
     path = tmp_path / "seed"
     shutil.copytree(debug_seed, path)
-    [data] = path.glob("*.distcp")
     checkpoint = DcpCheckpoint(path)
     info = next(i for idx, i in checkpoint.metadata.storage_data.items() if idx.fqn == "output.weight")
+    data = path / info.relative_path
     with open(data, "r+b") as f:  # a byte in the middle of output.weight's raw data
         f.seek(info.offset + info.length // 2)
         byte = f.read(1)
@@ -174,7 +174,7 @@ def test_pieces_align_with_the_raw_data_and_reads_cover_what_they_touch():
 def _damaged(tmp_path: Path, debug_seed: Path, how: str) -> Path:
     path = tmp_path / how
     shutil.copytree(debug_seed, path)
-    [data] = path.glob("*.distcp")
+    data = path / "__0_0.distcp"
     if how == "truncated":
         os.truncate(data, data.stat().st_size // 2)
     else:

@@ -155,7 +155,7 @@ def test_an_incomplete_seed_is_one_line_before_any_rendezvous(tmp_path, debug_se
     monkeypatch.chdir(REPO)
     seed = tmp_path / "seed"
     shutil.copytree(debug_seed, seed)
-    [data] = seed.glob("*.distcp")
+    data = seed / "__0_0.distcp"
     os.truncate(data, data.stat().st_size - 1)
     assert train_in_process(tmp_path / "run", seed) == 2
     err = capsys.readouterr().err

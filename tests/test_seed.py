@@ -110,3 +110,26 @@ def test_script_is_cpu_only_and_reports_progress(tmp_path):
     assert "CUDA_VISIBLE_DEVICES='' initialized=False" in proc.stdout
     assert "100.0%" in proc.stderr  # the progress line reached the end
     assert (tmp_path / "seed" / ".metadata").is_file()
+
+
+def test_workers_write_one_file_each_and_the_same_tensors(tmp_path, debug_seed):
+    """More workers change the file layout only: one data file per worker, every tensor bitwise
+    the 2-worker seed's, checksums intact, stock ``dcp.load`` reads it."""
+    from seedckpt.checkpoint import DcpCheckpoint
+
+    out = create_seed_checkpoint(tiny_config(), tmp_path / "three", seed=0, progress=False, workers=3)
+    assert sorted(p.name for p in out.glob("*.distcp")) == ["__0_0.distcp", "__0_1.distcp", "__0_2.distcp"]
+    assert DcpCheckpoint(out).verify() == []
+    mine, reference = stock_load(out), stock_load(debug_seed)
+    assert mine.keys() == reference.keys()
+    assert all(torch.equal(mine[k], reference[k]) for k in mine)
+
+
+def test_blocks_in_flight_stay_bounded_whatever_the_worker_count():
+    from seedckpt.seed import BLOCK_NUMEL, IN_FLIGHT_BYTES, block_numel
+
+    assert block_numel(1) == block_numel(2) == BLOCK_NUMEL
+    for workers in (16, 64, 128):  # two fp32 blocks per worker
+        assert 2 * workers * block_numel(workers) * 4 <= IN_FLIGHT_BYTES
+    with pytest.raises(SeedckptError, match="--workers 0"):
+        create_seed_checkpoint(tiny_config(), "unused", seed=0, progress=False, workers=0)

@@ -97,7 +97,7 @@ from seedckpt.config import load_config
 mode, args = sys.argv[1], sys.argv[2:]
 if mode == "seed":
     from seedckpt.seed import create_seed_checkpoint
-    create_seed_checkpoint(load_config(None, args[1:]), args[0], seed=0, progress=False)
+    create_seed_checkpoint(load_config(None, args[2:]), args[0], seed=0, progress=False, workers=int(args[1]))
 elif mode == "convert":
     from seedckpt.convert import convert
     convert(args[0], args[1], args[2], progress=False)
@@ -126,11 +126,12 @@ def _big_model_bytes() -> tuple[int, int]:
     return sum(sizes), max(sizes)
 
 
-def test_peak_memory_is_bounded_by_blocks_not_model(tmp_path):
+@pytest.mark.parametrize("workers", [1, 8])
+def test_peak_memory_is_bounded_by_blocks_not_model(tmp_path, workers):
     model_bytes, largest = _big_model_bytes()
     assert model_bytes > 100 * largest
     baseline = _peak_rss("meta", *BIG)
-    seeded = _peak_rss("seed", tmp_path / "seed", *BIG)
+    seeded = _peak_rss("seed", tmp_path / "seed", workers, *BIG)
     assert (tmp_path / "seed" / ".metadata").is_file()
     # Lookahead blocks (each <= one tensor here) plus writer/allocator slack: far below the model.
     assert seeded - baseline < model_bytes / 4, (seeded - baseline, model_bytes)
