@@ -32,13 +32,15 @@ A config key another change adds (``training.compile``, ``optimizer.implementati
 
 ``--ablation`` adds the *eager-gap ladder*: the bare loop with the trainer's per-step work added one
 piece at a time, each rung keeping the ones before it (``ablate_<rung>``; see ``RUNGS``). The step
-time a rung adds over the one before is what that piece costs; the last rung but one is what
-``train.py`` does on one rank in float32, the last adds FSDP2 on a mesh of one (which the trainer
-applies only with a mixed precision). ``train_fused`` (when ``optimizer.implementation`` exists) is
+time a rung adds over the one before is what that piece costs. ``ablate_data`` is what ``train.py``
+does on one rank in float32; ``ablate_fsdp2`` adds FSDP2 on a mesh of one, which the trainer applies
+only with a mixed precision (then ``ablate_fsdp2`` is its path); ``ablate_fsdp2_keep_gathered`` stops
+re-gathering the parameters in backward (a config setting, not a code path). ``train_fused`` (when ``optimizer.implementation`` exists) is
 ``train.py`` with fused AdamW.
 
 Output: one JSON line per variant -- ``tokens_per_s`` and ``step_time_s`` (median over the steps
-after warm-up), ``peak_mem_gib`` (CUDA: max allocated; CPU: the process's peak RSS, interpreter and
+after warm-up), ``step_time_min_s`` (their fastest: on a shared machine noise only ever adds, so a
+rung's ``added_ms`` is taken between minima), ``peak_mem_gib`` (CUDA: max allocated; CPU: the process's peak RSS, interpreter and
 torch included), ``mfu_pct`` (null where the device's peak is not known: a CPU, an unlisted GPU, or
 float32 compute), ``vs_baseline`` (tokens/s over ``bare_eager``'s in this run). Children run with
 ``OMP_NUM_THREADS=--threads`` (default 1), so CPU variants share the machine alike.
@@ -78,6 +80,8 @@ RUNGS = {
     "logging": "a metrics.jsonl row and a progress line per step (seedckpt.metrics.MetricsLogger)",
     "data": "each step's batch from train.py's dataset (synthetic), built on the host and copied to the device",
     "fsdp2": "FSDP2 on a mesh of one (fully_shard per block and the root; its mixed precision replaces autocast)",
+    "fsdp2_keep_gathered": "FSDP2 keeping the gathered (cast) parameters from forward to backward: "
+                           "train.py's parallelism.fsdp_reshard_after_forward = never",
 }
 # New config keys this benchmark uses once they exist: (section, key) -> the variants that need them.
 NEEDS = {("training", "compile"): {"train_compiled", "train_compiled_selective"},
@@ -191,7 +195,8 @@ def bare_loop(opts, variant: str, report: str) -> None:
 
         from seedckpt.parallel import apply_fsdp
 
-        apply_fsdp(model, init_device_mesh(device.type, (1,)), dtype, torch.float32, reshard_after_forward=True)
+        apply_fsdp(model, init_device_mesh(device.type, (1,)), dtype, torch.float32,
+                   reshard_after_forward="fsdp2_keep_gathered" not in on)
         autocast = False  # FSDP2 casts the parameters itself, as in train.py
     params = [p for p in model.parameters()]
     trainer_adamw = "adamw_default" in on
@@ -299,7 +304,7 @@ def summarize(variant: str, result: dict, opts, info: dict, baseline: float | No
     tokens_per_s = opts.batch * opts.seq_len / step
     peak = device_peak_flops(info["device_name"], opts.dtype)
     return {"variant": variant, "device": info["device_name"], "torch": info["torch"], "tokens_per_s": tokens_per_s,
-            "step_time_s": step, "mfu_pct": None if peak is None else 100 * info["flops_per_token"] * tokens_per_s / peak,
+            "step_time_s": step, "step_time_min_s": min(result["step_times_s"]), "mfu_pct": None if peak is None else 100 * info["flops_per_token"] * tokens_per_s / peak,
             "peak_mem_gib": result["peak_mem_bytes"] / 2**30,
             "vs_baseline": None if baseline is None else tokens_per_s / baseline, "steps_timed": len(result["step_times_s"]),
             "batch": opts.batch, "seq_len": opts.seq_len, "flavor": opts.flavor, "dtype": opts.dtype,
@@ -347,7 +352,7 @@ def main() -> None:
         if set(variants) & {*TRAIN, "train_fused"}:
             run_checked([sys.executable, "create_seed_checkpoint.py", "--config", opts.config, "--model.flavor",
                          opts.flavor, "--output", str(seed), "--force", "--quiet"], "seeding", env=child_env(opts))
-        baseline = None
+        baseline, previous_min = None, None
         for variant in variants:
             missing = [f"{s}.{k}" for (s, k), needers in NEEDS.items() if variant in needers and not info["keys"][f"{s}.{k}"]]
             if missing:
@@ -363,6 +368,9 @@ def main() -> None:
                 record["vs_baseline"] = 1.0
             if variant.startswith("ablate_"):
                 record["adds"] = RUNGS[variant.removeprefix("ablate_")]
+                record["added_ms"] = 1e3 * (record["step_time_min_s"] - previous_min)
+            if variant == "bare_eager" or variant.startswith("ablate_"):
+                previous_min = record["step_time_min_s"]
             emit({**record, "wall_s": time.perf_counter() - start})
 
 
