@@ -40,7 +40,7 @@ re-gathering the parameters in backward (a config setting, not a code path). ``t
 
 Output: one JSON line per variant -- ``tokens_per_s`` and ``step_time_s`` (median over the steps
 after warm-up), ``step_time_min_s`` (their fastest: on a shared machine noise only ever adds, so a
-rung's ``added_ms`` is taken between minima), ``peak_mem_gib`` (CUDA: max allocated; CPU: the process's peak RSS, interpreter and
+rung's ``added_ms`` is taken between minima; ``--repeat`` pools several round-robin rounds), ``peak_mem_gib`` (CUDA: max allocated; CPU: the process's peak RSS, interpreter and
 torch included), ``mfu_pct`` (null where the device's peak is not known: a CPU, an unlisted GPU, or
 float32 compute), ``vs_baseline`` (tokens/s over ``bare_eager``'s in this run). Children run with
 ``OMP_NUM_THREADS=--threads`` (default 1), so CPU variants share the machine alike.
@@ -324,6 +324,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every child (default 1)")
     p.add_argument("--variants", help=f"comma list (default: {','.join(DEFAULT_VARIANTS)}); bare_eager, the "
                                       "baseline, always runs first")
+    p.add_argument("--repeat", type=int, default=1, help="rounds over all variants, round-robin (default 1)")
     p.add_argument("--ablation", action="store_true", help="add the eager-gap ladder (ablate_*) and train_fused")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--report", help=argparse.SUPPRESS)
@@ -352,27 +353,36 @@ def main() -> None:
         if set(variants) & {*TRAIN, "train_fused"}:
             run_checked([sys.executable, "create_seed_checkpoint.py", "--config", opts.config, "--model.flavor",
                          opts.flavor, "--output", str(seed), "--force", "--quiet"], "seeding", env=child_env(opts))
-        baseline, previous_min = None, None
+        runnable = []
         for variant in variants:
             missing = [f"{s}.{k}" for (s, k), needers in NEEDS.items() if variant in needers and not info["keys"][f"{s}.{k}"]]
             if missing:
                 emit({"variant": variant, "skipped": True,
                       "reason": f"this tree's seedckpt.config has no {', '.join(missing)}"})
-                continue
-            start = time.perf_counter()
-            result = (run_train(opts, variant, seed, work / "chat", work) if variant in TRAIN or variant == "train_fused"
-                      else run_worker(opts, variant, work))
-            record = summarize(variant, result, opts, info, baseline)
-            if variant == "bare_eager":
-                baseline = record["tokens_per_s"]
-                record["vs_baseline"] = 1.0
+            else:
+                runnable.append(variant)
+        # Round-robin rounds: on a shared machine the load drifts, and each round samples it for every
+        # variant alike; a variant's steps of all rounds are pooled.
+        pooled = {v: {"step_times_s": [], "peak_mem_bytes": 0, "wall_s": 0.0} for v in runnable}
+        for _ in range(opts.repeat):
+            for variant in runnable:
+                start = time.perf_counter()
+                result = (run_train(opts, variant, seed, work / "chat", work) if variant in TRAIN or variant == "train_fused"
+                          else run_worker(opts, variant, work))
+                pooled[variant] = {"step_times_s": pooled[variant]["step_times_s"] + result["step_times_s"],
+                                   "peak_mem_bytes": max(pooled[variant]["peak_mem_bytes"], result["peak_mem_bytes"]),
+                                   "final_loss": result["final_loss"],
+                                   "wall_s": pooled[variant]["wall_s"] + time.perf_counter() - start}
+        baseline = summarize("bare_eager", pooled["bare_eager"], opts, info, None)["tokens_per_s"]
+        previous_min = None
+        for variant in runnable:
+            record = summarize(variant, pooled[variant], opts, info, baseline)
             if variant.startswith("ablate_"):
                 record["adds"] = RUNGS[variant.removeprefix("ablate_")]
                 record["added_ms"] = 1e3 * (record["step_time_min_s"] - previous_min)
             if variant == "bare_eager" or variant.startswith("ablate_"):
                 previous_min = record["step_time_min_s"]
-            emit({**record, "wall_s": time.perf_counter() - start})
-
+            emit({**record, "rounds": opts.repeat, "wall_s": pooled[variant]["wall_s"]})
 
 def with_defaults(opts, device: str) -> argparse.Namespace:
     """``opts`` with every setting left unset taken from ``device``'s defaults."""
