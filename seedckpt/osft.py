@@ -222,21 +222,24 @@ def assign_by_cost(costs: dict[str, int], workers: int) -> list[list[str]]:
     return plan
 
 
-def fill_factors(layers: dict[str, OSFTLinear], read_dense, ratio: float, group=None) -> int:
+def fill_factors(layers: dict[str, OSFTLinear], read_dense, ratio: float, group=None,
+                 device: torch.device | str = "cpu") -> int:
     """Decompose every target of ``layers`` ({FQN: layer}, the same on every rank of ``group``: the
     ranks holding one pipeline stage) and give each rank its shards of the factors.
 
     The targets are assigned by cost (``assign_by_cost``); each rank reads the dense matrices it
     decomposes with ``read_dense(fqn)`` (straight from the pretrained checkpoint) and runs their SVDs in
-    fp32. In round i every rank decomposes its i-th matrix, then each of those is broadcast in the
-    group and every rank keeps its shards -- so the SVDs run in parallel and a rank holds at most one
-    matrix's factors beyond its shards, never the model. Returns how many SVDs this rank ran."""
+    fp32 on ``device``, the training device (an H100 ran the 1B shapes' SVDs 2.7-4.9x faster than 16
+    CPU threads). In round i every rank decomposes its i-th matrix, then each of those is broadcast in
+    the group (over nccl for CUDA tensors) and every rank keeps its shards -- so the SVDs run in
+    parallel and a rank holds at most one matrix's factors beyond its shards, never the model.
+    Returns how many SVDs this rank ran."""
     workers = 1 if group is None else dist.get_world_size(group)
     me = 0 if group is None else dist.get_rank(group)
     plan = assign_by_cost({fqn: svd_cost(layer) for fqn, layer in layers.items()}, workers)
     done = 0
     for i in range(max(map(len, plan), default=0)):
-        mine = decompose(read_dense(plan[me][i]), ratio) if i < len(plan[me]) else None
+        mine = decompose(read_dense(plan[me][i]).to(device), ratio) if i < len(plan[me]) else None
         done += mine is not None
         for worker, names in enumerate(plan):
             if i >= len(names):
@@ -245,8 +248,8 @@ def fill_factors(layers: dict[str, OSFTLinear], read_dense, ratio: float, group=
             with torch.no_grad():
                 for name in FROZEN + TRAINABLE:
                     param = getattr(layer, name)
-                    # Factors travel as fp32 CPU tensors (the gloo side of the process group).
-                    full = getattr(mine, name) if worker == me else torch.empty(param.shape, dtype=torch.float32)
+                    full = (getattr(mine, name) if worker == me
+                            else torch.empty(param.shape, dtype=torch.float32, device=device))
                     if group is not None:
                         dist.broadcast(full, group=group, group_src=worker)
                     copy_full_into(param, full)

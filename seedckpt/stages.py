@@ -267,7 +267,7 @@ def build_stages(args: ModelArgs, specs: Sequence[StageSpec], device: torch.devi
         reader.load(state)
         _fill_new_rows_with_mean(grown.values(), old_vocab)
         if decompose:
-            fill_factors(decompose, lambda fqn: reader.read_tensor(f"{fqn}.weight"), osft.ratio, stage_group)
+            fill_factors(decompose, lambda fqn: reader.read_tensor(f"{fqn}.weight"), osft.ratio, stage_group, device)
     else:
         for module in modules:
             init_model(module, seed)
