@@ -27,6 +27,12 @@ from torch.distributed.fsdp import FSDPModule
 # defines them in this module and exports no other name for them).
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
+# torch 2.13 names the single-tensor collectives all_gather_single / reduce_scatter_single and
+# deprecates all_gather_into_tensor / reduce_scatter_tensor (a FutureWarning on every call); older
+# torch (2.11 on the GPU images) has only the old names, which take the same arguments.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclass
 class CollectiveTimes:
@@ -41,7 +47,7 @@ class CollectiveTimes:
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, group, async_op: bool = False):
         start = time.perf_counter()
-        work = dist.all_gather_single(output, input, group=group, async_op=async_op)
+        work = all_gather_single(output, input, group=group, async_op=async_op)
         self.all_gather_s += time.perf_counter() - start
         self.all_gather_calls += 1
         return work
@@ -49,7 +55,7 @@ class CollectiveTimes:
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, group, op=dist.ReduceOp.SUM,
                        async_op: bool = False):
         start = time.perf_counter()
-        work = dist.reduce_scatter_single(output, input, group=group, op=op, async_op=async_op)
+        work = reduce_scatter_single(output, input, group=group, op=op, async_op=async_op)
         self.reduce_scatter_s += time.perf_counter() - start
         self.reduce_scatter_calls += 1
         return work

@@ -110,6 +110,8 @@ class Training:
     stop_after_step: int = option(0, "save a checkpoint and exit after this step, e.g. before a job's time limit; "
                                      "the schedule still spans steps, so a resumed run continues exactly "
                                      "(0: run to steps)")
+    compile: bool = option(False, "torch.compile each transformer block (one graph shared by all of them) and the "
+                                  "loss; checkpoints are unchanged, so compiled and eager runs resume each other")
 
     def validate(self) -> None:
         for key in ("steps", "local_batch_size", "seq_len"):

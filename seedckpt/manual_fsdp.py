@@ -3,7 +3,8 @@
 Why it exists: FSDP2 hides its collectives behind hooks and DTensors. This wrapper does the same job
 with two public collectives on the data-parallel process group -- ``all_gather_single`` and
 ``reduce_scatter_single`` (torch 2.13's names for ``all_gather_into_tensor`` /
-``reduce_scatter_tensor``, which it deprecates in their favour) -- so every byte moved is one call
+``reduce_scatter_tensor``, which it deprecates in their favour; ``collectives`` falls back to those
+on older torch) -- so every byte moved is one call
 you can count and time (``collectives.CollectiveTimes``, logged per step; free, so on by default),
 and compare against FSDP2 on the same run (``metrics.collective_timing = "on"`` times FSDP2's too).
 
@@ -55,7 +56,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from seedckpt.collectives import CollectiveTimes
+from seedckpt.collectives import CollectiveTimes, all_gather_single
 
 MASTER_DTYPE = torch.float32  # the shard, its gradient and the optimizer state
 
@@ -122,7 +123,7 @@ class FlatShardedModel:
         """The full flat vector of a shard-shaped ``MASTER_DTYPE`` tensor, on every rank (uncounted:
         checkpoint traffic, not the training step's)."""
         full = torch.empty(self.shard_numel * self.world, dtype=MASTER_DTYPE, device=self.device)
-        dist.all_gather_single(full, shard.detach().contiguous(), group=self.group)
+        all_gather_single(full, shard.detach().contiguous(), group=self.group)
         return full
 
     # -- the training step ------------------------------------------------------------------------

@@ -8,6 +8,7 @@ wrong layout fails with the fix, not a hang.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -123,6 +124,56 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int) -> N
     for layer_id, block in model.layers.items():
         if mode == "full" or int(layer_id) % every == 0:
             checkpoint(block)
+
+
+def apply_compile(model: nn.Module) -> None:
+    """``torch.compile`` each transformer block's ``forward`` (``training.compile``), after
+    activation checkpointing and before data parallelism, as torchtitan does.
+
+    Per block rather than the whole model: the blocks have one structure, so dynamo traces one and
+    every other block reuses its graph -- parameters are graph inputs in torch 2.13 (dynamo always
+    inlines ``nn.Module`` calls), so guards do not pin a block's identity and a stage compiles once
+    whatever its depth (``tests/test_compile.py`` counts it). Pipeline stages (any slice of the
+    blocks) and compile time both follow from that.
+
+    Only ``forward`` is compiled, set as an instance attribute, not the module call:
+
+    * the module's hooks stay eager around the compiled code: composable activation checkpointing
+      (its hooks enter a generator context manager dynamo cannot trace: ``block.compile(
+      fullgraph=True)`` fails on it), FSDP2's all-gather / reshard and manual FSDP's views, so each
+      runs exactly as without compile and AC recomputes the compiled forward in backward;
+    * FQNs and state-dict keys are untouched (``torch.compile(block)`` would return a wrapper that
+      adds ``_orig_mod.``), so compiled and eager runs read each other's checkpoints bitwise.
+
+    The cost of the eager AC: the recomputation is not visible to the compiler's partitioner, which
+    torchtitan's wrapper-based AC lets choose what to save. ``fullgraph=True``: a graph break would
+    silently run pieces of the block in eager; it is an error at the first step instead.
+    """
+    for block in model.layers.values():
+        block.forward = torch.compile(block.forward, fullgraph=True)
+
+
+def check_compile_supported(device_type: str) -> None:
+    """Refuse ``training.compile`` where torch cannot compile, before any rendezvous: this Python
+    (dynamo's version range), or inductor's code generator for ``device_type`` -- a C++ compiler on
+    CPU (torch's own search: ``$CXX``, then ``g++``), Triton on CUDA."""
+    from torch._dynamo.eval_frame import is_dynamo_supported
+    from torch._inductor import cpp_builder
+    from torch._inductor.exc import InvalidCxxCompiler
+    from torch.utils._triton import has_triton
+
+    if not is_dynamo_supported():
+        raise SeedckptError(f"training.compile = true: torch {torch.__version__} cannot compile on Python "
+                            f"{sys.version.split()[0]}; use a Python torch.compile supports or set training.compile = false")
+    if device_type == "cuda" and not has_triton():
+        raise SeedckptError("training.compile = true needs Triton for inductor's CUDA kernels; install the triton "
+                            "matching your torch (pip install triton) or set training.compile = false")
+    if device_type == "cpu":
+        try:
+            cpp_builder.get_cpp_compiler()
+        except InvalidCxxCompiler:
+            raise SeedckptError("training.compile = true needs a C++ compiler for inductor's CPU backend; install one "
+                                "(apt-get install g++) or name it in $CXX, or set training.compile = false") from None
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,

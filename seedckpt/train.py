@@ -53,11 +53,16 @@ from seedckpt.finetune import osft_spec
 from seedckpt.init import RECIPE_VERSION
 from seedckpt.metrics import MetricsLogger, peak_memory_bytes
 from seedckpt.osft import OSFTProjector
-from seedckpt.parallel import TiedEmbeddings, apply_activation_checkpointing
+from seedckpt.parallel import TiedEmbeddings, apply_activation_checkpointing, apply_compile, check_compile_supported
 from seedckpt.resolve import Run, resolve
 from seedckpt.stages import build_stages, plan_rank_stages, stage_ids_for_rank
 from seedckpt.start import changed_training_settings, check_resume_matches_osft, fallback_hint
 from seedckpt.train_state import TrainState
+
+
+def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of a micro-batch's label tokens (in float32, whatever the logits' dtype)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, pp_group, duplicates=(),
@@ -105,6 +110,9 @@ class Trainer:
         # Set each step: micro-batch losses are token sums times loss_scale = dp / (label tokens in
         # the global batch), so what FSDP averages over DP ranks is the global per-token mean.
         self.loss_scale = 1.0
+        # Compiled apart from the scale, a Python float that changes every step: dynamo guards on
+        # such a value, so a scale inside the compiled function would recompile at each step.
+        self.cross_entropy = torch.compile(token_cross_entropy) if train.compile else token_cross_entropy
         self.global_batch = self.dims.global_batch_size(cfg)
         self.data = data or make_dataset(cfg.data, self.args.vocab_size, train.seq_len, train.seed)
 
@@ -144,9 +152,12 @@ class Trainer:
 
     # -- setup -------------------------------------------------------------------------------
     def _parallelize(self, module: nn.Module) -> None:
-        """Applied to each stage module on ``meta``: activation checkpointing, then data parallelism."""
+        """Applied to each stage module on ``meta``: activation checkpointing, compile (``training.compile``),
+        then data parallelism -- torchtitan's order, so the compiled code sits inside AC's and FSDP2's hooks."""
         ac = self.cfg.activation_checkpoint
         apply_activation_checkpointing(module, ac.mode, ac.selective_every)
+        if self.cfg.training.compile:
+            apply_compile(module)
         self.data_parallel.shard_on_meta(module)
 
     def _tie_across_stages(self) -> TiedEmbeddings | None:
@@ -173,9 +184,7 @@ class Trainer:
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Summed token cross-entropy of one micro-batch, scaled so the gradients add up to the
         global batch's per-token mean (micro-batches hold different numbers of label tokens)."""
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
-                               reduction="sum")
-        return loss * self.loss_scale
+        return self.cross_entropy(logits, labels) * self.loss_scale
 
     def _osft_leak(self) -> float:
         """The worst ||U_high^T U_low|| / ||V_high^T V_low|| over every stage (collective)."""
@@ -338,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.metrics.enable_tensorboard:
             MetricsLogger.check_tensorboard()
         check_output_folders(cfg)
+        if cfg.training.compile:
+            check_compile_supported("cuda" if torch.cuda.is_available() else "cpu")
         with contextlib.ExitStack() as run_lock:
             if rank == 0:  # one run per checkpoint.folder: a second one fails here, naming the first
                 run_lock.enter_context(destination_lock(cfg.checkpoint.folder))
