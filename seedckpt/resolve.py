@@ -61,8 +61,8 @@ def choose_device(requested: str, local_ranks: int, gpus: int) -> str:
     device = ("cuda" if gpus else "cpu") if requested == "auto" else requested
     if device == "cuda" and local_ranks:
         if not gpus:
-            raise SeedckptError("job.device = 'cuda' but this machine has no CUDA device visible to torch "
-                                "(torch.cuda.is_available() is False); use --job.device cpu or a machine with a GPU")
+            raise SeedckptError("job.device = 'cuda' but torch sees no CUDA device on this machine; use "
+                                "--job.device cpu (or auto), or run on a machine with a GPU")
         if local_ranks > gpus:
             raise SeedckptError(f"{local_ranks} ranks on this machine but only {gpus} visible GPU(s): each rank "
                                 f"needs its own; launch with --nproc-per-node {gpus}, or use --job.device cpu")
