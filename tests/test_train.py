@@ -115,18 +115,22 @@ def test_auto_adamw_on_the_cpu_computes_what_torchs_default_did():
         assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(got, default)), implementation
 
 
-@pytest.mark.parametrize("implementation", ["auto", "fused", "for-loop"])
-def test_resume_is_bitwise_identical(tmp_path, debug_seed, implementation):
-    """With each AdamW implementation (auto: foreach on the CPU; torch 2.13 has a fused CPU AdamW)."""
-    layout = ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4",
-              "--parallelism.pipeline_parallel_microbatches", "2", "--checkpoint.interval", "5",
-              "--optimizer.implementation", implementation]
-    straight = torchrun(tmp_path / "straight", debug_seed, 4, *layout)
+@pytest.mark.parametrize("implementation,nproc,layout", [
+    ("auto", 4, ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4",
+                 "--parallelism.pipeline_parallel_microbatches", "2"]),
+    # torch 2.13 has a fused AdamW for the CPU too; FSDP2's sharded parameters and moments on 2 ranks
+    ("fused", 2, LAYOUTS["dp_shard2"][1]),
+    ("for-loop", 2, LAYOUTS["dp_shard2"][1]),
+])
+def test_resume_is_bitwise_identical(tmp_path, debug_seed, implementation, nproc, layout):
+    """With each AdamW implementation (``optimizer.implementation``; auto is foreach on the CPU)."""
+    layout = [*layout, "--checkpoint.interval", "5", "--optimizer.implementation", implementation]
+    straight = torchrun(tmp_path / "straight", debug_seed, nproc, *layout)
     assert f"AdamW {'foreach' if implementation == 'auto' else implementation};" in straight.stdout
-    first = torchrun(tmp_path / "resumed", debug_seed, 4, *layout, "--training.stop_after_step", "5")
+    first = torchrun(tmp_path / "resumed", debug_seed, nproc, *layout, "--training.stop_after_step", "5")
     assert "stopping after step 5" in first.stdout
     assert sorted(complete_steps(tmp_path / "resumed" / "ckpt")) == [5]
-    second = torchrun(tmp_path / "resumed", debug_seed, 4, *layout)
+    second = torchrun(tmp_path / "resumed", debug_seed, nproc, *layout)
     assert "resuming from" in second.stdout and "step-5" in second.stdout
     assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")  # bitwise, 10 steps
     a = model_state(tmp_path / "straight" / "ckpt" / "step-10")
