@@ -90,32 +90,6 @@ CUDA_DEFAULTS = dict(config="configs/llama3_1b.toml", flavor="1B", batch=4, seq_
                      steps=25, warmup=5)
 CPU_DEFAULTS = dict(config="configs/debug.toml", flavor="debug", batch=8, seq_len=128, dtype="float32",
                     steps=12, warmup=3)
-# Dense bf16 / fp16 tensor-core peak (FLOP/s) by device name; the first name contained in
-# torch.cuda.get_device_name() wins, so the specific forms come first. A device not listed gets no MFU.
-PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12),
-              ("A100", 312e12))
-
-
-def flops_per_token(n_params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> float:
-    """Training FLOPs per token: ``6 N + 12 L H Q T``.
-
-    ``6 N``: forward (2 per parameter and token) plus backward (4), N the model's parameters with a
-    tied embedding counted once (Llama-3.2-1B: 1.24 B). ``12 L H Q T``: attention's score and value
-    matmuls, which no parameter accounts for -- L layers, H query heads of dimension Q over T tokens
-    of context (counted in full: causal masking is not subtracted, as in PaLM's MFU and torchtitan's).
-    For the 1B shapes at T = 2048 that is about 8.2 GFLOP per token.
-    """
-    return 6 * n_params + 12 * n_layers * n_heads * head_dim * seq_len
-
-
-def device_peak_flops(device_name: str, compute_dtype: str) -> float | None:
-    """The device's dense peak for ``compute_dtype``, or None where it is not known (a CPU, an unlisted
-    GPU, float32 compute): an MFU is never made up."""
-    if compute_dtype not in ("bfloat16", "float16"):
-        return None
-    return next((peak for name, peak in PEAK_FLOPS if name in device_name), None)
-
-
 # -- in the child processes (torch is imported only there: see common.py) ------------------------------
 def _model_args(opts):
     from seedckpt.config import load_config
@@ -130,12 +104,16 @@ def probe(opts, report: str) -> None:
     import torch
 
     from seedckpt.config import JobConfig
+    from seedckpt.metrics import flops_per_token, peak_tflops
 
     cuda = torch.cuda.is_available()
     opts = with_defaults(opts, "cuda" if cuda else "cpu")
     args = _model_args(opts)
+    spec = JobConfig().model_spec()
     with torch.device("meta"):
-        n_params = sum(p.numel() for p in JobConfig().model_spec().model(args).parameters())  # tied: once
+        n_params = sum(p.numel() for p in spec.model(args).parameters())  # tied: once
+    device_name = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores)"
+    peak = peak_tflops(device_name, opts.dtype) if cuda else None  # the trainer's table: never made up
     sections = {f.name: f.default_factory for f in dataclasses.fields(JobConfig)}
     keys = {f"{section}.{key}": section in sections and key in {f.name for f in dataclasses.fields(sections[section])}
             for section, key in NEEDS}
@@ -149,9 +127,9 @@ def probe(opts, report: str) -> None:
         build_tiny_tokenizer(folder / "tokenizer", corpus_of(chats), vocab_size=min(300, args.vocab_size))
     write_rank_report(report, 0, {
         "device": "cuda" if cuda else "cpu", "settings": {k: getattr(opts, k) for k in CPU_DEFAULTS},
-        "device_name": torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores)",
-        "torch": torch.__version__, "keys": keys, "n_params": n_params,
-        "flops_per_token": flops_per_token(n_params, args.n_layers, args.n_heads, args.head_dim, opts.seq_len)})
+        "device_name": device_name, "torch": torch.__version__, "keys": keys, "n_params": n_params,
+        "peak_flops": None if peak is None else peak * 1e12,
+        "flops_per_token": flops_per_token(spec, args, opts.seq_len)})
 
 
 def bare_loop(opts, variant: str, report: str) -> None:
@@ -302,7 +280,7 @@ def run_train(opts, variant: str, seed: Path, chat: Path, work: Path) -> dict:
 def summarize(variant: str, result: dict, opts, info: dict, baseline: float | None) -> dict:
     step = statistics.median(result["step_times_s"])
     tokens_per_s = opts.batch * opts.seq_len / step
-    peak = device_peak_flops(info["device_name"], opts.dtype)
+    peak = info["peak_flops"]
     return {"variant": variant, "device": info["device_name"], "torch": info["torch"], "tokens_per_s": tokens_per_s,
             "step_time_s": step, "step_time_min_s": min(result["step_times_s"]), "mfu_pct": None if peak is None else 100 * info["flops_per_token"] * tokens_per_s / peak,
             "peak_mem_gib": result["peak_mem_bytes"] / 2**30,
@@ -348,7 +326,7 @@ def main() -> None:
         emit({"setup": True, **{k: v for k, v in info.items() if k not in ("keys", "settings")}, **info["keys"], "config": opts.config,
               "flavor": opts.flavor, "batch": opts.batch, "seq_len": opts.seq_len, "dtype": opts.dtype,
               "steps": opts.steps, "warmup": opts.warmup, "threads": opts.threads,
-              "peak_flops": device_peak_flops(info["device_name"], opts.dtype)})
+              "peak_flops": info["peak_flops"]})
         seed = work / "seed"
         if set(variants) & {*TRAIN, "train_fused"}:
             run_checked([sys.executable, "create_seed_checkpoint.py", "--config", opts.config, "--model.flavor",

@@ -254,7 +254,7 @@ def _plan(opts, overrides) -> int:
 
     cfg = load_config(opts.config, overrides)
     # fine-tuning: the pretrained checkpoint's model, vocabulary grown for the tokenizer
-    plan = make_plan(resolve(cfg, opts.world_size or default_world_size(cfg)))
+    plan = make_plan(resolve(cfg, opts.world_size or default_world_size(cfg), local_world_size=0))
     if opts.json:
         print(json.dumps(plan, indent=1))
         return 0

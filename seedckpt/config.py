@@ -78,6 +78,9 @@ class Job:
     """the run's outputs"""
     dump_folder: str = option("./outputs", "metrics.jsonl, TensorBoard events (tensorboard/) and profiler "
                                            "traces (traces/) of the run")
+    device: Literal["auto", "cpu", "cuda"] = option(
+        "auto", "where each rank trains: cuda:LOCAL_RANK with nccl, or cpu with gloo (auto: cuda when a GPU is "
+                "visible)")
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,14 @@ class Training:
         _check("training.warmup_steps", self.warmup_steps, self.warmup_steps >= 0, ">= 0")
         _check("training.stop_after_step", self.stop_after_step, self.stop_after_step >= 0,
                ">= 0 (0: run to training.steps)")
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    """AdamW's kernels: the same update, computed per tensor, per list of tensors or in one fused kernel"""
+    implementation: Literal["auto", "fused", "foreach", "for-loop"] = option(
+        "auto", "fused: one kernel for all of a stage's tensors; foreach: batched per op; for-loop: per tensor "
+                "(auto: fused on cuda, foreach on cpu, which on cpu computes what for-loop does, bitwise)")
 
 
 @dataclass(frozen=True)
@@ -253,6 +264,7 @@ class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
+    optimizer: Optimizer = field(default_factory=Optimizer)
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)

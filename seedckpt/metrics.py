@@ -1,4 +1,12 @@
-"""Per-step telemetry: a readable progress line, ``metrics.jsonl`` and optional TensorBoard."""
+"""Per-step telemetry: a readable progress line, ``metrics.jsonl`` and optional TensorBoard.
+
+On a GPU the rows also carry model FLOPs utilization, torchtitan's way: ``tflops`` is the model's
+FLOPs per token (``flops_per_token``) times the global tokens per second, divided by the number
+of GPUs; ``mfu_pct`` is that against the GPU's dense peak for the parameter dtype
+(``peak_tflops``). It counts the model's math only -- no recomputation (activation checkpointing),
+no attention masking savings -- so runs with different settings compare on the work they do for
+the model. On a CPU, or a GPU the table does not know, both fields are absent, never guessed.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +19,58 @@ from pathlib import Path
 import torch
 
 from seedckpt.errors import SeedckptError
+
+# Dense (no 2:4 sparsity) peaks in TFLOP/s per GPU, from NVIDIA's datasheets. Their tensor-core
+# headline figures are "with sparsity", twice the dense ones; fp32 is the non-tensor rate:
+#   H100 SXM 1,979 bf16 / 989 tf32 (sparse), 67 fp32    -> 989.5 / 494.5 / 67 dense
+#   H100 NVL 1,671 / 835, 60;  H100 PCIe 1,513 / 756, 51 -> halved likewise
+#   H200 (SXM) as H100 SXM; H200 NVL as H100 NVL
+#   A100 (SXM and PCIe) 312 bf16 / 156 tf32 dense, 19.5 fp32
+#   L40S 362.05 bf16 / 183 tf32 dense (733 / 366 sparse), 91.6 fp32
+# fp16 runs at the bf16 rate on all of them. fp32 parameters run the plain fp32 units
+# unless float32 matmuls may use TF32 (``torch.set_float32_matmul_precision("high")``).
+# ``torch.cuda.get_device_name`` names them e.g. "NVIDIA H100 80GB HBM3" (SXM), "NVIDIA H100 PCIe",
+# "NVIDIA H100 NVL", "NVIDIA H200", "NVIDIA A100-SXM4-80GB", "NVIDIA L40S": the first entry whose
+# words all occur in the name wins, so variants come before their family.
+PEAK_TFLOPS: tuple[tuple[tuple[str, ...], dict[str, float]], ...] = (
+    (("H100", "NVL"), {"bf16": 835.5, "tf32": 417.5, "fp32": 60.0}),
+    (("H100", "PCIe"), {"bf16": 756.5, "tf32": 378.0, "fp32": 51.0}),
+    (("H100",), {"bf16": 989.5, "tf32": 494.5, "fp32": 67.0}),
+    (("H200", "NVL"), {"bf16": 835.5, "tf32": 417.5, "fp32": 60.0}),
+    (("H200",), {"bf16": 989.5, "tf32": 494.5, "fp32": 67.0}),
+    (("A100",), {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5}),
+    (("L40S",), {"bf16": 362.05, "tf32": 183.0, "fp32": 91.6}),
+)
+
+
+def peak_tflops(device_name: str, param_dtype: str, tf32: bool = False) -> float | None:
+    """The dense peak TFLOP/s of the GPU ``device_name`` for matmuls in ``param_dtype``
+    (``training.mixed_precision_param``); ``tf32``: float32 matmuls may use TF32. None for a
+    device the table does not know."""
+    unit = "bf16" if param_dtype in ("bfloat16", "float16") else "tf32" if tf32 else "fp32"
+    for words, peaks in PEAK_TFLOPS:
+        if all(word in device_name for word in words):
+            return peaks[unit]
+    return None
+
+
+def flops_per_token(spec, args, seq_len: int) -> int:
+    """Training FLOPs per token of a Llama-shaped model ``spec.model(args)``, torchtitan's formula:
+    6·N for the weight matmuls forward and backward (N: the parameters, counted on ``meta``, so a
+    tied matrix once), plus 12·L·H·Q·T for attention's two T-long matmuls per head (L layers, H heads
+    of dimension Q, sequence length T). An untied embedding is a lookup, not a matmul, so counting it
+    overcounts (about 6 % for Llama-3.1-8B at T = 2048); published MFU figures share the convention."""
+    with torch.device("meta"):
+        num_params = sum(p.numel() for p in spec.model(args).parameters())  # parameters() yields a shared one once
+    return 6 * num_params + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+
+
+def utilization(flops_per_token: int, tokens_per_s: float, num_gpus: int, peak: float | None) -> dict:
+    """``tflops`` (per GPU) and ``mfu_pct`` for a row, or nothing without a known ``peak``."""
+    if peak is None:
+        return {}
+    tflops = flops_per_token * tokens_per_s / num_gpus / 1e12
+    return {"tflops": tflops, "mfu_pct": 100 * tflops / peak}
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -83,4 +143,5 @@ def format_step(r: dict) -> str:
             f"data {1e3 * r['data_wait_s']:.1f} ms  mem {r['peak_mem_bytes'] / 2**20:,.0f} MiB"
             + (f"  all-gather {1e3 * r['all_gather_s']:.0f} ms  reduce-scatter {1e3 * r['reduce_scatter_s']:.0f} ms"
                if r.get("all_gather_calls") or r.get("reduce_scatter_calls") else "")
+            + (f"  {r['tflops']:.0f} TFLOP/s  mfu {r['mfu_pct']:.1f} %" if "tflops" in r else "")
             + (f"  osft_leak {r['osft_leak']:.1e}" if "osft_leak" in r else ""))

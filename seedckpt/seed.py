@@ -88,7 +88,7 @@ def create_seed_checkpoint(cfg: JobConfig, output: str | os.PathLike, seed: int,
         raise SeedckptError(f"--dtype {dtype} is not supported; choose one of {sorted(DTYPES)}")
     output = check_destination(output, force)
     torch_dtype = DTYPES[dtype]
-    run = resolve(cfg, default_world_size(cfg))
+    run = resolve(cfg, default_world_size(cfg), local_world_size=0)
     with torch.device("meta"):
         model = run.spec.model(run.args)
     specs = init_model(model, seed, materialize=False)

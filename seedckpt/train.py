@@ -51,13 +51,13 @@ from seedckpt.datasets import make_dataset
 from seedckpt.errors import SeedckptError
 from seedckpt.finetune import osft_spec
 from seedckpt.init import RECIPE_VERSION
-from seedckpt.metrics import MetricsLogger, peak_memory_bytes
+from seedckpt.metrics import MetricsLogger, flops_per_token, peak_memory_bytes, peak_tflops, utilization
 from seedckpt.osft import OSFTProjector
 from seedckpt.parallel import TiedEmbeddings, apply_activation_checkpointing, apply_compile, check_compile_supported
 from seedckpt.resolve import Run, resolve
 from seedckpt.stages import build_stages, plan_rank_stages, stage_ids_for_rank
 from seedckpt.start import changed_training_settings, check_resume_matches_osft, fallback_hint
-from seedckpt.train_state import TrainState
+from seedckpt.train_state import TrainState, adamw_implementation
 
 
 def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -97,8 +97,8 @@ class Trainer:
         if run.start is None or run.dims.pp * run.dims.dp != dist.get_world_size():
             raise ValueError("Trainer needs a run resolved for this world size, with its start")
         self.dims = run.dims
-        self.device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-                       if torch.cuda.is_available() else torch.device("cpu"))
+        self.device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if run.device == "cuda"
+                       else torch.device("cpu"))
         self.mesh = self.dims.build_mesh(self.device.type)
         self.pp_rank = self.mesh.get_local_rank("pp")
         self.dp_rank = self.mesh.get_local_rank("dp_replicate") * self.dims.dp_shard + self.mesh.get_local_rank("dp_shard")
@@ -123,7 +123,8 @@ class Trainer:
                   f"initializing directly from seed {train.seed} ({RECIPE_VERSION}, no seed file):")
         self.log(f"{origin} {start.path or ''} (step {start.step}); mesh pp={self.dims.pp} "
                  f"dp_replicate={self.dims.dp_replicate} dp_shard={self.dims.dp_shard} on {self.device.type}"
-                 f"{self.data_parallel.log_label}; data: {self.data.description}")
+                 f"{self.data_parallel.log_label}; AdamW {adamw_implementation(cfg.optimizer.implementation, self.device.type)}"
+                 f"; data: {self.data.description}")
         for change in changed_training_settings(cfg, start):
             self.log(f"resuming with a changed setting, applied from step {start.step + 1}: {change}")
         self.osft = osft_spec(cfg)
@@ -149,6 +150,11 @@ class Trainer:
         self.pipeline = self._build_pipeline() if self.dims.pp > 1 else None
         # Clipped: the gradients of what the optimizers step (frozen parameters have none).
         self.params = [p for i in range(len(self.modules)) for p in self.data_parallel.parameters(i)]
+        # MFU (metrics): the model's FLOPs per token, against this GPU's peak; no peak on a CPU.
+        self.flops_per_token = flops_per_token(run.spec, self.args, train.seq_len)
+        self.peak_tflops = (peak_tflops(torch.cuda.get_device_name(self.device), train.mixed_precision_param,
+                                        tf32=torch.get_float32_matmul_precision() != "highest")
+                            if self.device.type == "cuda" else None)
 
     # -- setup -------------------------------------------------------------------------------
     def _parallelize(self, module: nn.Module) -> None:
@@ -270,12 +276,14 @@ class Trainer:
                 dist.all_reduce(stats[:1])  # sum of the last stages' DP-local parts (each x dp)
                 dist.all_reduce(stats[1:], op=dist.ReduceOp.MAX)  # the busiest rank's memory and collectives
                 step_time = time.perf_counter() - t0
+                tokens_per_s = tokens_per_step / step_time
                 logging = state.step % self.cfg.metrics.log_freq == 0 or state.step == train.steps
                 extra = {"osft_leak": self._osft_leak()} if logging and self.projector is not None else {}
                 if metrics is not None and logging:
                     metrics.log({"step": state.step, "steps": train.steps, "loss": stats[0].item() / self.dims.dp,
                                  "lr": state.schedulers[0].get_last_lr()[0], "grad_norm": grad_norm.item(),
-                                 "label_tokens": self.label_tokens, "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
+                                 "label_tokens": self.label_tokens, "tokens_per_s": tokens_per_s, "step_time_s": step_time,
+                                 **utilization(self.flops_per_token, tokens_per_s, dist.get_world_size(), self.peak_tflops),
                                  "data_wait_s": data_wait, "peak_mem_bytes": int(stats[1].item()),
                                  **{k: (int if k.endswith("calls") else float)(v) for k, v in zip(comm, stats[2:].tolist())},
                                  **extra})
@@ -311,13 +319,17 @@ class Trainer:
             print(f"[rank{self.rank}] {message}", flush=True)
 
 
-def _init_process_group() -> None:
-    """torchrun's env:// rendezvous; a plain ``python train.py`` runs as a world of one."""
-    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+def _init_process_group(device: str) -> None:
+    """torchrun's env:// rendezvous; a plain ``python train.py`` runs as a world of one.
+
+    The backend follows ``device`` (``Run.device``), not what the machine has: a CPU run on a GPU
+    machine stays on gloo. A CUDA run keeps gloo beside nccl for what lives on the CPU (a
+    checkpoint's bytes, the RNG state)."""
+    backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
     timeout = datetime.timedelta(minutes=10)
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if "RANK" in os.environ:
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, timeout=timeout)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
@@ -348,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
             MetricsLogger.check_tensorboard()
         check_output_folders(cfg)
         if cfg.training.compile:
-            check_compile_supported("cuda" if torch.cuda.is_available() else "cpu")
+            check_compile_supported(run.device)
         with contextlib.ExitStack() as run_lock:
             if rank == 0:  # one run per checkpoint.folder: a second one fails here, naming the first
                 run_lock.enter_context(destination_lock(cfg.checkpoint.folder))
@@ -368,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(run: Run, data, rank: int) -> int:
-    _init_process_group()
+    _init_process_group(run.device)
     try:
         Trainer(run, data).run()
     except (SeedckptError, OSError) as e:  # may hit one stage only: each failing rank reports

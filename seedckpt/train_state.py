@@ -38,6 +38,25 @@ def warmup_cosine(warmup: int, total: int):
     return factor
 
 
+# torch.optim.AdamW's keyword arguments for each optimizer.implementation.
+ADAMW_KERNELS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
+
+
+def adamw_implementation(implementation: str, device_type: str) -> str:
+    """``optimizer.implementation`` on ``device_type``, ``auto`` resolved.
+
+    Chosen explicitly because torch's own default depends on where the parameters live (CUDA:
+    foreach, CPU: for-loop) and never picks fused. ``auto`` takes fused on CUDA (the whole update
+    in one kernel per group of tensors instead of one per operation; torchtitan's choice) and
+    foreach on CPU, where foreach has no kernels of its own and falls back to per-tensor ops: the
+    same bits as the for-loop torch ran before this option existed. Fused rounds the update
+    differently, so changing the implementation changes the numbers; a resume with the same one is
+    bitwise."""
+    if implementation == "auto":
+        return "fused" if device_type == "cuda" else "foreach"
+    return implementation
+
+
 class TrainState:
     """One optimizer and LR schedule per stage module, over what ``data_parallel`` has them step;
     ``step`` is the last completed optimizer step (the trainer advances it)."""
@@ -49,8 +68,12 @@ class TrainState:
         self.step, self.global_batch = step, global_batch
         self.rng_key = f"{RNG_PREFIX}rank{dist.get_rank()}"
         train = cfg.training
-        self.optimizers = [torch.optim.AdamW(data_parallel.parameters(i), lr=train.lr, betas=(0.9, 0.95),
-                                             weight_decay=0.1) for i in range(len(modules))]
+        self.optimizers = []
+        for i in range(len(modules)):
+            params = data_parallel.parameters(i)
+            kernels = ADAMW_KERNELS[adamw_implementation(cfg.optimizer.implementation, params[0].device.type)]
+            self.optimizers.append(torch.optim.AdamW(params, lr=train.lr, betas=(0.9, 0.95), weight_decay=0.1,
+                                                     **kernels))
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, warmup_cosine(train.warmup_steps, train.steps))
                            for o in self.optimizers]
 

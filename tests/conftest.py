@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny debug model config and a seed checkpoint made once per session."""
+"""Shared fixtures: a tiny debug model config and a seed checkpoint made once per session; every
+test not marked ``cuda`` runs on the CPU, also on a machine with GPUs."""
 
 from __future__ import annotations
 
@@ -12,6 +13,30 @@ import torch.distributed.checkpoint as dcp
 from seedckpt.checkpoint import MANIFEST_NAME
 from seedckpt.config import load_config
 from seedckpt.seed import create_seed_checkpoint
+
+# What this machine has, asked once before any test hides it (torch caches the device count).
+HAS_CUDA = torch.cuda.device_count() > 0  # NVML: no CUDA context in the test process
+
+
+def pytest_collection_modifyitems(config, items):
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if item.get_closest_marker("cuda") and not HAS_CUDA:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def cpu_unless_marked_cuda(request, monkeypatch):
+    """``job.device = auto`` means the CPU in every test not marked ``cuda``: the subprocesses
+    (``train.py``, torchrun, ``seedckpt``, spawned ranks) see no GPU, and neither does this process
+    (``resolve`` asks ``torch.cuda.device_count``). So the CPU suite -- multi-rank layouts, bitwise
+    parity between them -- passes unchanged on a one-GPU machine, where ranks 1..3 would otherwise
+    ask for devices it does not have."""
+    if request.node.get_closest_marker("cuda"):
+        return
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 
 def tiny_config(*overrides: str):

@@ -37,7 +37,8 @@ def test_split_reconstructs_the_matrix_with_orthonormal_factors_and_fixed_signs(
     assert torch.allclose(g.U_high, f.U_high, atol=1e-5) and torch.allclose(g.V_high, -f.V_high, atol=1e-5)
 
 
-def _dense_and_osft(ratio: float = 0.25, seed: int = 0):
+def _dense_and_osft(ratio: float = 0.25, seed: int = 0, device: str = "cpu"):
+    """The dense model and its OSFT twin (the split computed on the CPU), the twin on ``device``."""
     args = tiny_config("--model.n_layers", "2").model_args()
     from models.llama import Transformer
 
@@ -48,7 +49,7 @@ def _dense_and_osft(ratio: float = 0.25, seed: int = 0):
     targets = convert_to_osft(osft, [], ratio)
     for fqn in targets:
         osft.get_submodule(fqn).load_factors(decompose(dense.get_submodule(fqn).weight, ratio))
-    return args, dense, osft, targets
+    return args, dense, osft.to(device), targets
 
 
 def test_targets_are_inside_the_blocks_and_bad_patterns_are_named():
@@ -83,7 +84,7 @@ def _train(osft, args, steps: int, project: bool):
     projector = OSFTProjector([osft])
     optimizer = torch.optim.AdamW([p for p in osft.parameters() if p.requires_grad], lr=3e-3, weight_decay=0.1)
     g = torch.Generator().manual_seed(2)
-    data = torch.randint(0, args.vocab_size, (4, 33), generator=g)
+    data = torch.randint(0, args.vocab_size, (4, 33), generator=g).to(next(osft.parameters()).device)
     losses = []
     for _ in range(steps):
         logits = osft(data[:, :-1])
@@ -100,8 +101,9 @@ def _train(osft, args, steps: int, project: bool):
     return losses, projector
 
 
-def test_fifty_steps_stay_in_the_orthogonal_complement():
-    args, _, osft, targets = _dense_and_osft()
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_fifty_steps_stay_in_the_orthogonal_complement(device):
+    args, _, osft, targets = _dense_and_osft(device=device)
     before = {t: osft.get_submodule(t).dense_weight().detach().clone() for t in targets}
     frozen = {n: p.detach().clone() for n, p in osft.named_parameters() if not p.requires_grad}
     losses, projector = _train(osft, args, 50, project=True)

@@ -77,6 +77,7 @@ def test_loss_parity_across_layouts(tmp_path, debug_seed):
     assert [r["step"] for r in records] == list(range(1, 11))
     for r in records:  # the run-output contract (DESIGN.md): these fields, with sane values
         assert r["tokens_per_s"] > 0 and r["step_time_s"] > 0 and r["peak_mem_bytes"] > 100 * 2**20
+        assert "tflops" not in r and "mfu_pct" not in r  # no peak to measure against on a CPU: never invented
     assert json.loads((tmp_path / "single" / "traces" / "step-2-rank0.json").read_text())["traceEvents"]
     assert reference[-1] < reference[0] - 1.0 and reference[-1] < math.log(512)  # it learns
     for name, (nproc, overrides) in LAYOUTS.items():
@@ -87,14 +88,49 @@ def test_loss_parity_across_layouts(tmp_path, debug_seed):
             assert abs(a - b) <= 1e-5 * abs(b), f"{name} step {step}: {a} vs {b}"
 
 
-def test_resume_is_bitwise_identical(tmp_path, debug_seed):
-    layout = ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4",
-              "--parallelism.pipeline_parallel_microbatches", "2", "--checkpoint.interval", "5"]
-    torchrun(tmp_path / "straight", debug_seed, 4, *layout)
-    first = torchrun(tmp_path / "resumed", debug_seed, 4, *layout, "--training.stop_after_step", "5")
+def test_auto_adamw_on_the_cpu_computes_what_torchs_default_did():
+    """``optimizer.implementation = auto`` is foreach on the CPU, where foreach falls back to per-tensor
+    ops: bitwise the for-loop AdamW that torch picks for CPU tensors when not told. Fused is CUDA's
+    auto, and rounds the update its own way."""
+    from seedckpt.train_state import ADAMW_KERNELS, adamw_implementation
+
+    assert adamw_implementation("auto", "cpu") == "foreach" and adamw_implementation("auto", "cuda") == "fused"
+    assert adamw_implementation("for-loop", "cuda") == "for-loop"
+
+    def train(**kernels):
+        params = [torch.nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(i)))
+                  for i, shape in enumerate([(64, 32), (128,), (7, 9)])]
+        optimizer = torch.optim.AdamW(params, lr=8e-4, betas=(0.9, 0.95), weight_decay=0.1, **kernels)
+        grads = torch.Generator().manual_seed(10)
+        for _ in range(20):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=grads)
+            optimizer.step()
+        return params
+
+    default = train()
+    for implementation, same_bits in (("auto", True), ("for-loop", True), ("fused", False)):
+        got = train(**ADAMW_KERNELS[adamw_implementation(implementation, "cpu")])
+        assert all(torch.equal(a, b) for a, b in zip(got, default)) == same_bits, implementation
+        assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(got, default)), implementation
+
+
+@pytest.mark.parametrize("implementation,nproc,layout", [
+    ("auto", 4, ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4",
+                 "--parallelism.pipeline_parallel_microbatches", "2"]),
+    # torch 2.13 has a fused AdamW for the CPU too; FSDP2's sharded parameters and moments on 2 ranks
+    ("fused", 2, LAYOUTS["dp_shard2"][1]),
+    ("for-loop", 2, LAYOUTS["dp_shard2"][1]),
+])
+def test_resume_is_bitwise_identical(tmp_path, debug_seed, implementation, nproc, layout):
+    """With each AdamW implementation (``optimizer.implementation``; auto is foreach on the CPU)."""
+    layout = [*layout, "--checkpoint.interval", "5", "--optimizer.implementation", implementation]
+    straight = torchrun(tmp_path / "straight", debug_seed, nproc, *layout)
+    assert f"AdamW {'foreach' if implementation == 'auto' else implementation};" in straight.stdout
+    first = torchrun(tmp_path / "resumed", debug_seed, nproc, *layout, "--training.stop_after_step", "5")
     assert "stopping after step 5" in first.stdout
     assert sorted(complete_steps(tmp_path / "resumed" / "ckpt")) == [5]
-    second = torchrun(tmp_path / "resumed", debug_seed, 4, *layout)
+    second = torchrun(tmp_path / "resumed", debug_seed, nproc, *layout)
     assert "resuming from" in second.stdout and "step-5" in second.stdout
     assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")  # bitwise, 10 steps
     a = model_state(tmp_path / "straight" / "ckpt" / "step-10")
@@ -102,6 +138,8 @@ def test_resume_is_bitwise_identical(tmp_path, debug_seed):
     assert a.keys() == b.keys() and any(k.startswith("optimizer.") for k in a)
     for key in a:
         assert torch.equal(a[key], b[key]), key
+    if implementation != "auto":
+        return  # direct init does not depend on the optimizer
     # No seed file: every rank initializes its own shards from training.seed -- the same run, bitwise.
     direct = torchrun(tmp_path / "direct", tmp_path / "no-seed-here", 4, *layout, "--checkpoint.init_from", "direct")
     assert "initializing directly from seed 0" in direct.stdout

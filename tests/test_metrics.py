@@ -1,0 +1,66 @@
+"""Model FLOPs utilization: the FLOPs-per-token formula, the peak table and the row fields (pure
+functions; a CPU run's rows carrying none of it is checked in test_train's parity run)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from models.llama import LLAMA3_FLAVORS
+from models.spec import LLAMA3
+from seedckpt.metrics import flops_per_token, format_step, peak_tflops, utilization
+
+ONE_B = LLAMA3_FLAVORS["1B"]
+
+
+def test_llama_3_2_1b_at_2048_tokens_is_8_2_gflop_per_token():
+    """N = 1,235,814,400 (Llama-3.2-1B's 1.24 B, the tied embedding once); 16 layers, 32 heads of 64."""
+    assert (ONE_B.n_layers, ONE_B.n_heads, ONE_B.head_dim, ONE_B.tie_word_embeddings) == (16, 32, 64, True)
+    flops = flops_per_token(LLAMA3, ONE_B, 2048)
+    assert flops == 6 * 1_235_814_400 + 12 * 16 * 32 * 64 * 2048
+    assert round(flops / 1e9, 1) == 8.2
+
+
+def test_a_tied_matrix_counts_once_and_attention_grows_with_the_sequence():
+    untied = dataclasses.replace(ONE_B, tie_word_embeddings=False)
+    assert flops_per_token(LLAMA3, untied, 2048) - flops_per_token(LLAMA3, ONE_B, 2048) == 6 * 128256 * 2048
+    assert flops_per_token(LLAMA3, ONE_B, 4096) - flops_per_token(LLAMA3, ONE_B, 2048) == 12 * 16 * 32 * 64 * 2048
+
+
+@pytest.mark.parametrize("name,dtype,tf32,peak", [
+    ("NVIDIA H100 80GB HBM3", "bfloat16", False, 989.5),  # SXM
+    ("NVIDIA H100 80GB HBM3", "float16", False, 989.5),
+    ("NVIDIA H100 80GB HBM3", "float32", False, 67.0),
+    ("NVIDIA H100 80GB HBM3", "float32", True, 494.5),
+    ("NVIDIA H100 PCIe", "bfloat16", False, 756.5),
+    ("NVIDIA H100 NVL", "bfloat16", False, 835.5),
+    ("NVIDIA H200", "bfloat16", False, 989.5),
+    ("NVIDIA H200 NVL", "float32", False, 60.0),
+    ("NVIDIA A100-SXM4-80GB", "bfloat16", False, 312.0),
+    ("NVIDIA A100 80GB PCIe", "float32", False, 19.5),
+    ("NVIDIA L40S", "bfloat16", False, 362.05),
+    ("NVIDIA L40S", "float32", True, 183.0),
+    ("NVIDIA GeForce RTX 4090", "bfloat16", False, None),
+    ("NVIDIA L4", "bfloat16", False, None),
+])
+def test_peak_by_device_name_and_parameter_dtype(name, dtype, tf32, peak):
+    assert peak_tflops(name, dtype, tf32) == peak
+
+
+def test_utilization_per_gpu_and_nothing_without_a_peak():
+    """8.2 GFLOP/token x 40 k tokens/s on one H100 SXM: 329 TFLOP/s, a third of its 989.5 peak; the
+    same tokens over 4 GPUs is a quarter of that per GPU."""
+    flops = flops_per_token(LLAMA3, ONE_B, 2048)
+    one = utilization(flops, 40_000.0, 1, 989.5)
+    assert one["tflops"] == pytest.approx(flops * 40_000 / 1e12)
+    assert one["mfu_pct"] == pytest.approx(100 * one["tflops"] / 989.5) and 30 < one["mfu_pct"] < 35
+    assert utilization(flops, 40_000.0, 4, 989.5)["tflops"] == pytest.approx(one["tflops"] / 4)
+    assert utilization(flops, 40_000.0, 1, None) == {}
+
+
+def test_the_step_line_shows_utilization_only_when_the_row_has_it():
+    row = {"step": 3, "steps": 10, "loss": 2.5, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 40_000.0,
+           "step_time_s": 0.2, "data_wait_s": 0.001, "peak_mem_bytes": 2**30}
+    assert "TFLOP/s" not in format_step(row) and "mfu" not in format_step(row)
+    assert "329 TFLOP/s  mfu 33.2 %" in format_step({**row, "tflops": 328.8, "mfu_pct": 33.23})
