@@ -26,8 +26,8 @@ LAYOUT = ["--parallelism.pipeline_parallel_degree", "1", "--training.local_batch
 
 
 def _assert_same_tensors(a: Path, b: Path) -> None:
-    """Every tensor but the RNG states (``model_state`` leaves those out: a run's generator state
-    depends on more than the training, e.g. on what DCP itself drew)."""
+    """Every tensor but the per-rank RNG states, which ``model_state`` leaves out (as the resume tests
+    in test_train.py compare)."""
     x, y = model_state(a), model_state(b)
     assert x.keys() == y.keys() and any(k.startswith("optimizer.") for k in x)
     for key in x:
