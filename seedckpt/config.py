@@ -194,6 +194,9 @@ class Checkpoint:
     folder: str = option("./checkpoints", "the run's step-N checkpoints; a run resumes from the latest complete one")
     interval: int = option(100, "save every this many steps (0: only at the end and at training.stop_after_step)")
     keep_latest_k: int = option(3, "step checkpoints kept, the older ones deleted (0: keep all)")
+    async_mode: Literal["disabled", "async"] = option(
+        "disabled", "async: the step's state is copied in memory and written, checksummed and published by a "
+                    "background thread while training goes on (one save in flight; disabled: training waits)")
     verify_checksums: bool = option(True, "check every byte loaded against the CRC32C checksums the checkpoint "
                                           "records (a few % of a load)")
 

@@ -44,6 +44,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 from torch.distributed.tensor import DTensor
 
 from seedckpt.checkpoint import complete_steps, destination_lock, prune_steps
+from seedckpt.checkpoint.background import BackgroundSaver, SavedInBackground
 from seedckpt.config import check_output_folders, config_reference, load_config
 from seedckpt.data import IGNORE_INDEX
 from seedckpt.data_parallel import make_data_parallel
@@ -100,6 +101,8 @@ class Trainer:
         self.device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if run.device == "cuda"
                        else torch.device("cpu"))
         self.mesh = self.dims.build_mesh(self.device.type)
+        # checkpoint.async_mode: saves staged here, written by a background thread over its own group.
+        self.saver = BackgroundSaver(self.device) if cfg.checkpoint.async_mode == "async" else None
         self.pp_rank = self.mesh.get_local_rank("pp")
         self.dp_rank = self.mesh.get_local_rank("dp_replicate") * self.dims.dp_shard + self.mesh.get_local_rank("dp_shard")
         par, train = cfg.parallelism, cfg.training
@@ -199,10 +202,26 @@ class Trainer:
         return leak.item()
 
     def save(self) -> None:
-        path = self.state.save()
-        if self.rank == 0:
+        """Synchronous: write ``step-N``, then prune. Asynchronous: wait for the save in flight, then
+        stage this one; it is pruned after and logged once every rank has published it."""
+        if self.saver is None:
+            start = time.perf_counter()
+            path = self.state.save()
+            self._saved(path, time.perf_counter() - start)
+            return
+        self._published(self.saver.wait())
+        self.state.save(self.saver)
+
+    def _published(self, saved: SavedInBackground | None) -> None:
+        """Prune and log a background save that every rank has published (``None``: none has)."""
+        if saved is not None:
+            self._saved(saved.path, saved.stall_s, saved.background_s)
+
+    def _saved(self, path: Path, stall_s: float, background_s: float | None = None) -> None:
+        if self.rank == 0:  # after the new step is published: never fewer complete steps than before
             prune_steps(self.cfg.checkpoint.folder, self.cfg.checkpoint.keep_latest_k)
-        self.log(f"saved checkpoint {path}")
+        background = f", background {background_s:.2f} s" if background_s is not None else ""
+        self.log(f"saved checkpoint {path} (stall {stall_s:.2f} s{background})")
 
     # -- the loop -------------------------------------------------------------------------------
     def local_batches(self, step: int):
@@ -247,6 +266,8 @@ class Trainer:
         collectives = self.data_parallel.collectives
         try:
             while state.step < train.steps:
+                if self.saver is not None:  # a failed background save stops every rank here
+                    self._published(self.saver.poll())
                 state.step += 1
                 t0 = time.perf_counter()
                 if collectives is not None:
@@ -264,6 +285,8 @@ class Trainer:
                                                 self.mesh["pp"].get_group() if self.dims.pp > 1 else None,
                                                 self.tied.duplicates if self.tied is not None else (),
                                                 self.data_parallel.grad_norm_group)
+                    if self.saver is not None:  # CUDA: the weights' copies for the save in flight are done
+                        self.saver.wait_for_staging()
                     for optimizer, scheduler in zip(state.optimizers, state.schedulers):
                         optimizer.step()
                         optimizer.zero_grad(set_to_none=True)
@@ -293,6 +316,8 @@ class Trainer:
                 if stopping:
                     self.log(f"stopping after step {state.step} (training.stop_after_step); run again to resume")
                     break
+            if self.saver is not None:
+                self._published(self.saver.wait())
             # Let every rank's outstanding pipeline sends complete before the group is torn down.
             dist.barrier()
         finally:

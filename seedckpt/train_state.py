@@ -11,7 +11,9 @@ started from (``start.Start``), already opened and validated.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -20,6 +22,7 @@ from torch import nn
 
 from models.llama import ModelArgs
 from seedckpt.checkpoint import TOKENIZER_DIR, Checkpoint, make_manifest, step_dir, write_checkpoint
+from seedckpt.checkpoint.background import BackgroundSaver
 from seedckpt.checkpoint.manifest import OPTIMIZER_PREFIX, RNG_PREFIX, TRAIN_STATE_KEY
 from seedckpt.config import JobConfig
 from seedckpt.data_parallel import DataParallel
@@ -110,8 +113,10 @@ class TrainState:
         if train_state["step"] != self.step:
             raise SeedckptError(f"{checkpoint.path} records step {train_state['step']}, its name says {self.step}")
 
-    def save(self) -> Path:
-        """Write ``checkpoint.folder/step-<step>`` (collective) with the run's manifest and tokenizer."""
+    def save(self, background: BackgroundSaver | None = None) -> Path:
+        """Write ``checkpoint.folder/step-<step>`` (collective) with the run's manifest and tokenizer;
+        with ``background``, only stage it there: the write goes on while training does."""
+        start = time.perf_counter()
         state = {}
         for i in range(len(self.modules)):
             state.update(self.data_parallel.model_state_dict(i))
@@ -124,4 +129,9 @@ class TrainState:
                                  finetune={"mode": ft.mode, "pretrained": ft.pretrained,
                                            **(osft_record(self.osft) if self.osft else {})})
         files = {f"{TOKENIZER_DIR}/{f.name}": f for f in tokenizer_files(tokenizer)} if tokenizer else {}
-        return write_checkpoint(step_dir(cfg.checkpoint.folder, self.step), state, manifest, force=True, files=files)
+        path = step_dir(cfg.checkpoint.folder, self.step)
+        write = functools.partial(write_checkpoint, path, manifest=manifest, force=True, files=files)
+        if background is None:
+            return write(state)
+        background.save(path, state, write, since=start)
+        return path

@@ -185,9 +185,10 @@ def test_fsdp2_keeps_its_default_comms_unless_timing_is_asked_for(tmp_path, debu
     assert not any(k.startswith(("all_gather", "reduce_scatter")) for r in rows for k in r)
 
 
-def _killed_mid_checkpoint_worker(rank, world_size, seed, folder, dump):
+def _killed_mid_checkpoint_worker(rank, world_size, seed, folder, dump, *overrides):
     """Train pp=2 with a checkpoint every 2 steps; rank 0 (which would publish the checkpoint) is
-    SIGKILLed while writing step 4, after its data files are written and before ``.metadata``."""
+    SIGKILLed while writing step 4, after its data files are written and before ``.metadata``.
+    ``overrides``: more config (``--checkpoint.async_mode async``: killed in the background write)."""
     from seedckpt.checkpoint import StreamingFileSystemWriter
     from seedckpt.config import load_config
     from seedckpt.resolve import resolve
@@ -204,7 +205,7 @@ def _killed_mid_checkpoint_worker(rank, world_size, seed, folder, dump):
     StreamingFileSystemWriter.write_data = write_then_die
     cfg = load_config(REPO / "configs/debug.toml", [
         *COMMON, "--checkpoint.interval", "2", "--checkpoint.seed_checkpoint", seed,
-        "--checkpoint.folder", folder, "--job.dump_folder", dump, "--training.local_batch_size", "8"])
+        "--checkpoint.folder", folder, "--job.dump_folder", dump, "--training.local_batch_size", "8", *overrides])
     Trainer(resolve(cfg, world_size).with_start()).run()
 
 

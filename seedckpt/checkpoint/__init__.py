@@ -12,6 +12,7 @@ from its caller (``model``: expected shapes, tied FQNs, name adapters). By respo
 * ``direct`` -- reading only the bytes a rank owns, straight into its tensors.
 * ``load`` -- DCP load with checks, ``RowWindow`` (some rows of a checkpoint tensor).
 * ``writer`` -- the streaming DCP writer (raw positions recorded), the lazy save planner.
+* ``background`` -- asynchronous saves: staging, the write in a background thread, one in flight.
 * ``atomic`` -- one writer per destination (a lock), ``.NAME.<pid>.partial`` + rename publishing.
 * ``integrity`` -- CRC32C checksums of every written byte, checked on every read.
 * ``manifest`` -- ``seedckpt.json``, tensor tables, training-state names.

@@ -304,7 +304,8 @@ def _compact_cpu(tensor: torch.Tensor) -> torch.Tensor:
 
 def write_checkpoint(path: str | os.PathLike, state_dict: dict, manifest: dict, force: bool = False,
                      planner: SavePlanner | None = None, lookahead: int = 4,
-                     files: dict[str, Path] | None = None, parallel_files: int = 1, resolvers: int = 2) -> Path:
+                     files: dict[str, Path] | None = None, parallel_files: int = 1, resolvers: int = 2,
+                     group: dist.ProcessGroup | None = None) -> Path:
     """Write a DCP checkpoint plus manifest to ``path`` atomically.
 
     Collective when a process group is initialized (every rank passes its own entries, e.g. its
@@ -316,6 +317,8 @@ def write_checkpoint(path: str | os.PathLike, state_dict: dict, manifest: dict, 
     ``files`` maps relative names to files that rank 0 copies in before publishing (a fine-tuning
     run's tokenizer). ``parallel_files`` data files per rank are written at once, each with
     ``resolvers`` threads producing its items ``lookahead`` ahead (``StreamingFileSystemWriter``).
+    ``group`` (default: the default group; it must hold every rank) carries the write's
+    collectives: a background save passes its own, so that they never interleave with training's.
 
     Rank 0 holds the destination's lock (``atomic_output``) for the whole write, so another writer
     of ``path`` fails at once. It sends the other ranks the name of the partial directory it
@@ -334,14 +337,16 @@ def write_checkpoint(path: str | os.PathLike, state_dict: dict, manifest: dict, 
                 names[0] = publishing.enter_context(atomic_output(path, force))
         finally:
             if distributed:
-                dist.broadcast_object_list(names, src=0)
+                dist.broadcast_object_list(names, src=0, group=group)
         partial = names[0]
         if partial is None:
             raise SeedckptError(f"rank 0 could not start writing {path}; its error says why")
         writer = StreamingFileSystemWriter(partial, lookahead=lookahead, workers=resolvers, files=parallel_files)
         try:
-            with quiet_single_process_dcp():
-                dcp.save(state_dict, storage_writer=writer, planner=planner, no_dist=not distributed)
+            # The warning filter is process-wide state: a background save running distributed leaves it alone.
+            with contextlib.nullcontext() if distributed else quiet_single_process_dcp():
+                dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=group,
+                         no_dist=not distributed)
         except CheckpointException as e:  # a BaseException wrapping each rank's failure
             raise root_cause(e, f"writing {path}") from None
         if leader:
@@ -360,5 +365,5 @@ def write_checkpoint(path: str | os.PathLike, state_dict: dict, manifest: dict, 
                 (partial / name).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(source, partial / name)
     if distributed:
-        dist.barrier()
+        dist.barrier(group=group)
     return path

@@ -1,0 +1,176 @@
+"""Asynchronous saves (``checkpoint.async_mode = "async"``): the same checkpoints as synchronous
+ones, bitwise, and a resume from them is the same run; one save in flight; a failed background
+write stops every rank with one line and publishes nothing; a SIGKILL mid-write leaves the previous
+step loadable. Real gloo ranks, real DCP files."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from seedckpt.checkpoint import DcpCheckpoint, complete_steps
+from seedckpt.errors import SeedckptError
+from tests.dist import run_distributed
+from tests.test_train import REPO, _killed_mid_checkpoint_worker, losses, model_state, torchrun
+
+ASYNC = ["--checkpoint.async_mode", "async"]
+# dp_shard = 2: the saved weights and AdamW moments are DTensor shards, staged with their placements.
+LAYOUT = ["--parallelism.pipeline_parallel_degree", "1", "--training.local_batch_size", "4",
+          "--training.steps", "4", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0"]
+
+
+def _assert_same_tensors(a: Path, b: Path) -> None:
+    """Every tensor but the per-rank RNG states, which ``model_state`` leaves out (as the resume tests
+    in test_train.py compare)."""
+    x, y = model_state(a), model_state(b)
+    assert x.keys() == y.keys() and any(k.startswith("optimizer.") for k in x)
+    for key in x:
+        assert torch.equal(x[key], y[key]), f"{a.name}: {key}"
+
+
+def test_async_saves_are_the_sync_checkpoints_and_resume_the_same_run(tmp_path, debug_seed):
+    torchrun(tmp_path / "sync", debug_seed, 2, *LAYOUT)
+    run = torchrun(tmp_path / "async", debug_seed, 2, *LAYOUT, *ASYNC)
+    assert "step-2 (stall" in run.stdout and "background" in run.stdout, run.stdout
+    assert losses(tmp_path / "async") == losses(tmp_path / "sync")
+    for step in (2, 4):
+        _assert_same_tensors(tmp_path / "sync" / "ckpt" / f"step-{step}", tmp_path / "async" / "ckpt" / f"step-{step}")
+        assert DcpCheckpoint(tmp_path / "async" / "ckpt" / f"step-{step}").verify() == []
+    # A resume from the asynchronously saved step-2 trains the synchronous run's steps 3 and 4, bitwise.
+    shutil.rmtree(tmp_path / "async" / "ckpt" / "step-4")
+    again = torchrun(tmp_path / "async", debug_seed, 2, *LAYOUT, *ASYNC)
+    assert "resuming from" in again.stdout and "step-2" in again.stdout
+    assert losses(tmp_path / "async") == losses(tmp_path / "sync")
+    _assert_same_tensors(tmp_path / "sync" / "ckpt" / "step-4", tmp_path / "async" / "ckpt" / "step-4")
+
+
+def _failing_write_worker(rank, world_size, seed, folder, dump):
+    """An async run whose rank 1 cannot write step 4 (disk full); returns each rank's error line and
+    the last step it trained."""
+    from seedckpt.checkpoint import StreamingFileSystemWriter
+    from seedckpt.config import load_config
+    from seedckpt.resolve import resolve
+    from seedckpt.train import Trainer
+
+    original = StreamingFileSystemWriter.write_data
+
+    def disk_full_at_step_4(self, plan, planner):
+        if rank == 1 and "step-4" in str(self.path):
+            raise OSError(28, "No space left on device")
+        return original(self, plan, planner)
+
+    StreamingFileSystemWriter.write_data = disk_full_at_step_4
+    cfg = load_config(REPO / "configs/debug.toml", [
+        "--training.global_batch_size", "8", "--training.seq_len", "32", "--data.kind", "synthetic", *LAYOUT,
+        *ASYNC, "--training.steps", "8", "--checkpoint.seed_checkpoint", seed, "--checkpoint.folder", folder,
+        "--job.dump_folder", dump])
+    trainer = Trainer(resolve(cfg, world_size).with_start())
+    try:
+        trainer.run()
+    except SeedckptError as e:
+        return str(e), trainer.state.step
+    return None, trainer.state.step
+
+
+def test_a_failed_background_write_stops_every_rank_with_one_line_and_publishes_nothing(tmp_path, debug_seed):
+    folder = tmp_path / "ckpt"
+    results = run_distributed(_failing_write_worker, 2, str(debug_seed), str(folder), str(tmp_path))
+    for rank, (error, step) in enumerate(results):
+        assert error is not None, f"rank {rank} trained on to step {step}"
+        assert len(error.splitlines()) == 1 and "step-4" in error and "fix the cause" in error, error
+        assert 4 <= step < 8, step  # stopped at a step after the failed save, never reaching the end
+    assert "No space left on device" in results[1][0]
+    assert sorted(complete_steps(folder)) == [2]
+    assert not any(p.name.endswith(".partial") for p in folder.iterdir())
+
+
+def test_sigkill_during_a_background_write_leaves_the_previous_step_loadable(tmp_path, debug_seed):
+    folder = tmp_path / "ckpt"
+    with pytest.raises(AssertionError, match=r"died|Connection reset|Connection closed"):
+        run_distributed(_killed_mid_checkpoint_worker, 2, str(debug_seed), str(folder), str(tmp_path), *ASYNC,
+                        timeout=120)
+    assert sorted(complete_steps(folder)) == [2]
+    assert list(folder.glob(".step-4.*.partial"))  # the write was under way, unpublished
+    assert DcpCheckpoint(folder / "step-2").verify() == []
+    assert model_state(folder / "step-2")["layers.0.attention.wq.weight"].abs().sum() > 0
+
+
+def _one_in_flight_worker(rank, world_size, folder):
+    """Two saves back to back through ``BackgroundSaver`` with a slow write: how many writes ran at
+    once, how long the second save stalled, and whether each write saw its state as it was staged
+    (the tensors are changed right after each save, as the next optimizer step would)."""
+    from seedckpt.checkpoint.background import BackgroundSaver
+
+    saver = BackgroundSaver(torch.device("cpu"))
+    running, most, seen = [0], [0], []
+    lock = threading.Lock()
+
+    def slow_write(staged, group):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.5)
+        torch.distributed.barrier(group=group)  # the write's collectives run on the saver's group
+        seen.append(staged["w"].clone())
+        with lock:
+            running[0] -= 1
+        return Path(folder)
+
+    weight = torch.full((1000,), 1.0)
+    saver.save(Path(folder) / "step-1", {"w": weight}, slow_write)
+    weight.fill_(2.0)
+    first = saver.wait()
+    start = time.perf_counter()
+    saver.save(Path(folder) / "step-2", {"w": weight}, slow_write)
+    weight.fill_(3.0)
+    returned_after = time.perf_counter() - start
+    try:
+        saver.save(Path(folder) / "step-3", {"w": weight}, slow_write)
+        refused = False
+    except RuntimeError:
+        refused = True
+    second = saver.wait()
+    return {"most": most[0], "first": first.background_s, "second_stall": returned_after, "refused": refused,
+            "seen": [t[0].item() for t in seen], "done": saver.wait() is None}
+
+
+def test_one_save_in_flight_and_each_writes_the_state_it_staged(tmp_path):
+    for result in run_distributed(_one_in_flight_worker, 2, str(tmp_path)):
+        assert result["most"] == 1 and result["refused"] and result["done"]
+        assert result["first"] >= 0.5 and result["second_stall"] < 0.4  # staged, not written, in the loop
+        assert result["seen"] == [1.0, 2.0]
+
+
+def _cuda_staging_worker(rank, world_size):
+    from seedckpt.checkpoint.background import BackgroundSaver
+
+    device = torch.device("cuda", 0)
+    saver = BackgroundSaver(device)
+    seen = []
+
+    def write(staged, group):
+        seen.append((staged["w"].clone(), staged["w"].is_pinned(), staged["w"].untyped_storage().data_ptr()))
+        return Path("unused")
+
+    weight = torch.full((1 << 20,), 1.0, device=device)
+    for value in (2.0, 3.0):
+        saver.save(Path("step"), {"w": weight}, write)
+        saver.wait_for_staging()  # what the optimizer does before changing the weights
+        weight.fill_(value)
+        saver.wait()
+    return [(t.unique().tolist(), pinned, ptr) for t, pinned, ptr in seen]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_staging_reuses_pinned_buffers():
+    [seen] = run_distributed(_cuda_staging_worker, 1)
+    assert [s[0] for s in seen] == [[1.0], [2.0]]
+    assert all(pinned for _, pinned, _ in seen)
+    assert seen[0][2] == seen[1][2]  # the same pinned buffer at the second save
