@@ -6,10 +6,11 @@ Run from the repository root:
     python benchmarks/load.py                             # Llama-3 1B, fp32, 4 gloo ranks, all methods
     python benchmarks/load.py --flavor debug --ranks 2    # a quick check of the harness
     python benchmarks/load.py --methods seedckpt,stock_dcp --skip-cold
+    python benchmarks/load.py --device cuda --ranks 1 --flavor 8B --skip-cold   # onto one GPU
 
 The seed checkpoint of ``--flavor`` (fp32) is made first with ``create_seed_checkpoint.py``. Each
 method then loads those weights in its own ``torchrun --standalone --nproc-per-node RANKS`` job
-(CPU, gloo, OMP_NUM_THREADS=1) into the same model: Llama 3, fp32, FSDP2 ``fully_shard`` per block
+(CPU, gloo, OMP_NUM_THREADS=1; with ``--device cuda`` one GPU per rank, nccl) into the same model: Llama 3, fp32, FSDP2 ``fully_shard`` per block
 and root over a 1-D mesh of all ranks (dp_shard = RANKS, pp = 1; ``seedckpt.parallel.apply_fsdp``).
 
 * ``seedckpt``: ``build_stages(args, plan_rank_stages(args, 0, 1), "cpu", checkpoint=SEED,
@@ -42,18 +43,18 @@ JSON lines on stdout (GB = 1e9 bytes, MiB = 2**20):
   ``/proc/self/io``, what came from the disk itself: proof the drop worked); ``fadvise`` and
   ``drop_caches``: whether each drop worked (cold lines carry them too).
 * one per (method, cache, rank): ``ready_s``, from just before building the model to the model
-  loaded on that rank (ranks start together after a barrier; interpreter, imports and rendezvous
+  loaded on that rank (on CUDA: its copies done; ranks start together after a barrier; interpreter, imports and rendezvous
   excluded); ``since_launch_s``, the same end from the job's launch (start-up included);
   ``read_mib``, ``rchar`` of ``/proc/self/io`` over the load (every byte the rank read with a
   syscall, page-cache hits included; ~0.6 MiB of it is Python source torch reads while sharding,
   which only matters for tiny flavors); ``disk_read_mib``, ``read_bytes`` over the load (after
   ``drop_caches`` it includes torch's library pages faulted back in); ``owned_mib``,
-  the rank's parameter shards; ``peak_rss_mib``, the rank's ``VmHWM`` (unlike ``ru_maxrss`` it does
+  the rank's parameter shards; ``gb_per_s``, owned bytes / ``ready_s``; ``peak_rss_mib``, the rank's ``VmHWM`` (unlike ``ru_maxrss`` it does
   not start at the torchrun agent's RSS); ``read_over_owned``; ``within_read_target`` (read <= 1.05 x
   owned: a rank reads what it owns, not the model); ``within_rss_target`` (peak RSS <= 1.3 x owned
   + 300 MiB: no rank ever holds the full model).
 * one per (method, cache) with ``summary``: ``ready_s`` (the slowest rank), ``job_wall_s`` (the
-  torchrun job from launch to exit), ``max_peak_rss_mib``, ``max_read_mib``, ``total_read_mib``,
+  torchrun job from launch to exit), ``gb_per_s`` (every rank's owned bytes / ``ready_s``), ``max_peak_rss_mib``, ``max_read_mib``, ``total_read_mib``,
   ``total_disk_read_mib``, ``checkpoint_mib`` (the checkpoint's files), ``all_within_read_target``,
   ``all_within_rss_target``; warm: ``within_wall_target`` (ready_s <= 4 s); cold:
   ``over_disk_time`` (ready_s over the checkpoint's bytes / the ``disk_read`` bandwidth: 1.0 is
@@ -119,9 +120,12 @@ def worker(opts: argparse.Namespace) -> None:
     from seedckpt.parallel import apply_fsdp
     from seedckpt.stages import build_stages, plan_rank_stages
 
-    dist.init_process_group("gloo")
+    device = opts.device
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("cpu:gloo,cuda:nccl" if device == "cuda" else "gloo")
     rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh(device, (dist.get_world_size(),))
     seed = open_model_checkpoint(opts.seed)
 
     def shard(module):
@@ -130,14 +134,14 @@ def worker(opts: argparse.Namespace) -> None:
     dist.barrier()
     before, start = proc_fields("io"), time.perf_counter()
     if opts.worker.startswith("seedckpt"):
-        [model] = build_stages(seed.args, plan_rank_stages(seed.args, 0, 1), "cpu", checkpoint=opts.ckpt,
+        [model] = build_stages(seed.args, plan_rank_stages(seed.args, 0, 1), device, checkpoint=opts.ckpt,
                                shard_fn=shard, verify=opts.worker == "seedckpt")
     else:
         with torch.device("meta"):
             model = Transformer(seed.args)
         stored = stored_names(model)
         shard(model)
-        model.to_empty(device="cpu")
+        model.to_empty(device=device)
         model.tie_weights()  # to_empty replaced the shared parameter one module at a time
         model.init_buffers()
         if opts.worker == "stock_dcp":
@@ -149,6 +153,8 @@ def worker(opts: argparse.Namespace) -> None:
             set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
                                                                        broadcast_from_rank0=True))
             del full
+    if device == "cuda":
+        torch.cuda.synchronize()  # copies may still run on a side stream
     ready, since_launch = time.perf_counter() - start, time.time() - opts.launched
     after, peak_kib = proc_fields("io"), proc_fields("status")["VmHWM"]
     shards = [p.to_local() for p in model.parameters()]
@@ -156,7 +162,8 @@ def worker(opts: argparse.Namespace) -> None:
         "rank": rank, "ready_s": ready, "since_launch_s": since_launch,
         "read_mib": (after["rchar"] - before["rchar"]) / 2**20,
         "disk_read_mib": (after["read_bytes"] - before["read_bytes"]) / 2**20,
-        "owned_mib": sum(t.nbytes for t in shards) / 2**20, "peak_rss_mib": peak_kib / 1024,
+        "owned_mib": sum(t.nbytes for t in shards) / 2**20, "gb_per_s": sum(t.nbytes for t in shards) / ready / 1e9,
+        "peak_rss_mib": peak_kib / 1024, "device": device,
         "checksum": repr(sum(t.sum(dtype=torch.float64).item() for t in shards))})
     dist.destroy_process_group()
 
@@ -216,7 +223,8 @@ def run_method(opts: argparse.Namespace, method: str, cache: str, ckpt: Path, se
     files = files_of(ckpt)
     dropped = drop_page_cache(files) if cache == "cold" else {}
     records, wall = common.torchrun(SCRIPT, opts.ranks, work / f"report-{method}-{cache}", "--worker", method,
-                                    "--ckpt", str(ckpt), "--seed", str(seed), "--launched", repr(time.time()))
+                                    "--ckpt", str(ckpt), "--seed", str(seed), "--device", opts.device,
+                                    "--launched", repr(time.time()))
     for r in records:
         r["read_over_owned"] = r["read_mib"] / r["owned_mib"]
         r["within_read_target"] = r["read_over_owned"] <= READ_TARGET_RATIO
@@ -224,7 +232,9 @@ def run_method(opts: argparse.Namespace, method: str, cache: str, ckpt: Path, se
         emit({"method": method, "cache": cache, **{k: v for k, v in r.items() if k != "checksum"}})
     ready, ckpt_bytes = max(r["ready_s"] for r in records), sum(f.stat().st_size for f in files)
     summary = {"method": method, "cache": cache, "summary": True, "flavor": opts.flavor, "ranks": opts.ranks,
-               "ready_s": ready, "job_wall_s": wall, "max_peak_rss_mib": max(r["peak_rss_mib"] for r in records),
+               "device": opts.device, "ready_s": ready,
+               "gb_per_s": sum(r["owned_mib"] for r in records) * 2**20 / ready / 1e9,
+               "job_wall_s": wall, "max_peak_rss_mib": max(r["peak_rss_mib"] for r in records),
                "max_read_mib": max(r["read_mib"] for r in records),
                "total_read_mib": sum(r["read_mib"] for r in records),
                "total_disk_read_mib": sum(r["disk_read_mib"] for r in records), "checkpoint_mib": ckpt_bytes / 2**20,
@@ -284,6 +294,8 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=4, help="gloo ranks, all in one FSDP2 mesh (default: 4)")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {', '.join(METHODS)} (default: all)")
     p.add_argument("--skip-cold", action="store_true", help="warm page cache only (no cache drops)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the model is loaded (cuda: one GPU per rank; default: cpu)")
     for hidden in ("--worker", "--ckpt", "--seed", "--report", "--make-stock"):
         p.add_argument(hidden, help=argparse.SUPPRESS)
     p.add_argument("--launched", type=float, help=argparse.SUPPRESS)

@@ -18,6 +18,10 @@ does not decompose). It serves as ``finetune.pretrained``. JSON lines on stdout:
   SVDs, broadcasting shards), ``ideal_s`` = sum_s / N, ``over_ideal`` = fill_s / ideal_s (target
   <= 1.15). Each rank runs one thread (OMP_NUM_THREADS=1), so N above the machine's cores
   (``cpu_count``) cannot scale.
+* ``svd_device``, per target shape: ``decompose`` on the CPU (all its cores) against the training
+  device (CUDA where present; one warm-up first), ``cpu_s``, ``device_s``, ``speedup``, and the
+  device factors' agreement with the CPU's (``max_rel_diff``, target <= 1e-4) and their rebuild of W
+  (``rebuild_rel_err``, target <= 1e-5). Without CUDA one line says it was skipped.
 * ``forward``, per target shape: forward + backward seconds over 2048 tokens of the dense linear
   (SFT), OSFT's factorized layer (what ``OSFTLinear`` does), and the alternative -- a dense frozen
   U_high S_high V_high^T plus the low-rank trainable path -- with the parameter bytes each holds.
@@ -109,6 +113,49 @@ def serial_svds(seed: str) -> dict[str, float]:
     return seconds
 
 
+def device_svds(seed: str) -> list[dict]:
+    """``decompose`` of one matrix per target shape on the CPU (every core) and on CUDA."""
+    import os
+
+    import torch
+
+    from models.llama import Transformer
+    from seedckpt.layouts import open_model_checkpoint
+    from seedckpt.osft import decompose, target_fqns
+
+    if not torch.cuda.is_available():
+        return [{"benchmark": "svd_device", "skipped": "no CUDA device"}]
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    reader = open_model_checkpoint(seed)
+    with torch.device("meta"):
+        model = Transformer(reader.args)
+    shapes = {}
+    for fqn in target_fqns(model, []):
+        shapes.setdefault(tuple(model.get_submodule(fqn).weight.shape), fqn)
+    decompose(torch.randn(256, 512, device="cuda"), RATIO)  # CUDA context and solver warm-up
+    rows = []
+    for shape, fqn in shapes.items():
+        weight = reader.read_tensor(f"{fqn}.weight")
+        start = time.perf_counter()
+        on_cpu = decompose(weight, RATIO)
+        cpu_s = time.perf_counter() - start
+        weight_gpu = weight.cuda()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        on_gpu = decompose(weight_gpu, RATIO)
+        torch.cuda.synchronize()
+        device_s = time.perf_counter() - start
+        rebuilt = (on_gpu.U_high * on_gpu.S_high) @ on_gpu.V_high.T + (on_gpu.U_low * on_gpu.S_low) @ on_gpu.V_low.T
+        rebuild = ((rebuilt - weight_gpu.float()).norm() / weight_gpu.float().norm()).item()
+        gpu_factors = dict(on_gpu.items())
+        agree = max(((gpu_factors[name].cpu() - t).abs().max() / t.abs().max().clamp_min(1e-30)).item()
+                    for name, t in on_cpu.items())
+        rows.append({"benchmark": "svd_device", "shape": list(shape), "device": torch.cuda.get_device_name(),
+                     "cpu_threads": torch.get_num_threads(), "cpu_s": cpu_s, "device_s": device_s,
+                     "speedup": cpu_s / device_s, "max_rel_diff": agree, "rebuild_rel_err": rebuild})
+    return rows
+
+
 def forward_costs(seed: str) -> list[dict]:
     """Forward + backward of one target shape: dense (SFT), factorized (OSFT), dense-high + low-rank."""
     import torch
@@ -194,6 +241,8 @@ def run_svds(opts: argparse.Namespace, seed: Path, work: Path, labels: dict) -> 
             fill = max(r["fill_s"] for r in records)
             emit({"benchmark": "svd_distributed", **labels, "ranks": ranks, "split": split, "fill_s": fill,
                   "ideal_s": total / ranks, "over_ideal": fill / (total / ranks), "cpu_count": common.os.cpu_count()})
+    for record in json.loads(run_checked_output([sys.executable, SCRIPT, "--device-svd", str(seed)])):
+        emit({**record, **labels})
     for record in json.loads(run_checked_output([sys.executable, SCRIPT, "--forward", str(seed)])):
         emit({**record, **labels})
 
@@ -218,12 +267,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--skip-train", action="store_true", help="no OSFT vs SFT training comparison")
     parser.add_argument("--skip-svd", action="store_true", help="no SVD and forward measurements")
-    for hidden in ("--serial", "--forward", "--seed", "--report", "--split"):
+    for hidden in ("--serial", "--device-svd", "--forward", "--seed", "--report", "--split"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     parser.add_argument("--svd-worker", action="store_true", help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.serial:
         print(json.dumps(serial_svds(opts.serial)))
+    elif opts.device_svd:
+        print(json.dumps(device_svds(opts.device_svd)))
     elif opts.forward:
         print(json.dumps(forward_costs(opts.forward)))
     elif opts.svd_worker:

@@ -92,7 +92,7 @@ class ChatData:
         if len(tokenizer) > vocab_size:
             raise SeedckptError(f"the tokenizer in {data.tokenizer} has {len(tokenizer)} tokens but the model's "
                                 f"vocab_size is {vocab_size}")
-        self.pad_id = pad_token_id(tokenizer)
+        self.pad_id, pad_note = pad_token_id(tokenizer)
         self.seq_len, self.seed, self.packing = seq_len, seed, data.packing
         self.samples: list[tuple[torch.Tensor, torch.Tensor]] = []  # (inputs, labels) per conversation
         truncated = dropped = 0
@@ -108,8 +108,9 @@ class ChatData:
             labels = torch.where(torch.tensor(mask[1:seq_len + 1]), ids[1:], IGNORE_INDEX)
             self.samples.append((ids[:-1], labels))
         if not self.samples:
+            fixes = "raise training.seq_len" + (" or use data.overflow = truncate" if data.overflow != "truncate" else "")
             raise SeedckptError(f"no conversation of {data.path} fits seq_len = {seq_len} with an assistant "
-                                "token left; raise training.seq_len or use data.overflow = truncate")
+                                f"token left (data.overflow = {data.overflow}); {fixes}")
         self._epochs: list[list[list[int]]] = []  # packed rows (sample indices) per epoch
         self._starts = [0]  # first global row of each epoch, then the end of the last one
         rows = self._epoch(0)
@@ -118,7 +119,7 @@ class ChatData:
         self.description = (f"chat {data.path}: {len(conversations)} conversations, {len(self.samples)} kept "
                             f"({truncated} truncated, {dropped} dropped, overflow={data.overflow}); "
                             f"{len(rows)} rows per epoch, {'packed' if self.packing else 'one per row'}, "
-                            f"{self.padding_fraction:.1%} padding")
+                            f"{self.padding_fraction:.1%} padding" + (f"; {pad_note}" if pad_note else ""))
 
     def _epoch(self, epoch: int) -> list[list[int]]:
         while len(self._epochs) <= epoch:

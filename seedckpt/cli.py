@@ -146,6 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     except (SeedckptError, OSError) as e:  # OSError: disk full, permission denied, ...
         print(f"seedckpt {opts.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # every writer removes its partial output on the way out
+        output = getattr(opts, "output", None) or getattr(opts, "dst", None)
+        print(f"seedckpt {opts.command}: interrupted" + (f"; nothing was written to {output}" if output else ""),
+              file=sys.stderr)
+        return 130
 
 
 def _seed(opts, overrides) -> int:

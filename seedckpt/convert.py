@@ -61,6 +61,7 @@ def convert(src: str | Path, dst: str | Path, to: str, dtype: str | None = None,
         raise SeedckptError(f"--to {to!r}: choose one of {', '.join(TARGETS)}")
     if dtype is not None and dtype not in DTYPES:
         raise SeedckptError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    check_apart(Path(src), Path(dst))
     target = FORMATS[to]
     shard_bytes = parse_size(max_shard_size)
     codec = codec_for(model)
@@ -91,6 +92,20 @@ def convert(src: str | Path, dst: str | Path, to: str, dtype: str | None = None,
         return target.write(source, Path(dst), WriteJob(infos, manifest, force, bar.update, shard_bytes, codec))
     finally:
         bar.close()
+
+
+def check_apart(src: Path, dst: Path) -> None:
+    """The output must not be the input, lie inside it or contain it: writing there (``--force``
+    included) would replace or delete the checkpoint being read."""
+    source, output = src.resolve(), dst.resolve()
+    if output == source:
+        raise SeedckptError(f"{dst} is the input checkpoint; write the conversion to another path (--force never "
+                            "replaces the input)")
+    if source in output.parents:
+        raise SeedckptError(f"{dst} is inside the input checkpoint {src}; choose a destination outside it")
+    if output in source.parents:
+        raise SeedckptError(f"{dst} contains the input checkpoint {src}; replacing it would delete the input: "
+                            "choose another destination")
 
 
 def diff(a: str | Path, b: str | Path, atol: float = 0.0, args=None, verify: bool = True,

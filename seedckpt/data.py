@@ -15,9 +15,11 @@ but the step. Every dataset returns a ``Batch``.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import importlib.util
 import json
+import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -78,9 +80,9 @@ def data_files(path: str, suffix: str) -> list[Path]:
     for part in (p.strip() for p in path.split(",") if p.strip()):
         p = Path(part)
         if p.is_dir():
-            found = sorted(p.glob(f"*{suffix}"))
+            found = sorted([*p.glob(f"*{suffix}"), *p.glob(f"*{suffix}.gz")])
             if not found:
-                raise SeedckptError(f"data.path {p} is a directory without *{suffix} files")
+                raise SeedckptError(f"data.path {p} is a directory without *{suffix} or *{suffix}.gz files")
             files += found
         elif p.is_file():
             files.append(p)
@@ -92,17 +94,26 @@ def data_files(path: str, suffix: str) -> list[Path]:
 
 
 def jsonl_records(path: Path):
-    """``(line number, object)`` per non-blank line; a malformed line is an error naming it."""
-    with open(path, "rb") as f:
-        for number, line in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""), start=1):
-            if len(line) > MAX_LINE_BYTES:
-                raise SeedckptError(f"{path}:{number}: line longer than {MAX_LINE_BYTES >> 20} MiB")
-            if not line.strip():
-                continue
-            try:
-                yield number, json.loads(line)
-            except (ValueError, UnicodeDecodeError) as e:
-                raise SeedckptError(f"{path}:{number}: not valid JSON ({e})") from None
+    """``(line number, object)`` per non-blank line, of a ``.jsonl`` file or a gzipped one (read as a
+    stream); a malformed line is an error naming it, a file without any an error calling it empty."""
+    opener = gzip.open if path.name.endswith(".gz") else open
+    empty = True
+    try:
+        with opener(path, "rb") as f:
+            for number, line in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""), start=1):
+                if len(line) > MAX_LINE_BYTES:
+                    raise SeedckptError(f"{path}:{number}: line longer than {MAX_LINE_BYTES >> 20} MiB")
+                if not line.strip():
+                    continue
+                empty = False
+                try:
+                    yield number, json.loads(line)
+                except (ValueError, UnicodeDecodeError) as e:
+                    raise SeedckptError(f"{path}:{number}: not valid JSON ({e})") from None
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+        raise SeedckptError(f"{path} is not a complete gzip file ({e}); compress it again") from None
+    if empty:
+        raise SeedckptError(f"{path} is empty: it holds no JSON lines")
 
 
 class SyntheticData:
@@ -172,7 +183,7 @@ class TextData:
 
 def _documents(file: Path):
     """Each JSONL record's ``"text"``, or the whole file."""
-    if file.suffix != ".jsonl":
+    if not file.name.endswith((".jsonl", ".jsonl.gz")):
         yield file.read_text(errors="replace")
         return
     for number, record in jsonl_records(file):

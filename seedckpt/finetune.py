@@ -24,7 +24,8 @@ from models.llama import ModelArgs, RopeScaling
 from seedckpt.config import JobConfig
 from seedckpt.errors import SeedckptError
 from seedckpt.layouts import open_model_checkpoint
-from seedckpt.osft import DEFAULT_TARGETS, OSFTSpec, manifest_osft, target_fqns
+from seedckpt.osft import (DEFAULT_TARGETS, OSFTSpec, describe_targets, manifest_osft,
+                           pattern_matches, target_fqns)
 from seedckpt.tokenizer import load_tokenizer
 
 VOCAB_MULTIPLE = 8
@@ -83,8 +84,10 @@ def osft_spec(cfg: JobConfig) -> OSFTSpec | None:
     return OSFTSpec(ft.osft_unfreeze_rank_ratio, tuple(ft.osft_target_patterns) or DEFAULT_TARGETS)
 
 
-def check_osft_settings(cfg: JobConfig, args: ModelArgs) -> None:
-    """The ratio is a fraction and the patterns name some of the model's linear layers."""
+def check_osft_settings(cfg: JobConfig, args: ModelArgs) -> str:
+    """The ratio is a fraction and every pattern names some of the model's linear layers (one that
+    matches nothing is a typo: training would silently leave that layer dense). Returns the log
+    line that lists the targets."""
     ft = cfg.finetune
     patterns = ft.osft_target_patterns
     if not isinstance(patterns, list) or not all(isinstance(p, str) and p for p in patterns):
@@ -92,14 +95,18 @@ def check_osft_settings(cfg: JobConfig, args: ModelArgs) -> None:
                             "[\"attention.wq\", \"feed_forward.w1\"] (empty: the default targets)")
     with torch.device("meta"):
         model = cfg.model_spec().model(args)
-    if not target_fqns(model, patterns):
-        raise SeedckptError(f"finetune.osft_target_patterns = {patterns!r} match no linear layer of the model; "
-                            f"use suffixes like {', '.join(DEFAULT_TARGETS[:3])} ...")
+    unmatched = [p for p, fqns in pattern_matches(model, patterns).items() if not fqns]
+    if unmatched:
+        raise SeedckptError(f"finetune.osft_target_patterns: {', '.join(map(repr, unmatched))} "
+                            f"match{'es' * (len(unmatched) == 1)} no linear layer inside the model's blocks; fix or "
+                            f"remove {'it' if len(unmatched) == 1 else 'them'} (names end like "
+                            f"{', '.join(DEFAULT_TARGETS[:3])} ...)")
+    return describe_targets(model, target_fqns(model, patterns), ft.osft_unfreeze_rank_ratio)  # checks the ratio
 
 
-def finetune_model(cfg: JobConfig) -> tuple[ModelArgs, str] | None:
+def finetune_model(cfg: JobConfig) -> tuple[ModelArgs, tuple[str, ...]] | None:
     """Validate ``[finetune]``; the pretrained model's args, its vocabulary grown to fit
-    ``data.tokenizer``, and a line for the run log (None for pretraining). Reads only metadata, so
+    ``data.tokenizer``, and lines for the run log (None for pretraining). Reads only metadata, so
     it runs before any process group: a bad set-up fails at once, with one line."""
     ft = cfg.finetune
     if ft.mode == "none":
@@ -111,8 +118,7 @@ def finetune_model(cfg: JobConfig) -> tuple[ModelArgs, str] | None:
                             "directory), e.g. --finetune.pretrained path/to/Llama-3.2-1B")
     args = pretrained_args(ft.pretrained)
     check_model_section(cfg, args, ft.pretrained)
-    if ft.mode == "osft":
-        check_osft_settings(cfg, args)
+    targets = check_osft_settings(cfg, args) if ft.mode == "osft" else None
     vocab = f"vocabulary {args.vocab_size}"
     if cfg.data.tokenizer:
         tokenizer_vocab = len(load_tokenizer(cfg.data.tokenizer))
@@ -121,5 +127,6 @@ def finetune_model(cfg: JobConfig) -> tuple[ModelArgs, str] | None:
             vocab = (f"vocabulary grown from {args.vocab_size} to {grown} rows for the tokenizer's {tokenizer_vocab} "
                      "tokens (new rows = mean of the old)")
         args = dataclasses.replace(args, vocab_size=grown)
-    return args, (f"{ft.mode} from {ft.pretrained}: dim {args.dim}, {args.n_layers} layers, {vocab}, "
-                  f"{'tied' if args.tie_word_embeddings else 'untied'} embeddings")
+    start = (f"{ft.mode} from {ft.pretrained}: dim {args.dim}, {args.n_layers} layers, {vocab}, "
+             f"{'tied' if args.tie_word_embeddings else 'untied'} embeddings")
+    return args, (start, targets) if targets else (start,)

@@ -80,6 +80,9 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+METRICS_FILE = "metrics.jsonl"  # in job.dump_folder
+
+
 class MetricsLogger:
     """Written by one rank (the caller decides which). A resumed run continues the file: rows of the
     steps after ``after_step`` (logged by the interrupted run past its last checkpoint, now replayed)
@@ -88,7 +91,7 @@ class MetricsLogger:
     def __init__(self, dump_folder: str | Path, enable_tensorboard: bool = False, after_step: int = 0):
         self.folder = Path(dump_folder)
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.path = self.folder / "metrics.jsonl"
+        self.path = self.folder / METRICS_FILE
         self._drop_rows_after(after_step)
         self._file = open(self.path, "a")
         self._tb = None

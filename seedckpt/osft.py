@@ -89,24 +89,45 @@ def frozen_rank(m: int, n: int, ratio: float) -> int:
     return min(r - 1, math.floor(r * (1.0 - ratio)))
 
 
-def target_fqns(module: nn.Module, patterns: Iterable[str]) -> list[str]:
-    """FQNs of the ``nn.Linear`` modules inside the transformer blocks (``layers.*``) whose name ends
-    with one of ``patterns`` (a dotted suffix such as ``attention.wq``, or a regular expression
-    matched against the full name). The output projection is never a target: its rows follow the
-    vocabulary (which fine-tuning may grow) and a tied one is the embedding."""
+def pattern_matches(module: nn.Module, patterns: Iterable[str]) -> dict[str, list[str]]:
+    """Each of ``patterns`` (the default targets when empty) -> the FQNs of the ``nn.Linear``
+    modules inside the transformer blocks (``layers.*``) it selects: those whose name ends with it (a
+    dotted suffix such as ``attention.wq``) or that it matches whole (a regular expression). The
+    output projection is never a target: its rows follow the vocabulary (which fine-tuning may grow)
+    and a tied one is the embedding."""
     patterns = list(patterns) or list(DEFAULT_TARGETS)
     try:
         compiled = [re.compile(p) for p in patterns]
     except re.error as e:
         raise SeedckptError(f"finetune.osft_target_patterns: {e.pattern!r} is not a valid regular expression "
                             f"({e})") from None
-    found = []
+    found: dict[str, list[str]] = {p: [] for p in patterns}
     for name, child in module.named_modules():
-        if not isinstance(child, nn.Linear) or not name.startswith("layers."):
-            continue
-        if any(name.endswith("." + p) or c.fullmatch(name) for p, c in zip(patterns, compiled)):
-            found.append(name)
+        if isinstance(child, nn.Linear) and name.startswith("layers."):
+            for p, c in zip(patterns, compiled):
+                if name.endswith("." + p) or c.fullmatch(name):
+                    found[p].append(name)
     return found
+
+
+def target_fqns(module: nn.Module, patterns: Iterable[str]) -> list[str]:
+    """The FQNs any of ``patterns`` selects (``pattern_matches``), in module order."""
+    selected = {fqn for fqns in pattern_matches(module, patterns).values() for fqn in fqns}
+    return [name for name, _ in module.named_modules() if name in selected]
+
+
+def describe_targets(module: nn.Module, fqns: list[str], ratio: float) -> str:
+    """One log line: the targets grouped by their name inside a block, each with its m x n, frozen
+    rank k and how many blocks hold it."""
+    groups: dict[tuple[str, int, int], int] = {}
+    for fqn in fqns:
+        m, n = module.get_submodule(fqn).weight.shape
+        key = (fqn.split(".", 2)[2], m, n)  # layers.<i>.<name in the block>
+        groups[key] = groups.get(key, 0) + 1
+    parts = [f"{name} {m}x{n} k={frozen_rank(m, n, ratio)} in {count} block{'s' * (count != 1)}"
+             for (name, m, n), count in groups.items()]
+    return (f"osft: {len(fqns)} target linears (m x n, frozen rank k at unfreeze ratio {ratio}): "
+            + ", ".join(parts))
 
 
 @dataclass

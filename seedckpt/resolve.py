@@ -76,7 +76,7 @@ def resolve(cfg: JobConfig, world_size: int, local_world_size: int | None = None
     ``local_world_size``: the ranks on this machine (default: torchrun's ``LOCAL_WORLD_SIZE``, 1 for
     a plain ``python train.py``); 0 for a command that places no rank (see ``choose_device``)."""
     finetune = finetune_model(cfg)
-    args, notes = (finetune[0], (finetune[1],)) if finetune else (cfg.model_args(), ())
+    args, notes = finetune if finetune else (cfg.model_args(), ())
     dims = ParallelDims.from_config(cfg, world_size, args)
     if local_world_size is None:
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))

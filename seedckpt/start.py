@@ -1,6 +1,7 @@
 """Where a run starts: the checkpoint it loads from, opened once, and the checks a resume must pass.
 
-The order of preference is fixed: the newest complete ``checkpoint.folder/step-N`` (resume), else
+The order of preference is fixed: the newest ``checkpoint.folder/step-N`` (resume; one that is not
+complete stops the run with the fallback named), else
 ``finetune.pretrained`` for SFT / OSFT, else ``checkpoint.seed_checkpoint`` (which must exist -- a run
 never silently starts from random), or, with ``checkpoint.init_from = "direct"``, each rank's own
 per-tensor init from ``training.seed`` (bitwise the seed file that seed would make).
@@ -17,8 +18,8 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from seedckpt.checkpoint import Checkpoint, DcpCheckpoint, complete_steps
-from seedckpt.checkpoint.manifest import read_manifest
+from seedckpt.checkpoint import Checkpoint, DcpCheckpoint, step_dirs
+from seedckpt.checkpoint.manifest import MANIFEST_NAME, read_manifest
 from seedckpt.config import JobConfig
 from seedckpt.errors import SeedckptError
 from seedckpt.finetune import osft_spec
@@ -49,14 +50,14 @@ def open_start(cfg: JobConfig, args, path: str | Path, step: int = 0, pretrained
 
 def find_start(cfg: JobConfig, args) -> Start:
     """Where a run of ``cfg`` whose model is ``args`` starts (``resolve`` calls it once)."""
-    steps = complete_steps(cfg.checkpoint.folder)
+    steps = step_dirs(cfg.checkpoint.folder)
     if steps:
         newest = max(steps)
         if newest > cfg.training.steps:
             raise SeedckptError(f"{steps[newest]} is beyond training.steps = {cfg.training.steps}; raise "
                                 "training.steps to continue this run, or start a new checkpoint.folder")
-        try:  # .metadata, its checksum and every data file's length
-            return open_start(cfg, args, steps[newest], newest)
+        try:  # the manifest, .metadata, its checksum and every data file's length
+            return open_start(cfg, args, require_manifest(steps[newest]), newest)
         except SeedckptError as e:
             raise SeedckptError(f"cannot resume: {e}; {fallback_hint(steps, newest)}") from None
     if cfg.finetune.mode != "none":
@@ -74,12 +75,21 @@ def find_start(cfg: JobConfig, args) -> Start:
     return open_start(cfg, args, seed)  # damaged or incomplete: one line now, not one per rank later
 
 
+def require_manifest(step: Path) -> Path:
+    """``step`` if it holds the manifest every ``step-N`` is written with (a DCP directory without
+    one would open as a foreign checkpoint and lose the run's step, data position and settings)."""
+    if not (step / MANIFEST_NAME).is_file():
+        raise SeedckptError(f"{step} has no {MANIFEST_NAME}, which every step-N is written with: it is not a "
+                            "complete checkpoint (copied in part, or filtered by the copy)")
+    return step
+
+
 def fallback_hint(steps: dict[int, Path], broken: int) -> str:
     """What to do about a damaged ``step-N``: which earlier checkpoint would resume instead. A run
     never falls back by itself -- that would silently throw work away on a storage fault."""
     for step in sorted((s for s in steps if s < broken), reverse=True):
         try:
-            DcpCheckpoint(steps[step])
+            DcpCheckpoint(require_manifest(steps[step]))
         except SeedckptError:
             continue
         return (f"the newest intact checkpoint before it is {steps[step]}: move {steps[broken]} out of the folder "

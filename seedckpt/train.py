@@ -43,7 +43,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.distributed.tensor import DTensor
 
-from seedckpt.checkpoint import complete_steps, destination_lock, prune_steps
+from seedckpt.checkpoint import destination_lock, prune_steps, step_dirs
 from seedckpt.checkpoint.background import BackgroundSaver, SavedInBackground
 from seedckpt.config import check_output_folders, config_reference, load_config
 from seedckpt.data import IGNORE_INDEX
@@ -52,7 +52,7 @@ from seedckpt.datasets import make_dataset
 from seedckpt.errors import SeedckptError
 from seedckpt.finetune import osft_spec
 from seedckpt.init import RECIPE_VERSION
-from seedckpt.metrics import MetricsLogger, flops_per_token, peak_memory_bytes, peak_tflops, utilization
+from seedckpt.metrics import METRICS_FILE, MetricsLogger, flops_per_token, peak_memory_bytes, peak_tflops, utilization
 from seedckpt.osft import OSFTProjector
 from seedckpt.parallel import TiedEmbeddings, apply_activation_checkpointing, apply_compile, check_compile_supported
 from seedckpt.resolve import Run, resolve
@@ -149,7 +149,7 @@ class Trainer:
             if not start.step:
                 raise
             raise SeedckptError(f"cannot resume: {e}; "
-                                f"{fallback_hint(complete_steps(cfg.checkpoint.folder), start.step)}") from None
+                                f"{fallback_hint(step_dirs(cfg.checkpoint.folder), start.step)}") from None
         self.pipeline = self._build_pipeline() if self.dims.pp > 1 else None
         # Clipped: the gradients of what the optimizers step (frozen parameters have none).
         self.params = [p for i in range(len(self.modules)) for p in self.data_parallel.parameters(i)]
@@ -387,8 +387,9 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.training.compile:
             check_compile_supported(run.device)
         with contextlib.ExitStack() as run_lock:
-            if rank == 0:  # one run per checkpoint.folder: a second one fails here, naming the first
+            if rank == 0:  # one run per checkpoint.folder and per metrics file: a second fails here, naming the first
                 run_lock.enter_context(destination_lock(cfg.checkpoint.folder))
+                run_lock.enter_context(destination_lock(Path(cfg.job.dump_folder) / METRICS_FILE))
             run = run.with_start()
             check_resume_matches_osft(cfg, run.start)
             if run.start.step == cfg.training.steps:

@@ -5,7 +5,6 @@ step loadable. Real gloo ranks, real DCP files."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import threading
 import time
@@ -137,12 +136,12 @@ def _one_in_flight_worker(rank, world_size, folder):
         refused = True
     second = saver.wait()
     return {"most": most[0], "first": first.background_s, "second_stall": returned_after, "refused": refused,
-            "seen": [t[0].item() for t in seen], "done": saver.wait() is None}
+            "seen": [t[0].item() for t in seen], "second": second.path.name, "done": saver.wait() is None}
 
 
 def test_one_save_in_flight_and_each_writes_the_state_it_staged(tmp_path):
     for result in run_distributed(_one_in_flight_worker, 2, str(tmp_path)):
-        assert result["most"] == 1 and result["refused"] and result["done"]
+        assert result["most"] == 1 and result["refused"] and result["second"] == "step-2" and result["done"]
         assert result["first"] >= 0.5 and result["second_stall"] < 0.4  # staged, not written, in the loop
         assert result["seen"] == [1.0, 2.0]
 

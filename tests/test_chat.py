@@ -18,8 +18,6 @@ from seedckpt.errors import SeedckptError
 from seedckpt.tokenizer import load_tokenizer
 from tests.tokenizers import build_tiny_tokenizer, corpus_of, make_chats
 
-pytestmark = pytest.mark.filterwarnings("ignore:the tokenizer has no pad token")
-
 CHATS = make_chats(40, seed=1)
 
 
@@ -125,6 +123,33 @@ def test_overflow_truncates_or_drops_and_counts(tmp_path, tokenizer_dir):
     assert "0 truncated, 2 dropped" in dropping.description and len(dropping.samples) == 5
 
 
+def test_gzipped_chats_are_read_and_empty_files_are_called_empty(tmp_path, tokenizer_dir):
+    import gzip
+
+    plain = _data(tmp_path, tokenizer_dir)
+    packed = tmp_path / "chats.jsonl.gz"
+    with gzip.open(packed, "wt") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in CHATS))
+    zipped = ChatData(Data(kind="chat", path=str(packed), tokenizer=str(tokenizer_dir)), 304, 64, 0)
+    assert [(x.tolist(), y.tolist()) for x, y in zipped.samples] == [(x.tolist(), y.tolist()) for x, y in plain.samples]
+    assert "no pad token: padding with eos" in zipped.description  # the note, in the run's data line
+    for name, text in [("empty.jsonl", ""), ("blank.jsonl", "\n  \n")]:
+        (tmp_path / name).write_text(text)
+        with pytest.raises(SeedckptError, match=f"{name} is empty: it holds no JSON lines"):
+            ChatData(Data(kind="chat", path=str(tmp_path / name), tokenizer=str(tokenizer_dir)), 304, 64, 0)
+    packed.write_bytes(packed.read_bytes()[:-20])
+    with pytest.raises(SeedckptError, match="chats.jsonl.gz is not a complete gzip file"):
+        ChatData(Data(kind="chat", path=str(packed), tokenizer=str(tokenizer_dir)), 304, 64, 0)
+
+
+def test_the_overflow_advice_names_only_what_is_not_set(tmp_path, tokenizer_dir):
+    with pytest.raises(SeedckptError, match=r"\(data.overflow = truncate\); raise training.seq_len$"):
+        _data(tmp_path, tokenizer_dir, CHATS[:3], seq_len=4)
+    with pytest.raises(SeedckptError, match=r"\(data.overflow = drop\); raise training.seq_len or use "
+                                            r"data.overflow = truncate$"):
+        _data(tmp_path, tokenizer_dir, CHATS[:3], seq_len=4, overflow="drop")
+
+
 @pytest.mark.parametrize("record,message", [
     ("{not json", "chats.jsonl:2: not valid JSON"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "chats.jsonl:2: unknown role 'wizard'"),
@@ -141,8 +166,15 @@ def test_bad_tokenizers_and_paths(tmp_path, tokenizer_dir):
     no_template = build_tiny_tokenizer(tmp_path / "plain", corpus_of(CHATS), chat_template=None)
     with pytest.raises(SeedckptError, match="has no chat template"):
         _data(tmp_path, no_template)
-    with pytest.raises(SeedckptError, match="not a Hugging Face tokenizer directory"):
+    with pytest.raises(SeedckptError, match="nowhere is not a directory"):
         _data(tmp_path, tmp_path / "nowhere")
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    (slow / "tokenizer.model").write_bytes(b"\x0a\x05")  # a sentencepiece model, no tokenizer.json
+    (slow / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(SeedckptError, match=r"slow has no tokenizer.json \(only the slow tokenizer's "
+                                            r"tokenizer.model\); seedckpt needs a fast tokenizer"):
+        _data(tmp_path, slow)
     with pytest.raises(SeedckptError, match="does not exist"):
         ChatData(Data(kind="chat", path=str(tmp_path / "missing.jsonl"), tokenizer=str(tokenizer_dir)), 304, 64, 0)
 

@@ -4,6 +4,7 @@ straight from an HF directory. Parity is checked against ``transformers`` itself
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,9 @@ from seedckpt.errors import SeedckptError
 from seedckpt.layouts import open_model_checkpoint
 from seedckpt.seed import create_seed_checkpoint
 from seedckpt.stages import build_stages, plan_rank_stages
+from tests.conftest import stock_load, tiny_config
+
+REPO = Path(__file__).resolve().parents[1]
 
 transformers = pytest.importorskip("transformers")
 
@@ -171,6 +175,35 @@ def test_config_weights_mismatch_fails_cleanly(tmp_path):
     _assert_nothing_written(tmp_path, "out")
 
 
+@pytest.mark.parametrize("source", ["hf", "foreign dcp"])
+def test_an_integer_weight_is_refused_naming_tensor_and_file(tmp_path, debug_seed, source):
+    """An int32 tensor under a weight's name (a quantized or crafted file) is not converted or
+    loaded as if it were a weight."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file, save_file
+
+    if source == "hf":
+        _hf_llama().save_pretrained(tmp_path / "src", max_shard_size="100KB")
+        file = next(f for f in sorted((tmp_path / "src").glob("*.safetensors"))
+                    if "model.layers.1.mlp.up_proj.weight" in load_file(f))
+        tensors = load_file(file)
+        tensors["model.layers.1.mlp.up_proj.weight"] = tensors["model.layers.1.mlp.up_proj.weight"].to(torch.int32)
+        save_file(tensors, file, metadata={"format": "pt"})
+        expected = rf"layers\.1\.feed_forward\.w3\.weight: dtype int32 in {re.escape(str(file))}"
+        config = []
+    else:
+        state = stock_load(debug_seed)
+        state["layers.1.feed_forward.w3.weight"] = state["layers.1.feed_forward.w3.weight"].to(torch.int32)
+        dcp.save(state, checkpoint_id=tmp_path / "src", no_dist=True)
+        expected = rf"layers\.1\.feed_forward\.w3\.weight: dtype int32 in {re.escape(str(tmp_path / 'src'))}"
+        config = ["--config", str(REPO / "configs/debug.toml")]
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--to", "dcp", "--quiet", *config]) == 2
+    _assert_nothing_written(tmp_path, "out")
+    with pytest.raises(SeedckptError, match=expected + "; model weights are float32, bfloat16, float16, float64"):
+        convert(tmp_path / "src", tmp_path / "out", "dcp", progress=False,
+                args=tiny_config().model_args() if config else None)
+
+
 def test_a_failure_mid_write_leaves_no_output(tmp_path, debug_seed, monkeypatch):
     from seedckpt.checkpoint import DcpCheckpoint
 
@@ -211,7 +244,6 @@ def test_torchtitan_03_checkpoints_load_convert_and_are_written(tmp_path, debug_
 
     from seedckpt.checkpoint import DcpCheckpoint
     from models.llama_torchtitan import to_torchtitan_name
-    from tests.conftest import stock_load, tiny_config
 
     titan = {to_torchtitan_name(k): v for k, v in stock_load(debug_seed).items()}
     assert {"lm_head.weight", "layers.0.attention.qkv_linear.wq.weight"} <= set(titan)
@@ -238,7 +270,6 @@ def test_torchtitan_03_checkpoints_load_convert_and_are_written(tmp_path, debug_
 def test_a_checkpoint_that_misses_the_model_names_what_it_has(tmp_path, debug_seed):
     import torch.distributed.checkpoint as dcp
 
-    from tests.conftest import stock_load, tiny_config
 
     dcp.save({f"model.{k}": v for k, v in stock_load(debug_seed).items()}, checkpoint_id=str(tmp_path / "prefixed"),
              no_dist=True)

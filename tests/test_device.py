@@ -140,8 +140,8 @@ def test_compiled_training_on_cuda_matches_the_cpu(tmp_path, debug_seed, cpu_run
 
 @pytest.mark.cuda
 def test_a_cuda_load_is_bitwise_the_cpu_load(debug_seed):
-    """Each pipeline stage of the seed, loaded onto the GPU (DCP reads into pinned host memory and
-    copies) and onto the CPU: the same bytes, non-persistent buffers recomputed on either device."""
+    """Each pipeline stage of the seed, loaded onto the GPU (read through pinned slots, copied on
+    a side stream) and onto the CPU: the same bytes, non-persistent buffers recomputed on either device."""
     from seedckpt.stages import build_stages, plan_rank_stages
 
     args = tiny_config().model_args()

@@ -135,6 +135,32 @@ def test_owned_rows_are_bitwise_stock_dcp_load_in_every_layout(uneven_seeds, tmp
             assert direct == owned, f"rank {rank} {name}: read {direct} bytes, owns {owned}"
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("verify", [True, False])
+def test_reads_through_staging_slots_are_bitwise_stock(uneven_seeds, monkeypatch, verify, device):
+    """The route of device loads (read into a reusable slot, copy onward): on CUDA as it runs there
+    (pinned slots, a side stream), on the CPU through pageable slots. Slots far smaller than a read
+    (reused many times) and reads larger than a slot (their own buffer), straight and cast
+    destinations, with and without checksums."""
+    from seedckpt.checkpoint import direct
+    from seedckpt.checkpoint.load import load_state
+    from seedckpt.layouts import open_model_checkpoint
+
+    monkeypatch.setattr(direct, "READ_BYTES", 64)
+    monkeypatch.setattr(direct, "PIECE_BYTES", 0)  # slots of 64 bytes; a checked unit spans a 1 MiB piece
+    for stored in ("float32", "bfloat16"):
+        expected = stock_tensors(uneven_seeds[stored])
+        checkpoint = open_model_checkpoint(uneven_seeds[stored], verify=verify)
+        for dtype in {torch.float32, getattr(torch, stored)}:  # as stored, and widened (a cast)
+            state = {f: torch.full(t.shape, float("nan"), dtype=dtype, device=device) for f, t in expected.items()}
+            reader = checkpoint.reader()
+            reader.reads = direct.DirectReads(threads=3, stage_all=True)
+            load_state(state, reader, checkpoint.path, no_dist=True)
+            for fqn, t in state.items():
+                assert t.device.type == device and torch.equal(t.cpu(), expected[fqn].to(dtype)), (stored, dtype, fqn)
+            assert reader.reads.bytes_read == sum(t.numel() * expected[f].dtype.itemsize for f, t in state.items())
+
+
 def _rchar() -> int:
     with open("/proc/self/io") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("rchar"))

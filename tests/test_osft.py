@@ -60,6 +60,27 @@ def test_targets_are_inside_the_blocks_and_bad_patterns_are_named():
         target_fqns(dense, ["attention.w[q"])
 
 
+def test_every_target_pattern_must_match_and_the_start_log_lists_the_targets(debug_seed):
+    from seedckpt.resolve import resolve
+
+    def run(*patterns):
+        cfg = tiny_config("--finetune.mode", "osft", "--finetune.pretrained", str(debug_seed),
+                          "--finetune.osft_target_patterns", ",".join(patterns))  # the command line's list
+        return resolve(cfg, 1)
+
+    with pytest.raises(SeedckptError, match=r"osft_target_patterns: 'nomatch' matches no linear layer"):
+        run("attention.wq", "nomatch")
+    with pytest.raises(SeedckptError, match=r"'output', 'w9' match no linear layer .* fix or remove them"):
+        run("output", "w9", r"layers\.1\..*")  # the output projection is never a target
+    notes = run("attention.wq", r"layers\.1\.feed_forward\.w2").notes
+    args = tiny_config().model_args()
+    k = frozen_rank(args.dim, args.dim, 0.25)
+    assert notes[1].startswith(f"osft: {args.n_layers + 1} target linears (m x n, frozen rank k at unfreeze ratio "
+                               "0.25): "), notes
+    assert (f"attention.wq {args.dim}x{args.dim} k={k} in {args.n_layers} blocks, feed_forward.w2 {args.dim}x"
+            in notes[1] and notes[1].endswith(" in 1 block")), notes
+
+
 def test_default_targets_are_the_attention_and_ffn_projections():
     args, dense, osft, targets = _dense_and_osft()
     assert len(targets) == 2 * len(DEFAULT_TARGETS)

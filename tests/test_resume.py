@@ -59,6 +59,21 @@ def test_truncated_newest_step_names_the_step_to_fall_back_to(finished, tmp_path
     assert "step-4 is incomplete" in err and "move" in err and "resume from step 2" in err, err
 
 
+@pytest.mark.parametrize("lost", ["seedckpt.json", ".metadata"])
+def test_a_newest_step_missing_a_file_stops_the_resume_instead_of_being_skipped(finished, tmp_path, debug_seed, lost):
+    """A step-N copied in part (rsync filters hidden files; a copy died before the manifest) is not
+    passed over: the run would restart from step 0 and overwrite the metrics rows."""
+    run = _copy(finished, tmp_path)
+    (run / "ckpt" / "step-4" / lost).unlink()
+    metrics = (run / "metrics.jsonl").read_bytes()
+    proc = train(run, debug_seed, "--training.steps", "6")
+    assert proc.returncode == 2
+    err = proc.stderr.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert "cannot resume" in err and "step-4" in err and "resume from step 2" in err, err
+    assert (run / "metrics.jsonl").read_bytes() == metrics
+
+
 def test_a_corrupt_byte_in_the_newest_step_stops_the_resume_with_the_fallback(finished, tmp_path, debug_seed):
     run = _copy(finished, tmp_path)
     step = run / "ckpt" / "step-4"
@@ -109,6 +124,19 @@ def test_a_second_run_on_the_same_folder_fails_up_front(finished, tmp_path, debu
         proc = train(run, debug_seed, "--training.steps", "6")
     assert proc.returncode == 2 and f"pid {os.getpid()}" in proc.stderr, proc.stderr
     assert sorted(p.name for p in (run / "ckpt").iterdir()) == ["step-2", "step-4"]
+
+
+def test_a_second_run_on_the_same_dump_folder_fails_up_front(finished, tmp_path, debug_seed):
+    """Another checkpoint.folder but the same job.dump_folder: the first run's metrics.jsonl is not replaced."""
+    from seedckpt.checkpoint.atomic import destination_lock
+
+    run = _copy(finished, tmp_path)
+    metrics = (run / "metrics.jsonl").read_bytes()
+    with destination_lock(run / "metrics.jsonl"):
+        proc = train(run, debug_seed, "--checkpoint.folder", str(tmp_path / "other"))
+    assert proc.returncode == 2 and f"metrics.jsonl is being written by pid {os.getpid()}" in proc.stderr, proc.stderr
+    assert (run / "metrics.jsonl").read_bytes() == metrics
+    assert not list((tmp_path / "other").glob("step-*"))
 
 
 def train_in_process(run: Path, seed: Path, *overrides: str) -> int:

@@ -229,3 +229,100 @@ def test_every_rank_fails_at_once_when_rank_0_cannot_start(tmp_path):
     assert messages[0].startswith(f"{dst} {_holder(os.getpid())}")
     assert messages[1] == f"rank 0 could not start writing {dst}; its error says why"
     assert os.listdir(tmp_path) == []
+
+
+def test_convert_never_writes_over_into_or_around_its_input(tmp_path, debug_seed, capsys):
+    seed = tmp_path / "seed"
+    shutil.copytree(debug_seed, seed)
+    before = _contents(seed)
+    for dst, why in [(seed, "is the input checkpoint"), (seed / "inner", "is inside the input checkpoint"),
+                     (tmp_path, "contains the input checkpoint")]:
+        assert main(["convert", str(seed), str(dst), "--to", "dcp", "--force", "--quiet"]) == 2
+        err = capsys.readouterr().err
+        assert why in err and len(err.strip().splitlines()) == 1, err
+    assert _contents(seed) == before and sorted(os.listdir(tmp_path)) == ["seed"]
+
+
+@pytest.mark.parametrize("to, other", [("torch", "notes.txt"), ("safetensors", "model.safetensors"),
+                                       ("torch", "model.safetensors")])
+def test_force_replaces_a_file_only_with_one_of_its_own_format(tmp_path, debug_seed, capsys, to, other):
+    dst = tmp_path / other
+    if other == "notes.txt":
+        dst.write_text("precious")
+    else:  # a safetensors file: replaceable by a safetensors output, not by a torch.save one
+        convert(debug_seed, dst, "safetensors", dtype="bfloat16", progress=False)
+    before = _contents(dst)
+    code = main(["convert", str(debug_seed), str(dst), "--to", to, "--force", "--quiet"])
+    if to == "safetensors":
+        assert code == 0 and _contents(dst) != before  # its own format: replaced
+        return
+    assert code == 2 and _contents(dst) == before
+    err = capsys.readouterr().err
+    assert f"{dst} is not a file of the format being written" in err and len(err.strip().splitlines()) == 1, err
+
+
+class _FullDisk:
+    """A file whose writes fail with ENOSPC (or are interrupted) once ``room`` bytes are in."""
+
+    def __init__(self, failure: BaseException, room: int = 300):
+        self.failure, self.room = failure, room
+
+    def __call__(self, path, mode="r", *args, **kwargs):
+        inner = open(path, mode, *args, **kwargs)
+        if "w" not in mode:
+            return inner
+        outer = self
+
+        class File:
+            def __getattr__(self, name):
+                return getattr(inner, name)
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                inner.close()
+
+            def write(self, data):
+                n = memoryview(data).nbytes
+                if outer.room < n:
+                    raise outer.failure
+                outer.room -= n
+                return inner.write(data)
+
+        return File()
+
+
+@pytest.mark.parametrize("failure", ["disk full", "ctrl-c"])
+@pytest.mark.parametrize("to", ["torch", "safetensors", "hf", "dcp", "seed"])
+def test_a_full_disk_or_ctrl_c_while_writing_is_one_line_and_leaves_nothing(tmp_path, debug_seed, capsys,
+                                                                            monkeypatch, to, failure):
+    import errno
+
+    from seedckpt.checkpoint.formats import safetensors_file, torch_file
+
+    error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) if failure == "disk full" else KeyboardInterrupt()
+    full = _FullDisk(error)
+    for module in (torch_file, safetensors_file):
+        monkeypatch.setattr(module, "open", full, raising=False)
+    raw_write = writer_module._RawStream.write
+
+    def write(stream, data):
+        full.room -= memoryview(data).nbytes
+        if full.room < 0:
+            raise error
+        return raw_write(stream, data)
+
+    monkeypatch.setattr(writer_module._RawStream, "write", write)
+    dst = tmp_path / ("out.pt" if to == "torch" else "out.safetensors" if to == "safetensors" else "out")
+    argv = ([*SEED, "--output", str(dst)] if to == "seed"
+            else ["convert", str(debug_seed), str(dst), "--to", to, "--quiet"])
+    code = main(argv)
+    err = capsys.readouterr().err
+    command = "seed" if to == "seed" else "convert"
+    if failure == "disk full":
+        assert code == 2 and err == (f"seedckpt {command}: error: no space left on the device writing {dst}; nothing "
+                                     "was written there: free space or choose another destination and run again\n")
+    else:
+        assert code == 130 and err == f"seedckpt {command}: interrupted; nothing was written to {dst}\n"
+    assert os.listdir(tmp_path) == []

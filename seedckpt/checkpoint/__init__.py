@@ -30,11 +30,11 @@ from seedckpt.checkpoint.manifest import (MANIFEST_NAME, TOKENIZER_DIR, TensorIn
                                           make_manifest)
 from seedckpt.checkpoint.model import ModelLayout
 from seedckpt.checkpoint.safe_pickle import SafeFileSystemReader
-from seedckpt.checkpoint.steps import complete_steps, prune_steps, step_dir
+from seedckpt.checkpoint.steps import complete_steps, prune_steps, step_dir, step_dirs
 from seedckpt.checkpoint.writer import LazySavePlanner, StreamingFileSystemWriter, write_checkpoint
 
 __all__ = ["PARTIAL_SUFFIX", "atomic_output", "check_destination", "destination_lock", "write_json_synced",
            "Checkpoint", "WriteJob", "FORMATS", "open_checkpoint", "DcpCheckpoint", "RowWindow", "MANIFEST_NAME", "TOKENIZER_DIR",
            "TensorInfo", "dtype_name", "is_model_key", "make_manifest", "ModelLayout", "SafeFileSystemReader",
-           "complete_steps", "prune_steps", "step_dir", "LazySavePlanner", "StreamingFileSystemWriter",
+           "complete_steps", "prune_steps", "step_dir", "step_dirs", "LazySavePlanner", "StreamingFileSystemWriter",
            "write_checkpoint"]

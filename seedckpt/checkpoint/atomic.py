@@ -24,7 +24,7 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
-from seedckpt.errors import SeedckptError
+from seedckpt.errors import SeedckptError, interrupted, write_failure
 
 PARTIAL_SUFFIX = ".partial"  # every partial output's name ends with it; readers refuse such paths
 LOCK_SUFFIX = ".lock"
@@ -122,9 +122,10 @@ def _why_not_replaceable(path: Path, directory: bool) -> str | None:
 
 @contextlib.contextmanager
 def atomic_output(path: str | os.PathLike, force: bool = False, directory: bool = True,
-                  check: Callable[[Path], None] | None = None):
+                  check: Callable[[Path], None] | None = None, replaces: Callable[[Path], None] | None = None):
     """Yield this writer's hidden partial sibling of ``path`` to write into; publish it as ``path``
-    on success, after ``check(partial)`` (if given) has accepted it.
+    on success, after ``check(partial)`` (if given) has accepted it. An existing file at ``path`` is
+    replaced (``force``) only if ``replaces(path)`` (if given) accepts it: a file of the format written.
 
     The destination's lock is held throughout, so a second writer fails before doing any work and
     every partial of ``path`` that exists meanwhile is a crashed writer's: those are removed. On
@@ -134,6 +135,8 @@ def atomic_output(path: str | os.PathLike, force: bool = False, directory: bool 
     path = Path(path)
     with destination_lock(path):
         check_destination(path, force, directory)
+        if not directory and replaces is not None and path.exists():
+            _check_same_format(path, replaces)
         _remove_stale_partials(path)
         partial = partial_of(path)
         if directory:
@@ -144,9 +147,25 @@ def atomic_output(path: str | os.PathLike, force: bool = False, directory: bool 
                 check(partial)
             check_destination(path, force, directory)  # nothing else appeared there meanwhile
             _publish(partial, path)
-        except BaseException:
+        except BaseException as e:
             remove(partial)
+            if interrupted(e):
+                raise KeyboardInterrupt from None  # torch.save reports Ctrl-C as a failed write
+            failure = write_failure(e, f"writing {path}")
+            if failure is not None:
+                raise failure from None
             raise
+
+
+def _check_same_format(path: Path, replaces: Callable[[Path], None]) -> None:
+    """``--force`` replaces a file output only with one of its own format (``replaces`` reads it as
+    one): a file of any other kind is somebody else's data."""
+    try:
+        replaces(path)
+    except Exception as e:  # noqa: BLE001 -- whatever the reader says, it is not such a file
+        reason = " ".join(str(e).split())[:200]
+        raise SeedckptError(f"{path} is not a file of the format being written ({reason}); --force replaces only "
+                            "such a file: choose another destination or remove it yourself") from None
 
 
 def _remove_stale_partials(path: Path) -> None:

@@ -15,10 +15,15 @@ from typing import Callable
 import torch
 
 from seedckpt.checkpoint.load import RowWindow, tensor_problems
-from seedckpt.checkpoint.manifest import TensorInfo, is_model_key
+from seedckpt.checkpoint.manifest import TensorInfo, dtype_name, is_model_key
 from seedckpt.checkpoint.model import ModelCodec, ModelLayout
 from seedckpt.errors import SeedckptError
 from seedckpt.modules import copy_full_into
+
+
+# The dtypes a model weight may be stored in: an integer or float8 tensor under a weight's name is
+# not a weight this model can load or convert as it is (quantized checkpoints need their own reader).
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 class Checkpoint:
@@ -47,6 +52,10 @@ class Checkpoint:
             if fqn not in stored and source in stored:
                 self.infos[fqn] = stored[source]
                 self.aliases[fqn] = source
+
+    def file_of(self, fqn: str) -> Path:
+        """The file (or directory) holding ``fqn``, for messages."""
+        return self.path
 
     def tensors(self) -> dict[str, TensorInfo]:
         """Every tensor entry (training state included where the format has it), by our FQNs."""
@@ -84,6 +93,9 @@ class Checkpoint:
         problems = [f"{f}: missing" for f in want if f not in self.infos and complete]
         problems += [f"{f}: shape {list(i.shape)}, config implies {list(want[f])}"
                      for f, i in self.infos.items() if f in want and i.shape != want[f]]
+        problems += [f"{f}: dtype {dtype_name(i.dtype)} in {self.file_of(f)}; model weights are "
+                     f"{', '.join(map(dtype_name, WEIGHT_DTYPES))}" for f, i in self.infos.items()
+                     if f in want and i.dtype not in WEIGHT_DTYPES]
         problems = problems[:10] + (["..."] if len(problems) > 10 else [])
         unused = [f for f in self.infos if f not in want]  # loading would silently leave them out
         if unused:

@@ -8,16 +8,19 @@ memory (measured on Llama-3.2-1B shapes: 4.3 GB read per rank for 1.4 GB owned).
 Here every request is a byte range: the raw row-major bytes of a stored chunk sit contiguously at
 a known position (recorded by our writer in the manifest, or given by a safetensors header), and a
 request for whole rows of it is one contiguous range. It is read with ``os.preadv`` on a thread
-pool (the GIL is released during the read) directly into the destination tensor's memory when the
-dtype matches and the destination is a contiguous CPU block -- the common case -- or through a
-bounded buffer otherwise (a cast, a device copy, a column slice). Items without a known position
-(foreign checkpoints, training-state bytes) take the stock path.
+pool (the GIL is released during the read). A CPU destination is read into directly when the dtype
+matches and it is one contiguous block -- the common case -- or through a bounded buffer otherwise
+(a cast, a column slice). A CUDA destination is read through reusable pinned slots, each copied to
+the device on a side stream while the threads read the next ones, so the disk (or page cache) and
+the host-to-device link work at once (stock: pageable buffers, one blocking copy per tensor). Items
+without a known position (foreign checkpoints, training-state bytes) take the stock path.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import queue
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +33,7 @@ from torch.futures import Future
 
 from seedckpt.checkpoint.safe_pickle import SafeFileSystemReader
 from seedckpt.checkpoint.safetensors_header import SAFETENSORS_DTYPES, safetensors_header
-from seedckpt.checkpoint.integrity import Checksums, ItemChecks, crc, data_file, verify_item
+from seedckpt.checkpoint.integrity import PIECE_BYTES, Checksums, ItemChecks, crc, data_file, verify_item
 from seedckpt.errors import SeedckptError
 
 READ_BYTES = 16 * 2**20  # about one preadv call; small enough to spread a tensor over the threads
@@ -58,18 +61,74 @@ class RawChunk:
         return self.shape[0] * self.row_bytes if self.shape else self.dtype.itemsize
 
 
+class StagingSlots:
+    """Reusable host buffers of ``nbytes`` for reads bound for a device: a read fills a slot, a copy
+    empties it into device memory, and the slot is taken again once that copy is done (``event``).
+
+    On CUDA the slots are pinned, so the copies run ``non_blocking`` on ``stream`` while the threads
+    read on: the disk and the host-to-device link work at once. Pinned memory comes from torch's
+    caching host allocator, which keeps it for the next load (the resume after the model load)."""
+
+    def __init__(self, count: int, nbytes: int, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.nbytes = nbytes
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.free: queue.SimpleQueue = queue.SimpleQueue()
+        for _ in range(count):
+            self.free.put((self._new(nbytes), None))
+
+    def _new(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+
+    def copy(self, dest: torch.Tensor, fill) -> None:
+        """``fill(memoryview)`` a slot with ``dest.nbytes`` bytes, then copy them into ``dest``
+        (flat ``uint8``). A larger request than a slot (a crafted piece size) gets its own buffer."""
+        n = dest.numel()
+        slot, event = self.free.get() if n <= self.nbytes else (self._new(n), None)
+        if event is not None:
+            event.synchronize()
+        fill(memoryview(slot.numpy())[:n])
+        if self.cuda:
+            with torch.cuda.stream(self.stream):
+                dest.copy_(slot[:n], non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+        else:
+            dest.copy_(slot[:n])
+        if slot.numel() == self.nbytes:
+            self.free.put((slot, event))
+
+    def start_after(self, device: torch.device) -> None:
+        """Order the copies after the work already queued on ``device`` (the materialization that
+        allocated and may still be writing the destinations)."""
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(device))
+
+    def finish_before(self, device: torch.device) -> None:
+        """Order the work queued on ``device`` from now on after every copy issued so far."""
+        if self.cuda:
+            torch.cuda.current_stream(device).wait_stream(self.stream)
+
+
 class DirectReads:
     """Runs a rank's read requests as ``preadv`` calls, checking the pieces they cover against the
     recorded checksums; counts the bytes asked for (``bytes_read``) and those read only to check the
-    pieces around them (``bytes_read_to_check``)."""
+    pieces around them (``bytes_read_to_check``).
 
-    def __init__(self, threads: int = READ_THREADS):
+    A destination in CPU memory is read into directly. Any other (a CUDA tensor) is read through
+    ``StagingSlots``, one slot per read, copied onward while the next reads run. ``stage_all`` routes
+    CPU destinations through pageable slots too: the device path's code, run where there is no device
+    (tests, the benchmark's cost of staging)."""
+
+    def __init__(self, threads: int = READ_THREADS, stage_all: bool = False):
         self.threads = threads
+        self.stage_all = stage_all
         self.bytes_read = self.bytes_read_to_check = 0
 
     def run(self, items: list[ReadItem], locate, planner: LoadPlanner) -> None:
         """Fill every item's destination; ``locate(item)`` gives its ``RawChunk``."""
         fds: dict[Path, int] = {}
+        slots: dict[torch.device, StagingSlots] = {}
         batch, staged = [], 0
         try:
             with ThreadPoolExecutor(self.threads) as pool:
@@ -77,64 +136,77 @@ class DirectReads:
                     chunk = locate(item)
                     if chunk.path not in fds:
                         fds[chunk.path] = os.open(chunk.path, os.O_RDONLY)
-                    job = _Job(item, chunk, planner.resolve_tensor(item).detach(), fds[chunk.path])
+                    target = planner.resolve_tensor(item).detach()
+                    device = target.device
+                    if (device.type != "cpu" or self.stage_all) and device not in slots:
+                        slots[device] = StagingSlots(self.threads + 2, READ_BYTES + 2 * PIECE_BYTES, device)
+                        slots[device].start_after(device)
+                    job = _Job(item, chunk, target, fds[chunk.path], slots.get(device))
                     batch.append(job)
                     staged += job.buffer.nbytes if job.buffer is not None else 0
                     if staged >= STAGING_BYTES:
-                        self._finish(batch, pool, planner)
+                        self._finish(batch, pool, planner, slots)
                         batch, staged = [], 0
-                self._finish(batch, pool, planner)
+                self._finish(batch, pool, planner, slots)
         finally:
             for fd in fds.values():
                 os.close(fd)
 
-    def _finish(self, jobs: list[_Job], pool: ThreadPoolExecutor, planner: LoadPlanner) -> None:
+    def _finish(self, jobs: list[_Job], pool: ThreadPoolExecutor, planner: LoadPlanner,
+                slots: dict[torch.device, StagingSlots]) -> None:
         units = [unit for job in jobs for unit in job.units()]
         total = sum(pool.map(_read_unit, units))
         asked = sum(job.hi - job.lo for job in jobs)
         self.bytes_read += asked
         self.bytes_read_to_check += total - asked
+        for device, device_slots in slots.items():
+            device_slots.finish_before(device)  # the casts below and whatever follows the load
         for job in jobs:
             job.complete()
             planner.commit_tensor(job.item, job.target)
 
 
 class _Job:
-    """One read request: the byte range of its rows, the pieces around it to check, where the bytes go."""
+    """One read request: the byte range of its rows, the pieces around it to check, where the bytes go.
 
-    def __init__(self, item: ReadItem, chunk: RawChunk, target: torch.Tensor, fd: int):
-        self.item, self.chunk, self.target, self.fd = item, chunk, target, fd
+    The bytes go to ``dest``: the target itself when it is the stored rows as they are (same dtype,
+    whole rows, contiguous), else ``buffer``, the stored rows on the target's device, from which
+    ``complete`` narrows and casts into the target."""
+
+    def __init__(self, item: ReadItem, chunk: RawChunk, target: torch.Tensor, fd: int,
+                 slots: StagingSlots | None):
+        self.item, self.chunk, self.target, self.fd, self.slots = item, chunk, target, fd, slots
         offsets, lengths = list(item.storage_offsets) or [0], list(item.lengths) or [1]
         first_row, rows = offsets[0], lengths[0]
         whole_rows = all(o == 0 and n == s for o, n, s in zip(offsets[1:], lengths[1:], chunk.shape[1:]))
-        straight = (whole_rows and target.dtype == chunk.dtype and target.device.type == "cpu"
-                    and target.is_contiguous())
-        self.buffer = None if straight else torch.empty((rows, *chunk.shape[1:]), dtype=chunk.dtype)
+        straight = whole_rows and target.dtype == chunk.dtype and target.is_contiguous()
+        self.buffer = None if straight else torch.empty((rows, *chunk.shape[1:]), dtype=chunk.dtype,
+                                                        device=target.device)
+        self.dest = target if straight else self.buffer
         self.lo = chunk.start + first_row * chunk.row_bytes  # the bytes asked for: [lo, hi)
         self.hi = self.lo + rows * chunk.row_bytes
         self.pieces = range(0)
         if chunk.checks is not None:
             self.pieces = range(*chunk.checks.covering(self.lo, self.hi, chunk.start + chunk.nbytes))
 
+    def dest_bytes(self) -> torch.Tensor:
+        return self.dest.reshape(-1).view(torch.uint8) if self.dest.numel() else torch.empty(0, dtype=torch.uint8)
+
     def units(self) -> list[_Unit]:
-        """The reads: whole checked pieces grouped up to ``READ_BYTES`` (or plain ranges when unchecked),
-        with the bytes around the request going into small side buffers."""
-        dest = self.target if self.buffer is None else self.buffer
-        view = memoryview(dest.reshape(-1).view(torch.uint8).numpy()) if dest.numel() else memoryview(b"")
+        """The reads: whole checked pieces grouped up to ``READ_BYTES`` (or plain ranges when
+        unchecked); the bytes around the request go into small side buffers."""
         checks = self.chunk.checks
         if checks is None:
             bounds = [*range(self.lo, self.hi, READ_BYTES), self.hi]
-            groups = [(a, b, range(0)) for a, b in zip(bounds, bounds[1:])]
-            return [_Unit(self, a, b, pieces, [(self.lo, view)]) for a, b, pieces in groups]
+            return [_Unit(self, a, b, range(0), []) for a, b in zip(bounds, bounds[1:])]
         cuts = checks.cuts
         span_lo, span_hi = min(self.lo, cuts[self.pieces.start]), max(self.hi, cuts[self.pieces.stop])
-        segments = [(span_lo, memoryview(bytearray(self.lo - span_lo))), (self.lo, view),
-                    (self.hi, memoryview(bytearray(span_hi - self.hi)))]
+        sides = [(span_lo, memoryview(bytearray(self.lo - span_lo))), (self.hi, memoryview(bytearray(span_hi - self.hi)))]
         units, group = [], []
         for k in self.pieces:
             group.append(k)
             if cuts[k + 1] - cuts[group[0]] >= READ_BYTES or k == self.pieces.stop - 1:
-                units.append(_Unit(self, cuts[group[0]], cuts[k + 1], range(group[0], k + 1), segments))
+                units.append(_Unit(self, cuts[group[0]], cuts[k + 1], range(group[0], k + 1), sides))
                 group = []
         return units
 
@@ -149,31 +221,53 @@ class _Job:
 
 @dataclass
 class _Unit:
-    """Bytes ``[lo, hi)`` of the job's file, the checked pieces among them, and where each byte goes:
-    ``segments`` are (file offset, memory) pairs, consecutive in the file."""
+    """Bytes ``[lo, hi)`` of the job's file, the checked pieces among them, and the side buffers for
+    the bytes around the request ((file offset, memory) pairs)."""
 
     job: _Job
     lo: int
     hi: int
     pieces: range
-    segments: list[tuple[int, memoryview]]
+    sides: list[tuple[int, memoryview]]
 
-    def views(self, lo: int, hi: int) -> list[memoryview]:
-        out = []
-        for start, mem in self.segments:
-            a, b = max(lo, start), min(hi, start + mem.nbytes)
-            if a < b:
-                out.append(mem[a - start:b - start])
-        return out
+    @property
+    def asked(self) -> tuple[int, int]:
+        """The part of ``[lo, hi)`` the request asked for."""
+        return max(self.lo, self.job.lo), min(self.hi, self.job.hi)
 
 
 def _read_unit(unit: _Unit) -> int:
-    fd, chunk = unit.job.fd, unit.job.chunk
+    """Read and check one unit into its destination, through a staging slot when the job has them."""
+    job = unit.job
+    a, b = unit.asked
+    dest = job.dest_bytes()[a - job.lo:b - job.lo]
+    if job.slots is None:
+        _read_into(unit, memoryview(dest.numpy()))
+    else:
+        job.slots.copy(dest, lambda slot: _read_into(unit, slot))
+    return unit.hi - unit.lo
+
+
+def _read_into(unit: _Unit, asked: memoryview) -> None:
+    """Read the unit's bytes: those asked for into ``asked``, the rest into its side buffers; then
+    check its pieces."""
+    a, _ = unit.asked
+    chunk = unit.job.chunk
+    segments = sorted([*unit.sides, (a, asked)], key=lambda segment: segment[0])
+
+    def views(lo: int, hi: int) -> list[memoryview]:
+        out = []
+        for start, mem in segments:
+            x, y = max(lo, start), min(hi, start + mem.nbytes)
+            if x < y:
+                out.append(mem[x - start:y - start])
+        return out
+
     position = unit.lo
-    for view in unit.views(unit.lo, unit.hi):
+    for view in views(unit.lo, unit.hi):
         done = 0
         while done < view.nbytes:
-            n = os.preadv(fd, [view[done:]], position + done)
+            n = os.preadv(unit.job.fd, [view[done:]], position + done)
             if n == 0:
                 raise SeedckptError(f"{chunk.path} is truncated: a tensor's bytes end at {position + view.nbytes}, "
                                     f"the file at {position + done}; the checkpoint is damaged -- write it again")
@@ -182,11 +276,10 @@ def _read_unit(unit: _Unit) -> int:
     checks = chunk.checks
     for k in unit.pieces:
         value = 0
-        for view in unit.views(checks.cuts[k], checks.cuts[k + 1]):
+        for view in views(checks.cuts[k], checks.cuts[k + 1]):
             value = crc(view, value)
         if value != checks.crcs[k]:
             raise checks.mismatch(k, value, f"{unit.job.item.storage_index.fqn} in {chunk.path.parent}")
-    return unit.hi - unit.lo
 
 
 def _tensor_items(plan: LoadPlan, known) -> tuple[list[ReadItem], list[ReadItem]]:

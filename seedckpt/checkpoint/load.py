@@ -12,6 +12,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
@@ -20,7 +21,7 @@ from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from seedckpt.checkpoint.manifest import TensorInfo, dtype_name
-from seedckpt.errors import SeedckptError
+from seedckpt.errors import SeedckptError, interrupted, write_failure
 from seedckpt.modules import local
 
 
@@ -127,9 +128,9 @@ def load_state(state_dict: dict, reader, where, no_dist: bool = False) -> None:
         raise root_cause(e, f"reading {where}") from None
 
 
-def root_cause(error: CheckpointException, doing: str) -> SeedckptError:
+def root_cause(error: CheckpointException, doing: str) -> SeedckptError | KeyboardInterrupt:
     """One line for a failed DCP load or save: our own message where we raised it, else the first
-    failed rank's exception (DCP's text embeds every rank's whole traceback)."""
+    failed rank's exception (DCP's text embeds every rank's whole traceback); an interruption stays one."""
     if not error.failures:
         return SeedckptError(f"{doing} failed: {str(error).splitlines()[-1] if str(error) else 'unknown error'}")
     rank = min(error.failures)
@@ -138,7 +139,10 @@ def root_cause(error: CheckpointException, doing: str) -> SeedckptError:
         cause = cause.failures[min(cause.failures)][0]
     if isinstance(cause, SeedckptError):
         return cause
-    return SeedckptError(f"{doing} failed on rank {rank}: {type(cause).__name__}: {cause}")
+    if interrupted(cause):
+        return KeyboardInterrupt()
+    return (write_failure(cause, f"{doing} (rank {rank})" if dist.is_initialized() else doing)
+            or SeedckptError(f"{doing} failed on rank {rank}: {type(cause).__name__}: {cause}"))
 
 
 @contextlib.contextmanager

@@ -13,18 +13,24 @@ def step_dir(folder: str | os.PathLike, step: int) -> Path:
     return Path(folder) / f"step-{step}"
 
 
-def complete_steps(folder: str | os.PathLike) -> dict[int, Path]:
-    """Training checkpoints in ``folder`` that finished writing: a writer's hidden
+def step_dirs(folder: str | os.PathLike) -> dict[int, Path]:
+    """Every ``step-N`` directory in ``folder``, complete or not: a resume must look at each (a
+    ``step-N`` copied in part is an error to report, not a directory to skip). A writer's hidden
     ``.step-N.<pid>.partial`` and ``.step-N.lock`` never match ``step-N``."""
     folder = Path(folder)
     out = {}
     if folder.is_dir():
         for child in folder.iterdir():
             number = child.name.removeprefix("step-")
-            if (child.name.startswith("step-") and number.isdigit() and (child / ".metadata").is_file()
-                    and (child / MANIFEST_NAME).is_file()):
+            if child.name.startswith("step-") and number.isdigit() and child.is_dir():
                 out[int(number)] = child
     return out
+
+
+def complete_steps(folder: str | os.PathLike) -> dict[int, Path]:
+    """The ``step-N`` directories in ``folder`` that finished writing (``.metadata`` and manifest)."""
+    return {n: path for n, path in step_dirs(folder).items()
+            if (path / ".metadata").is_file() and (path / MANIFEST_NAME).is_file()}
 
 
 def prune_steps(folder: str | os.PathLike, keep: int) -> None:

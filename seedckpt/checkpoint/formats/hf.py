@@ -93,6 +93,9 @@ class HFCheckpoint(Checkpoint):
         except ValueError as e:
             raise SeedckptError(f"{where}: {e}") from None
 
+    def file_of(self, fqn: str) -> Path:
+        return self.location[fqn][0]
+
     def read_tensor(self, fqn: str) -> torch.Tensor:
         file, name = self.location[fqn]
         tensor = read_safetensor(file, name)

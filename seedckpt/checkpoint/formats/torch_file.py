@@ -56,9 +56,16 @@ class TorchFile(Checkpoint):
         return self._tensors[fqn].clone()  # out of the mmap: callers may keep it past the file
 
 
+def _torch_file(path: Path) -> None:
+    """``path`` is a torch.save file of tensors (torch.load also reads a safetensors file)."""
+    if not detect(path):
+        raise SeedckptError(f"{path.name} is a {path.suffix} file")
+    TorchFile(path)
+
+
 def write(source: Checkpoint, dst: Path, job: WriteJob) -> Path:
     """One pickle of the whole model; published once it reads back as one."""
-    with atomic_output(dst, job.force, directory=False, check=TorchFile) as partial:
+    with atomic_output(dst, job.force, directory=False, check=TorchFile, replaces=_torch_file) as partial:
         state = {f: source.read_tensor(f).to(i.dtype) for f, i in job.infos.items()}
         job.on_bytes(sum(i.nbytes for i in job.infos.values()))
         with open(partial, "wb") as f:
