@@ -294,7 +294,7 @@ class _FullDisk:
 
 
 @pytest.mark.parametrize("failure", ["disk full", "ctrl-c"])
-@pytest.mark.parametrize("to", ["torch", "safetensors", "hf", "dcp", "seed"])
+@pytest.mark.parametrize("to", ["torch", "safetensors", "hf", "dcp", "torchtitan", "seed"])
 def test_a_full_disk_or_ctrl_c_while_writing_is_one_line_and_leaves_nothing(tmp_path, debug_seed, capsys,
                                                                             monkeypatch, to, failure):
     import errno
