@@ -37,6 +37,17 @@ def test_missing_tensor_is_named(debug_seed, tmp_path):
         build_stages(ARGS, FULL, "cpu", checkpoint=bad)
 
 
+def test_a_stage_names_only_its_own_tensors(debug_seed, tmp_path):
+    state = _seed_state(debug_seed)
+    del state["layers.4.attention.wq.weight"]  # the last of two stages owns layers 3-5
+    bad = _write_variant(tmp_path / "missing", state)
+    with pytest.raises(SeedckptError) as failure:
+        build_stages(ARGS, plan_rank_stages(ARGS, 1, 2), "cpu", checkpoint=bad)
+    message = str(failure.value)
+    # The first stage's tensors (layers 0-2, the embedding) are not "tensors this model does not use".
+    assert message.endswith("does not cover the model: layers.4.attention.wq.weight: missing from checkpoint"), message
+
+
 def test_wrong_shape_is_named(debug_seed, tmp_path):
     state = _seed_state(debug_seed)
     state["layers.1.attention.wk.weight"] = torch.zeros(32, ARGS.dim)

@@ -117,7 +117,9 @@ class Checkpoint:
             else:
                 problems += tensor_problems(fqn, have[fqn], t)
         if problems:
-            unwanted = sorted(k for k in set(have) - set(wanted) if is_model_key(k))
+            # A pipeline stage wants part of the model: the other stages' tensors are not unwanted.
+            model = self.layout.shapes if self.layout is not None else {}
+            unwanted = sorted(k for k in set(have) - set(wanted) if is_model_key(k) and k not in model)
             if unwanted:
                 problems.append(f"it has {len(unwanted)} model tensors this model does not use, e.g. "
                                 f"{', '.join(unwanted[:4])}")
