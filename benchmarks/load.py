@@ -10,7 +10,8 @@ Run from the repository root:
 
 The seed checkpoint of ``--flavor`` (fp32) is made first with ``create_seed_checkpoint.py``. Each
 method then loads those weights in its own ``torchrun --standalone --nproc-per-node RANKS`` job
-(CPU, gloo, OMP_NUM_THREADS=1; with ``--device cuda`` one GPU per rank, nccl) into the same model: Llama 3, fp32, FSDP2 ``fully_shard`` per block
+(CPU, gloo, OMP_NUM_THREADS=1; with ``--device cuda`` one GPU per rank, nccl) into the same model:
+Llama 3, fp32, FSDP2 ``fully_shard`` per block
 and root over a 1-D mesh of all ranks (dp_shard = RANKS, pp = 1; ``seedckpt.parallel.apply_fsdp``).
 
 * ``seedckpt``: ``build_stages(args, plan_rank_stages(args, 0, 1), "cpu", checkpoint=SEED,
@@ -49,7 +50,8 @@ JSON lines on stdout (GB = 1e9 bytes, MiB = 2**20):
   syscall, page-cache hits included; ~0.6 MiB of it is Python source torch reads while sharding,
   which only matters for tiny flavors); ``disk_read_mib``, ``read_bytes`` over the load (after
   ``drop_caches`` it includes torch's library pages faulted back in); ``owned_mib``,
-  the rank's parameter shards; ``gb_per_s``, owned bytes / ``ready_s``; ``peak_rss_mib``, the rank's ``VmHWM`` (unlike ``ru_maxrss`` it does
+  the rank's parameter shards; ``gb_per_s``, owned bytes / ``ready_s``; ``peak_rss_mib``, the rank's
+  ``VmHWM`` (unlike ``ru_maxrss`` it does
   not start at the torchrun agent's RSS); ``read_over_owned``; ``within_read_target`` (read <= 1.05 x
   owned: a rank reads what it owns, not the model); ``within_rss_target`` (peak RSS <= 1.3 x owned
   + 300 MiB: no rank ever holds the full model).

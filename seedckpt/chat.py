@@ -108,7 +108,7 @@ class ChatData:
             labels = torch.where(torch.tensor(mask[1:seq_len + 1]), ids[1:], IGNORE_INDEX)
             self.samples.append((ids[:-1], labels))
         if not self.samples:
-            fixes = "raise training.seq_len" + (" or use data.overflow = truncate" if data.overflow != "truncate" else "")
+            fixes = "raise training.seq_len" + ("" if data.overflow == "truncate" else " or use data.overflow = truncate")
             raise SeedckptError(f"no conversation of {data.path} fits seq_len = {seq_len} with an assistant "
                                 f"token left (data.overflow = {data.overflow}); {fixes}")
         self._epochs: list[list[list[int]]] = []  # packed rows (sample indices) per epoch

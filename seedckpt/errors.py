@@ -37,9 +37,9 @@ def interrupted(error: BaseException) -> bool:
 
 def write_failure(error: BaseException, doing: str) -> SeedckptError | None:
     """One line for a write that failed for the machine's reason (disk full, permission denied,
-    read-only) while ``doing`` ("writing PATH"), or None. The OSError is looked for along the exception's chain: ``torch.save``
-    reports a failed write as ``RuntimeError: [enforce fail at inline_container.cc] unexpected
-    pos``, with the OSError only as its context."""
+    read-only) while ``doing`` ("writing PATH"), or None. The OSError is looked for along the
+    exception's chain: ``torch.save`` reports a failed write as ``RuntimeError: [enforce fail at
+    inline_container.cc] unexpected pos``, with the OSError only as its context."""
     if isinstance(error, SeedckptError):
         return None  # already the line to print
     for e in _chain(error):

@@ -17,7 +17,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 # What a slow (sentencepiece / tiktoken) tokenizer directory holds instead of tokenizer.json.
-SLOW_TOKENIZER_FILES = ("tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json", "tokenizer.tiktoken")
+SLOW_TOKENIZER_FILES = ("tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json",
+                        "tokenizer.tiktoken")
 
 
 def load_tokenizer(path: str | Path):

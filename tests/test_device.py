@@ -5,10 +5,7 @@ CPU path does: training losses, a loaded stage, compiled training."""
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,22 +16,15 @@ from seedckpt.config import Training
 from seedckpt.errors import SeedckptError
 from seedckpt.resolve import choose_device, resolve
 from tests.conftest import tiny_config
+from tests.test_resume import rows, train as train_from
 
-REPO = Path(__file__).resolve().parents[1]
 # One process (python train.py, a world of one), pp = 1: the same run on either device.
 ONE_RANK = ["--parallelism.pipeline_parallel_degree", "1", "--training.steps", "10", "--training.local_batch_size",
             "8", "--training.seq_len", "32", "--data.kind", "synthetic", "--checkpoint.interval", "0"]
 
 
 def train(run_dir: Path, seed: Path, *overrides: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "train.py", "--config", "configs/debug.toml", "--checkpoint.seed_checkpoint", str(seed),
-           "--checkpoint.folder", str(run_dir / "ckpt"), "--job.dump_folder", str(run_dir), *ONE_RANK, *overrides]
-    return subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=300)
-
-
-def rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return train_from(run_dir, seed, *overrides, base=ONE_RANK)
 
 
 # -- the choice (CPU) ---------------------------------------------------------------------------

@@ -22,9 +22,10 @@ BASE = ["--parallelism.pipeline_parallel_degree", "1", "--training.steps", "4", 
         "--checkpoint.keep_latest_k", "0"]
 
 
-def train(run: Path, seed: Path, *overrides: str) -> subprocess.CompletedProcess:
+def train(run: Path, seed: Path, *overrides: str, base: list[str] = BASE) -> subprocess.CompletedProcess:
+    """``python train.py`` from ``seed`` into ``run`` (checkpoints in ``run/ckpt``) with ``base`` then ``overrides``."""
     cmd = [sys.executable, "train.py", "--config", "configs/debug.toml", "--checkpoint.seed_checkpoint", str(seed),
-           "--checkpoint.folder", str(run / "ckpt"), "--job.dump_folder", str(run), *BASE, *overrides]
+           "--checkpoint.folder", str(run / "ckpt"), "--job.dump_folder", str(run), *base, *overrides]
     return subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                           timeout=300)
 

@@ -118,7 +118,7 @@ class DirectReads:
     A destination in CPU memory is read into directly. Any other (a CUDA tensor) is read through
     ``StagingSlots``, one slot per read, copied onward while the next reads run. ``stage_all`` routes
     CPU destinations through pageable slots too: the device path's code, run where there is no device
-    (tests, the benchmark's cost of staging)."""
+    (tests)."""
 
     def __init__(self, threads: int = READ_THREADS, stage_all: bool = False):
         self.threads = threads
@@ -201,7 +201,8 @@ class _Job:
             return [_Unit(self, a, b, range(0), []) for a, b in zip(bounds, bounds[1:])]
         cuts = checks.cuts
         span_lo, span_hi = min(self.lo, cuts[self.pieces.start]), max(self.hi, cuts[self.pieces.stop])
-        sides = [(span_lo, memoryview(bytearray(self.lo - span_lo))), (self.hi, memoryview(bytearray(span_hi - self.hi)))]
+        sides = [(span_lo, memoryview(bytearray(self.lo - span_lo))),
+                 (self.hi, memoryview(bytearray(span_hi - self.hi)))]
         units, group = [], []
         for k in self.pieces:
             group.append(k)

@@ -128,9 +128,11 @@ def load_state(state_dict: dict, reader, where, no_dist: bool = False) -> None:
         raise root_cause(e, f"reading {where}") from None
 
 
-def root_cause(error: CheckpointException, doing: str) -> SeedckptError | KeyboardInterrupt:
+def root_cause(error: CheckpointException, doing: str,
+               writing: bool = False) -> SeedckptError | KeyboardInterrupt:
     """One line for a failed DCP load or save: our own message where we raised it, else the first
-    failed rank's exception (DCP's text embeds every rank's whole traceback); an interruption stays one."""
+    failed rank's exception (DCP's text embeds every rank's whole traceback); an interruption stays
+    one, and a save (``writing``) that failed for the machine's reason says which (``write_failure``)."""
     if not error.failures:
         return SeedckptError(f"{doing} failed: {str(error).splitlines()[-1] if str(error) else 'unknown error'}")
     rank = min(error.failures)
@@ -141,8 +143,8 @@ def root_cause(error: CheckpointException, doing: str) -> SeedckptError | Keyboa
         return cause
     if interrupted(cause):
         return KeyboardInterrupt()
-    return (write_failure(cause, f"{doing} (rank {rank})" if dist.is_initialized() else doing)
-            or SeedckptError(f"{doing} failed on rank {rank}: {type(cause).__name__}: {cause}"))
+    failure = write_failure(cause, f"{doing} (rank {rank})" if dist.is_initialized() else doing) if writing else None
+    return failure or SeedckptError(f"{doing} failed on rank {rank}: {type(cause).__name__}: {cause}")
 
 
 @contextlib.contextmanager

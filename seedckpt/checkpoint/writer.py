@@ -348,7 +348,7 @@ def write_checkpoint(path: str | os.PathLike, state_dict: dict, manifest: dict, 
                 dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=group,
                          no_dist=not distributed)
         except CheckpointException as e:  # a BaseException wrapping each rank's failure
-            raise root_cause(e, f"writing {path}") from None
+            raise root_cause(e, f"writing {path}", writing=True) from None
         if leader:
             metadata_bytes = (partial / ".metadata").read_bytes()
             metadata = parse_dcp_metadata(metadata_bytes, partial / ".metadata")

@@ -102,7 +102,8 @@ def write_safetensors(path: Path, infos: dict[str, TensorInfo], read, metadata: 
 
 def write(source: Checkpoint, dst: Path, job: WriteJob) -> Path:
     """One file, published once its header reads back."""
-    with atomic_output(dst, job.force, directory=False, check=safetensors_header, replaces=safetensors_header) as partial:
+    with atomic_output(dst, job.force, directory=False, check=safetensors_header,
+                       replaces=safetensors_header) as partial:
         write_safetensors(partial, job.infos, source.read_tensor, {MANIFEST_KEY: json.dumps(job.manifest)},
                           job.on_bytes)
     return Path(dst)
