@@ -1,4 +1,4 @@
-"""The ``seedckpt`` command: seed, inspect, verify, plan, convert, diff.
+"""The ``seedckpt`` command: seed, inspect, verify, plan, convert, diff, launch.
 
 User errors (``SeedckptError``) and environment errors (``OSError``: disk full, permission denied)
 print one line and exit 2; no traceback.
@@ -121,6 +121,10 @@ def _parser() -> argparse.ArgumentParser:
                                                                    "source's checksums")
     convert.add_argument("--quiet", action="store_true", help="no progress output")
 
+    # Listed for `seedckpt --help`; `seedckpt launch ...` is dispatched before this parser (see main).
+    sub.add_parser("launch", add_help=False, help="torchrun with one line per failure instead of its traceback: "
+                                                  "seedckpt launch --standalone --nproc-per-node 4 train.py --config C")
+
     diff = add("diff", "Compare two checkpoints of any supported formats tensor by tensor (HF names and the "
                        "q/k permutation are mapped, so a checkpoint equals its HF export).")
     diff.add_argument("a")
@@ -132,6 +136,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["launch"]:  # torchrun's own arguments, parsed by torchrun's parser
+        from seedckpt.launch import main as launch
+        return launch(argv[1:])
     parser = _parser()
     opts, rest = parser.parse_known_args(argv)
     if rest and opts.command in ("inspect", "verify", "convert", "diff"):

@@ -43,7 +43,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.distributed.tensor import DTensor
 
-from seedckpt.checkpoint import destination_lock, prune_steps, step_dirs
+from seedckpt.checkpoint import complete_steps, destination_lock, prune_steps, step_dirs
 from seedckpt.checkpoint.background import BackgroundSaver, SavedInBackground
 from seedckpt.config import check_output_folders, config_reference, load_config
 from seedckpt.data import IGNORE_INDEX
@@ -54,6 +54,7 @@ from seedckpt.finetune import osft_spec
 from seedckpt.init import RECIPE_VERSION
 from seedckpt.metrics import METRICS_FILE, MetricsLogger, flops_per_token, peak_memory_bytes, peak_tflops, utilization
 from seedckpt.osft import OSFTProjector
+from seedckpt.rank_failures import EXIT_ERROR, EXIT_INTERRUPTED, report_failure, stop_at_first_sigint
 from seedckpt.parallel import TiedEmbeddings, apply_activation_checkpointing, apply_compile, check_compile_supported
 from seedckpt.resolve import Run, resolve
 from seedckpt.stages import build_stages, plan_rank_stages, stage_ids_for_rank
@@ -344,6 +345,13 @@ class Trainer:
             print(f"[rank{self.rank}] {message}", flush=True)
 
 
+def quiet_library_logs() -> None:
+    """Silence Python warnings and transformers' logging (read when transformers is imported,
+    which happens later, with the tokenizer): what a rank > 0 would print, rank 0 prints too."""
+    warnings.simplefilter("ignore")
+    os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+
+
 def _init_process_group(device: str) -> None:
     """torchrun's env:// rendezvous; a plain ``python train.py`` runs as a world of one.
 
@@ -374,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     opts, overrides = parser.parse_known_args(argv)
     rank = int(os.environ.get("RANK", 0))
     if rank != 0:
-        warnings.simplefilter("ignore")  # every rank sees the same data and config: rank 0 warns for all
+        quiet_library_logs()  # every rank sees the same data and config: rank 0 warns for all
     try:  # every rank validates the same config, so rank 0 speaks for all
         cfg = load_config(opts.config, overrides)
         run = resolve(cfg, int(os.environ.get("WORLD_SIZE", 1)))  # fail before any rendezvous
@@ -402,16 +410,27 @@ def main(argv: list[str] | None = None) -> int:
     except SeedckptError as e:
         if rank == 0:
             print(f"train.py: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        if rank == 0:
+            print("train.py: interrupted before training started; nothing was written", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _interrupted_line(folder: str) -> str:
+    steps = complete_steps(folder)
+    newest = (f"the newest checkpoint is {steps[max(steps)]}: the same command resumes from it" if steps
+              else "no checkpoint was saved yet")
+    return f"interrupted; nothing was written to a step being saved (its partial files are removed); {newest}"
 
 
 def _train(run: Run, data, rank: int) -> int:
+    stop_at_first_sigint()
     _init_process_group(run.device)
     try:
         Trainer(run, data).run()
-    except (SeedckptError, OSError) as e:  # may hit one stage only: each failing rank reports
-        print(f"train.py: error on rank {rank}: {e}", file=sys.stderr)
-        return 2
+    except BaseException as e:  # one report per failure, whichever ranks it reaches (rank_failures)
+        return report_failure(e, rank, _interrupted_line(run.cfg.checkpoint.folder))
     finally:
         # Pipeline schedules keep P2P work objects in reference cycles; collected after the group is
         # gone (at interpreter exit) they abort the process ("terminate called without an active
