@@ -129,7 +129,8 @@ def _parser() -> argparse.ArgumentParser:
                        "q/k permutation are mapped, so a checkpoint equals its HF export).")
     diff.add_argument("a")
     diff.add_argument("b")
-    diff.add_argument("--atol", type=float, default=0.0, help="largest |difference| still called equal")
+    diff.add_argument("--atol", type=float, default=0.0, help="largest |difference| still called equal; above 0 "
+                                                                 "a dtype mismatch alone is no difference")
     diff.add_argument("--config", help="job config describing the model, for sources without a manifest")
     diff.add_argument("--no-verify", action="store_true", help="skip checking the bytes read against checksums")
     return parser

@@ -17,10 +17,12 @@ An OSFT run's checkpoint keeps its SVD factors where the target stores our names
 from __future__ import annotations
 
 import re
+from collections import Counter
 from pathlib import Path
 
+import torch
 
-from seedckpt.checkpoint import FORMATS, TensorInfo, WriteJob, dtype_name, make_manifest
+from seedckpt.checkpoint import FORMATS, Checkpoint, TensorInfo, WriteJob, dtype_name, make_manifest
 from seedckpt.config import DTYPES
 from seedckpt.errors import SeedckptError
 from seedckpt.layouts import DEFAULT_MODEL, codec_for, open_model_checkpoint
@@ -72,7 +74,7 @@ def convert(src: str | Path, dst: str | Path, to: str, dtype: str | None = None,
         raise SeedckptError(f"{src} holds OSFT factors; casting them would break their orthonormality. Pass "
                             "--dense to write (and cast) the dense weights, or leave out --dtype")
     if has_factors and not keeps_factors:
-        source = DenseOSFT(source, codec.layout(source.require_args()))
+        source = dense_view(source, codec)
     model_args = source.require_args()
     if not source.infos:
         raise SeedckptError(f"{src} holds no model tensors")
@@ -108,11 +110,35 @@ def check_apart(src: Path, dst: Path) -> None:
                             "choose another destination")
 
 
+def dense_view(source: Checkpoint, codec) -> DenseOSFT:
+    """An OSFT run's checkpoint as the dense model it computes, each target rebuilt only when read
+    (one matrix in memory at a time): what a dense export of it holds."""
+    return DenseOSFT(source, codec.layout(source.require_args()))
+
+
+def _comparable(sides: list[Checkpoint], paths, codec) -> tuple[list[Checkpoint], list[str]]:
+    """An OSFT run's checkpoint stores its targets as SVD factors, its dense export as weights.
+    Unless both sides hold the same factors (same OSFT settings), each side with factors is seen as
+    the dense model it computes, so that the targets meet under their ``.weight`` names; a report
+    line names each side so rebuilt."""
+    specs = [manifest_osft(side.manifest) for side in sides]
+    if specs[0] == specs[1]:
+        return sides, []
+    rebuilt = [spec is not None for spec in specs]
+    return ([dense_view(side, codec) if dense else side for side, dense in zip(sides, rebuilt)],
+            [f"{path}: OSFT factors compared as the dense weights they rebuild"
+             for path, dense in zip(paths, rebuilt) if dense])
+
+
 def diff(a: str | Path, b: str | Path, atol: float = 0.0, args=None, verify: bool = True,
          model: str = DEFAULT_MODEL) -> tuple[bool, list[str]]:
-    """Compare two checkpoints of any formats tensor by tensor; ``(equal, report lines)``."""
-    left, right = (open_model_checkpoint(path, args, verify=verify, model=model) for path in (a, b))
-    lines, equal = [], True
+    """Compare two checkpoints of any formats tensor by tensor; ``(equal, report lines)``. With
+    ``atol`` above 0 values are compared after casting to the wider dtype and a dtype mismatch alone
+    is no difference (a bf16 export can equal its fp32 source within ``atol``); with ``atol`` 0 it is one."""
+    opened = [open_model_checkpoint(path, args, verify=verify, model=model) for path in (a, b)]
+    (left, right), lines = _comparable(opened, (a, b), codec_for(model))
+    equal = True
+    casts = Counter()  # (left dtype, right dtype) -> tensors compared after casting
     for fqn in _ordered(set(left.infos) | set(right.infos)):
         if fqn not in right.infos or fqn not in left.infos:
             lines.append(f"{fqn}: only in {a if fqn in left.infos else b}")
@@ -123,14 +149,21 @@ def diff(a: str | Path, b: str | Path, atol: float = 0.0, args=None, verify: boo
             lines.append(f"{fqn}: shape {list(li.shape)} vs {list(ri.shape)}")
             equal = False
             continue
-        x, y = left.read_tensor(fqn).double(), right.read_tensor(fqn).double()
+        x, y = left.read_tensor(fqn).double(), right.read_tensor(fqn).double()  # exact for every float dtype
         both = ~(x.isnan() | y.isnan())
         delta = (x[both] - y[both]).abs().max().item() if both.any() else 0.0
-        note = f" (dtype {dtype_name(li.dtype)} vs {dtype_name(ri.dtype)})" if li.dtype != ri.dtype else ""
+        note = ""
+        if li.dtype != ri.dtype and atol == 0:
+            note = f" (dtype {dtype_name(li.dtype)} vs {dtype_name(ri.dtype)})"
+        elif li.dtype != ri.dtype:
+            casts[li.dtype, ri.dtype] += 1
         note += " (NaN in different places)" if bool((x.isnan() != y.isnan()).any()) else ""
         if delta > atol or note:
             equal = False
             lines.append(f"{fqn}: max |delta| {delta:.3g}{note}")
+    if casts:
+        lines.append("; ".join(f"{n} tensors differ in dtype ({dtype_name(p)} vs {dtype_name(q)}): compared after "
+                               f"casting to {dtype_name(torch.promote_types(p, q))}" for (p, q), n in casts.items()))
     lines.append(f"{'equal' if equal else 'different'}: {len(set(left.infos) | set(right.infos))} tensors compared"
                  f" ({left.kind} vs {right.kind}, atol {atol:g})")
     return equal, lines

@@ -15,7 +15,7 @@ from seedckpt.cli import main
 from seedckpt.config import load_config
 from seedckpt.convert import convert, diff
 from seedckpt.errors import SeedckptError
-from seedckpt.layouts import open_model_checkpoint
+from seedckpt.layouts import codec_for, open_model_checkpoint
 from seedckpt.seed import create_seed_checkpoint
 from seedckpt.stages import build_stages, plan_rank_stages
 from tests.conftest import stock_load, tiny_config
@@ -120,11 +120,17 @@ def test_round_trips_are_bitwise_and_diff_agrees(tmp_path, debug_seed, via, dst)
     assert equal, lines
 
 
-def test_diff_reports_a_planted_change_by_fqn(tmp_path, debug_seed, capsys):
-    convert(debug_seed, tmp_path / "m.pt", "torch", progress=False)
+def _planted(src: Path, tmp_path: Path, fqn: str, delta: float, dtype: str | None = None) -> Path:
+    """``src`` as a torch.save file (cast to ``dtype``) with ``delta`` added to one element of ``fqn``."""
+    convert(src, tmp_path / "m.pt", "torch", dtype=dtype, progress=False)
     state = torch.load(tmp_path / "m.pt", weights_only=True)
-    state["layers.4.feed_forward.w2.weight"][3, 7] += 0.5
+    state[fqn][1, 2] += delta
     torch.save(state, tmp_path / "changed.pt")
+    return tmp_path / "changed.pt"
+
+
+def test_diff_reports_a_planted_change_by_fqn(tmp_path, debug_seed, capsys):
+    _planted(debug_seed, tmp_path, "layers.4.feed_forward.w2.weight", 0.5)
     assert main(["diff", str(debug_seed), str(tmp_path / "changed.pt")]) == 1
     out = capsys.readouterr().out
     assert "layers.4.feed_forward.w2.weight: max |delta| 0.5" in out
@@ -132,11 +138,71 @@ def test_diff_reports_a_planted_change_by_fqn(tmp_path, debug_seed, capsys):
     assert main(["diff", str(debug_seed), str(tmp_path / "changed.pt"), "--atol", "0.6"]) == 0
 
 
-def test_bfloat16_export(tmp_path, debug_seed):
+def test_bfloat16_export_equals_its_source_within_atol_only(tmp_path, debug_seed):
+    """Exact comparison counts the dtype; with an atol the values are compared after casting, one
+    summary line says so, and a change larger than atol is still named."""
     convert(debug_seed, tmp_path / "hf", "hf", dtype="bfloat16", progress=False)
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    equal, lines = diff(debug_seed, tmp_path / "hf")
+    assert not equal and len(lines) == 58 and all(line.endswith(" (dtype float32 vs bfloat16)") for line in lines[:-1])
+    rounding = max((t - t.bfloat16().double()).abs().max().item() for t in stock_load(debug_seed).values())
+    assert 0 < rounding < 0.02  # half a bf16 ulp is at most 2**-6 below 8 (the embedding's N(0, 1) values)
     equal, lines = diff(debug_seed, tmp_path / "hf", atol=0.02)
-    assert not equal and "dtype float32 vs bfloat16" in "\n".join(lines)
+    casting = "57 tensors differ in dtype (float32 vs bfloat16): compared after casting to float32"
+    assert equal and lines == [casting, "equal: 57 tensors compared (dcp vs hf, atol 0.02)"], lines
+    changed = _planted(debug_seed, tmp_path, "layers.2.feed_forward.w1.weight", 0.5, dtype="bfloat16")
+    equal, lines = diff(debug_seed, changed, atol=0.02)
+    assert not equal and len(lines) == 3 and lines[1] == casting, lines
+    assert lines[0].startswith("layers.2.feed_forward.w1.weight: max |delta| 0.5")
+
+
+def _osft_checkpoint(seed: Path, dst: Path, patterns: tuple[str, ...] = ()) -> Path:
+    """What an OSFT run's ``step-N`` holds (the targets as SVD factors, the OSFT settings in the
+    manifest), made from ``seed`` by its SVDs alone: no training needed to compare it with exports."""
+    from seedckpt.checkpoint import make_manifest, write_checkpoint
+    from seedckpt.osft import FROZEN, TRAINABLE, OSFTSpec, decompose, osft_record
+
+    source = open_model_checkpoint(seed)
+    spec = OSFTSpec(0.25, patterns)
+    state = {}
+    for fqn in codec_for().layout(source.args, spec).shapes:
+        base, _, name = fqn.rpartition(".")
+        if name == "U_high":
+            factors = decompose(source.read_tensor(f"{base}.weight"), spec.ratio)
+            state.update({f"{base}.{n}": getattr(factors, n).contiguous() for n in FROZEN + TRAINABLE})
+        elif name not in FROZEN + TRAINABLE:
+            state[fqn] = source.read_tensor(fqn)
+    finetune = {"mode": "osft", "pretrained": str(seed), **osft_record(spec)}
+    return write_checkpoint(dst, state, make_manifest("train", "llama3", "debug", source.args.to_dict(),
+                                                      finetune=finetune))
+
+
+def _rebuilt(path: Path) -> str:
+    """diff's report line for a side whose OSFT factors it compared as dense weights."""
+    return f"{path}: OSFT factors compared as the dense weights they rebuild"
+
+
+@pytest.mark.parametrize("to,dense", [("hf", False), ("dcp", True)])
+def test_diff_compares_osft_factors_with_their_dense_export(tmp_path, debug_seed, to, dense):
+    """The factor side is rebuilt dense, as ``convert`` exports it: bitwise equal, no "only in"
+    lines, and a change to one target's weight in the export is named by its ``.weight`` FQN."""
+    step = _osft_checkpoint(debug_seed, tmp_path / "step-1")
+    convert(step, tmp_path / "export", to, dense=dense, progress=False)
+    equal, lines = diff(step, tmp_path / "export")
+    assert equal and lines == [_rebuilt(step), f"equal: 57 tensors compared (dcp vs {to}, atol 0)"], lines
+    equal, lines = diff(_planted(tmp_path / "export", tmp_path, "layers.3.attention.wv.weight", 0.25), step)
+    assert not equal and lines[0] == _rebuilt(step), lines
+    assert lines[1].startswith("layers.3.attention.wv.weight: max |delta| 0.25") and len(lines) == 3, lines
+
+
+def test_diff_compares_the_same_factors_as_stored_and_other_factors_dense(tmp_path, debug_seed):
+    """Same OSFT settings: factor by factor, nothing rebuilt. Other targets: both sides rebuilt."""
+    step = _osft_checkpoint(debug_seed, tmp_path / "step-1")
+    equal, lines = diff(step, step)
+    assert equal and lines == ["equal: 267 tensors compared (dcp vs dcp, atol 0)"], lines  # 42 targets x 6 + 15
+    other = _osft_checkpoint(debug_seed, tmp_path / "other", (r"layers\.0\.attention\.wq",))
+    equal, lines = diff(step, other, atol=1e-5)  # SVD round trip: within 1e-5 of the seed's weights
+    assert equal and lines[:2] == [_rebuilt(step), _rebuilt(other)] and len(lines) == 3, lines
 
 
 def _assert_nothing_written(tmp_path: Path, name: str):
