@@ -11,7 +11,8 @@ environment variable works as documented -- with only the ending changed:
   the report; a status other than those two (a crash with its traceback above) is named once;
 * a worker killed by a signal (the kernel's out-of-memory killer sends SIGKILL) is named in one
   line, since it could not say anything itself;
-* Ctrl-C (or SIGTERM from a scheduler) stops the workers as torchrun does, and exits 128 + signal.
+* Ctrl-C (or SIGTERM from a scheduler) stops the workers as torchrun does, and exits 128 + signal;
+* a rendezvous that fails (fewer nodes than ``--nnodes`` joined in time) is one line, exit 2.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ _SELF_REPORTED = (2, 130)
 def main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.run import get_args_parser, run
 
     parser = get_args_parser()
@@ -34,11 +36,17 @@ def main(argv: list[str]) -> int:
     parser.description = ("torchrun, with one line per failure: takes torchrun's arguments, e.g. "
                           "seedckpt launch --standalone --nproc-per-node 4 train.py --config configs/debug.toml")
     args = parser.parse_args(argv)
-    # The agent logs every failed and stopped worker (ERROR / WARNING lines with pids); the worker's
-    # own line and the one below say it once.
-    logging.getLogger("torch.distributed.elastic.multiprocessing").setLevel(logging.CRITICAL)
+    # The agent logs each failed and stopped worker and each signal it forwards (ERROR / WARNING lines
+    # with pids); the worker's own line and the ones below say it once. Each of torchelastic's
+    # loggers sets its own level when its module is imported, as the ones above just were.
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         run(args)
+    except RendezvousError as e:  # e.g. fewer nodes joined than --nnodes before the timeout
+        print(f"seedckpt launch: rendezvous failed: {e}", file=sys.stderr)
+        return 2
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         if failure.exitcode < 0:

@@ -6,8 +6,9 @@ a traceback per rank. So the ranks agree through the process group's store, whic
 already reaches: the first to fail takes the report (an atomic counter) and prints its line; a
 rank failing later with the same message stays quiet, one with a different message prints it (it
 is news), and a rank whose collective broke because a peer stopped prints nothing -- except rank
-0, which says once which rank it stopped for. Only an error that is nobody's known failure (a bug)
-keeps its traceback.
+0, which says once which rank it stopped for. A rank that dies without a word (killed by a
+signal) leaves the others with broken collectives and no report: the first of them says so. A
+first failure that is none of these (a bug) keeps its traceback.
 
 Ctrl-C reaches every rank of a terminal's job at once. The first SIGINT becomes a
 ``KeyboardInterrupt``; a second one, arriving while the first unwinds through collectives that
@@ -30,6 +31,11 @@ _COUNT, _FIRST = "seedckpt/failures", "seedckpt/first_failure"
 # before it leaves, so a rank whose collective broke because of that leaving finds it at once.
 _REPORT_WAIT = datetime.timedelta(seconds=5)
 
+# What a rank says when its collective broke and no rank had reported a failure: the peer died
+# without a word (killed by a signal -- the out-of-memory killer's SIGKILL -- or crashed in C++).
+_PEER_LEFT = "train.py: stopped: a peer rank left without reporting an error (killed by a signal, or crashed)"
+_PEER_LEFT_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
 _sigint_seen = False
 
 
@@ -51,29 +57,39 @@ def user_facing_line(error: BaseException) -> str | None:
     return str(error) if isinstance(error, (SeedckptError, OSError)) else None
 
 
+def _peer_left(error: BaseException) -> bool:
+    """A collective that failed because a peer process is gone (gloo says so in its message)."""
+    return isinstance(error, dist.DistError) or any(sign in str(error) for sign in _PEER_LEFT_SIGNS)
+
+
 def report_failure(error: BaseException, rank: int, interrupted_line: str) -> int:
     """Print what this rank's failure needs printed (see the module docstring); the exit status.
-    ``interrupted_line``: what an interrupted run says (where it stands, how to resume).
-    Re-raises an error that is nobody's known failure, for its traceback."""
+    ``interrupted_line``: what an interrupted run says (where it stands, how to resume). A bug
+    that is the first failure is raised again, for its traceback."""
     stopped_by_ctrl_c = _sigint_seen or interrupted(error)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a late Ctrl-C must not cut the report short
-    line = interrupted_line if stopped_by_ctrl_c else user_facing_line(error)
-    status = EXIT_INTERRUPTED if stopped_by_ctrl_c else EXIT_ERROR
+    interrupted_report = f"train.py: {interrupted_line}"
+    user_line = None if stopped_by_ctrl_c else user_facing_line(error)
+    broken = not stopped_by_ctrl_c and user_line is None and _peer_left(error)
+    report = (interrupted_report if stopped_by_ctrl_c else f"train.py: error: {user_line}" if user_line is not None
+              else _PEER_LEFT if broken else None)
     store = _store()
-    if line is None:  # a collective broken by a peer that stopped first, or a bug
-        first = _first_report(store)
-        if first is None:
-            _claim(store, rank, "crashed")
+    # No rank in a report: a collective read or save (DCP) raises one rank's failure on every rank.
+    if _claim(store, rank, report or "crashed"):  # the first to fail: its line (or traceback) is the report
+        if report is None:
             raise error
-        peer, peer_line = first
-        if rank == 0:
-            why = "was interrupted" if peer_line == interrupted_line else "failed (its error is above)"
-            print(f"train.py: stopped: rank {peer} {why}", file=sys.stderr, flush=True)
-        return EXIT_INTERRUPTED if peer_line == interrupted_line else EXIT_ERROR
-    # No rank in the line: a collective read or save (DCP) raises one rank's failure on every rank.
-    if _claim(store, rank, line) or (_first_report(store) or (None, None))[1] != line:
-        print(f"train.py: {line if stopped_by_ctrl_c else f'error: {line}'}", file=sys.stderr, flush=True)
-    return status
+        print(report, file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED if stopped_by_ctrl_c else EXIT_ERROR
+    first = _first_report(store)  # the first rank records its report right after claiming
+    first_report = first[1] if first is not None else None
+    if report is None or broken:  # a collective broken because the first failing rank left
+        if rank == 0 and first is not None and first_report != _PEER_LEFT:
+            why = "was interrupted" if first_report == interrupted_report else "failed (its error is above)"
+            print(f"train.py: stopped: rank {first[0]} {why}", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED if first_report == interrupted_report else EXIT_ERROR
+    if first_report != report:  # news, not the first rank's failure seen again
+        print(report, file=sys.stderr, flush=True)
+    return EXIT_INTERRUPTED if stopped_by_ctrl_c else EXIT_ERROR
 
 
 def _store():

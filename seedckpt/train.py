@@ -421,7 +421,7 @@ def _interrupted_line(folder: str) -> str:
     steps = complete_steps(folder)
     newest = (f"the newest checkpoint is {steps[max(steps)]}: the same command resumes from it" if steps
               else "no checkpoint was saved yet")
-    return f"interrupted; nothing was written to a step being saved (its partial files are removed); {newest}"
+    return f"interrupted; no checkpoint is left half-written (a save in progress is removed); {newest}"
 
 
 def _train(run: Run, data, rank: int) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -198,12 +199,24 @@ def test_vocab_growth_across_pipeline_and_fsdp_shards(tmp_path, source):
         assert sorted(ranges) == [(0, 64), (0, 64), (64, 128), (64, 128)] or sorted(ranges) == [(0, 64), (64, 128)]
 
 
+def _tokenizer_with_max_length(tokenizer: Path, to: Path, model_max_length: int) -> Path:
+    """A copy of ``tokenizer`` whose ``model_max_length`` is small: transformers logs a warning
+    ("Token indices sequence length is longer ...") when it encodes a longer conversation."""
+    shutil.copytree(tokenizer, to)
+    config = json.loads((to / "tokenizer_config.json").read_text())
+    (to / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": model_max_length}))
+    return to
+
+
 def test_resume_mid_epoch_gives_identical_losses(tmp_path, chat_inputs):
     tokenizer, chats, tokenizer_vocab = chat_inputs
+    tokenizer = _tokenizer_with_max_length(tokenizer, tmp_path / "tokenizer", 16)
     hf = _hf_llama(tmp_path / "hf", -(-tokenizer_vocab // 8) * 8, tie=True)
     layout = ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "8",
               "--checkpoint.interval", "4"]
     straight = sft(tmp_path / "straight", hf, tokenizer, chats, 2, *layout)
+    # transformers' logs come from rank 0 only: every rank loads the same tokenizer and data.
+    assert (straight.stdout + straight.stderr).count("Token indices sequence length is longer") == 1
     rows_per_epoch = int(straight.stdout.split(" rows per epoch")[0].split()[-1])
     assert 4 * 8 % rows_per_epoch, "step 4 must end mid-epoch"
     first = sft(tmp_path / "resumed", hf, tokenizer, chats, 2, *layout, "--training.stop_after_step", "5")

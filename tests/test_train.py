@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from seedckpt.checkpoint import DcpCheckpoint, complete_steps
 from seedckpt.errors import SeedckptError
@@ -284,3 +287,123 @@ def test_direct_init_refuses_a_configured_seed_made_otherwise(tmp_path, debug_se
     (old / "seedckpt.json").write_text(json.dumps(manifest))
     with pytest.raises(SeedckptError, match="seedckpt-init-v1"):
         start(old, 0)
+
+
+def _failing_ranks_worker(rank, world_size, case):
+    """Rank(s) fail as ``case`` says, then report through ``rank_failures`` on a real gloo group: a
+    rank that did not fail meets the failure as a broken barrier, as a training step would."""
+    import contextlib
+    import io
+
+    from seedckpt.rank_failures import report_failure
+
+    failures = {"one_rank": {1: SeedckptError("boom")},
+                "same_everywhere": {0: SeedckptError("boom"), 1: SeedckptError("boom")},
+                "different": {0: SeedckptError("stage 0 is bad"), 1: SeedckptError("stage 1 is bad")},
+                "interrupted": {0: KeyboardInterrupt(), 1: KeyboardInterrupt()},
+                "bug": {1: ZeroDivisionError("a bug")},
+                "left_silently": {1: None}}[case]  # as a rank the OOM killer ends: no report
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        try:
+            if failures.get(rank, "") is None:
+                dist.destroy_process_group()
+                return "left", ""
+            if rank in failures:
+                raise failures[rank]
+            dist.barrier()  # returns with an error once the failing rank has left the group
+            status = 0
+        except BaseException as e:
+            try:
+                status = report_failure(e, rank, "interrupted; resume with the same command")
+            except ZeroDivisionError:  # a bug keeps its traceback: it is raised again
+                status = "raised"
+        if status != 0 and dist.is_initialized():
+            dist.destroy_process_group()  # leave the group, as the process would by exiting
+    return status, stderr.getvalue()
+
+
+@pytest.mark.parametrize("case,statuses,lines", [
+    ("one_rank", [2, 2], ["train.py: stopped: rank 1 failed (its error is above)", "train.py: error: boom"]),
+    ("same_everywhere", [2, 2], ["train.py: error: boom"]),
+    ("different", [2, 2], ["train.py: error: stage 0 is bad", "train.py: error: stage 1 is bad"]),
+    ("interrupted", [130, 130], ["train.py: interrupted; resume with the same command"]),
+    ("bug", [2, "raised"], ["train.py: stopped: rank 1 failed (its error is above)"]),
+    ("left_silently", [2, "left"],
+     ["train.py: stopped: a peer rank left without reporting an error (killed by a signal, or crashed)"]),
+])
+def test_a_failure_is_reported_once_across_ranks(case, statuses, lines):
+    results = run_distributed(_failing_ranks_worker, 2, case, timeout=120)
+    assert [status for status, _ in results] == statuses
+    assert sorted(line for _, text in results for line in text.splitlines()) == sorted(lines)
+
+
+def launch(run_dir: Path, seed: Path, nproc: int, *overrides: str, when: str | None = None, act=None):
+    """``seedckpt launch`` (torchrun with one-line endings) of train.py; ``act(process)`` once stdout
+    shows ``when``. Its own session, so that it can be sent Ctrl-C as a terminal does (to the group)."""
+    cmd = [sys.executable, "-m", "seedckpt.cli", "launch", "--standalone", f"--nproc-per-node={nproc}", "train.py",
+           "--config", "configs/debug.toml", "--checkpoint.seed_checkpoint", str(seed), "--checkpoint.folder",
+           str(run_dir / "ckpt"), "--job.dump_folder", str(run_dir), *COMMON, *overrides]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out = []
+        if when is not None:
+            for line in proc.stdout:
+                out.append(line)
+                if when in line:
+                    act(proc)
+                    break
+        rest, err = proc.communicate(timeout=300)
+        return proc.returncode, "".join(out) + rest, err
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_launch_reports_a_failing_stage_in_one_line_with_its_exit_status(tmp_path, debug_seed):
+    seed = tmp_path / "seed"
+    shutil.copytree(debug_seed, seed)
+    checkpoint = DcpCheckpoint(seed)
+    [(index, info)] = [(i, s) for i, s in checkpoint.metadata.storage_data.items()
+                       if i.fqn == "layers.4.attention.wq.weight"]  # only the second pipeline stage reads it
+    with open(seed / info.relative_path, "r+b") as f:
+        f.seek(info.offset + 16)
+        byte = f.read(1)
+        f.seek(info.offset + 16)
+        f.write(bytes([byte[0] ^ 0x24]))
+    status, out, err = launch(tmp_path, seed, 2, "--parallelism.pipeline_parallel_degree", "2",
+                              "--training.local_batch_size", "8")
+    assert status == 2, err
+    assert [line for line in err.splitlines() if "error" in line] == [
+        line for line in err.splitlines() if line.startswith("train.py: error: layers.4.attention.wq.weight in")]
+    assert err.count("is corrupt") == 1, err
+    assert "Traceback" not in err and "FAILED" not in err, err
+
+
+def test_ctrl_c_stops_every_rank_with_one_line_naming_the_newest_checkpoint(tmp_path, debug_seed):
+    status, out, err = launch(tmp_path, debug_seed, 2, "--parallelism.pipeline_parallel_degree", "2",
+                              "--training.local_batch_size", "8", "--training.steps", "10000",
+                              "--checkpoint.interval", "2", when="saved checkpoint",
+                              act=lambda proc: os.killpg(proc.pid, signal.SIGINT))
+    assert status == 130, err
+    newest = max(complete_steps(tmp_path / "ckpt"))
+    assert err.strip() == ("train.py: interrupted; no checkpoint is left half-written (a save in progress is "
+                           f"removed); the newest checkpoint is {tmp_path / 'ckpt' / f'step-{newest}'}: the same "
+                           "command resumes from it"), err
+    assert not [p for p in (tmp_path / "ckpt").iterdir() if p.name.endswith(".partial")]
+
+
+def test_launch_names_a_rank_killed_by_a_signal(tmp_path, debug_seed):
+    def kill_a_worker(proc):  # the agent runs in the launcher; the workers are its children
+        worker = int(Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()[0])
+        os.kill(worker, signal.SIGKILL)
+
+    status, out, err = launch(tmp_path, debug_seed, 2, "--parallelism.pipeline_parallel_degree", "2",
+                              "--training.local_batch_size", "8", "--training.steps", "10000", when="step     2",
+                              act=kill_a_worker)
+    assert status == 128 + signal.SIGKILL, err
+    assert re.search(r"^seedckpt launch: rank [01] was killed by SIGKILL \(the out-of-memory killer sends it\); "
+                     r"the other ranks were stopped$", err, re.MULTILINE), err
+    assert "Traceback" not in err, err
