@@ -29,9 +29,9 @@ LAYERS = [
     ("features", ["seedckpt.config", "seedckpt.layouts", "seedckpt.stages", "seedckpt.init", "seedckpt.osft",
                   "seedckpt.finetune", "seedckpt.data", "seedckpt.datasets", "seedckpt.chat", "seedckpt.tokenizer",
                   "seedckpt.parallel", "seedckpt.manual_fsdp", "seedckpt.collectives", "seedckpt.metrics",
-                  "seedckpt.data_parallel"]),
+                  "seedckpt.data_parallel", "seedckpt.rank_failures"]),
     ("commands", ["seedckpt.train", "seedckpt.start", "seedckpt.train_state", "seedckpt.cli", "seedckpt.seed",
-                  "seedckpt.convert", "seedckpt.plan", "seedckpt.resolve"]),
+                  "seedckpt.convert", "seedckpt.plan", "seedckpt.resolve", "seedckpt.launch"]),
 ]
 
 
