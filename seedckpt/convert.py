@@ -80,9 +80,9 @@ def convert(src: str | Path, dst: str | Path, to: str, dtype: str | None = None,
         raise SeedckptError(f"{src} holds no model tensors")
     cast = DTYPES[dtype] if dtype else None
     infos = {f: TensorInfo(source.infos[f].shape, cast or source.infos[f].dtype) for f in _ordered(source.infos)}
-    if target.TIED_STORED_ONCE:  # as HF and our seeds store it; their readers alias the tied FQN
-        for tied in source.layout.aliases:
-            infos.pop(tied, None)
+    tied = source.layout.aliases if target.TIED_STORED_ONCE else {}  # stored once, as HF and our DCP store it
+    for fqn in tied:
+        infos.pop(fqn, None)
     out_dtype = cast or next(iter(infos.values())).dtype
     bar = Progress(sum(i.nbytes for i in infos.values()), f"convert {source.kind}->{to}", enabled=progress)
     recorded = source.manifest or {}
@@ -90,8 +90,9 @@ def convert(src: str | Path, dst: str | Path, to: str, dtype: str | None = None,
     manifest = make_manifest("converted", model, flavor, model_args.to_dict(), dtype=dtype_name(out_dtype),
                              seed=recorded.get("seed"), source={"format": source.kind, "path": str(src)},
                              **({"finetune": recorded["finetune"]} if keeps_factors else {}))
+    job = WriteJob(infos, manifest, force, bar.update, shard_bytes, codec, aliases=tied)
     try:
-        return target.write(source, Path(dst), WriteJob(infos, manifest, force, bar.update, shard_bytes, codec))
+        return target.write(source, Path(dst), job)
     finally:
         bar.close()
 

@@ -122,7 +122,8 @@ def create_seed_checkpoint(cfg: JobConfig, output: str | os.PathLike, seed: int,
         # One data file per worker, each with one generating thread one block ahead of its writer.
         path = write_checkpoint(output, state, manifest, force=force,
                                 planner=LazySavePlanner(produce, lambda shape: block_rows(shape, target), pool),
-                                lookahead=1, parallel_files=workers, resolvers=1)
+                                lookahead=1, parallel_files=workers, resolvers=1,
+                                aliases=run.spec.tied_weights(run.args))
     finally:
         if collecting:
             gc.enable()

@@ -120,8 +120,12 @@ class TrainState:
         state = {}
         for i in range(len(self.modules)):
             state.update(self.data_parallel.model_state_dict(i))
-        state.update(self._training_state())
         cfg = self.cfg
+        # A tied output is the embedding's matrix (across pipeline stages, a copy kept bitwise equal
+        # to it: ``parallel.TiedEmbeddings``), so it is stored once, as the embedding.
+        tied = cfg.model_spec().tied_weights(self.args)
+        state = {fqn: t for fqn, t in state.items() if fqn not in tied}
+        state.update(self._training_state())
         ft, tokenizer = cfg.finetune, cfg.data.tokenizer
         manifest = make_manifest("train", cfg.model.name, cfg.model.flavor, self.args.to_dict(),
                                  step=self.step, seed=cfg.training.seed, dtype="float32",
@@ -130,7 +134,7 @@ class TrainState:
                                            **(osft_record(self.osft) if self.osft else {})})
         files = {f"{TOKENIZER_DIR}/{f.name}": f for f in tokenizer_files(tokenizer)} if tokenizer else {}
         path = step_dir(cfg.checkpoint.folder, self.step)
-        write = functools.partial(write_checkpoint, path, manifest=manifest, force=True, files=files)
+        write = functools.partial(write_checkpoint, path, manifest=manifest, force=True, files=files, aliases=tied)
         if background is None:
             return write(state)
         background.save(path, state, write, since=start)

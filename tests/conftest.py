@@ -53,6 +53,40 @@ def debug_seed(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="session")
+def tied_seed(tmp_path_factory):
+    """The debug model with tied embeddings (``output.weight`` is ``tok_embeddings.weight``): its
+    seed (seed 0), written once for the session by two workers."""
+    path = tmp_path_factory.mktemp("seeds") / "tied"
+    create_seed_checkpoint(tiny_config("--model.tie_word_embeddings", "true"), path, seed=0, progress=False,
+                           workers=2)
+    return path
+
+
+def check_tied_stock_load(path) -> None:
+    """A tied checkpoint stores the matrix once, and ``.metadata`` records ``output.weight`` at the
+    embedding's bytes: stock ``dcp.load`` fills a tied model's ``state_dict()`` and an untied-shaped
+    one (two tensors) with our reader's values, bitwise; the manifest counts the matrix once."""
+    from models.llama import Transformer
+    from seedckpt.layouts import open_model_checkpoint
+
+    checkpoint = open_model_checkpoint(path)
+    chunks = {fqn: [(index.offset, info) for index, info in checkpoint.metadata.storage_data.items()
+                    if index.fqn == fqn] for fqn in ("tok_embeddings.weight", "output.weight")}
+    assert chunks["output.weight"] == chunks["tok_embeddings.weight"]  # the same bytes, no second copy
+    manifest = json.loads((Path(path) / MANIFEST_NAME).read_text())
+    model = Transformer(checkpoint.args)
+    assert model.output.weight is model.tok_embeddings.weight
+    assert "output.weight" not in manifest["tensors"]
+    assert manifest["num_params"] == sum(t.numel() for t in model.parameters())  # the tied matrix once
+    tied = model.state_dict()
+    untied = {fqn: torch.zeros_like(t) for fqn, t in tied.items()}
+    for state in (tied, untied):
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+        for fqn, t in state.items():
+            assert torch.equal(t, checkpoint.read_tensor(fqn)), fqn
+
+
 def stock_load(path) -> dict[str, torch.Tensor]:
     """Read a checkpoint's model tensors with stock DCP only (shapes from its manifest)."""
     manifest = json.loads((Path(path) / MANIFEST_NAME).read_text())

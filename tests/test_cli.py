@@ -39,19 +39,17 @@ def test_inspect_text(debug_seed, capsys):
     assert "layers.5.feed_forward.w2.weight" in out and "57 tensors" in out
 
 
-def test_inspect_counts_a_tied_matrix_once(tmp_path, capsys):
+def test_inspect_counts_a_tied_matrix_once(tied_seed, capsys):
     from models.llama import Transformer
-    from seedckpt.seed import create_seed_checkpoint
     from tests.conftest import tiny_config
 
     cfg = tiny_config("--model.tie_word_embeddings", "true")
-    create_seed_checkpoint(cfg, tmp_path / "tied", seed=0, progress=False)
-    assert main(["inspect", str(tmp_path / "tied"), "--json"]) == 0
+    assert main(["inspect", str(tied_seed), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["tied"] == {"output.weight": "tok_embeddings.weight"} and "output.weight" not in out["tensors"]
     numel = sum(math.prod(t["shape"]) for t in out["tensors"].values())
     assert numel == out["manifest"]["num_params"] == sum(p.numel() for p in Transformer(cfg.model_args()).parameters())
-    assert main(["inspect", str(tmp_path / "tied")]) == 0
+    assert main(["inspect", str(tied_seed)]) == 0
     assert "output.weight: tied, not stored (reads tok_embeddings.weight)" in capsys.readouterr().out
 
 

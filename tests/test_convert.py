@@ -18,7 +18,7 @@ from seedckpt.errors import SeedckptError
 from seedckpt.layouts import codec_for, open_model_checkpoint
 from seedckpt.seed import create_seed_checkpoint
 from seedckpt.stages import build_stages, plan_rank_stages
-from tests.conftest import stock_load, tiny_config
+from tests.conftest import check_tied_stock_load, stock_load, tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -94,11 +94,27 @@ def test_tied_embeddings_are_stored_once_and_read_as_the_output(tmp_path):
     hf = _hf_llama(tie=True)
     hf.save_pretrained(tmp_path / "hf")
     convert(tmp_path / "hf", tmp_path / "dcp", "dcp", progress=False)
-    reader = open_model_checkpoint(tmp_path / "dcp")
-    assert "output.weight" not in reader.metadata.state_dict_metadata
-    assert torch.equal(reader.read_tensor("output.weight"), reader.read_tensor("tok_embeddings.weight"))
+    check_tied_stock_load(tmp_path / "dcp")
     with torch.no_grad():
         assert (_our_logits(tmp_path / "dcp", TOKENS) - hf(TOKENS).logits).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("to,dst", [("dcp", "dcp"), ("hf", "hf"), ("torch", "m.pt"), ("safetensors", "m.safetensors"),
+                                    ("torchtitan", "tt")])
+def test_a_tied_checkpoint_converts_as_each_format_stores_ties_and_diffs_equal(tmp_path, tied_seed, to, dst):
+    """DCP and HF store the tied matrix once (HF: no ``lm_head.weight``, ``tie_word_embeddings``),
+    the others under both names; every export holds the seed's values."""
+    out = convert(tied_seed, tmp_path / dst, to, progress=False)
+    equal, lines = diff(tied_seed, out)
+    assert equal, lines
+    if to == "dcp":
+        check_tied_stock_load(out)
+    elif to == "hf":
+        assert json.loads((out / "config.json").read_text())["tie_word_embeddings"]
+        assert "lm_head.weight" not in json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    elif to == "torch":
+        state = torch.load(out, weights_only=True)
+        assert torch.equal(state["output.weight"], state["tok_embeddings.weight"])
 
 
 def test_permutation_is_per_kv_head_and_invertible():

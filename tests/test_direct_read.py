@@ -233,3 +233,25 @@ def test_damaged_positions_and_truncated_files_are_errors(tmp_path, debug_seed):
     os.truncate(data, data.stat().st_size // 2)
     with pytest.raises(SeedckptError, match="truncated"):
         open_model_checkpoint(short, args).load(dict(state))
+
+
+def test_a_tied_matrix_is_read_once_for_both_destinations(tied_seed, monkeypatch):
+    """A rank holding the embedding and a separate output copy (a V schedule's first and last stage)
+    reads the matrix once, through the name that stores it, though ``.metadata`` has both names."""
+    from seedckpt.checkpoint.direct import DirectReads
+    from seedckpt.layouts import open_model_checkpoint
+
+    checkpoint = open_model_checkpoint(tied_seed)
+    assert "output.weight" in checkpoint.metadata.state_dict_metadata
+    info = checkpoint.infos["tok_embeddings.weight"]
+    state = {fqn: torch.zeros(info.shape) for fqn in ("tok_embeddings.weight", "output.weight")}
+    read, run = [], DirectReads.run
+
+    def counting(self, items, locate, planner):
+        run(self, items, locate, planner)
+        read.append(self.bytes_read)
+
+    monkeypatch.setattr(DirectReads, "run", counting)
+    checkpoint.load(state)
+    assert sum(read) == info.nbytes
+    assert torch.equal(state["output.weight"], state["tok_embeddings.weight"]) and state["output.weight"].any()

@@ -93,6 +93,27 @@ def test_every_byte_flip_is_caught_by_verify_and_by_loading_naming_the_tensor(ch
     assert DcpCheckpoint(path).verify() == []
 
 
+def test_a_tied_checkpoint_checks_the_matrix_once_naming_the_embedding(tmp_path, tied_seed):
+    """``output.weight`` points at the embedding's bytes: verify checks every byte once, and a
+    flipped byte of the matrix is one problem, under the name that stores it."""
+    path = tmp_path / "tied"
+    shutil.copytree(tied_seed, path)
+    checkpoint = DcpCheckpoint(path)
+    assert "output.weight" in checkpoint.metadata.state_dict_metadata
+    checked = []
+    assert checkpoint.verify(checked.append) == []
+    assert sum(checked) == sum(data.stat().st_size for data in path.glob("*.distcp"))
+    info = next(info for index, info in checkpoint.metadata.storage_data.items() if index.fqn == "output.weight")
+    with open(path / info.relative_path, "r+b") as f:
+        f.seek(info.offset + info.length // 2)
+        original = f.read(1)
+        f.seek(info.offset + info.length // 2)
+        f.write(bytes([original[0] ^ 0x24]))
+    [problem] = DcpCheckpoint(path).verify()
+    assert "tok_embeddings.weight" in problem and "output.weight" not in problem, problem
+    assert cli(["verify", str(path), "--quiet"]) == 2
+
+
 def test_verify_reports_intact_and_inspect_names_the_checksums(debug_seed, capsys):
     assert cli(["verify", str(debug_seed), "--quiet"]) == 0
     assert "intact" in capsys.readouterr().out

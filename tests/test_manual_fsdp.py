@@ -13,6 +13,7 @@ import torch
 
 from seedckpt.config import load_config
 from seedckpt.errors import SeedckptError
+from tests.conftest import check_tied_stock_load
 from tests.dist import run_distributed
 from tests.test_train import COMMON, REPO, model_state
 
@@ -140,7 +141,7 @@ def test_checkpoints_resume_bitwise_and_round_trip_through_fsdp2(runs, debug_see
 def _mixed_precision_worker(rank, world_size, tmp):
     """A tied model (one matrix for embedding and output) in bf16 compute / fp32 reduce."""
     mixed = ["--training.mixed_precision_param", "bfloat16", "--model.tie_word_embeddings", "true",
-             "--checkpoint.init_from", "direct", "--training.steps", "4"]
+             "--checkpoint.init_from", "direct", "--training.steps", "4", "--checkpoint.interval", "4"]
     _train(Path(tmp) / "fsdp2", "", "fsdp2", *mixed)
     trainer = _trainer(_config(Path(tmp) / "manual", "", "manual", *mixed))
     trainer.run()
@@ -159,6 +160,8 @@ def test_mixed_precision_and_tied_embeddings(tmp_path):
     assert info["compute"] == torch.bfloat16 and info["shard"] == torch.float32
     assert set(info["saved"].values()) == {torch.float32}  # checkpoints hold the fp32 master values
     assert {"tok_embeddings.weight", "output.weight"} <= info["saved"].keys()
+    for impl in ("fsdp2", "manual"):  # the runs' step-4: stored once, stock dcp.load reads both names
+        check_tied_stock_load(tmp_path / impl / "ckpt" / "step-4")
     fsdp2, manual = _losses(tmp_path / "fsdp2"), _losses(tmp_path / "manual")
     assert len(manual) == 4 and all(abs(a - b) <= 1e-3 * abs(b) for a, b in zip(manual, fsdp2)), (manual, fsdp2)
 

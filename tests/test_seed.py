@@ -12,11 +12,12 @@ import pytest
 import torch
 
 import seedckpt.checkpoint as checkpoint_module
-from seedckpt.checkpoint import MANIFEST_NAME
+from seedckpt.checkpoint import MANIFEST_NAME, write_checkpoint
 from seedckpt.cli import main
 from seedckpt.errors import SeedckptError
+from seedckpt.layouts import open_model_checkpoint
 from seedckpt.seed import create_seed_checkpoint
-from tests.conftest import stock_load, tiny_config
+from tests.conftest import check_tied_stock_load, stock_load, tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -133,3 +134,19 @@ def test_blocks_in_flight_stay_bounded_whatever_the_worker_count():
         assert 2 * workers * block_numel(workers) * 4 <= IN_FLIGHT_BYTES
     with pytest.raises(SeedckptError, match="--workers 0"):
         create_seed_checkpoint(tiny_config(), "unused", seed=0, progress=False, workers=0)
+
+
+def test_a_tied_seed_stores_the_matrix_once_where_stock_dcp_load_finds_both_names(tied_seed):
+    check_tied_stock_load(tied_seed)
+
+
+def test_a_tied_checkpoint_from_before_metadata_recorded_the_output_still_loads(tmp_path, tied_seed):
+    """Written without the ``output.weight`` entry (as before it was recorded): our reader still
+    reads the output as the embedding, from the tying the manifest's model implies."""
+    manifest = json.loads((tied_seed / MANIFEST_NAME).read_text())
+    old = open_model_checkpoint(write_checkpoint(tmp_path / "old", stock_load(tied_seed), manifest))
+    assert "output.weight" not in old.metadata.state_dict_metadata
+    state = {fqn: torch.zeros(old.infos[fqn].shape) for fqn in ("tok_embeddings.weight", "output.weight")}
+    old.load(state)
+    assert torch.equal(state["output.weight"], state["tok_embeddings.weight"])
+    assert torch.equal(state["output.weight"], open_model_checkpoint(tied_seed).read_tensor("output.weight"))

@@ -8,7 +8,7 @@ anything is allocated. What it knows of the model comes from its caller (``check
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -135,7 +135,8 @@ class WriteJob:
     """What a format's ``write(source, dst, job)`` writes: these tensors of ``source`` (our FQNs, in
     file order, each in the dtype given) with this manifest. ``shard_bytes``: the most bytes per file
     for formats that shard (HF); ``codec``: the caller's model knowledge, for formats that name the
-    model their way (HF names and ``config.json``, torchtitan's names)."""
+    model their way (HF names and ``config.json``, torchtitan's names); ``aliases``: the tied FQNs left
+    out of ``infos`` (``{fqn: source}``), for formats that record them (DCP)."""
 
     infos: dict[str, TensorInfo]
     manifest: dict
@@ -143,6 +144,7 @@ class WriteJob:
     on_bytes: Callable[[int], None] = lambda nbytes: None
     shard_bytes: int = 5 * 10**9
     codec: ModelCodec | None = None
+    aliases: dict[str, str] = field(default_factory=dict)
 
 
 def recorded_layout(codec: ModelCodec | None, manifest: dict | None, where) -> ModelLayout | None:

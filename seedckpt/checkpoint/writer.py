@@ -103,11 +103,14 @@ class StreamingFileSystemWriter(FileSystemWriter):
     ``finish`` (rank 0), ``raw_items`` holds every tensor item's raw byte position for the manifest.
     """
 
-    def __init__(self, path: str | os.PathLike, lookahead: int = 4, workers: int = 2, files: int = 1):
+    def __init__(self, path: str | os.PathLike, lookahead: int = 4, workers: int = 2, files: int = 1,
+                 aliases: dict[str, str] | None = None):
         """``lookahead``: items resolved ahead of the one being written, per file; ``workers``:
-        resolving threads per file; ``files``: data files this rank writes concurrently."""
+        resolving threads per file; ``files``: data files this rank writes concurrently; ``aliases``:
+        ``{fqn: source}`` recorded in ``.metadata`` as ``source``'s bytes (``finish``)."""
         super().__init__(path, single_file_per_rank=True, sync_files=True)
         self.lookahead, self.workers, self.files = lookahead, workers, files
+        self.aliases = aliases or {}
         self.raw_items: dict[str, list[list[int]]] = {}
         self.checks: list[ItemChecks] = []
 
@@ -177,7 +180,21 @@ class StreamingFileSystemWriter(FileSystemWriter):
                     nbytes = _item_nbytes(metadata, r.index)
                     self.raw_items.setdefault(written.info.relative_path, []).append(
                         [written.info.offset, written.data_start, nbytes])
+        plain.append(self._alias_results(metadata, [r for rank_results in plain for r in rank_results]))
         super().finish(metadata, plain)
+
+    def _alias_results(self, metadata: Metadata, written: list[WriteResult]) -> list[WriteResult]:
+        """Each alias (a tied output: the embedding's matrix) as an entry of ``metadata`` at its
+        source's bytes: the source's tensor metadata, and each of the source's chunks once more under
+        the alias's name. Stock ``dcp.load`` then fills a state dict holding both names (a tied
+        model's ``state_dict()``) with no second copy on disk. These results come after every written
+        one, so the first name ``storage_data`` gives some bytes is the one that stores them
+        (``formats.dcp`` reads and checks them under that name)."""
+        tensors = metadata.state_dict_metadata
+        for fqn, source in self.aliases.items():
+            tensors[fqn] = tensors[source]
+        return [WriteResult(MetadataIndex(fqn, r.index.offset, r.index.index), r.size_in_bytes, r.storage_data)
+                for fqn, source in self.aliases.items() for r in written if r.index.fqn == source]
 
 
 def _balanced(items: list[WriteItem], files: int) -> list[list[WriteItem]]:
@@ -305,7 +322,7 @@ def _compact_cpu(tensor: torch.Tensor) -> torch.Tensor:
 def write_checkpoint(path: str | os.PathLike, state_dict: dict, manifest: dict, force: bool = False,
                      planner: SavePlanner | None = None, lookahead: int = 4,
                      files: dict[str, Path] | None = None, parallel_files: int = 1, resolvers: int = 2,
-                     group: dist.ProcessGroup | None = None) -> Path:
+                     group: dist.ProcessGroup | None = None, aliases: dict[str, str] | None = None) -> Path:
     """Write a DCP checkpoint plus manifest to ``path`` atomically.
 
     Collective when a process group is initialized (every rank passes its own entries, e.g. its
@@ -319,6 +336,10 @@ def write_checkpoint(path: str | os.PathLike, state_dict: dict, manifest: dict, 
     ``resolvers`` threads producing its items ``lookahead`` ahead (``StreamingFileSystemWriter``).
     ``group`` (default: the default group; it must hold every rank) carries the write's
     collectives: a background save passes its own, so that they never interleave with training's.
+    ``aliases`` (``{fqn: source}``): FQNs left out of ``state_dict`` because they are ``source``'s
+    tensor (a tied output); ``.metadata`` records each as ``source``'s bytes, so stock ``dcp.load``
+    of a tied model's state dict finds it. The manifest's table lists only the stored tensors, so
+    ``num_params`` counts a tied matrix once.
 
     Rank 0 holds the destination's lock (``atomic_output``) for the whole write, so another writer
     of ``path`` fails at once. It sends the other ranks the name of the partial directory it
@@ -341,7 +362,8 @@ def write_checkpoint(path: str | os.PathLike, state_dict: dict, manifest: dict, 
         partial = names[0]
         if partial is None:
             raise SeedckptError(f"rank 0 could not start writing {path}; its error says why")
-        writer = StreamingFileSystemWriter(partial, lookahead=lookahead, workers=resolvers, files=parallel_files)
+        writer = StreamingFileSystemWriter(partial, lookahead=lookahead, workers=resolvers, files=parallel_files,
+                                           aliases=aliases)
         try:
             # The warning filter is process-wide state: a background save running distributed leaves it alone.
             with contextlib.nullcontext() if distributed else quiet_single_process_dcp():
@@ -354,7 +376,8 @@ def write_checkpoint(path: str | os.PathLike, state_dict: dict, manifest: dict, 
             metadata = parse_dcp_metadata(metadata_bytes, partial / ".metadata")
             sizes = file_sizes(writer.checks)
             check_data_files(partial, metadata.storage_data, sizes)  # publish only what is complete
-            tensors = {fqn: info for fqn, info in tensor_infos(metadata).items() if is_model_key(fqn)}
+            tensors = {fqn: info for fqn, info in tensor_infos(metadata).items()
+                       if is_model_key(fqn) and fqn not in writer.aliases}
             manifest = {**manifest, "num_params": sum(i.numel for i in tensors.values()),
                         "tensors": {fqn: {"shape": list(i.shape), "dtype": dtype_name(i.dtype)}
                                     for fqn, i in tensors.items()},

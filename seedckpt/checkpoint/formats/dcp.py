@@ -26,7 +26,7 @@ from seedckpt.checkpoint.writer import LazySavePlanner, write_checkpoint
 from seedckpt.errors import SeedckptError
 
 OUR_NAMES = True  # stores any tensor under our FQNs (OSFT factors too)
-TIED_STORED_ONCE = True  # a tied matrix is stored once; the reader aliases the other FQN to it
+TIED_STORED_ONCE = True  # a tied matrix is stored once; .metadata records the other FQN as its bytes
 
 
 def detect(path: Path) -> bool:
@@ -75,10 +75,13 @@ class DcpCheckpoint(Checkpoint):
                          recorded_layout(codec, manifest, path), layout)
         raw = (manifest or {}).get(RAW_ITEMS_KEY)
         self.raw_items = raw if isinstance(raw, dict) else {}
-        self.alias_tied(dict(self.all_tensors))
+        # Keys whose bytes another key stores: read (and checked) through that key only, once.
+        self.shared = _shared_bytes(self.metadata)
+        self.aliases.update({ours.get(k, k): ours.get(source, source) for k, source in self.shared.items()})
+        self.alias_tied(dict(self.all_tensors))  # tied checkpoints written before .metadata recorded the alias
         for fqn, source in self.aliases.items():
             self.stored[fqn] = self.stored.get(source, source)
-            self.all_tensors[fqn] = self.infos[fqn]
+            self.all_tensors[fqn] = self.all_tensors[source]
 
     def tensors(self) -> dict[str, TensorInfo]:
         return self.all_tensors
@@ -117,10 +120,10 @@ class DcpCheckpoint(Checkpoint):
         problems found, each naming the tensor (or entry) and the file. ``on_bytes``: progress."""
         if self.checksums is None:
             return []
-        names = {(info.relative_path, info.offset): index for index, info in self.metadata.storage_data.items()}
+        owned = {index: info for index, info in self.metadata.storage_data.items() if index.fqn not in self.shared}
+        names = {(info.relative_path, info.offset): index for index, info in owned.items()}
         problems = [f"{_describe(index)}: no checksum recorded for it in {info.relative_path}"
-                    for index, info in self.metadata.storage_data.items()
-                    if (info.relative_path, info.offset) not in self.checksums.items]
+                    for index, info in owned.items() if (info.relative_path, info.offset) not in self.checksums.items]
         fds = {file: os.open(data_file(self.path, file), os.O_RDONLY) for file in self.checksums.files}
 
         def check(item: ItemChecks) -> str | None:
@@ -138,6 +141,20 @@ class DcpCheckpoint(Checkpoint):
             for fd in fds.values():
                 os.close(fd)
         return problems
+
+
+def _shared_bytes(metadata) -> dict[str, str]:
+    """``{key: source}`` for the keys of ``metadata`` whose every chunk lies at the bytes of one
+    earlier key with the same tensor metadata: the alias our writer records for a tied FQN
+    (``write_checkpoint``'s ``aliases``). The first key to point at some bytes stores them."""
+    owner: dict[tuple[str, int], str] = {}
+    owners: dict[str, set[str]] = {}
+    for index, info in metadata.storage_data.items():
+        where = (info.relative_path, info.offset)
+        owners.setdefault(index.fqn, set()).add(owner.setdefault(where, index.fqn))
+    tensors = metadata.state_dict_metadata
+    return {key: source for key, (source, *others) in owners.items()
+            if not others and source != key and tensors.get(key) == tensors.get(source)}
 
 
 def _renamed(keys, renamings) -> dict[str, str]:
@@ -161,7 +178,8 @@ def write(source: Checkpoint, dst: Path, job: WriteJob, names: NameAdapter | Non
         job.on_bytes(job.infos[fqn_of[key]].nbytes)
         return source.read_tensor(fqn_of[key])[start:stop]
     state = {k: torch.empty(job.infos[f].shape, dtype=job.infos[f].dtype, device="meta") for k, f in fqn_of.items()}
-    return write_checkpoint(dst, state, job.manifest, force=job.force, planner=LazySavePlanner(produce), lookahead=1)
+    return write_checkpoint(dst, state, job.manifest, force=job.force, planner=LazySavePlanner(produce), lookahead=1,
+                            aliases=job.aliases)
 
 
 def _describe(index) -> str:
