@@ -37,6 +37,7 @@ demo: install
 		--finetune.mode osft --finetune.pretrained $(DEMO)/checkpoints/step-100 \
 		--checkpoint.folder $(DEMO)/osft --job.dump_folder $(DEMO)/osft
 	$(BIN)/seedckpt convert $(DEMO)/osft/step-60 $(DEMO)/osft_hf --to hf
+	$(BIN)/seedckpt diff $(DEMO)/osft/step-60 $(DEMO)/osft_hf | tail -n 2
 	@echo
 	@echo "demo outputs:"
 	@echo "  seed checkpoint      $(DEMO)/seed"
