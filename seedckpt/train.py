@@ -62,6 +62,11 @@ from seedckpt.start import changed_training_settings, check_resume_matches_osft,
 from seedckpt.train_state import TrainState, adamw_implementation
 
 
+# How long a stopped run waits for its background save in flight to end (BackgroundSaver.drain):
+# under torchrun's 30 s grace (TORCH_ELASTIC_SHUTDOWN_TIMEOUT) between its SIGTERM and SIGKILL.
+SAVE_DRAIN_S = 20.0
+
+
 def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed cross-entropy of a micro-batch's label tokens (in float32, whatever the logits' dtype)."""
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
@@ -321,6 +326,10 @@ class Trainer:
                 self._published(self.saver.wait())
             # Let every rank's outstanding pipeline sends complete before the group is torn down.
             dist.barrier()
+        except BaseException:
+            if self.saver is not None:
+                self.saver.drain(SAVE_DRAIN_S)
+            raise
         finally:
             if metrics is not None:
                 metrics.close()
@@ -421,7 +430,8 @@ def _interrupted_line(folder: str) -> str:
     steps = complete_steps(folder)
     newest = (f"the newest checkpoint is {steps[max(steps)]}: the same command resumes from it" if steps
               else "no checkpoint was saved yet")
-    return f"interrupted; no checkpoint is left half-written (a save in progress is removed); {newest}"
+    return ("interrupted; no checkpoint is left half-written (a save in progress is finished or removed); "
+            + newest)
 
 
 def _train(run: Run, data, rank: int) -> int:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,6 +128,16 @@ class BackgroundSaver:
     def wait(self) -> SavedInBackground | None:
         """Wait for the save in flight (if any) and return it, as ``poll``."""
         return self._settle(block=True)
+
+    def drain(self, timeout_s: float) -> None:
+        """On the way out of a stopped run (an error, Ctrl-C), let this rank's write in flight end by
+        itself, with no collective (the ranks stop at different points): when every rank stopped,
+        each one's thread finishes its part and the step is published; when a rank is gone, the
+        write fails in its collective and removes its partial directory. Either way no partial
+        directory is left, and the interpreter's exit does not cut a write short in C++. A write
+        still running after ``timeout_s`` is left to the exit (it publishes nothing)."""
+        if self.in_flight is not None:
+            futures.wait([self.in_flight.done], timeout=timeout_s)
 
     def _settle(self, block: bool) -> SavedInBackground | None:
         job = self.in_flight
