@@ -92,9 +92,12 @@ class BackgroundSaver:
         thread = threading.Thread(target=self._write, args=(staged, write, done), daemon=True,
                                   name=f"seedckpt-save-{path.name}")
         # Daemon: a run stopping on an error must not hang at exit on a write blocked in a collective
-        # with a rank that is gone; an unfinished write publishes nothing.
+        # with a rank that is gone; an unfinished write publishes nothing. In flight before it starts:
+        # ``start`` waits for the thread to run, and a Ctrl-C landing there must still find the write
+        # to ``drain``.
+        self.in_flight = _InFlight(path, 0.0, done)
         thread.start()
-        self.in_flight = _InFlight(path, time.perf_counter() - start, done)
+        self.in_flight.stall_s = time.perf_counter() - start
 
     def _write(self, staged, write: Write, done: Future) -> None:
         start = time.perf_counter()
