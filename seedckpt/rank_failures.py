@@ -12,7 +12,8 @@ first failure that is none of these (a bug) keeps its traceback.
 
 Ctrl-C reaches every rank of a terminal's job at once. The first SIGINT becomes a
 ``KeyboardInterrupt``; a second one, arriving while the first unwinds through collectives that
-its peers have left, is ignored, so the unwinding finishes and the step being saved is removed.
+its peers have left, is ignored, so the unwinding finishes: a synchronous save in progress is
+removed, an asynchronous one is drained (``BackgroundSaver.drain``).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def stop_at_first_sigint() -> None:
     signal.signal(signal.SIGINT, _on_sigint)
 
 
-def user_facing_line(error: BaseException) -> str | None:
+def _user_facing_line(error: BaseException) -> str | None:
     """The one line for a failure the user can act on (bad input, disk full, ...), or None: a
     collective broken by a peer, or a bug. (Saves already name a full disk with their path.)"""
     return str(error) if isinstance(error, (SeedckptError, OSError)) else None
@@ -69,7 +70,7 @@ def report_failure(error: BaseException, rank: int, interrupted_line: str) -> in
     stopped_by_ctrl_c = _sigint_seen or interrupted(error)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a late Ctrl-C must not cut the report short
     interrupted_report = f"train.py: {interrupted_line}"
-    user_line = None if stopped_by_ctrl_c else user_facing_line(error)
+    user_line = None if stopped_by_ctrl_c else _user_facing_line(error)
     broken = not stopped_by_ctrl_c and user_line is None and _peer_left(error)
     report = (interrupted_report if stopped_by_ctrl_c else f"train.py: error: {user_line}" if user_line is not None
               else _PEER_LEFT if broken else None)

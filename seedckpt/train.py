@@ -54,8 +54,8 @@ from seedckpt.finetune import osft_spec
 from seedckpt.init import RECIPE_VERSION
 from seedckpt.metrics import METRICS_FILE, MetricsLogger, flops_per_token, peak_memory_bytes, peak_tflops, utilization
 from seedckpt.osft import OSFTProjector
-from seedckpt.rank_failures import EXIT_ERROR, EXIT_INTERRUPTED, report_failure, stop_at_first_sigint
 from seedckpt.parallel import TiedEmbeddings, apply_activation_checkpointing, apply_compile, check_compile_supported
+from seedckpt.rank_failures import EXIT_ERROR, EXIT_INTERRUPTED, report_failure, stop_at_first_sigint
 from seedckpt.resolve import Run, resolve
 from seedckpt.stages import build_stages, plan_rank_stages, stage_ids_for_rank
 from seedckpt.start import changed_training_settings, check_resume_matches_osft, fallback_hint
