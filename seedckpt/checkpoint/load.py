@@ -8,6 +8,7 @@ only some rows of a checkpoint tensor that is not its own tensor or a DTensor sh
 from __future__ import annotations
 
 import contextlib
+import io
 import warnings
 from dataclasses import dataclass
 
@@ -17,10 +18,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
-from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint._traverse import set_element
 
 from seedckpt.checkpoint.manifest import TensorInfo, dtype_name
+from seedckpt.checkpoint.safe_pickle import load_plain_values
 from seedckpt.errors import SeedckptError, interrupted, write_failure
 from seedckpt.modules import local
 
@@ -96,7 +99,9 @@ def copy_shared(state_dict: dict, by_source: dict, shared: list[tuple[str, str]]
 
 
 class RowWindowLoadPlanner(DefaultLoadPlanner):
-    """DCP's load planner, plus ``RowWindow`` entries: those request only their rows."""
+    """DCP's load planner, plus ``RowWindow`` entries (those request only their rows), reading
+    non-tensor entries as plain values only (stock: ``torch.load(weights_only=False)``, which runs
+    whatever code a crafted entry holds)."""
 
     def __init__(self, state_dict: dict):
         super().__init__(allow_partial_load=False)
@@ -114,6 +119,10 @@ class RowWindowLoadPlanner(DefaultLoadPlanner):
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         window = self.windows.get(index.fqn)
         return window.dest if window is not None else super().lookup_tensor(index)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        set_element(self.original_state_dict, self.mappings[fqn], load_plain_values(value, fqn))
 
 
 def load_state(state_dict: dict, reader, where, no_dist: bool = False) -> None:

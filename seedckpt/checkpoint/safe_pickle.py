@@ -2,8 +2,10 @@
 
 DCP's ``.metadata`` is a raw pickle, and stock ``FileSystemReader.read_metadata`` would run
 arbitrary code from a crafted file. ``SafeFileSystemReader`` unpickles it with an exact allow-list
-of the classes DCP metadata consists of. (Tensor payloads are read either raw by
-``direct.DirectFileSystemReader`` or by DCP with ``torch.load(weights_only=True)``.)
+of the classes DCP metadata consists of. Tensor payloads are read either raw by
+``direct.DirectFileSystemReader`` or by DCP with ``torch.load(weights_only=True)``; the non-tensor
+entries of a training checkpoint (step, LR schedule, optimizer scalars), which stock DCP unpickles
+with every class allowed, go through ``load_plain_values`` instead.
 """
 
 from __future__ import annotations
@@ -67,6 +69,24 @@ def parse_dcp_metadata(data: bytes, path: Path) -> Metadata:
     return metadata
 
 
+def load_plain_values(data: io.BytesIO, what: str):
+    """A pickled non-tensor checkpoint entry, read by torch's weights-only unpickler: numbers,
+    strings, containers and tensors come back, anything that would run code is refused."""
+    try:
+        return torch.load(data, map_location="cpu", weights_only=True)
+    except Exception as e:  # UnpicklingError for a forbidden class; many types for damaged bytes
+        raise SeedckptError(f"{what} is not plain data ({unpickling_reason(e)}); the checkpoint is damaged or "
+                            "crafted and was not loaded -- restore it or write it again") from None
+
+
+def unpickling_reason(error: Exception) -> str:
+    """Why torch's weights-only unpickler refused something, in one line, without torch's advice to
+    load the file with every class allowed (which would run whatever the file holds)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    facts = [line for line in lines if "weights_only" not in line]
+    return (facts[0] if facts else f"{type(error).__name__}")[:300]
+
+
 def tensor_infos(metadata: Metadata) -> dict[str, TensorInfo]:
     """The tensors a DCP checkpoint stores, by stored key."""
     return {fqn: TensorInfo(tuple(md.size), md.properties.dtype)
@@ -80,6 +100,16 @@ class SafeFileSystemReader(FileSystemReader):
     def __init__(self, path, metadata: Metadata | None = None):
         super().__init__(path)
         self._known = metadata
+
+    def read_data(self, plan, planner):
+        """The stock read (tensors with ``torch.load(weights_only=True)``), with a refused pickle
+        reported as such, not with torch's advice to allow every class."""
+        try:
+            return super().read_data(plan, planner)
+        except pickle.UnpicklingError as e:
+            raise SeedckptError(f"{self.path}: a stored tensor is not plain data ({unpickling_reason(e)}); the "
+                                "checkpoint is damaged or crafted and was not loaded -- restore it or write it "
+                                "again") from None
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         metadata = self._known or read_dcp_metadata(Path(self._get_metadata_path(kwargs.get("rank"))))

@@ -77,11 +77,26 @@ class DcpCheckpoint(Checkpoint):
         self.raw_items = raw if isinstance(raw, dict) else {}
         # Keys whose bytes another key stores: read (and checked) through that key only, once.
         self.shared = _shared_bytes(self.metadata)
+        if self.checksums is not None:
+            self._refuse_unchecked_items()
         self.aliases.update({ours.get(k, k): ours.get(source, source) for k, source in self.shared.items()})
         self.alias_tied(dict(self.all_tensors))  # tied checkpoints written before .metadata recorded the alias
         for fqn, source in self.aliases.items():
             self.stored[fqn] = self.stored.get(source, source)
             self.all_tensors[fqn] = self.all_tensors[source]
+
+    def _refuse_unchecked_items(self) -> None:
+        """Every item ``.metadata`` points to must be one the manifest records a checksum for, with
+        the same length: an item added or stretched after the write (a crafted training-state
+        entry) is refused before any of its bytes are read, whether or not reads are checked."""
+        items = self.checksums.items
+        unchecked = [f"{_describe(index)} in {info.relative_path}"
+                     for index, info in self.metadata.storage_data.items() if index.fqn not in self.shared
+                     and getattr(items.get((info.relative_path, info.offset)), "length", None) != info.length]
+        if unchecked:
+            raise SeedckptError(f"{self.path}: {len(unchecked)} item(s) of .metadata have no checksum recorded in "
+                                f"the manifest, e.g. {', '.join(unchecked[:3])}; they were not written with this "
+                                "checkpoint (it was altered or crafted) -- restore it or write it again")
 
     def tensors(self) -> dict[str, TensorInfo]:
         return self.all_tensors
@@ -120,10 +135,8 @@ class DcpCheckpoint(Checkpoint):
         problems found, each naming the tensor (or entry) and the file. ``on_bytes``: progress."""
         if self.checksums is None:
             return []
-        owned = {index: info for index, info in self.metadata.storage_data.items() if index.fqn not in self.shared}
-        names = {(info.relative_path, info.offset): index for index, info in owned.items()}
-        problems = [f"{_describe(index)}: no checksum recorded for it in {info.relative_path}"
-                    for index, info in owned.items() if (info.relative_path, info.offset) not in self.checksums.items]
+        names = {(info.relative_path, info.offset): index for index, info in self.metadata.storage_data.items()
+                 if index.fqn not in self.shared}
         fds = {file: os.open(data_file(self.path, file), os.O_RDONLY) for file in self.checksums.files}
 
         def check(item: ItemChecks) -> str | None:
@@ -136,7 +149,7 @@ class DcpCheckpoint(Checkpoint):
 
         try:
             with ThreadPoolExecutor(READ_THREADS) as pool:
-                problems += [p for p in pool.map(check, self.checksums.items.values()) if p]
+                problems = [p for p in pool.map(check, self.checksums.items.values()) if p]
         finally:
             for fd in fds.values():
                 os.close(fd)

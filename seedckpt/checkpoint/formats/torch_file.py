@@ -17,6 +17,7 @@ from seedckpt.checkpoint.base import Checkpoint, WriteJob, recorded_layout
 from seedckpt.checkpoint.formats.safetensors_file import MANIFEST_KEY, embedded_manifest
 from seedckpt.checkpoint.manifest import TensorInfo
 from seedckpt.checkpoint.model import ModelCodec, ModelLayout
+from seedckpt.checkpoint.safe_pickle import unpickling_reason
 from seedckpt.errors import SeedckptError
 
 OUR_NAMES = True
@@ -42,7 +43,7 @@ class TorchFile(Checkpoint):
             obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as e:  # torch raises many types for foreign or damaged files
             raise SeedckptError(f"{path} is not a supported checkpoint (DCP directory, HF directory, "
-                                f".safetensors or torch.save file): {e}") from None
+                                f".safetensors or torch.save file of tensors): {unpickling_reason(e)}") from None
         if isinstance(obj, dict) and isinstance(obj.get("model"), dict):
             obj = obj["model"]
         if not isinstance(obj, dict):
