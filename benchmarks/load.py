@@ -99,7 +99,7 @@ def make_stock(seed_dir: str, out: str) -> None:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from models.llama import Transformer
+    from models.llama3.model import Transformer
     from seedckpt.layouts import open_model_checkpoint
 
     seed = open_model_checkpoint(seed_dir)
@@ -117,7 +117,7 @@ def worker(opts: argparse.Namespace) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
 
-    from models.llama import Transformer
+    from models.llama3.model import Transformer
     from seedckpt.layouts import open_model_checkpoint
     from seedckpt.parallel import apply_fsdp
     from seedckpt.stages import build_stages, plan_rank_stages

@@ -96,7 +96,7 @@ def serial_svds(seed: str) -> dict[str, float]:
     """Seconds of ``decompose`` per target matrix, one process, one thread."""
     import torch
 
-    from models.llama import Transformer
+    from models.llama3.model import Transformer
     from seedckpt.layouts import open_model_checkpoint
     from seedckpt.osft import decompose, target_fqns
 
@@ -119,7 +119,7 @@ def device_svds(seed: str) -> list[dict]:
 
     import torch
 
-    from models.llama import Transformer
+    from models.llama3.model import Transformer
     from seedckpt.layouts import open_model_checkpoint
     from seedckpt.osft import decompose, target_fqns
 

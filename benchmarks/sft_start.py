@@ -43,8 +43,8 @@ def make_hf_dir(path: Path, flavor: str) -> None:
 
     import torch
 
-    from models.llama import LLAMA3_FLAVORS
-    from models.llama_hf import hf_config, to_hf_name
+    from models.llama3.args import LLAMA3_FLAVORS
+    from models.llama3.hf import hf_config, to_hf_name
     from seedckpt.checkpoint import TensorInfo, write_json_synced
     from seedckpt.checkpoint.formats.safetensors_file import write_safetensors
     from seedckpt.layouts import codec_for

@@ -104,14 +104,14 @@ def probe(opts, report: str) -> None:
     import torch
 
     from seedckpt.config import JobConfig
-    from seedckpt.metrics import flops_per_token, peak_tflops
+    from seedckpt.metrics import peak_tflops
 
     cuda = torch.cuda.is_available()
     opts = with_defaults(opts, "cuda" if cuda else "cpu")
     args = _model_args(opts)
-    spec = JobConfig().model_spec()
+    family = JobConfig().model_family()
     with torch.device("meta"):
-        n_params = sum(p.numel() for p in spec.model(args).parameters())  # tied: once
+        n_params = sum(p.numel() for p in family.model(args).parameters())  # tied: once
     device_name = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores)"
     peak = peak_tflops(device_name, opts.dtype) if cuda else None  # the trainer's table: never made up
     sections = {f.name: f.default_factory for f in dataclasses.fields(JobConfig)}
@@ -129,7 +129,7 @@ def probe(opts, report: str) -> None:
         "device": "cuda" if cuda else "cpu", "settings": {k: getattr(opts, k) for k in CPU_DEFAULTS},
         "device_name": device_name, "torch": torch.__version__, "keys": keys, "n_params": n_params,
         "peak_flops": None if peak is None else peak * 1e12,
-        "flops_per_token": flops_per_token(spec, args, opts.seq_len)})
+        "flops_per_token": family.flops_per_token(args, opts.seq_len)})
 
 
 def bare_loop(opts, variant: str, report: str) -> None:
@@ -157,12 +157,12 @@ def bare_loop(opts, variant: str, report: str) -> None:
     if variant == "hf":
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        from models.llama_hf import hf_config
+        from models.llama3.hf import hf_config
 
         hf = LlamaForCausalLM(LlamaConfig(**hf_config(args, torch.float32), attn_implementation="sdpa")).to(device)
         model, forward = hf, lambda tokens: hf(input_ids=tokens).logits
     else:
-        from models.llama import Transformer
+        from models.llama3.model import Transformer
 
         with torch.device(device):
             model = Transformer(args)  # nn.Linear's own init: the values do not matter here

@@ -5,8 +5,8 @@ or keys are errors (with a suggestion), so a typo never silently falls back to a
 are ``Literal`` fields checked as they are read; ranges are checked by each section's ``validate``
 once the file and every override are applied -- all before any process group exists.
 
-``[model]`` takes ``name`` and ``flavor`` plus any ``ModelArgs`` field (e.g. ``n_layers = 8``),
-which overrides the flavor -- handy for an 8B-shaped model with fewer layers.
+``[model]`` takes ``name`` and ``flavor`` plus any field of the family's args (e.g. ``n_layers =
+8``), which overrides the flavor -- handy for an 8B-shaped model with fewer layers.
 
 Every key carries a one-line doc (``option``); ``config_reference`` lists them all for ``--help``.
 ``load_config`` returns a frozen ``JobConfig``: the loader gathers and checks every value first and
@@ -31,8 +31,8 @@ from typing import Literal
 
 import torch
 
-from models.llama import ModelArgs
-from models.spec import MODELS, ModelSpec, model_spec
+from models.family import ModelFamily
+from models.registry import DEFAULT_FAMILY, FAMILIES, get_family
 from seedckpt.errors import SeedckptError
 
 if sys.version_info >= (3, 11):
@@ -70,7 +70,7 @@ def option(default, doc: str, *, toml_key: bool = True):
 
 
 def _flavor_names() -> str:
-    return "; ".join(f"{name}: {', '.join(spec.flavors)}" for name, spec in MODELS.items())
+    return "; ".join(f"{name}: {', '.join(family.flavors)}" for name, family in FAMILIES.items())
 
 
 @dataclass(frozen=True)
@@ -86,9 +86,9 @@ class Job:
 @dataclass(frozen=True)
 class Model:
     """the architecture; a new run's shape, checked against the checkpoint when fine-tuning"""
-    name: str = option("llama3", f"model family: {', '.join(MODELS)}")
+    name: str = option(DEFAULT_FAMILY, f"model family: {', '.join(FAMILIES)}")
     flavor: str = option("debug", f"preset shape of the family ({_flavor_names()})")
-    overrides: Mapping = option(types.MappingProxyType({}), "the ModelArgs fields set in [model], which "
+    overrides: Mapping = option(types.MappingProxyType({}), "the family's args fields set in [model], which "
                                                             "override the flavor's", toml_key=False)
     given: frozenset = option(frozenset(), "the [model] keys the user set (fine-tuning checks them against the "
                                            "pretrained checkpoint)", toml_key=False)
@@ -248,12 +248,12 @@ class Finetune:
     """start from pretrained weights instead of a seed"""
     mode: Literal["none", "sft", "osft"] = option("none", "none: pretraining; sft: full fine-tuning; osft: "
                                                           "orthogonal subspace fine-tuning")
-    pretrained: str = option("", "sft, osft: a DCP checkpoint of ours or a Hugging Face Llama directory")
+    pretrained: str = option("", "sft, osft: a DCP checkpoint of ours or a Hugging Face directory of model.name's "
+                                 "family")
     osft_unfreeze_rank_ratio: float = option(0.25, "osft: the trainable fraction of each target's rank")
-    osft_target_patterns: list = option([], 'osft: the block linears to train, by name suffix or regular '
-                                            'expression, e.g. '
-                                            '["attention.wq", "feed_forward.w1"] (empty: every attention and '
-                                            'feed-forward matrix)')
+    osft_target_patterns: list = option([], "osft: the block linears to train, by name suffix or regular "
+                                            "expression (empty: the family's defaults, every attention and "
+                                            "feed-forward matrix)")
 
     def validate(self) -> None:
         ratio = self.osft_unfreeze_rank_ratio
@@ -310,29 +310,29 @@ class JobConfig:
             raise SeedckptError(f"parallelism.fsdp_impl = 'manual' (one flat shard over plain data parallelism) "
                                 f"does not support {found}; set {fixes}, or use parallelism.fsdp_impl = 'fsdp2'")
 
-    def model_args(self) -> ModelArgs:
-        """The flavor's ModelArgs with the ``[model]`` overrides applied: the model this config
+    def model_args(self):
+        """The flavor's args with the ``[model]`` overrides applied: the model this config
         describes. A run's model is ``resolve``'s (fine-tuning takes the pretrained checkpoint's)."""
-        flavors = self.model_spec().flavors
+        flavors = self.model_family().flavors
         if self.model.flavor not in flavors:
             raise SeedckptError(f"unknown model.flavor {self.model.flavor!r} for {self.model.name}; "
                                 f"choose one of {sorted(flavors)}")
         base = flavors[self.model.flavor].to_dict()
         try:
-            return self.model_spec().args.from_dict({**base, **self.model.overrides})
+            return self.model_family().args.from_dict({**base, **self.model.overrides})
         except (TypeError, ValueError, ZeroDivisionError) as e:
             raise SeedckptError(f"invalid [model] settings: {e}") from None
 
-    def model_spec(self) -> ModelSpec:
-        """The spec of ``model.name``: its class, flavors and name adapters."""
+    def model_family(self) -> ModelFamily:
+        """The family of ``model.name``: its class, flavors, hooks and name adapters."""
         try:
-            return model_spec(self.model.name)
+            return get_family(self.model.name)
         except ValueError as e:
             raise SeedckptError(str(e)) from None
 
     def build_model(self):
         """The model ``model.name`` with ``model_args()`` (use under a device context)."""
-        return self.model_spec().model(self.model_args())
+        return self.model_family().model(self.model_args())
 
 
 def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -> JobConfig:
@@ -379,9 +379,11 @@ def config_reference(width: int = 100) -> str:
             lines.append(setting.ljust(column) + wrapped[0])
             lines += [" " * column + more for more in wrapped[1:]]
         if cls is Model:
-            lines += textwrap.wrap(f"and any {ModelArgs.__module__}.ModelArgs field, which replaces the flavor's "
-                                   f"value: {', '.join(f.name for f in dataclasses.fields(ModelArgs))}",
-                                   width=width, initial_indent="  ", subsequent_indent="    ")
+            for name, family in FAMILIES.items():
+                lines += textwrap.wrap(f"and for {name}, any {family.args.__module__}.{family.args.__name__} field, "
+                                       "which replaces the flavor's value: "
+                                       f"{', '.join(f.name for f in dataclasses.fields(family.args))}",
+                                       width=width, initial_indent="  ", subsequent_indent="    ")
     return "\n".join(lines)
 
 
@@ -444,28 +446,42 @@ class _Settings:
     def __init__(self):
         self.sections = _sections()
         self.values: dict[str, dict] = {section: {} for section in self.sections}
-        self.model_args: dict = {}  # ModelArgs fields set in [model]
+        self.model_args: dict = {}  # the family's args fields set in [model]: (value, source, from_text)
 
     def set(self, section: str, key: str, value, source: str, from_text: bool = False) -> None:
         if section not in self.sections:
             raise SeedckptError(f"{source}: unknown section [{section}]{_suggest(section, self.sections)}")
         cls = self.sections[section]
         keys = _toml_keys(cls)
-        if section == "model" and key not in keys:
-            arg_fields = {f.name: f for f in dataclasses.fields(ModelArgs)}
-            if key not in arg_fields:
-                raise SeedckptError(f"{source}: unknown key model.{key}{_suggest(key, {**keys, **arg_fields})}")
-            self.model_args[key] = _coerce(f"model.{key}", _field_type(ModelArgs, key), value, source, from_text)
+        if section == "model" and key not in keys:  # checked once model.name is known: build()
+            self.model_args[key] = (value, source, from_text)
             return
         if key not in keys:
             raise SeedckptError(f"{source}: unknown key {section}.{key}{_suggest(key, keys)}")
         self.values[section][key] = _coerce(f"{section}.{key}", _field_type(cls, key), value, source, from_text)
 
     def build(self) -> JobConfig:
-        model = {**self.values["model"], "overrides": types.MappingProxyType(dict(self.model_args)),
+        model = {**self.values["model"], "overrides": types.MappingProxyType(self._model_args()),
                  "given": frozenset(self.values["model"]) | frozenset(self.model_args)}
         return JobConfig(**{section: cls(**(model if section == "model" else self.values[section]))
                             for section, cls in self.sections.items()})
+
+
+    def _model_args(self) -> dict:
+        """The ``[model]`` keys that are fields of ``model.name``'s args, each typed."""
+        name = self.values["model"].get("name", Model.name)
+        try:
+            args = get_family(name).args
+        except ValueError as e:
+            raise SeedckptError(str(e)) from None
+        fields = {f.name: f for f in dataclasses.fields(args)}
+        typed = {}
+        for key, (value, source, from_text) in self.model_args.items():
+            if key not in fields:
+                choices = {**_toml_keys(Model), **fields}
+                raise SeedckptError(f"{source}: unknown key model.{key}{_suggest(key, choices)}")
+            typed[key] = _coerce(f"model.{key}", _field_type(args, key), value, source, from_text)
+        return typed
 
 
 def _sections() -> dict[str, type]:

@@ -22,10 +22,12 @@ from pathlib import Path
 
 import torch
 
+from models.family import ModelFamily
 from seedckpt.checkpoint import FORMATS, Checkpoint, TensorInfo, WriteJob, dtype_name, make_manifest
 from seedckpt.config import DTYPES
 from seedckpt.errors import SeedckptError
-from seedckpt.layouts import DEFAULT_MODEL, codec_for, open_model_checkpoint
+from models.registry import DEFAULT_FAMILY
+from seedckpt.layouts import codec_for, open_model_checkpoint
 from seedckpt.osft import DenseOSFT, manifest_osft
 from seedckpt.progress import Progress
 
@@ -41,19 +43,15 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * base ** " KMGT".index(m.group(2).upper() or " "))
 
 
-def _ordered(fqns) -> list[str]:
-    """Embedding, layers in numeric order, norm, output -- the order HF files and readers expect."""
-    def key(fqn: str):
-        parts = fqn.split(".")
-        if parts[0] == "layers":
-            return (1, int(parts[1]), fqn)
-        return (0 if parts[0] == "tok_embeddings" else 2, 0, fqn)
-    return sorted(fqns, key=key)
+def _ordered(fqns, family: ModelFamily) -> list[str]:
+    """Embedding, blocks in numeric order, final norm and output -- the order HF files and readers
+    expect."""
+    return sorted(fqns, key=lambda fqn: (*family.position(fqn), fqn))
 
 
 def convert(src: str | Path, dst: str | Path, to: str, dtype: str | None = None, max_shard_size: str = "5GB",
             force: bool = False, progress: bool = True, args=None, dense: bool = False, verify: bool = True,
-            model: str = DEFAULT_MODEL) -> Path:
+            model: str = DEFAULT_FAMILY) -> Path:
     """Convert ``src`` (any supported format) into ``dst`` as ``to``; returns ``dst``. An OSFT run's
     checkpoint keeps its factors unless ``dense`` (or the target has no place for them): then each
     target becomes its dense weight, for the next task of a continual-learning sequence. ``verify``:
@@ -79,7 +77,7 @@ def convert(src: str | Path, dst: str | Path, to: str, dtype: str | None = None,
     if not source.infos:
         raise SeedckptError(f"{src} holds no model tensors")
     cast = DTYPES[dtype] if dtype else None
-    infos = {f: TensorInfo(source.infos[f].shape, cast or source.infos[f].dtype) for f in _ordered(source.infos)}
+    infos = {f: TensorInfo(source.infos[f].shape, cast or source.infos[f].dtype) for f in _ordered(source.infos, codec.family)}
     tied = source.layout.aliases if target.TIED_STORED_ONCE else {}  # stored once, as HF and our DCP store it
     for fqn in tied:
         infos.pop(fqn, None)
@@ -132,15 +130,16 @@ def _comparable(sides: list[Checkpoint], paths, codec) -> tuple[list[Checkpoint]
 
 
 def diff(a: str | Path, b: str | Path, atol: float = 0.0, args=None, verify: bool = True,
-         model: str = DEFAULT_MODEL) -> tuple[bool, list[str]]:
+         model: str = DEFAULT_FAMILY) -> tuple[bool, list[str]]:
     """Compare two checkpoints of any formats tensor by tensor; ``(equal, report lines)``. With
     ``atol`` above 0 values are compared after casting to the wider dtype and a dtype mismatch alone
     is no difference (a bf16 export can equal its fp32 source within ``atol``); with ``atol`` 0 it is one."""
     opened = [open_model_checkpoint(path, args, verify=verify, model=model) for path in (a, b)]
-    (left, right), lines = _comparable(opened, (a, b), codec_for(model))
+    codec = codec_for(model)
+    (left, right), lines = _comparable(opened, (a, b), codec)
     equal = True
     casts = Counter()  # (left dtype, right dtype) -> tensors compared after casting
-    for fqn in _ordered(set(left.infos) | set(right.infos)):
+    for fqn in _ordered(set(left.infos) | set(right.infos), codec.family):
         if fqn not in right.infos or fqn not in left.infos:
             lines.append(f"{fqn}: only in {a if fqn in left.infos else b}")
             equal = False

@@ -1,12 +1,12 @@
 """Fine-tuning set-up: the model's shape comes from the pretrained checkpoint, its vocabulary from
 the tokenizer.
 
-SFT and OSFT start from ``finetune.pretrained`` -- a DCP checkpoint of ours or a Hugging Face Llama
-directory -- through the same ``build_stages`` path as pretraining: every rank reads only its
+SFT and OSFT start from ``finetune.pretrained`` -- a DCP checkpoint of ours or a Hugging Face
+directory of the family -- through the same ``build_stages`` path as pretraining: every rank reads only its
 stage's tensors (and its rows under FSDP), nobody holds the whole model. This module only decides
 *which* model that is, before any process group or allocation:
 
-* ``ModelArgs`` are read from the checkpoint (``seedckpt.json`` or ``config.json``). A ``[model]``
+* The model's args are read from the checkpoint (``seedckpt.json`` or ``config.json``). A ``[model]``
   key the user set that contradicts them is an error naming both values -- never silently ignored.
 * Vocabulary alignment (Mini Trainer's rule): a tokenizer with more tokens than the checkpoint's
   vocabulary grows the embedding and the output projection to the next multiple of 8 (the new
@@ -20,12 +20,10 @@ from pathlib import Path
 
 import torch
 
-from models.llama import ModelArgs, RopeScaling
 from seedckpt.config import JobConfig
 from seedckpt.errors import SeedckptError
 from seedckpt.layouts import open_model_checkpoint
-from seedckpt.osft import (DEFAULT_TARGETS, OSFTSpec, describe_targets, manifest_osft,
-                           pattern_matches, target_fqns)
+from seedckpt.osft import OSFTSpec, describe_targets, manifest_osft, pattern_matches, target_fqns
 from seedckpt.tokenizer import load_tokenizer
 
 VOCAB_MULTIPLE = 8
@@ -38,11 +36,12 @@ def aligned_vocab_size(checkpoint_vocab: int, tokenizer_vocab: int) -> int:
     return -(-tokenizer_vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 
-def pretrained_args(path: str) -> ModelArgs:
+def pretrained_args(cfg: JobConfig):
+    path = cfg.finetune.pretrained
     if not Path(path).exists():
         raise SeedckptError(f"finetune.pretrained {path} does not exist; give a DCP checkpoint directory or a "
-                            "Hugging Face Llama directory (config.json + *.safetensors)")
-    checkpoint = open_model_checkpoint(path)
+                            "Hugging Face directory (config.json + *.safetensors)")
+    checkpoint = open_model_checkpoint(path, model=cfg.model.name)
     if manifest_osft(checkpoint.manifest) is not None:
         raise SeedckptError(f"finetune.pretrained {path} holds an OSFT run's SVD factors, not dense weights; "
                             f"for the next task export it first: seedckpt convert {path} DENSE_DIR --to dcp --dense "
@@ -50,29 +49,27 @@ def pretrained_args(path: str) -> ModelArgs:
     return checkpoint.require_args()
 
 
-def check_model_section(cfg: JobConfig, args: ModelArgs, where: str) -> None:
+def check_model_section(cfg: JobConfig, args, where: str) -> None:
     """Every ``[model]`` key the user set must agree with the pretrained checkpoint."""
-    model = cfg.model
+    model, family = cfg.model, cfg.model_family()
     conflicts = []
     if "flavor" in model.given:
-        flavor = cfg.model_spec().flavors.get(model.flavor)
-        if flavor is None:
-            raise SeedckptError(f"unknown model.flavor {model.flavor!r}")
         # The flavor as the [model] overrides shape it (an 8B flavor with n_layers = 2 is fine).
-        flavor = dataclasses.replace(flavor, **{k: _as_args_value(k, v) for k, v in model.overrides.items()})
+        flavor = cfg.model_args()
         conflicts += [f"model.flavor = {model.flavor!r} has {f} = {getattr(flavor, f)!r}, the checkpoint "
-                      f"{getattr(args, f)!r}" for f in cfg.model_spec().shape_fields
+                      f"{getattr(args, f)!r}" for f in family.shape_fields
                       if getattr(flavor, f) != getattr(args, f)]
+    # Each override as the args hold it (a rope_scaling table becomes the family's dataclass).
+    try:
+        overridden = family.args.from_dict({**args.to_dict(), **model.overrides})
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise SeedckptError(f"[model] keys {sorted(model.overrides)} do not fit finetune.pretrained {where} ({e}); "
+                            "the model comes from the pretrained checkpoint: remove them") from None
     conflicts += [f"model.{key} = {value!r}, the checkpoint has {getattr(args, key)!r}"
-                  for key, value in model.overrides.items() if _as_args_value(key, value) != getattr(args, key)]
+                  for key, value in model.overrides.items() if getattr(overridden, key) != getattr(args, key)]
     if conflicts:
         raise SeedckptError(f"[model] contradicts finetune.pretrained {where}: {'; '.join(conflicts)}. The model "
                             "comes from the pretrained checkpoint: remove these [model] keys or make them match")
-
-
-def _as_args_value(key: str, value):
-    """A ``[model]`` override as ModelArgs holds it (a rope_scaling table becomes ``RopeScaling``)."""
-    return RopeScaling(**value) if key == "rope_scaling" and isinstance(value, dict) else value
 
 
 def osft_spec(cfg: JobConfig) -> OSFTSpec | None:
@@ -81,30 +78,32 @@ def osft_spec(cfg: JobConfig) -> OSFTSpec | None:
     ft = cfg.finetune
     if ft.mode != "osft":
         return None
-    return OSFTSpec(ft.osft_unfreeze_rank_ratio, tuple(ft.osft_target_patterns) or DEFAULT_TARGETS)
+    return OSFTSpec(ft.osft_unfreeze_rank_ratio, tuple(ft.osft_target_patterns) or cfg.model_family().osft_targets)
 
 
-def check_osft_settings(cfg: JobConfig, args: ModelArgs) -> str:
+def check_osft_settings(cfg: JobConfig, args) -> str:
     """The ratio is a fraction and every pattern names some of the model's linear layers (one that
     matches nothing is a typo: training would silently leave that layer dense). Returns the log
     line that lists the targets."""
-    ft = cfg.finetune
+    ft, family = cfg.finetune, cfg.model_family()
     patterns = ft.osft_target_patterns
+    examples = ", ".join(f'"{p}"' for p in family.osft_targets[:2])
     if not isinstance(patterns, list) or not all(isinstance(p, str) and p for p in patterns):
         raise SeedckptError(f"finetune.osft_target_patterns = {patterns!r}: give a list of names such as "
-                            "[\"attention.wq\", \"feed_forward.w1\"] (empty: the default targets)")
+                            f"[{examples}] (empty: the default targets)")
+    patterns = patterns or list(family.osft_targets)
     with torch.device("meta"):
-        model = cfg.model_spec().model(args)
+        model = family.model(args)
     unmatched = [p for p, fqns in pattern_matches(model, patterns).items() if not fqns]
     if unmatched:
         raise SeedckptError(f"finetune.osft_target_patterns: {', '.join(map(repr, unmatched))} "
                             f"match{'es' * (len(unmatched) == 1)} no linear layer inside the model's blocks; fix or "
                             f"remove {'it' if len(unmatched) == 1 else 'them'} (names end like "
-                            f"{', '.join(DEFAULT_TARGETS[:3])} ...)")
+                            f"{', '.join(family.osft_targets[:3])} ...)")
     return describe_targets(model, target_fqns(model, patterns), ft.osft_unfreeze_rank_ratio)  # checks the ratio
 
 
-def finetune_model(cfg: JobConfig) -> tuple[ModelArgs, tuple[str, ...]] | None:
+def finetune_model(cfg: JobConfig) -> tuple[object, tuple[str, ...]] | None:
     """Validate ``[finetune]``; the pretrained model's args, its vocabulary grown to fit
     ``data.tokenizer``, and lines for the run log (None for pretraining). Reads only metadata, so
     it runs before any process group: a bad set-up fails at once, with one line."""
@@ -116,7 +115,7 @@ def finetune_model(cfg: JobConfig) -> tuple[ModelArgs, tuple[str, ...]] | None:
     if not ft.pretrained:
         raise SeedckptError(f"finetune.mode = {ft.mode!r} needs finetune.pretrained (a DCP checkpoint or an HF "
                             "directory), e.g. --finetune.pretrained path/to/Llama-3.2-1B")
-    args = pretrained_args(ft.pretrained)
+    args = pretrained_args(cfg)
     check_model_section(cfg, args, ft.pretrained)
     targets = check_osft_settings(cfg, args) if ft.mode == "osft" else None
     vocab = f"vocabulary {args.vocab_size}"

@@ -69,7 +69,7 @@ class InitSpec:
     """One tensor's recipe: ``normal`` / ``trunc_normal`` (N(0, std^2), cut at +-cutoff*std) / ``ones``.
 
     ``key``: the FQN whose values the tensor takes when not its own (a tied output projection on
-    the last pipeline stage is drawn as ``tok_embeddings.weight``)."""
+    the last pipeline stage is drawn under the embedding's FQN)."""
 
     kind: str
     std: float = 1.0

@@ -1,7 +1,7 @@
 """The model a checkpoint holds, described to the checkpoint layer.
 
 The checkpoint layer knows no model (``seedckpt.checkpoint.model``). This module describes one to
-it from the model spec (``models.spec``: class, tied weights, HF and torchtitan names) and, for an
+it from the model family (``models.family``: class, tied weights, HF and torchtitan names) and, for an
 OSFT run's checkpoint, from the OSFT settings its manifest records (those targets hold SVD factors
 instead of a weight). Every command and the stage builder open checkpoints through
 ``open_model_checkpoint``.
@@ -13,71 +13,71 @@ from pathlib import Path
 
 import torch
 
-from models.spec import MODELS, ModelSpec, model_spec
+from models.family import ModelFamily
+from models.registry import DEFAULT_FAMILY, FAMILIES, family_of, get_family
 from seedckpt.checkpoint import Checkpoint, ModelLayout, open_checkpoint
 from seedckpt.checkpoint.manifest import manifest_flavor, manifest_model
 from seedckpt.errors import SeedckptError
 from seedckpt.osft import OSFTSpec, convert_to_osft, manifest_osft
 
-DEFAULT_MODEL = "llama3"
 
 
-class SpecCodec:
-    """A model spec as the checkpoint layer's ``ModelCodec``."""
+class FamilyCodec:
+    """A model family as the checkpoint layer's ``ModelCodec``."""
 
-    def __init__(self, spec: ModelSpec):
-        self.spec = spec
-        self.renamings = spec.renamings
+    def __init__(self, family: ModelFamily):
+        self.family = family
+        self.renamings = family.renamings
 
     def layout(self, args, osft: OSFTSpec | None = None) -> ModelLayout:
         """The tensors ``args`` describes (built on ``meta``: nothing allocated); with ``osft``, its
         targets hold SVD factors instead of a weight."""
         with torch.device("meta"):
-            model = self.spec.model(args)
+            model = self.family.model(args)
             if osft is not None:
                 convert_to_osft(model, osft.patterns, osft.ratio)
             shapes = {fqn: tuple(t.shape) for fqn, t in model.state_dict().items()}
-        return ModelLayout(args, args.to_dict(), shapes, self.spec.tied_weights(args), self.spec.flavor_of(args))
+        return ModelLayout(args, args.to_dict(), shapes, self.family.tied_weights(args), self.family.flavor_of(args))
 
     def recorded_layout(self, manifest: dict) -> ModelLayout | None:
         model = manifest_model(manifest, "the manifest")
         if model is None:
             return None
         try:
-            args = self.spec.args.from_dict(model["args"])
+            args = self.family.args.from_dict(model["args"])
         except (TypeError, ValueError, ZeroDivisionError) as e:
-            raise ValueError(f"its model args do not describe a {self.spec.name} model: {e!r}") from None
+            raise ValueError(f"its model args do not describe a {self.family.name} model: {e!r}") from None
         return self.layout(args, manifest_osft(manifest))
 
     def hf_layout(self, config: dict) -> ModelLayout:
-        return self.layout(self.spec.args_from_hf_config(config))
+        return self.layout(self.family.hf.args_from_config(config))
 
     def hf_names(self, layout: ModelLayout):
-        return self.spec.hf_names(layout.args)
+        return self.family.hf.names(layout.args)
 
     def hf_config(self, layout: ModelLayout, dtype: torch.dtype) -> dict:
-        return self.spec.hf_config(layout.args, dtype)
+        return self.family.hf.config(layout.args, dtype)
 
 
-CODECS = {name: SpecCodec(spec) for name, spec in MODELS.items()}
+CODECS = {name: FamilyCodec(family) for name, family in FAMILIES.items()}
 
 
-def codec_for(name: str = DEFAULT_MODEL) -> SpecCodec:
+def codec_for(name: str = DEFAULT_FAMILY) -> FamilyCodec:
     try:
-        return CODECS[model_spec(name).name]
+        return CODECS[get_family(name).name]
     except ValueError as e:
         raise SeedckptError(str(e)) from None
 
 
 def open_model_checkpoint(path: str | Path, args=None, complete: bool = True, verify: bool = True,
-                          model: str = DEFAULT_MODEL) -> Checkpoint:
+                          model: str = DEFAULT_FAMILY) -> Checkpoint:
     """``open_checkpoint`` for a ``model`` checkpoint: the model it records is read, and ``args``
     describes the model where it records none (a foreign DCP checkpoint, a torch.save file)."""
     codec = codec_for(model)
     return open_checkpoint(path, codec, codec.layout(args) if args is not None else None, complete, verify)
 
 
-def check_args_match(checkpoint: Checkpoint, args, grow_vocab: bool = False, model: str = DEFAULT_MODEL) -> None:
+def check_args_match(checkpoint: Checkpoint, args, grow_vocab: bool = False) -> None:
     """Fail (before any allocation) if ``args`` (from a config) does not describe the model the
     checkpoint records: the fields that decide tensor shapes must agree (with ``grow_vocab``,
     ``args`` may have more vocabulary rows). A checkpoint that records no model is checked tensor
@@ -86,7 +86,7 @@ def check_args_match(checkpoint: Checkpoint, args, grow_vocab: bool = False, mod
         return
     saved = checkpoint.recorded.args
     diffs = [f"{f}: checkpoint {getattr(saved, f)!r}, config {getattr(args, f)!r}"
-             for f in codec_for(model).spec.shape_fields if getattr(saved, f) != getattr(args, f)
+             for f in family_of(args).shape_fields if getattr(saved, f) != getattr(args, f)
              and not (f == "vocab_size" and grow_vocab and saved.vocab_size < args.vocab_size)]
     if diffs:
         flavor = manifest_flavor(checkpoint.manifest)

@@ -12,7 +12,7 @@ The scheme (its memory is ZeRO stage 1's rather than FSDP's -- see the limits be
 
 * **Flatten.** Every parameter of the module, in ``named_parameters()`` order, is laid end to end in
   one vector padded to a multiple of the DP world size. ``named_parameters()`` yields a tied matrix
-  (``tok_embeddings.weight`` is ``output.weight``) once, under its first name, so it is stored and
+  (the input embedding is the output projection) once, under its first name, so it is stored and
   stepped once, exactly as FSDP2 does.
 * **Shard.** Rank ``r`` of ``W`` keeps elements ``[r S, (r + 1) S)`` of that vector as one fp32
   ``nn.Parameter`` (``shard``). It is the only thing the optimizer sees, so AdamW's moments are

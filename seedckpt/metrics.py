@@ -1,7 +1,7 @@
 """Per-step telemetry: a readable progress line, ``metrics.jsonl`` and optional TensorBoard.
 
 On a GPU the rows also carry model FLOPs utilization, torchtitan's way: ``tflops`` is the model's
-FLOPs per token (``flops_per_token``) times the global tokens per second, divided by the number
+FLOPs per token (its family's ``flops_per_token``) times the global tokens per second, divided by the number
 of GPUs; ``mfu_pct`` is that against the GPU's dense peak for the parameter dtype
 (``peak_tflops``). It counts the model's math only -- no recomputation (activation checkpointing),
 no attention masking savings -- so runs with different settings compare on the work they do for
@@ -52,17 +52,6 @@ def peak_tflops(device_name: str, param_dtype: str, tf32: bool = False) -> float
         if all(word in device_name for word in words):
             return peaks[unit]
     return None
-
-
-def flops_per_token(spec, args, seq_len: int) -> int:
-    """Training FLOPs per token of a Llama-shaped model ``spec.model(args)``, torchtitan's formula:
-    6·N for the weight matmuls forward and backward (N: the parameters, counted on ``meta``, so a
-    tied matrix once), plus 12·L·H·Q·T for attention's two T-long matmuls per head (L layers, H heads
-    of dimension Q, sequence length T). An untied embedding is a lookup, not a matmul, so counting it
-    overcounts (about 6 % for Llama-3.1-8B at T = 2048); published MFU figures share the convention."""
-    with torch.device("meta"):
-        num_params = sum(p.numel() for p in spec.model(args).parameters())  # parameters() yields a shared one once
-    return 6 * num_params + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
 
 
 def utilization(flops_per_token: int, tokens_per_s: float, num_gpus: int, peak: float | None) -> dict:

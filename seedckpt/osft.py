@@ -8,7 +8,7 @@ Rank rule (Mini Trainer's rounding, kept so results compare): with r = min(m, n)
 ``osft_unfreeze_rank_ratio``, k = floor(r * (1 - ratio)) triplets are frozen, at most r - 1 (one
 direction always trains); the other r - k train.
 
-Stored factors, by FQN under the target module (e.g. ``layers.0.attention.wq.U_high``):
+Stored factors, by FQN under the target module (e.g. ``layers.0.<the block's linear>.U_high``):
 
 ==========  ============  =========================================
 ``U_high``  m x k         left singular vectors, frozen
@@ -47,19 +47,20 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from models.family import BLOCKS
+from models.registry import family_of
 from seedckpt.checkpoint import Checkpoint, ModelLayout, TensorInfo
 from seedckpt.errors import SeedckptError
 from seedckpt.modules import copy_full_into
 
-DEFAULT_TARGETS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
-                   "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
 FROZEN = ("U_high", "S_high", "V_high")
 TRAINABLE = ("U_low", "S_low", "V_low")
 
 
 @dataclass(frozen=True)
 class OSFTSpec:
-    """``[finetune]``'s OSFT settings: the trainable fraction of each target's rank and the targets."""
+    """``[finetune]``'s OSFT settings: the trainable fraction of each target's rank and the targets
+    (empty: the model family's default targets)."""
 
     ratio: float
     patterns: tuple[str, ...] = ()
@@ -90,12 +91,12 @@ def frozen_rank(m: int, n: int, ratio: float) -> int:
 
 
 def pattern_matches(module: nn.Module, patterns: Iterable[str]) -> dict[str, list[str]]:
-    """Each of ``patterns`` (the default targets when empty) -> the FQNs of the ``nn.Linear``
-    modules inside the transformer blocks (``layers.*``) it selects: those whose name ends with it (a
-    dotted suffix such as ``attention.wq``) or that it matches whole (a regular expression). The
+    """Each of ``patterns`` (the model family's default targets when empty) -> the FQNs of the
+    ``nn.Linear`` modules inside the transformer blocks it selects: those whose name ends with it (a
+    dotted suffix of its name) or that it matches whole (a regular expression). The
     output projection is never a target: its rows follow the vocabulary (which fine-tuning may grow)
     and a tied one is the embedding."""
-    patterns = list(patterns) or list(DEFAULT_TARGETS)
+    patterns = list(patterns) or list(family_of(module.args).osft_targets)
     try:
         compiled = [re.compile(p) for p in patterns]
     except re.error as e:
@@ -103,7 +104,7 @@ def pattern_matches(module: nn.Module, patterns: Iterable[str]) -> dict[str, lis
                             f"({e})") from None
     found: dict[str, list[str]] = {p: [] for p in patterns}
     for name, child in module.named_modules():
-        if isinstance(child, nn.Linear) and name.startswith("layers."):
+        if isinstance(child, nn.Linear) and name.startswith(BLOCKS + "."):
             for p, c in zip(patterns, compiled):
                 if name.endswith("." + p) or c.fullmatch(name):
                     found[p].append(name)
@@ -122,7 +123,7 @@ def describe_targets(module: nn.Module, fqns: list[str], ratio: float) -> str:
     groups: dict[tuple[str, int, int], int] = {}
     for fqn in fqns:
         m, n = module.get_submodule(fqn).weight.shape
-        key = (fqn.split(".", 2)[2], m, n)  # layers.<i>.<name in the block>
+        key = (fqn.split(".", 2)[2], m, n)  # <blocks>.<i>.<name in the block>
         groups[key] = groups.get(key, 0) + 1
     parts = [f"{name} {m}x{n} k={frozen_rank(m, n, ratio)} in {count} block{'s' * (count != 1)}"
              for (name, m, n), count in groups.items()]

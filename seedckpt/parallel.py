@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
+from models.registry import family_of
 from seedckpt.config import JobConfig
 from seedckpt.errors import SeedckptError
 from seedckpt.modules import local
@@ -121,7 +122,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int) -> N
     """
     if mode == "none":
         return
-    for layer_id, block in model.layers.items():
+    for layer_id, block in family_of(model.args).blocks(model).items():
         if mode == "full" or int(layer_id) % every == 0:
             checkpoint(block)
 
@@ -149,7 +150,7 @@ def apply_compile(model: nn.Module) -> None:
     torchtitan's wrapper-based AC lets choose what to save. ``fullgraph=True``: a graph break would
     silently run pieces of the block in eager; it is an error at the first step instead.
     """
-    for block in model.layers.values():
+    for block in family_of(model.args).blocks(model).values():
         block.forward = torch.compile(block.forward, fullgraph=True)
 
 
@@ -180,7 +181,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
                reshard_after_forward: bool) -> None:
     """``fully_shard`` each transformer block, then the root (embeddings, norm, output)."""
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    for block in model.layers.values():
+    for block in family_of(model.args).blocks(model).values():
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
 
@@ -193,8 +194,8 @@ def reshard_after_forward(policy: str, pp: int) -> bool:
 class TiedEmbeddings:
     """Tied input embedding and output projection when a pipeline puts them on different stages.
 
-    Megatron's scheme: the first stage's ``tok_embeddings.weight`` and the last stage's
-    ``output.weight`` are two copies, loaded with the same values; after every backward both get
+    Megatron's scheme: the first stage's input embedding and the last stage's output projection
+    (the family's tied pair) are two copies, loaded with the same values; after every backward both get
     the *sum* of their gradients (all-reduced between the two pipeline ranks of the same data-
     parallel coordinate, or added locally when one rank holds both stages, as V schedules do), so
     identical AdamW steps keep them bitwise equal. ``duplicates`` (the output copies) are left out
@@ -203,9 +204,9 @@ class TiedEmbeddings:
     """
 
     def __init__(self, modules, specs, mesh: DeviceMesh, pp_degree: int, stage_owner):
-        self.copies = ([m.tok_embeddings.weight for m, s in zip(modules, specs) if s.is_first]
-                       + [m.output.weight for m, s in zip(modules, specs) if s.is_last])
-        self.duplicates = [m.output.weight for m, s in zip(modules, specs) if s.is_last]
+        [(output, embedding)] = family_of(modules[0].args).tied_weights(modules[0].args).items()
+        self.duplicates = [m.get_parameter(output) for m, s in zip(modules, specs) if s.is_last]
+        self.copies = [m.get_parameter(embedding) for m, s in zip(modules, specs) if s.is_first] + self.duplicates
         num_stages = specs[0].num_stages
         first, last = stage_owner(0), stage_owner(num_stages - 1)
         self.group = None

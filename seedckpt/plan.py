@@ -1,8 +1,8 @@
 """Where every parameter goes, computed on ``meta``: per stage and per rank, no allocation.
 
 The full model is built once on ``meta`` (free even for 405B) and each tensor is attributed to the
-stage that owns it: ``tok_embeddings`` to the first stage, ``norm``/``output`` to the last,
-``layers.i`` to the stage whose layers include ``i``.
+stage that owns it, as the model's family says: the embedding to the first stage, the final norm
+and output to the last, block ``i`` to the stage whose layers include ``i``.
 """
 
 from __future__ import annotations
@@ -64,18 +64,12 @@ def make_plan(run: Run) -> dict:
     owner = {s: r for r in range(pp)
              for s in stage_ids_for_rank(r, pp, per_rank, par.pipeline_parallel_schedule)}
     with torch.device("meta"):
-        model = run.spec.model(args)
+        model = run.family.model(args)
     stage_of_layer = {i: s for s, ids in enumerate(layers) for i in ids}
     counts = [0] * num_stages
     nbytes = [0] * num_stages
     for fqn, t in state_tensors(model).items():
-        top = fqn.split(".")[0]
-        if top == "layers":
-            stage = stage_of_layer[int(fqn.split(".")[1])]
-        elif top == "tok_embeddings":
-            stage = 0
-        else:
-            stage = num_stages - 1
+        stage = run.family.stage_of(fqn, stage_of_layer, num_stages)
         counts[stage] += t.numel()
         nbytes[stage] += t.numel() * t.element_size()
     stages = [StagePlan(s, owner[s], list(layers[s]), s == 0, s == num_stages - 1, counts[s], nbytes[s])

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from models.spec import ModelSpec
+from models.family import ModelFamily
 from seedckpt.config import JobConfig
 from seedckpt.errors import SeedckptError
 from seedckpt.finetune import finetune_model
@@ -25,13 +25,13 @@ from seedckpt.start import Start, find_start
 
 @dataclass(frozen=True)
 class Run:
-    """A config resolved: the model (spec and args), the parallel layout, the device type every rank
+    """A config resolved: the model (family and args), the parallel layout, the device type every rank
     trains on and, for a training run, where it starts. ``notes``: lines for the run log (the
     fine-tuned model's shape)."""
 
     cfg: JobConfig
-    spec: ModelSpec
-    args: object  # the spec's args: the flavor and [model] keys, or the pretrained checkpoint's
+    family: ModelFamily
+    args: object  # the family's args: the flavor and [model] keys, or the pretrained checkpoint's
     dims: ParallelDims
     device: str  # "cuda" (rank i of a machine on cuda:i, nccl) or "cpu" (gloo)
     start: Start | None = None
@@ -81,4 +81,4 @@ def resolve(cfg: JobConfig, world_size: int, local_world_size: int | None = None
     if local_world_size is None:
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     device = choose_device(cfg.job.device, local_world_size, torch.cuda.device_count())
-    return Run(cfg, cfg.model_spec(), args, dims, device, notes=notes)
+    return Run(cfg, cfg.model_family(), args, dims, device, notes=notes)

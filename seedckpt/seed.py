@@ -90,7 +90,7 @@ def create_seed_checkpoint(cfg: JobConfig, output: str | os.PathLike, seed: int,
     torch_dtype = DTYPES[dtype]
     run = resolve(cfg, default_world_size(cfg), local_world_size=0)
     with torch.device("meta"):
-        model = run.spec.model(run.args)
+        model = run.family.model(run.args)
     specs = init_model(model, seed, materialize=False)
     state = {fqn: torch.empty(t.shape, dtype=torch_dtype, device="meta")
              for fqn, t in state_tensors(model).items()}
@@ -123,7 +123,7 @@ def create_seed_checkpoint(cfg: JobConfig, output: str | os.PathLike, seed: int,
         path = write_checkpoint(output, state, manifest, force=force,
                                 planner=LazySavePlanner(produce, lambda shape: block_rows(shape, target), pool),
                                 lookahead=1, parallel_files=workers, resolvers=1,
-                                aliases=run.spec.tied_weights(run.args))
+                                aliases=run.family.tied_weights(run.args))
     finally:
         if collecting:
             gc.enable()

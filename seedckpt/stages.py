@@ -1,8 +1,9 @@
 """Pipeline stages: which layers a stage owns, and building a stage from a checkpoint.
 
-A stage is the full model built on ``meta`` with every layer it does not own deleted (``layers``
-is an ``nn.ModuleDict``, so surviving layers keep their FQNs) and ``tok_embeddings`` / ``norm`` /
-``output`` set to ``None`` where another stage owns them. Then, in order:
+A stage is the full model built on ``meta`` with every block it does not own deleted (the blocks
+are an ``nn.ModuleDict``, so surviving ones keep their FQNs) and the top-level modules of the other
+end(s) of the pipeline (the embedding, the final norm and output: the family says which) set to
+``None``. Then, in order:
 
 1. optional FSDP2 sharding (``shard_fn``), still on ``meta``: nothing is allocated yet;
 2. ``to_empty`` on the target device, and every floating tensor is poisoned with NaN;
@@ -30,8 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from models.llama import ModelArgs
-from models.spec import LLAMA3, ModelSpec
+from models.registry import family_of
 from seedckpt.checkpoint import Checkpoint, RowWindow
 from seedckpt.errors import SeedckptError
 from seedckpt.init import init_model
@@ -41,8 +41,6 @@ from seedckpt.osft import FROZEN, TRAINABLE, OSFTSpec, convert_to_osft, fill_fac
 
 # Schedules whose stages are placed in a "V": rank r holds stages r and 2*pp - 1 - r.
 V_SCHEDULES = {"ZBVZeroBubble", "DualPipeV"}
-# Tensors with one row per vocabulary entry.
-VOCAB_FQNS = ("tok_embeddings.weight", "output.weight")
 
 
 @dataclass(frozen=True)
@@ -114,7 +112,7 @@ def stage_ids_for_rank(pp_rank: int, pp_degree: int, stages_per_rank: int, sched
     return [pp_rank + k * pp_degree for k in range(stages_per_rank)]
 
 
-def plan_rank_stages(args: ModelArgs, pp_rank: int, pp_degree: int, stages_per_rank: int = 1,
+def plan_rank_stages(args, pp_rank: int, pp_degree: int, stages_per_rank: int = 1,
                      schedule: str = "1F1B", split_points: Sequence[str | int] = ()) -> list[StageSpec]:
     num_stages = pp_degree * stages_per_rank
     layers = split_layers(args.n_layers, num_stages, split_points)
@@ -122,20 +120,12 @@ def plan_rank_stages(args: ModelArgs, pp_rank: int, pp_degree: int, stages_per_r
             for s in stage_ids_for_rank(pp_rank, pp_degree, stages_per_rank, schedule)]
 
 
-def build_stage_model(args: ModelArgs, spec: StageSpec, model_spec: ModelSpec = LLAMA3) -> nn.Module:
-    """The stage's part of the model, on ``meta`` (nothing allocated)."""
+def build_stage_model(args, spec: StageSpec) -> nn.Module:
+    """The stage's part of the model ``args`` describes, on ``meta`` (nothing allocated)."""
+    family = family_of(args)
     with torch.device("meta"):
-        model = model_spec.model(args)
-    owned = {str(i) for i in spec.layers}
-    for name in list(model.layers):
-        if name not in owned:
-            del model.layers[name]
-    if not spec.is_first:
-        model.tok_embeddings = None
-    if not spec.is_last:
-        model.norm = None
-        model.output = None
-    return model
+        model = family.model(args)
+    return family.prune(model, spec.layers, spec.is_first, spec.is_last)
 
 
 def materialize(modules: Sequence[nn.Module], device: torch.device | str) -> None:
@@ -206,15 +196,14 @@ def _has_nan(t: torch.Tensor) -> bool:
     return bool(low.isnan() or high.isnan())
 
 
-def build_stages(args: ModelArgs, specs: Sequence[StageSpec], device: torch.device | str,
+def build_stages(args, specs: Sequence[StageSpec], device: torch.device | str,
                  checkpoint: str | Path | Checkpoint | None = None, seed: int | None = None,
                  shard_fn: Callable[[nn.Module], None] | None = None, grow_vocab: bool = False,
-                 osft: OSFTSpec | None = None, stage_group=None, verify: bool = True,
-                 model_spec: ModelSpec = LLAMA3) -> list[nn.Module]:
+                 osft: OSFTSpec | None = None, stage_group=None, verify: bool = True) -> list[nn.Module]:
     """Build this rank's stage modules and give every tensor a value.
 
     Exactly one of ``checkpoint`` (load by FQN, the normal path: a DCP checkpoint or a Hugging Face
-    Llama directory; a path, or a ``Checkpoint`` already opened as below, as the trainer's start is)
+    directory of the family; a path, or a ``Checkpoint`` already opened as below, as the trainer's start is)
     or ``seed`` (direct per-rank init, bitwise equal to loading the seed made with that seed) must
     be given. The checkpoint is checked against ``args`` before anything is
     allocated. ``shard_fn`` (e.g. activation checkpointing + FSDP2) is applied on ``meta``.
@@ -237,10 +226,10 @@ def build_stages(args: ModelArgs, specs: Sequence[StageSpec], device: torch.devi
         reader = checkpoint
     else:
         reader = open_model_checkpoint(checkpoint, None if grow_vocab else args, complete=False, verify=verify,
-                                       model=model_spec.name)
+                                       model=family_of(args).name)
     if reader is not None:
-        check_args_match(reader, args, grow_vocab, model_spec.name)
-    modules = [build_stage_model(args, spec, model_spec) for spec in specs]
+        check_args_match(reader, args, grow_vocab)
+    modules = [build_stage_model(args, spec) for spec in specs]
     targets = {}  # OSFT: FQN -> OSFTLinear
     if osft is not None:
         for module in modules:
@@ -258,8 +247,9 @@ def build_stages(args: ModelArgs, specs: Sequence[StageSpec], device: torch.devi
         for fqn in decompose:  # their factors come from the dense weights, after the load below
             for name in FROZEN + TRAINABLE:
                 del state[f"{fqn}.{name}"]
-        old_vocab = reader.tensors()["tok_embeddings.weight"].shape[0] if grow_vocab else args.vocab_size
-        grown = {fqn: state.pop(fqn) for fqn in VOCAB_FQNS if fqn in state and old_vocab < args.vocab_size}
+        vocab_fqns = family_of(args).vocab_fqns
+        old_vocab = reader.tensors()[vocab_fqns[0]].shape[0] if grow_vocab else args.vocab_size
+        grown = {fqn: state.pop(fqn) for fqn in vocab_fqns if fqn in state and old_vocab < args.vocab_size}
         for fqn, tensor in grown.items():
             window = _checkpoint_rows(tensor, old_vocab)
             if window is not None:  # else this shard holds only new rows

@@ -52,7 +52,7 @@ from seedckpt.datasets import make_dataset
 from seedckpt.errors import SeedckptError
 from seedckpt.finetune import osft_spec
 from seedckpt.init import RECIPE_VERSION
-from seedckpt.metrics import METRICS_FILE, MetricsLogger, flops_per_token, peak_memory_bytes, peak_tflops, utilization
+from seedckpt.metrics import METRICS_FILE, MetricsLogger, peak_memory_bytes, peak_tflops, utilization
 from seedckpt.osft import OSFTProjector
 from seedckpt.parallel import TiedEmbeddings, apply_activation_checkpointing, apply_compile, check_compile_supported
 from seedckpt.rank_failures import EXIT_ERROR, EXIT_INTERRUPTED, report_failure, stop_at_first_sigint
@@ -142,7 +142,7 @@ class Trainer:
                                         seed=train.seed if start.checkpoint is None else None,
                                         shard_fn=self._parallelize, grow_vocab=start.pretrained, osft=self.osft,
                                         stage_group=self.data_parallel.stage_group() if self.osft is not None else None,
-                                        verify=cfg.checkpoint.verify_checksums, model_spec=run.spec)
+                                        verify=cfg.checkpoint.verify_checksums)
             self.data_parallel.wrap_loaded(self.modules)
             self.tied = self._tie_across_stages()
             # OSFT: gradients and trainable factors stay orthogonal to the frozen singular subspaces.
@@ -160,7 +160,7 @@ class Trainer:
         # Clipped: the gradients of what the optimizers step (frozen parameters have none).
         self.params = [p for i in range(len(self.modules)) for p in self.data_parallel.parameters(i)]
         # MFU (metrics): the model's FLOPs per token, against this GPU's peak; no peak on a CPU.
-        self.flops_per_token = flops_per_token(run.spec, self.args, train.seq_len)
+        self.flops_per_token = run.family.flops_per_token(self.args, train.seq_len)
         self.peak_tflops = (peak_tflops(torch.cuda.get_device_name(self.device), train.mixed_precision_param,
                                         tf32=torch.get_float32_matmul_precision() != "highest")
                             if self.device.type == "cuda" else None)

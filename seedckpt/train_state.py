@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from models.llama import ModelArgs
 from seedckpt.checkpoint import TOKENIZER_DIR, Checkpoint, make_manifest, step_dir, write_checkpoint
 from seedckpt.checkpoint.background import BackgroundSaver
 from seedckpt.checkpoint.manifest import OPTIMIZER_PREFIX, RNG_PREFIX, TRAIN_STATE_KEY
@@ -64,7 +63,7 @@ class TrainState:
     """One optimizer and LR schedule per stage module, over what ``data_parallel`` has them step;
     ``step`` is the last completed optimizer step (the trainer advances it)."""
 
-    def __init__(self, cfg: JobConfig, args: ModelArgs, modules: list[nn.Module], data_parallel: DataParallel,
+    def __init__(self, cfg: JobConfig, args, modules: list[nn.Module], data_parallel: DataParallel,
                  step: int, global_batch: int, osft: OSFTSpec | None = None):
         self.cfg, self.args, self.osft = cfg, args, osft
         self.modules, self.data_parallel = modules, data_parallel
@@ -123,7 +122,7 @@ class TrainState:
         cfg = self.cfg
         # A tied output is the embedding's matrix (across pipeline stages, a copy kept bitwise equal
         # to it: ``parallel.TiedEmbeddings``), so it is stored once, as the embedding.
-        tied = cfg.model_spec().tied_weights(self.args)
+        tied = cfg.model_family().tied_weights(self.args)
         state = {fqn: t for fqn, t in state.items() if fqn not in tied}
         state.update(self._training_state())
         ft, tokenizer = cfg.finetune, cfg.data.tokenizer

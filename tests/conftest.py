@@ -67,7 +67,7 @@ def check_tied_stock_load(path) -> None:
     """A tied checkpoint stores the matrix once, and ``.metadata`` records ``output.weight`` at the
     embedding's bytes: stock ``dcp.load`` fills a tied model's ``state_dict()`` and an untied-shaped
     one (two tensors) with our reader's values, bitwise; the manifest counts the matrix once."""
-    from models.llama import Transformer
+    from models.llama3.model import Transformer
     from seedckpt.layouts import open_model_checkpoint
 
     checkpoint = open_model_checkpoint(path)

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.llama import ModelArgs, Transformer
+from models.llama3.args import ModelArgs
+from models.llama3.model import Transformer
 from seedckpt.chat import ChatData, render_with_mask
 from seedckpt.config import Data
 from seedckpt.data import IGNORE_INDEX

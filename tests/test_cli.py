@@ -40,7 +40,7 @@ def test_inspect_text(debug_seed, capsys):
 
 
 def test_inspect_counts_a_tied_matrix_once(tied_seed, capsys):
-    from models.llama import Transformer
+    from models.llama3.model import Transformer
     from tests.conftest import tiny_config
 
     cfg = tiny_config("--model.tie_word_embeddings", "true")
@@ -132,7 +132,7 @@ def _listed_config_keys(help_text: str) -> dict[str, set[str]]:
                                             (["train.py"], "examples:")], ids=["seedckpt", "train.py"])
 def test_help_lists_every_config_key(command, epilog):
     """Listed from the dataclasses: a key added to a section shows up, and needs a doc (test_config)."""
-    from models.llama import ModelArgs
+    from models.llama3.args import ModelArgs
     from seedckpt.config import JobConfig
 
     proc = subprocess.run([sys.executable, *command, "--help"], cwd=REPO, capture_output=True, text=True,

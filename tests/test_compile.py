@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from models.llama import Transformer
+from models.llama3.model import Transformer
 from seedckpt.errors import SeedckptError
 from seedckpt.init import init_model
 from seedckpt.osft import convert_to_osft, decompose

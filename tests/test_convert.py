@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.llama_hf import permute_from_hf, permute_to_hf
+from models.llama3.hf import permute_from_hf, permute_to_hf
 from seedckpt.cli import main
 from seedckpt.config import load_config
 from seedckpt.convert import convert, diff
@@ -325,7 +325,7 @@ def test_torchtitan_03_checkpoints_load_convert_and_are_written(tmp_path, debug_
     import torch.distributed.checkpoint as dcp
 
     from seedckpt.checkpoint import DcpCheckpoint
-    from models.llama_torchtitan import to_torchtitan_name
+    from models.llama3.torchtitan import to_torchtitan_name
 
     titan = {to_torchtitan_name(k): v for k, v in stock_load(debug_seed).items()}
     assert {"lm_head.weight", "layers.0.attention.qkv_linear.wq.weight"} <= set(titan)

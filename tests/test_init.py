@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from models.llama import Transformer
+from models.llama3.model import Transformer
 from seedckpt.init import CHUNK_NUMEL, Initializer, InitSpec, chunk_generator, generate, generate_flat, init_model
 from seedckpt.stages import StageSpec, build_stage_model
 from tests.conftest import tiny_config

@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 
-from models.llama import LLAMA3_FLAVORS
-from models.spec import LLAMA3
-from seedckpt.metrics import flops_per_token, format_step, peak_tflops, utilization
+from models.llama3.args import LLAMA3_FLAVORS
+from models.llama3 import LLAMA3
+from seedckpt.metrics import format_step, peak_tflops, utilization
 
 ONE_B = LLAMA3_FLAVORS["1B"]
 
@@ -17,15 +17,15 @@ ONE_B = LLAMA3_FLAVORS["1B"]
 def test_llama_3_2_1b_at_2048_tokens_is_8_2_gflop_per_token():
     """N = 1,235,814,400 (Llama-3.2-1B's 1.24 B, the tied embedding once); 16 layers, 32 heads of 64."""
     assert (ONE_B.n_layers, ONE_B.n_heads, ONE_B.head_dim, ONE_B.tie_word_embeddings) == (16, 32, 64, True)
-    flops = flops_per_token(LLAMA3, ONE_B, 2048)
+    flops = LLAMA3.flops_per_token(ONE_B, 2048)
     assert flops == 6 * 1_235_814_400 + 12 * 16 * 32 * 64 * 2048
     assert round(flops / 1e9, 1) == 8.2
 
 
 def test_a_tied_matrix_counts_once_and_attention_grows_with_the_sequence():
     untied = dataclasses.replace(ONE_B, tie_word_embeddings=False)
-    assert flops_per_token(LLAMA3, untied, 2048) - flops_per_token(LLAMA3, ONE_B, 2048) == 6 * 128256 * 2048
-    assert flops_per_token(LLAMA3, ONE_B, 4096) - flops_per_token(LLAMA3, ONE_B, 2048) == 12 * 16 * 32 * 64 * 2048
+    assert LLAMA3.flops_per_token(untied, 2048) - LLAMA3.flops_per_token(ONE_B, 2048) == 6 * 128256 * 2048
+    assert LLAMA3.flops_per_token(ONE_B, 4096) - LLAMA3.flops_per_token(ONE_B, 2048) == 12 * 16 * 32 * 64 * 2048
 
 
 @pytest.mark.parametrize("name,dtype,tf32,peak", [
@@ -51,7 +51,7 @@ def test_peak_by_device_name_and_parameter_dtype(name, dtype, tf32, peak):
 def test_utilization_per_gpu_and_nothing_without_a_peak():
     """8.2 GFLOP/token x 40 k tokens/s on one H100 SXM: 329 TFLOP/s, a third of its 989.5 peak; the
     same tokens over 4 GPUs is a quarter of that per GPU."""
-    flops = flops_per_token(LLAMA3, ONE_B, 2048)
+    flops = LLAMA3.flops_per_token(ONE_B, 2048)
     one = utilization(flops, 40_000.0, 1, 989.5)
     assert one["tflops"] == pytest.approx(flops * 40_000 / 1e12)
     assert one["mfu_pct"] == pytest.approx(100 * one["tflops"] / 989.5) and 30 < one["mfu_pct"] < 35

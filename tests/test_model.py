@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from models.llama import LLAMA3_FLAVORS, ModelArgs, RopeScaling, Transformer, rope_frequencies
+from models.llama3.args import LLAMA3_FLAVORS, ModelArgs, RopeScaling
+from models.llama3.model import Transformer, rope_frequencies
 from seedckpt.init import init_model
 from tests.conftest import tiny_config
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from models.llama3 import LLAMA3
 from seedckpt.errors import SeedckptError
 from seedckpt.init import init_model
-from seedckpt.osft import (DEFAULT_TARGETS, FROZEN, TRAINABLE, OSFTLinear, OSFTProjector, convert_to_osft, decompose,
+from seedckpt.osft import (FROZEN, TRAINABLE, OSFTLinear, OSFTProjector, convert_to_osft, decompose,
                            frozen_rank, target_fqns)
 from tests.conftest import tiny_config
 
@@ -40,7 +41,7 @@ def test_split_reconstructs_the_matrix_with_orthonormal_factors_and_fixed_signs(
 def _dense_and_osft(ratio: float = 0.25, seed: int = 0, device: str = "cpu"):
     """The dense model and its OSFT twin (the split computed on the CPU), the twin on ``device``."""
     args = tiny_config("--model.n_layers", "2").model_args()
-    from models.llama import Transformer
+    from models.llama3.model import Transformer
 
     dense = Transformer(args)
     init_model(dense, seed)
@@ -83,7 +84,7 @@ def test_every_target_pattern_must_match_and_the_start_log_lists_the_targets(deb
 
 def test_default_targets_are_the_attention_and_ffn_projections():
     args, dense, osft, targets = _dense_and_osft()
-    assert len(targets) == 2 * len(DEFAULT_TARGETS)
+    assert len(targets) == 2 * len(LLAMA3.osft_targets)
     assert all(isinstance(osft.get_submodule(t), OSFTLinear) for t in targets)
     assert target_fqns(dense, ["attention.wq"]) == ["layers.0.attention.wq", "layers.1.attention.wq"]
     names = {n for n, _ in osft.named_parameters()}

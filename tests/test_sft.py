@@ -15,7 +15,7 @@ import torch
 
 from seedckpt.convert import convert
 from seedckpt.layouts import open_model_checkpoint
-from models.llama_hf import from_hf_name
+from models.llama3.hf import from_hf_name
 from seedckpt.stages import build_stages, plan_rank_stages
 from tests.dist import run_distributed
 from tests.tokenizers import build_tiny_tokenizer, make_chats

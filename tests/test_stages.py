@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from models.llama import Transformer
+from models.llama3.model import Transformer
 from seedckpt.checkpoint.direct import DirectFileSystemReader
 from seedckpt.errors import SeedckptError
 from seedckpt.seed import create_seed_checkpoint

@@ -1,8 +1,8 @@
 """Hugging Face model directories: ``config.json`` + ``*.safetensors`` (+ index).
 
 The model's HF names and row order come from the caller's codec (``codec.hf_names``): names are
-mapped to ours and permuted rows (Llama's q/k RoPE heads) put back in our order. A tied model (no
-``lm_head.weight``) gives ``output.weight`` the embedding. ``load`` goes through DCP's
+mapped to ours and permuted rows (e.g. q/k RoPE heads) put back in our order. A tied model (no
+separate output head in the files) gives the tied FQN its source's tensor. ``load`` goes through DCP's
 ``HuggingFaceStorageReader`` (reading rows with ``direct.DirectHFReader``), so each rank reads
 only its tensors and rows. ``write`` streams ``model-0000k-of-0000n.safetensors`` shards of at
 most ``shard_bytes``, the index and a ``config.json`` that ``transformers`` loads; the tokenizer
@@ -29,7 +29,7 @@ from seedckpt.errors import SeedckptError
 from seedckpt.modules import local, local_rows
 
 OUR_NAMES = False  # only the model's dense tensors have HF names
-TIED_STORED_ONCE = True  # as HF stores a tied model: no lm_head.weight
+TIED_STORED_ONCE = True  # as HF stores a tied model: no separate output head
 
 
 def detect(path: Path) -> bool:

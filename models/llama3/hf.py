@@ -17,7 +17,8 @@ import re
 
 import torch
 
-from models.llama import LLAMA3_FLAVORS, ModelArgs, RopeScaling, flavor_of
+from models.family import matching_flavor
+from models.llama3.args import LLAMA3_FLAVORS, SHAPE_FIELDS, ModelArgs, RopeScaling
 
 _LAYER = {
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -154,7 +155,7 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
         raise ValueError(f"config.json lacks {e.args[0]!r}; is it a Llama config?") from None
     if args.ffn_hidden_dim != hidden:
         raise ValueError(f"cannot express intermediate_size={hidden} for hidden_size={dim}")
-    name = flavor_of(args)
+    name = matching_flavor(LLAMA3_FLAVORS, SHAPE_FIELDS, args)
     if name is None:
         return args
     canonical = LLAMA3_FLAVORS[name]  # prefer the canonical spelling of a known shape

@@ -1,7 +1,7 @@
 """Llama-3 / 3.1 decoder (RMSNorm, RoPE with optional 3.1 scaling, GQA, SwiGLU).
 
 Names follow Meta's and torchtitan <= 0.2's layout (``tok_embeddings``, ``layers.{i}.attention.wq``
-...); torchtitan 0.3's renamed ones are mapped by ``models.llama_torchtitan``, never changed here. RoPE
+...); torchtitan 0.3's renamed ones are mapped by ``models.llama3.torchtitan``, never changed here. RoPE
 uses Meta's interleaved-pair convention (HF conversion therefore permutes ``wq``/``wk``).
 
 The model is *pipeline friendly* (torchtitan's recipe): ``layers`` is an ``nn.ModuleDict`` keyed
@@ -25,7 +25,8 @@ recipe. ``init`` is any object with::
 ``trunc_normal_`` also takes ``key=FQN``: draw the values of the tensor named FQN (the copy of a
 tied matrix on another pipeline stage).
 
-(``seedckpt.init`` provides one that derives every tensor's values from (seed, FQN, recipe)).
+(The seed writer and the stage builder pass one that derives every tensor's values from (seed, FQN,
+recipe).)
 
 The recipe is torchtitan's Llama-3 distribution (depth-scaled output projections). torchtitan
 calls ``nn.init.trunc_normal_(w, std=...)`` for the hidden projections with that function's
@@ -51,122 +52,17 @@ exactly the buffers of the full model.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.llama3.args import ModelArgs
+
 
 # Absolute bound of ``nn.init.trunc_normal_``'s defaults (a=-2, b=2), which torchtitan keeps.
 TRUNC_BOUND = 2.0
-
-
-@dataclass
-class RopeScaling:
-    """Llama-3.1 frequency-dependent RoPE scaling (``rope_type="llama3"`` in HF)."""
-
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-
-@dataclass
-class ModelArgs:
-    dim: int = 4096
-    n_layers: int = 32
-    n_heads: int = 32
-    n_kv_heads: int | None = None
-    vocab_size: int = 128256
-    multiple_of: int = 256
-    ffn_dim_multiplier: float | None = None
-    norm_eps: float = 1e-5
-    rope_theta: float = 500000.0
-    rope_scaling: RopeScaling | None = None
-    max_seq_len: int = 8192
-    # One matrix for the input embedding and the output projection (Llama-3.2 1B/3B). When a
-    # pipeline puts them on different stages each holds a copy, kept equal by the trainer.
-    tie_word_embeddings: bool = False
-
-    def __post_init__(self):
-        if isinstance(self.rope_scaling, dict):
-            self.rope_scaling = RopeScaling(**self.rope_scaling)
-        if self.n_kv_heads is None:
-            self.n_kv_heads = self.n_heads
-        sizes = dict(dim=self.dim, n_layers=self.n_layers, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
-                     vocab_size=self.vocab_size, multiple_of=self.multiple_of, max_seq_len=self.max_seq_len)
-        if any(v < 1 for v in sizes.values()):
-            raise ValueError(f"sizes must be >= 1: {sizes}")
-        if self.dim % self.n_heads:
-            raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
-        if (self.dim // self.n_heads) % 2:
-            raise ValueError(f"head_dim={self.dim // self.n_heads} must be even for RoPE")
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
-    def ffn_hidden_dim(self) -> int:
-        """SwiGLU width: 2/3 of 4*dim, times the multiplier, rounded up to ``multiple_of``."""
-        hidden = int(2 * (4 * self.dim) / 3)
-        if self.ffn_dim_multiplier is not None:
-            hidden = int(self.ffn_dim_multiplier * hidden)
-        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "ModelArgs":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - names
-        if unknown:
-            raise ValueError(f"unknown ModelArgs fields {sorted(unknown)}; valid: {sorted(names)}")
-        return cls(**d)
-
-
-# ModelArgs fields that decide which tensors exist and their shapes: a config must agree with a
-# checkpoint on these (loading an untied checkpoint into a tied model would keep one of two matrices).
-SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden_dim", "tie_word_embeddings")
-
-_LLAMA31_ROPE = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
-_LLAMA32_ROPE = dict(_LLAMA31_ROPE, factor=32.0)
-
-# Shapes of the released Llama 3.x models (torchtitan's flavors, plus 1B/3B from Llama 3.2 and a
-# tiny CPU-friendly ``debug``). 1B and 3B tie the output to the embedding, as released.
-LLAMA3_FLAVORS: dict[str, ModelArgs] = {
-    "debug": ModelArgs(dim=128, n_layers=6, n_heads=8, n_kv_heads=4, vocab_size=512, multiple_of=32,
-                       rope_theta=10000.0, max_seq_len=512),
-    "1B": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5,
-                    multiple_of=256, rope_scaling=RopeScaling(**_LLAMA32_ROPE), max_seq_len=131072,
-                    tie_word_embeddings=True),
-    "3B": ModelArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0,
-                    multiple_of=256, rope_scaling=RopeScaling(**_LLAMA32_ROPE), max_seq_len=131072,
-                    tie_word_embeddings=True),
-    "8B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3,
-                    multiple_of=1024, rope_scaling=RopeScaling(**_LLAMA31_ROPE), max_seq_len=131072),
-    "70B": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3,
-                     multiple_of=4096, rope_scaling=RopeScaling(**_LLAMA31_ROPE), max_seq_len=131072),
-    "405B": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2,
-                      multiple_of=4096, rope_scaling=RopeScaling(**_LLAMA31_ROPE), max_seq_len=131072),
-}
-
-
-def tied_weights(args: ModelArgs) -> dict[str, str]:
-    """FQNs whose tensor is another's: ``{tied: source}`` (a tied output is the embedding)."""
-    return {"output.weight": "tok_embeddings.weight"} if args.tie_word_embeddings else {}
-
-
-def flavor_of(args: ModelArgs) -> str | None:
-    """The released flavor with these tensor shapes, if any."""
-    return next((name for name, flavor in LLAMA3_FLAVORS.items()
-                 if all(getattr(flavor, f) == getattr(args, f) for f in SHAPE_FIELDS)), None)
 
 
 def rope_frequencies(args: ModelArgs, device: torch.device | None = None) -> torch.Tensor:
@@ -249,11 +145,9 @@ class Attention(nn.Module):
         if freqs_cis.dim() == 2:
             freqs_cis = freqs_cis[:seqlen]  # sliced here, with the runtime sequence length
         q, k = apply_rotary_emb(q, freqs_cis), apply_rotary_emb(k, freqs_cis)
-        repeats = self.n_heads // self.n_kv_heads
-        k = k.repeat_interleave(repeats, dim=2)  # GQA: each kv head serves `repeats` q heads
-        v = v.repeat_interleave(repeats, dim=2)
+        # GQA: each kv head serves n_heads / n_kv_heads q heads, without copying K and V per q head.
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             attn_mask=mask, is_causal=mask is None)
+                                             attn_mask=mask, is_causal=mask is None, enable_gqa=True)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 

@@ -1,0 +1,27 @@
+"""The model families, by ``model.name``: one line per family.
+
+Every caller that builds a model or names its tensors asks the family it finds here
+(``models.family.ModelFamily``), so a new family is a folder under ``models/`` and one line below.
+"""
+
+from __future__ import annotations
+
+from models.family import ModelFamily
+from models.llama3 import LLAMA3
+
+FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (LLAMA3,)}
+DEFAULT_FAMILY = "llama3"  # the family of a config or a command that names none
+
+
+def get_family(name: str) -> ModelFamily:
+    if name not in FAMILIES:
+        raise ValueError(f"unknown model.name {name!r}; choose one of {sorted(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def family_of(args) -> ModelFamily:
+    """The family whose configuration ``args`` is (each family has its own args class)."""
+    for family in FAMILIES.values():
+        if type(args) is family.args:
+            return family
+    raise TypeError(f"{type(args).__name__} is not the args of any model family")
