@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test lint format bench clean
 
 install: $(STAMP)
 
@@ -49,8 +49,17 @@ demo: install
 	@echo "  OSFT checkpoints     $(DEMO)/osft/step-30, step-60 (SVD factors; osft_leak in $(DEMO)/osft/metrics.jsonl)"
 	@echo "  OSFT export (dense)  $(DEMO)/osft_hf"
 
-test: install
+test: install lint
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --durations=20 tests
+
+# ruff's lint rules and format (pyproject.toml); `make format` rewrites the tree in that format
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: install
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
 
 bench: install
 	$(BIN)/python benchmarks/seed.py

@@ -1,11 +1,11 @@
 """Create a seed checkpoint on CPU: same as `seedckpt seed`.
 
-    python create_seed_checkpoint.py --config configs/debug.toml --output seeds/debug
+python create_seed_checkpoint.py --config configs/debug.toml --output seeds/debug
 """
 
 import sys
 
-from seedckpt.cli import main
+from seedckpt.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main(["seed", *sys.argv[1:]]))

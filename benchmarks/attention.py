@@ -32,29 +32,33 @@ def run_variant(opts) -> dict:
     import torch.nn.functional as F
 
     sys.path.insert(0, str(ROOT))
+    from models.common.decoder import Attention, TransformerBlock, precompute_freqs_cis
     from models.llama3.args import LLAMA3_FLAVORS
-    from models.llama3.model import Attention, TransformerBlock, precompute_freqs_cis
 
     if opts.variant == "repeat_interleave":
+
         def forward(self, x, freqs_cis, mask=None):  # the attention before enable_gqa
-            from models.llama3.model import apply_rotary_emb
+            from models.common.decoder import apply_rotary_emb
+
             bsz, seqlen, _ = x.shape
-            q = self.wq(x).view(bsz, seqlen, self.n_heads, self.head_dim)
-            k = self.wk(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
-            v = self.wv(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
+            q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
+            k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
+            v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
             q, k = apply_rotary_emb(q, freqs_cis[:seqlen]), apply_rotary_emb(k, freqs_cis[:seqlen])
-            repeats = self.n_heads // self.n_kv_heads
+            repeats = q.shape[2] // k.shape[2]
             k, v = k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2)
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                 is_causal=True)
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+            )
             return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
         Attention.forward = forward
     device = torch.device(opts.device)
     dtype = getattr(torch, opts.dtype)
     args = LLAMA3_FLAVORS[opts.flavor]
     torch.manual_seed(0)
     block = TransformerBlock(0, args).to(device=device, dtype=dtype)
-    freqs_cis = precompute_freqs_cis(args, device)[:opts.seq_len]
+    freqs_cis = precompute_freqs_cis(args, device)[: opts.seq_len]
     x = torch.randn(opts.batch, opts.seq_len, args.dim, device=device, dtype=dtype, requires_grad=True)
 
     def step():
@@ -71,12 +75,23 @@ def run_variant(opts) -> dict:
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
-    peak = (torch.cuda.max_memory_allocated() if device.type == "cuda"
-            else (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) * 1024)
-    return {"variant": opts.variant, "flavor": opts.flavor, "device": opts.device, "dtype": opts.dtype,
-            "batch": opts.batch, "seq_len": opts.seq_len, "n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads,
-            "fwd_bwd_s": statistics.median(times),
-            ("peak_alloc_bytes" if device.type == "cuda" else "peak_rss_growth_bytes"): peak}
+    peak = (
+        torch.cuda.max_memory_allocated()
+        if device.type == "cuda"
+        else (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) * 1024
+    )
+    return {
+        "variant": opts.variant,
+        "flavor": opts.flavor,
+        "device": opts.device,
+        "dtype": opts.dtype,
+        "batch": opts.batch,
+        "seq_len": opts.seq_len,
+        "n_heads": args.n_heads,
+        "n_kv_heads": args.n_kv_heads,
+        "fwd_bwd_s": statistics.median(times),
+        ("peak_alloc_bytes" if device.type == "cuda" else "peak_rss_growth_bytes"): peak,
+    }
 
 
 def main() -> None:
@@ -93,16 +108,36 @@ def main() -> None:
         return
     results = {}
     for variant in VARIANTS:
-        cmd = [sys.executable, __file__, "--variant", variant, "--device", opts.device, "--dtype", opts.dtype,
-               "--batch", str(opts.batch), "--seq-len", str(opts.seq_len), "--repeats", str(opts.repeats),
-               "--flavor", opts.flavor]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--variant",
+            variant,
+            "--device",
+            opts.device,
+            "--dtype",
+            opts.dtype,
+            "--batch",
+            str(opts.batch),
+            "--seq-len",
+            str(opts.seq_len),
+            "--repeats",
+            str(opts.repeats),
+            "--flavor",
+            opts.flavor,
+        ]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ}).stdout
         results[variant] = json.loads(out.strip().splitlines()[-1])
         emit(results[variant])
     memory = next(k for k in results["enable_gqa"] if k.startswith("peak_"))
     base, new = results["repeat_interleave"], results["enable_gqa"]
-    emit({"comparison": "enable_gqa vs repeat_interleave", "speedup": base["fwd_bwd_s"] / new["fwd_bwd_s"],
-          f"{memory}_saved": base[memory] - new[memory]})
+    emit(
+        {
+            "comparison": "enable_gqa vs repeat_interleave",
+            "speedup": base["fwd_bwd_s"] / new["fwd_bwd_s"],
+            f"{memory}_saved": base[memory] - new[memory],
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -29,8 +29,9 @@ def parser(doc: str) -> argparse.ArgumentParser:
     """The options every benchmark takes: ``--flavor`` and ``--out-dir``."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--flavor", default="1B", help="Llama 3 flavor (default: 1B)")
-    p.add_argument("--out-dir", help="where checkpoints are written (default: a temp dir under /tmp, removed at "
-                                     "the end)")
+    p.add_argument(
+        "--out-dir", help="where checkpoints are written (default: a temp dir under /tmp, removed at the end)"
+    )
     return p
 
 
@@ -56,11 +57,18 @@ def measure(cmd: list[str], output: Path, **labels) -> dict:
     wall_s = time.perf_counter() - start
     if os.waitstatus_to_exitcode(status) != 0:
         raise subprocess.CalledProcessError(os.waitstatus_to_exitcode(status), cmd[:4])
-    written = sum(f.stat().st_size for f in output.rglob("*") if f.is_file()) if output.is_dir() else \
-        output.stat().st_size
-    return {**labels, "wall_s": wall_s, "peak_rss_gib": usage.ru_maxrss / 2**20,  # ru_maxrss: KiB on Linux
-            "bytes_written": written, "gb_per_s": written / wall_s / 1e9,
-            "cpu_count": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+    written = (
+        sum(f.stat().st_size for f in output.rglob("*") if f.is_file()) if output.is_dir() else output.stat().st_size
+    )
+    return {
+        **labels,
+        "wall_s": wall_s,
+        "peak_rss_gib": usage.ru_maxrss / 2**20,  # ru_maxrss: KiB on Linux
+        "bytes_written": written,
+        "gb_per_s": written / wall_s / 1e9,
+        "cpu_count": os.cpu_count(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+    }
 
 
 def disk_write_bandwidth(path: Path) -> float:
@@ -94,10 +102,22 @@ def torchrun(script: str, ranks: int, report: Path, *args: str) -> tuple[list[di
     (OMP_NUM_THREADS=1: the ranks share this machine's cores; THP_MEM_ALLOC_ENABLE=1 as ``train.py``
     sets it, for every method alike). Each rank writes its record with ``write_rank_report``;
     returns them by rank and the job's wall seconds (launch to exit)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-           str(script), "--report", str(report), *args]
-    wall = run_checked(cmd, f"the torchrun job `{Path(script).name} {' '.join(args[:2])}`",
-                       env={**os.environ, "OMP_NUM_THREADS": "1", "THP_MEM_ALLOC_ENABLE": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={ranks}",
+        str(script),
+        "--report",
+        str(report),
+        *args,
+    ]
+    wall = run_checked(
+        cmd,
+        f"the torchrun job `{Path(script).name} {' '.join(args[:2])}`",
+        env={**os.environ, "OMP_NUM_THREADS": "1", "THP_MEM_ALLOC_ENABLE": "1"},
+    )
     return [json.loads(Path(f"{report}.rank{rank}").read_text()) for rank in range(ranks)], wall
 
 

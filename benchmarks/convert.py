@@ -10,9 +10,9 @@ Setup (one ``setup_seed`` line, for reference): a float32 seed checkpoint of the
 Then four measurements, each printed as one JSON line on stdout:
 
 * ``cp``: the floor for copying the seed's bytes -- ``cp -r SEED CP_DIR``.
-* ``dcp_to_hf``: the product, ``python -m seedckpt.cli convert SEED HF_DIR --to hf --quiet``. Its
+* ``dcp_to_hf``: the product, ``python -m seedckpt.cli.main convert SEED HF_DIR --to hf --quiet``. Its
   line includes ``throughput_vs_cp`` (its GB/s over cp's).
-* ``hf_to_dcp``: the way back, ``python -m seedckpt.cli convert HF_DIR DCP_DIR --to dcp --quiet``.
+* ``hf_to_dcp``: the way back, ``python -m seedckpt.cli.main convert HF_DIR DCP_DIR --to dcp --quiet``.
 * ``format_utils``: stock ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save(SEED, FILE)``,
   which loads the whole model into memory before ``torch.save``. Skip it with ``--skip-format-utils``
   for flavors whose full model does not fit in RAM.
@@ -25,7 +25,7 @@ import torch: on Linux a child's ru_maxrss starts at its parent's peak RSS at sp
 parent's memory is recorded when the child execs), so a torch-laden parent would floor every reading.
 ``bytes_written`` sums the files in the output; ``gb_per_s`` is that over the wall time (GB = 1e9
 bytes). The convert lines also carry ``rss_bound_gib`` -- 2 x the largest tensor (sizes from the
-seed's ``seedckpt.json`` manifest) + 300 MiB, the "near two tensors" promise of ``seedckpt.convert``
+seed's ``seedckpt.json`` manifest) + 300 MiB, the "near two tensors" promise of ``seedckpt.cli.convert``
 -- and ``rss_within_bound``.
 
 A last line compares them: ``dcp_to_hf_throughput_vs_cp``, ``dcp_to_hf_rss_gib`` and
@@ -58,8 +58,11 @@ dcp_to_torch_save(sys.argv[1], sys.argv[2])
 
 def main() -> None:
     parser = common.parser(__doc__)
-    parser.add_argument("--skip-format-utils", action="store_true",
-                        help="do not run format_utils.dcp_to_torch_save (it holds the whole model in RAM)")
+    parser.add_argument(
+        "--skip-format-utils",
+        action="store_true",
+        help="do not run format_utils.dcp_to_torch_save (it holds the whole model in RAM)",
+    )
     opts = parser.parse_args()
     with output_dir(opts.out_dir, "seedckpt-convert-bench-") as out_dir:
         run_all(opts, out_dir)
@@ -73,12 +76,27 @@ def run_all(opts: argparse.Namespace, out_dir: Path) -> None:
         remove(output)
         return measure(cmd, output, **labels, impl=impl)
 
-    emit(run("setup_seed", seed_dir, [sys.executable, "create_seed_checkpoint.py", "--config", "configs/debug.toml",
-                                      "--model.flavor", opts.flavor, "--output", str(seed_dir), "--quiet"]))
+    emit(
+        run(
+            "setup_seed",
+            seed_dir,
+            [
+                sys.executable,
+                "create_seed_checkpoint.py",
+                "--config",
+                "configs/debug.toml",
+                "--model.flavor",
+                opts.flavor,
+                "--output",
+                str(seed_dir),
+                "--quiet",
+            ],
+        )
+    )
     bound = rss_bound_bytes(seed_dir)
     cp = run("cp", cp_dir, ["cp", "-r", str(seed_dir), str(cp_dir)])
     emit(cp)
-    cli = [sys.executable, "-m", "seedckpt.cli", "convert"]
+    cli = [sys.executable, "-m", "seedckpt.cli.main", "convert"]
     to_hf = run("dcp_to_hf", hf_dir, [*cli, str(seed_dir), str(hf_dir), "--to", "hf", "--quiet"])
     emit({**to_hf, **within(to_hf, bound), "throughput_vs_cp": to_hf["gb_per_s"] / cp["gb_per_s"]})
     to_dcp = run("hf_to_dcp", dcp_dir, [*cli, str(hf_dir), str(dcp_dir), "--to", "dcp", "--quiet"])
@@ -89,9 +107,14 @@ def run_all(opts: argparse.Namespace, out_dir: Path) -> None:
         fu_file = out_dir / "format_utils.pt"
         format_utils = run("format_utils", fu_file, [sys.executable, "-c", FORMAT_UTILS, str(seed_dir), str(fu_file)])
         emit(format_utils)
-    emit({**labels, "dcp_to_hf_throughput_vs_cp": to_hf["gb_per_s"] / cp["gb_per_s"],
-          "dcp_to_hf_rss_gib": to_hf["peak_rss_gib"],
-          "format_utils_rss_gib": format_utils["peak_rss_gib"] if format_utils else None})
+    emit(
+        {
+            **labels,
+            "dcp_to_hf_throughput_vs_cp": to_hf["gb_per_s"] / cp["gb_per_s"],
+            "dcp_to_hf_rss_gib": to_hf["peak_rss_gib"],
+            "format_utils_rss_gib": format_utils["peak_rss_gib"] if format_utils else None,
+        }
+    )
 
 
 def rss_bound_bytes(seed_dir: Path) -> int:

@@ -12,7 +12,7 @@ The seed checkpoint of ``--flavor`` (fp32) is made first with ``create_seed_chec
 method then loads those weights in its own ``torchrun --standalone --nproc-per-node RANKS`` job
 (CPU, gloo, OMP_NUM_THREADS=1; with ``--device cuda`` one GPU per rank, nccl) into the same model:
 Llama 3, fp32, FSDP2 ``fully_shard`` per block
-and root over a 1-D mesh of all ranks (dp_shard = RANKS, pp = 1; ``seedckpt.parallel.apply_fsdp``).
+and root over a 1-D mesh of all ranks (dp_shard = RANKS, pp = 1; ``seedckpt.parallel.parallelize.apply_fsdp``).
 
 * ``seedckpt``: ``build_stages(args, plan_rank_stages(args, 0, 1), "cpu", checkpoint=SEED,
   shard_fn=apply_fsdp)`` -- built on ``meta``, sharded, materialized; each rank reads only the rows
@@ -44,8 +44,8 @@ JSON lines on stdout (GB = 1e9 bytes, MiB = 2**20):
   ``/proc/self/io``, what came from the disk itself: proof the drop worked); ``fadvise`` and
   ``drop_caches``: whether each drop worked (cold lines carry them too).
 * one per (method, cache, rank): ``ready_s``, from just before building the model to the model
-  loaded on that rank (on CUDA: its copies done; ranks start together after a barrier; interpreter, imports and rendezvous
-  excluded); ``since_launch_s``, the same end from the job's launch (start-up included);
+  loaded on that rank (on CUDA: its copies done; ranks start together after a barrier; interpreter,
+  imports and rendezvous excluded); ``since_launch_s``, the same end from the job's launch (start-up included);
   ``read_mib``, ``rchar`` of ``/proc/self/io`` over the load (every byte the rank read with a
   syscall, page-cache hits included; ~0.6 MiB of it is Python source torch reads while sharding,
   which only matters for tiny flavors); ``disk_read_mib``, ``read_bytes`` over the load (after
@@ -56,7 +56,8 @@ JSON lines on stdout (GB = 1e9 bytes, MiB = 2**20):
   owned: a rank reads what it owns, not the model); ``within_rss_target`` (peak RSS <= 1.3 x owned
   + 300 MiB: no rank ever holds the full model).
 * one per (method, cache) with ``summary``: ``ready_s`` (the slowest rank), ``job_wall_s`` (the
-  torchrun job from launch to exit), ``gb_per_s`` (every rank's owned bytes / ``ready_s``), ``max_peak_rss_mib``, ``max_read_mib``, ``total_read_mib``,
+  torchrun job from launch to exit), ``gb_per_s`` (every rank's owned bytes / ``ready_s``),
+  ``max_peak_rss_mib``, ``max_read_mib``, ``total_read_mib``,
   ``total_disk_read_mib``, ``checkpoint_mib`` (the checkpoint's files), ``all_within_read_target``,
   ``all_within_rss_target``; warm: ``within_wall_target`` (ready_s <= 4 s); cold:
   ``over_disk_time`` (ready_s over the checkpoint's bytes / the ``disk_read`` bandwidth: 1.0 is
@@ -99,8 +100,8 @@ def make_stock(seed_dir: str, out: str) -> None:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from models.llama3.model import Transformer
-    from seedckpt.layouts import open_model_checkpoint
+    from models.common.decoder import Transformer
+    from seedckpt.materialize.model_checkpoint import open_model_checkpoint
 
     seed = open_model_checkpoint(seed_dir)
     with torch.device("meta"):
@@ -117,10 +118,11 @@ def worker(opts: argparse.Namespace) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
 
-    from models.llama3.model import Transformer
-    from seedckpt.layouts import open_model_checkpoint
-    from seedckpt.parallel import apply_fsdp
-    from seedckpt.stages import build_stages, plan_rank_stages
+    from models.common.decoder import Transformer
+    from seedckpt.materialize.model_checkpoint import open_model_checkpoint
+    from seedckpt.materialize.stages import build_stages
+    from seedckpt.parallel.parallelize import apply_fsdp
+    from seedckpt.parallel.pipeline import plan_rank_stages
 
     device = opts.device
     if device == "cuda":
@@ -136,8 +138,14 @@ def worker(opts: argparse.Namespace) -> None:
     dist.barrier()
     before, start = proc_fields("io"), time.perf_counter()
     if opts.worker.startswith("seedckpt"):
-        [model] = build_stages(seed.args, plan_rank_stages(seed.args, 0, 1), device, checkpoint=opts.ckpt,
-                               shard_fn=shard, verify=opts.worker == "seedckpt")
+        [model] = build_stages(
+            seed.args,
+            plan_rank_stages(seed.args, 0, 1),
+            device,
+            checkpoint=opts.ckpt,
+            shard_fn=shard,
+            verify=opts.worker == "seedckpt",
+        )
     else:
         with torch.device("meta"):
             model = Transformer(seed.args)
@@ -152,21 +160,29 @@ def worker(opts: argparse.Namespace) -> None:
             full = {}
             for fqn, name in stored.items() if rank == 0 else ():
                 full[fqn] = full[name] if name != fqn else seed.read_tensor(fqn)
-            set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
-                                                                       broadcast_from_rank0=True))
+            set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
             del full
     if device == "cuda":
         torch.cuda.synchronize()  # copies may still run on a side stream
     ready, since_launch = time.perf_counter() - start, time.time() - opts.launched
     after, peak_kib = proc_fields("io"), proc_fields("status")["VmHWM"]
     shards = [p.to_local() for p in model.parameters()]
-    common.write_rank_report(opts.report, rank, {
-        "rank": rank, "ready_s": ready, "since_launch_s": since_launch,
-        "read_mib": (after["rchar"] - before["rchar"]) / 2**20,
-        "disk_read_mib": (after["read_bytes"] - before["read_bytes"]) / 2**20,
-        "owned_mib": sum(t.nbytes for t in shards) / 2**20, "gb_per_s": sum(t.nbytes for t in shards) / ready / 1e9,
-        "peak_rss_mib": peak_kib / 1024, "device": device,
-        "checksum": repr(sum(t.sum(dtype=torch.float64).item() for t in shards))})
+    common.write_rank_report(
+        opts.report,
+        rank,
+        {
+            "rank": rank,
+            "ready_s": ready,
+            "since_launch_s": since_launch,
+            "read_mib": (after["rchar"] - before["rchar"]) / 2**20,
+            "disk_read_mib": (after["read_bytes"] - before["read_bytes"]) / 2**20,
+            "owned_mib": sum(t.nbytes for t in shards) / 2**20,
+            "gb_per_s": sum(t.nbytes for t in shards) / ready / 1e9,
+            "peak_rss_mib": peak_kib / 1024,
+            "device": device,
+            "checksum": repr(sum(t.sum(dtype=torch.float64).item() for t in shards)),
+        },
+    )
     dist.destroy_process_group()
 
 
@@ -214,34 +230,64 @@ def disk_read_bandwidth(files: list[Path]) -> float:
     before, start = proc_fields("io"), time.perf_counter()
     done = read_files(files, DISK_TEST_BYTES)
     gb_per_s = done / (time.perf_counter() - start) / 1e9
-    emit({"benchmark": "disk_read", "gb_per_s": gb_per_s, "bytes": done,
-          "disk_read_mib": (proc_fields("io")["read_bytes"] - before["read_bytes"]) / 2**20, **dropped})
+    emit(
+        {
+            "benchmark": "disk_read",
+            "gb_per_s": gb_per_s,
+            "bytes": done,
+            "disk_read_mib": (proc_fields("io")["read_bytes"] - before["read_bytes"]) / 2**20,
+            **dropped,
+        }
+    )
     return gb_per_s
 
 
-def run_method(opts: argparse.Namespace, method: str, cache: str, ckpt: Path, seed: Path, work: Path,
-               disk_gb_per_s: float | None) -> list[dict]:
+def run_method(
+    opts: argparse.Namespace, method: str, cache: str, ckpt: Path, seed: Path, work: Path, disk_gb_per_s: float | None
+) -> list[dict]:
     """One torchrun job; emits its per-rank lines and its summary line; returns the per-rank records."""
     files = files_of(ckpt)
     dropped = drop_page_cache(files) if cache == "cold" else {}
-    records, wall = common.torchrun(SCRIPT, opts.ranks, work / f"report-{method}-{cache}", "--worker", method,
-                                    "--ckpt", str(ckpt), "--seed", str(seed), "--device", opts.device,
-                                    "--launched", repr(time.time()))
+    records, wall = common.torchrun(
+        SCRIPT,
+        opts.ranks,
+        work / f"report-{method}-{cache}",
+        "--worker",
+        method,
+        "--ckpt",
+        str(ckpt),
+        "--seed",
+        str(seed),
+        "--device",
+        opts.device,
+        "--launched",
+        repr(time.time()),
+    )
     for r in records:
         r["read_over_owned"] = r["read_mib"] / r["owned_mib"]
         r["within_read_target"] = r["read_over_owned"] <= READ_TARGET_RATIO
         r["within_rss_target"] = common.within_rss_target(r["peak_rss_mib"], r["owned_mib"])
         emit({"method": method, "cache": cache, **{k: v for k, v in r.items() if k != "checksum"}})
     ready, ckpt_bytes = max(r["ready_s"] for r in records), sum(f.stat().st_size for f in files)
-    summary = {"method": method, "cache": cache, "summary": True, "flavor": opts.flavor, "ranks": opts.ranks,
-               "device": opts.device, "ready_s": ready,
-               "gb_per_s": sum(r["owned_mib"] for r in records) * 2**20 / ready / 1e9,
-               "job_wall_s": wall, "max_peak_rss_mib": max(r["peak_rss_mib"] for r in records),
-               "max_read_mib": max(r["read_mib"] for r in records),
-               "total_read_mib": sum(r["read_mib"] for r in records),
-               "total_disk_read_mib": sum(r["disk_read_mib"] for r in records), "checkpoint_mib": ckpt_bytes / 2**20,
-               "all_within_read_target": all(r["within_read_target"] for r in records),
-               "all_within_rss_target": all(r["within_rss_target"] for r in records), **dropped}
+    summary = {
+        "method": method,
+        "cache": cache,
+        "summary": True,
+        "flavor": opts.flavor,
+        "ranks": opts.ranks,
+        "device": opts.device,
+        "ready_s": ready,
+        "gb_per_s": sum(r["owned_mib"] for r in records) * 2**20 / ready / 1e9,
+        "job_wall_s": wall,
+        "max_peak_rss_mib": max(r["peak_rss_mib"] for r in records),
+        "max_read_mib": max(r["read_mib"] for r in records),
+        "total_read_mib": sum(r["read_mib"] for r in records),
+        "total_disk_read_mib": sum(r["disk_read_mib"] for r in records),
+        "checkpoint_mib": ckpt_bytes / 2**20,
+        "all_within_read_target": all(r["within_read_target"] for r in records),
+        "all_within_rss_target": all(r["within_rss_target"] for r in records),
+        **dropped,
+    }
     if cache == "warm":
         summary["within_wall_target"] = ready <= WALL_TARGET_S
     else:
@@ -255,21 +301,44 @@ def compare(ours: list[dict], base: list[dict], **labels) -> None:
     def worst(records, key):
         return max(r[key] for r in records)
 
-    emit({"comparison": True, **labels, "speedup": worst(base, "ready_s") / worst(ours, "ready_s"),
-          "max_rss_ratio": worst(ours, "peak_rss_mib") / worst(base, "peak_rss_mib"),
-          "rank0_rss_ratio": ours[0]["peak_rss_mib"] / base[0]["peak_rss_mib"],
-          "max_read_ratio": worst(ours, "read_mib") / worst(base, "read_mib"),
-          "same_values": [r["checksum"] for r in ours] == [r["checksum"] for r in base]})
+    emit(
+        {
+            "comparison": True,
+            **labels,
+            "speedup": worst(base, "ready_s") / worst(ours, "ready_s"),
+            "max_rss_ratio": worst(ours, "peak_rss_mib") / worst(base, "peak_rss_mib"),
+            "rank0_rss_ratio": ours[0]["peak_rss_mib"] / base[0]["peak_rss_mib"],
+            "max_read_ratio": worst(ours, "read_mib") / worst(base, "read_mib"),
+            "same_values": [r["checksum"] for r in ours] == [r["checksum"] for r in base],
+        }
+    )
 
 
 def run_all(opts: argparse.Namespace, methods: list[str], work: Path) -> None:
     seed, stock = work / "seed", work / "stock_dcp"
-    run_checked([sys.executable, "create_seed_checkpoint.py", "--config", "configs/debug.toml", "--model.flavor",
-                 opts.flavor, "--dtype", "float32", "--output", str(seed), "--force", "--quiet"], "seeding")
+    run_checked(
+        [
+            sys.executable,
+            "create_seed_checkpoint.py",
+            "--config",
+            "configs/debug.toml",
+            "--model.flavor",
+            opts.flavor,
+            "--dtype",
+            "float32",
+            "--output",
+            str(seed),
+            "--force",
+            "--quiet",
+        ],
+        "seeding",
+    )
     if "stock_dcp" in methods:
         remove(stock)
-        run_checked([sys.executable, SCRIPT, "--make-stock", str(stock), "--seed", str(seed)],
-                    "writing the stock DCP checkpoint")
+        run_checked(
+            [sys.executable, SCRIPT, "--make-stock", str(stock), "--seed", str(seed)],
+            "writing the stock DCP checkpoint",
+        )
     caches = ["warm"] if opts.skip_cold else ["cold", "warm"]
     disk_gb_per_s = None if opts.skip_cold else disk_read_bandwidth(files_of(seed))
     results = {}
@@ -282,13 +351,30 @@ def run_all(opts: argparse.Namespace, methods: list[str], work: Path) -> None:
     for cache in caches:
         for base in methods:
             if "seedckpt" in methods and base != "seedckpt":
-                compare(results["seedckpt", cache], results[base, cache], cache=cache, baseline=base,
-                        flavor=opts.flavor, ranks=opts.ranks)
+                compare(
+                    results["seedckpt", cache],
+                    results[base, cache],
+                    cache=cache,
+                    baseline=base,
+                    flavor=opts.flavor,
+                    ranks=opts.ranks,
+                )
         if {"seedckpt", "seedckpt_unverified"} <= set(methods):
-            cost = (max(r["ready_s"] for r in results["seedckpt", cache])
-                    / max(r["ready_s"] for r in results["seedckpt_unverified", cache]) - 1)
-            emit({"verification": True, "cache": cache, "flavor": opts.flavor, "ranks": opts.ranks, "cost": cost,
-                  "within_verify_target": cost <= VERIFY_TARGET})
+            cost = (
+                max(r["ready_s"] for r in results["seedckpt", cache])
+                / max(r["ready_s"] for r in results["seedckpt_unverified", cache])
+                - 1
+            )
+            emit(
+                {
+                    "verification": True,
+                    "cache": cache,
+                    "flavor": opts.flavor,
+                    "ranks": opts.ranks,
+                    "cost": cost,
+                    "within_verify_target": cost <= VERIFY_TARGET,
+                }
+            )
 
 
 def main() -> None:
@@ -296,8 +382,12 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=4, help="gloo ranks, all in one FSDP2 mesh (default: 4)")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {', '.join(METHODS)} (default: all)")
     p.add_argument("--skip-cold", action="store_true", help="warm page cache only (no cache drops)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="where the model is loaded (cuda: one GPU per rank; default: cpu)")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the model is loaded (cuda: one GPU per rank; default: cpu)",
+    )
     for hidden in ("--worker", "--ckpt", "--seed", "--report", "--make-stock"):
         p.add_argument(hidden, help=argparse.SUPPRESS)
     p.add_argument("--launched", type=float, help=argparse.SUPPRESS)

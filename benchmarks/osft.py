@@ -54,7 +54,7 @@ def contiguous_split(costs: dict[str, int], workers: int) -> list[list[str]]:
     """Mini Trainer's assignment: the targets in model order, cut into equal-count contiguous blocks."""
     names = list(costs)
     size = -(-len(names) // workers)
-    return [names[w * size:(w + 1) * size] for w in range(workers)]
+    return [names[w * size : (w + 1) * size] for w in range(workers)]
 
 
 def svd_worker(opts: argparse.Namespace) -> None:
@@ -63,10 +63,10 @@ def svd_worker(opts: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    import seedckpt.osft as osft
-    import seedckpt.stages as stages
-    from seedckpt.layouts import open_model_checkpoint
-    from seedckpt.parallel import apply_fsdp
+    import seedckpt.finetune.osft as osft
+    import seedckpt.materialize.stages as stages
+    from seedckpt.materialize.model_checkpoint import open_model_checkpoint
+    from seedckpt.parallel.parallelize import apply_fsdp
 
     dist.init_process_group("gloo")
     world = dist.get_world_size()
@@ -86,8 +86,15 @@ def svd_worker(opts: argparse.Namespace) -> None:
     stages.fill_factors = timed_fill
     args = open_model_checkpoint(opts.seed).args
     shard = (lambda m: apply_fsdp(m, mesh, torch.float32, torch.float32, True)) if mesh else None
-    stages.build_stages(args, stages.plan_rank_stages(args, 0, 1), "cpu", checkpoint=opts.seed, shard_fn=shard,
-                        osft=osft.OSFTSpec(RATIO), stage_group=mesh.get_group() if mesh else None)
+    stages.build_stages(
+        args,
+        stages.plan_rank_stages(args, 0, 1),
+        "cpu",
+        checkpoint=opts.seed,
+        shard_fn=shard,
+        osft=osft.OSFTSpec(RATIO),
+        stage_group=mesh.get_group() if mesh else None,
+    )
     write_rank_report(opts.report, dist.get_rank(), timed)
     dist.destroy_process_group()
 
@@ -96,9 +103,9 @@ def serial_svds(seed: str) -> dict[str, float]:
     """Seconds of ``decompose`` per target matrix, one process, one thread."""
     import torch
 
-    from models.llama3.model import Transformer
-    from seedckpt.layouts import open_model_checkpoint
-    from seedckpt.osft import decompose, target_fqns
+    from models.common.decoder import Transformer
+    from seedckpt.finetune.osft import decompose, target_fqns
+    from seedckpt.materialize.model_checkpoint import open_model_checkpoint
 
     torch.set_num_threads(1)
     reader = open_model_checkpoint(seed)
@@ -119,9 +126,9 @@ def device_svds(seed: str) -> list[dict]:
 
     import torch
 
-    from models.llama3.model import Transformer
-    from seedckpt.layouts import open_model_checkpoint
-    from seedckpt.osft import decompose, target_fqns
+    from models.common.decoder import Transformer
+    from seedckpt.finetune.osft import decompose, target_fqns
+    from seedckpt.materialize.model_checkpoint import open_model_checkpoint
 
     if not torch.cuda.is_available():
         return [{"benchmark": "svd_device", "skipped": "no CUDA device"}]
@@ -148,11 +155,23 @@ def device_svds(seed: str) -> list[dict]:
         rebuilt = (on_gpu.U_high * on_gpu.S_high) @ on_gpu.V_high.T + (on_gpu.U_low * on_gpu.S_low) @ on_gpu.V_low.T
         rebuild = ((rebuilt - weight_gpu.float()).norm() / weight_gpu.float().norm()).item()
         gpu_factors = dict(on_gpu.items())
-        agree = max(((gpu_factors[name].cpu() - t).abs().max() / t.abs().max().clamp_min(1e-30)).item()
-                    for name, t in on_cpu.items())
-        rows.append({"benchmark": "svd_device", "shape": list(shape), "device": torch.cuda.get_device_name(),
-                     "cpu_threads": torch.get_num_threads(), "cpu_s": cpu_s, "device_s": device_s,
-                     "speedup": cpu_s / device_s, "max_rel_diff": agree, "rebuild_rel_err": rebuild})
+        agree = max(
+            ((gpu_factors[name].cpu() - t).abs().max() / t.abs().max().clamp_min(1e-30)).item()
+            for name, t in on_cpu.items()
+        )
+        rows.append(
+            {
+                "benchmark": "svd_device",
+                "shape": list(shape),
+                "device": torch.cuda.get_device_name(),
+                "cpu_threads": torch.get_num_threads(),
+                "cpu_s": cpu_s,
+                "device_s": device_s,
+                "speedup": cpu_s / device_s,
+                "max_rel_diff": agree,
+                "rebuild_rel_err": rebuild,
+            }
+        )
     return rows
 
 
@@ -161,16 +180,24 @@ def forward_costs(seed: str) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
-    from seedckpt.layouts import open_model_checkpoint
-    from seedckpt.osft import OSFTLinear, decompose
+    from seedckpt.finetune.osft import OSFTLinear, decompose
+    from seedckpt.materialize.model_checkpoint import open_model_checkpoint
 
     torch.set_num_threads(1)
     reader = open_model_checkpoint(seed)
-    shapes = sorted({reader.infos[f].shape for f in reader.infos if f.startswith("layers.0.") and f.endswith("w1.weight")
-                     or f.startswith("layers.0.") and f.endswith(("wq.weight", "wk.weight", "w2.weight"))})
+    shapes = sorted(
+        {
+            reader.infos[f].shape
+            for f in reader.infos
+            if f.startswith("layers.0.")
+            and f.endswith("w1.weight")
+            or f.startswith("layers.0.")
+            and f.endswith(("wq.weight", "wk.weight", "w2.weight"))
+        }
+    )
     records = []
     for m, n in shapes:
-        weight = torch.randn(m, n) / n ** 0.5
+        weight = torch.randn(m, n) / n**0.5
         x = torch.randn(TOKENS, n)
         layer = OSFTLinear(n, m, RATIO)
         layer.load_factors(decompose(weight, RATIO))
@@ -181,43 +208,110 @@ def forward_costs(seed: str) -> list[dict]:
             low = F.linear(F.linear(x, layer.V_low.T) * layer.S_low, layer.U_low)
             return F.linear(x, high) + low
 
-        variants = {"dense_sft": lambda: F.linear(x, dense_w), "osft_factorized": lambda: layer(x),
-                    "osft_dense_high": dense_high_low_rank}
-        params = {"dense_sft": weight.numel(), "osft_factorized": sum(p.numel() for p in layer.parameters()),
-                  "osft_dense_high": high.numel() + sum(p.numel() for p in layer.parameters())}
+        variants = {
+            "dense_sft": lambda: F.linear(x, dense_w),
+            "osft_factorized": lambda: layer(x),
+            "osft_dense_high": dense_high_low_rank,
+        }
+        params = {
+            "dense_sft": weight.numel(),
+            "osft_factorized": sum(p.numel() for p in layer.parameters()),
+            "osft_dense_high": high.numel() + sum(p.numel() for p in layer.parameters()),
+        }
         for name, run in variants.items():
             run().sum().backward()  # warm-up
             start = time.perf_counter()
             for _ in range(3):
                 run().sum().backward()
-            records.append({"benchmark": "forward", "shape": [m, n], "variant": name, "tokens": TOKENS,
-                            "fwd_bwd_s": (time.perf_counter() - start) / 3, "param_bytes": 4 * params[name]})
+            records.append(
+                {
+                    "benchmark": "forward",
+                    "shape": [m, n],
+                    "variant": name,
+                    "tokens": TOKENS,
+                    "fwd_bwd_s": (time.perf_counter() - start) / 3,
+                    "param_bytes": 4 * params[name],
+                }
+            )
     return records
 
 
 def train_mode(opts: argparse.Namespace, seed: Path, work: Path, mode: str) -> dict:
     run = work / f"train-{mode}"
     common.remove(run)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={opts.train_ranks}",
-           "train.py", "--config", "configs/debug.toml", "--model.flavor", opts.flavor, "--model.n_layers",
-           str(opts.n_layers), "--model.vocab_size", "1024", "--finetune.mode", mode, "--finetune.pretrained", str(seed),
-           "--finetune.osft_unfreeze_rank_ratio", str(RATIO), "--data.kind", "synthetic",
-           "--parallelism.pipeline_parallel_degree", "1", "--training.local_batch_size", "1",
-           "--training.seq_len", str(opts.seq_len), "--training.steps", str(opts.steps),
-           "--checkpoint.interval", "0", "--checkpoint.folder", str(run / "ckpt"), "--job.dump_folder", str(run)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={opts.train_ranks}",
+        "train.py",
+        "--config",
+        "configs/debug.toml",
+        "--model.flavor",
+        opts.flavor,
+        "--model.n_layers",
+        str(opts.n_layers),
+        "--model.vocab_size",
+        "1024",
+        "--finetune.mode",
+        mode,
+        "--finetune.pretrained",
+        str(seed),
+        "--finetune.osft_unfreeze_rank_ratio",
+        str(RATIO),
+        "--data.kind",
+        "synthetic",
+        "--parallelism.pipeline_parallel_degree",
+        "1",
+        "--training.local_batch_size",
+        "1",
+        "--training.seq_len",
+        str(opts.seq_len),
+        "--training.steps",
+        str(opts.steps),
+        "--checkpoint.interval",
+        "0",
+        "--checkpoint.folder",
+        str(run / "ckpt"),
+        "--job.dump_folder",
+        str(run),
+    ]
     run_checked(cmd, f"train.py --finetune.mode {mode}", env={**common.os.environ, "OMP_NUM_THREADS": "1"})
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return {"benchmark": "train", "mode": mode, "ranks": opts.train_ranks, "seq_len": opts.seq_len,
-            "step_time_s": statistics.median(r["step_time_s"] for r in rows[2:]),
-            "peak_mem_mib": max(r["peak_mem_bytes"] for r in rows) / 2**20, "final_loss": rows[-1]["loss"],
-            "cpu_count": common.os.cpu_count()}
+    return {
+        "benchmark": "train",
+        "mode": mode,
+        "ranks": opts.train_ranks,
+        "seq_len": opts.seq_len,
+        "step_time_s": statistics.median(r["step_time_s"] for r in rows[2:]),
+        "peak_mem_mib": max(r["peak_mem_bytes"] for r in rows) / 2**20,
+        "final_loss": rows[-1]["loss"],
+        "cpu_count": common.os.cpu_count(),
+    }
 
 
 def run_all(opts: argparse.Namespace, work: Path) -> None:
     seed = work / "seed"
-    run_checked([sys.executable, "create_seed_checkpoint.py", "--config", "configs/debug.toml", "--model.flavor",
-                 opts.flavor, "--model.n_layers", str(opts.n_layers), "--model.vocab_size", "1024",
-                 "--output", str(seed), "--force", "--quiet"], "create_seed_checkpoint.py")
+    run_checked(
+        [
+            sys.executable,
+            "create_seed_checkpoint.py",
+            "--config",
+            "configs/debug.toml",
+            "--model.flavor",
+            opts.flavor,
+            "--model.n_layers",
+            str(opts.n_layers),
+            "--model.vocab_size",
+            "1024",
+            "--output",
+            str(seed),
+            "--force",
+            "--quiet",
+        ],
+        "create_seed_checkpoint.py",
+    )
     labels = {"flavor": opts.flavor, "n_layers": opts.n_layers, "ratio": RATIO}
     if not opts.skip_svd:
         run_svds(opts, seed, work, labels)
@@ -226,8 +320,14 @@ def run_all(opts: argparse.Namespace, work: Path) -> None:
     sft, osft = (train_mode(opts, seed, work, mode) for mode in ("sft", "osft"))
     emit({**sft, **labels})
     emit({**osft, **labels})
-    emit({"benchmark": "train_comparison", **labels, "step_time_ratio": osft["step_time_s"] / sft["step_time_s"],
-          "memory_ratio": osft["peak_mem_mib"] / sft["peak_mem_mib"]})
+    emit(
+        {
+            "benchmark": "train_comparison",
+            **labels,
+            "step_time_ratio": osft["step_time_s"] / sft["step_time_s"],
+            "memory_ratio": osft["peak_mem_mib"] / sft["peak_mem_mib"],
+        }
+    )
 
 
 def run_svds(opts: argparse.Namespace, seed: Path, work: Path, labels: dict) -> None:
@@ -236,11 +336,22 @@ def run_svds(opts: argparse.Namespace, seed: Path, work: Path, labels: dict) -> 
     emit({"benchmark": "svd_serial", **labels, "sum_s": total, "seconds": serial})
     for ranks in map(int, opts.ranks.split(",")):
         for split in ("cost_balanced", "contiguous"):
-            records, _ = common.torchrun(SCRIPT, ranks, work / f"svd-{ranks}-{split}", "--svd-worker",
-                                         "--split", split, "--seed", str(seed))
+            records, _ = common.torchrun(
+                SCRIPT, ranks, work / f"svd-{ranks}-{split}", "--svd-worker", "--split", split, "--seed", str(seed)
+            )
             fill = max(r["fill_s"] for r in records)
-            emit({"benchmark": "svd_distributed", **labels, "ranks": ranks, "split": split, "fill_s": fill,
-                  "ideal_s": total / ranks, "over_ideal": fill / (total / ranks), "cpu_count": common.os.cpu_count()})
+            emit(
+                {
+                    "benchmark": "svd_distributed",
+                    **labels,
+                    "ranks": ranks,
+                    "split": split,
+                    "fill_s": fill,
+                    "ideal_s": total / ranks,
+                    "over_ideal": fill / (total / ranks),
+                    "cpu_count": common.os.cpu_count(),
+                }
+            )
     for record in json.loads(run_checked_output([sys.executable, SCRIPT, "--device-svd", str(seed)])):
         emit({**record, **labels})
     for record in json.loads(run_checked_output([sys.executable, SCRIPT, "--forward", str(seed)])):
@@ -249,8 +360,9 @@ def run_svds(opts: argparse.Namespace, seed: Path, work: Path, labels: dict) -> 
 
 def run_checked_output(cmd: list[str]) -> str:
     """Run a torch-side helper of this script in a fresh process and return its stdout."""
-    proc = common.subprocess.run(cmd, cwd=common.ROOT, capture_output=True, text=True,
-                                 env={**common.os.environ, "OMP_NUM_THREADS": "1"})
+    proc = common.subprocess.run(
+        cmd, cwd=common.ROOT, capture_output=True, text=True, env={**common.os.environ, "OMP_NUM_THREADS": "1"}
+    )
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr)
         raise SystemExit(f"benchmark failed: {' '.join(cmd[1:3])} exited with status {proc.returncode}")

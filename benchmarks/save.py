@@ -19,6 +19,7 @@ medians).
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import statistics
 import sys
@@ -42,8 +43,9 @@ def main() -> None:
     from seedckpt.checkpoint import write_checkpoint
     from seedckpt.checkpoint.background import BackgroundSaver
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
-                            timeout=datetime.timedelta(minutes=10))
+    dist.init_process_group(
+        "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(minutes=10)
+    )
     block = 16 << 20  # fp32 elements: 64 MiB
     state = {f"t{k}": torch.randn(block) for k in range(max(1, opts.mib // 64))}
     nbytes = sum(t.nbytes for t in state.values())
@@ -53,7 +55,7 @@ def main() -> None:
         for mode in ("sync", "async"):
             for k in range(opts.saves):
                 path = out / mode / f"step-{k}"
-                write = lambda staged, group=None, path=path: write_checkpoint(path, staged, {}, force=True, group=group)  # noqa: E731
+                write = functools.partial(write_checkpoint, path, manifest={}, force=True)
                 start = time.perf_counter()
                 if mode == "sync":
                     write(state)
@@ -66,12 +68,32 @@ def main() -> None:
                 for t in state.values():  # the next "step": the state changes under the background write's copy
                     t.add_(1.0)
                 stalls[mode].append(record["stall_s"])
-                print(json.dumps({"benchmark": "save", "mode": mode, "save": k, "bytes": nbytes, **record,
-                                  "gb_per_s": nbytes / 1e9 / (record["stall_s"] + record["background_s"])}),
-                      flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "benchmark": "save",
+                            "mode": mode,
+                            "save": k,
+                            "bytes": nbytes,
+                            **record,
+                            "gb_per_s": nbytes / 1e9 / (record["stall_s"] + record["background_s"]),
+                        }
+                    ),
+                    flush=True,
+                )
     sync, asyn = statistics.median(stalls["sync"]), statistics.median(stalls["async"])
-    print(json.dumps({"benchmark": "save_summary", "bytes": nbytes, "sync_stall_s": sync, "async_stall_s": asyn,
-                      "stall_ratio": asyn / sync}), flush=True)
+    print(
+        json.dumps(
+            {
+                "benchmark": "save_summary",
+                "bytes": nbytes,
+                "sync_stall_s": sync,
+                "async_stall_s": asyn,
+                "stall_ratio": asyn / sync,
+            }
+        ),
+        flush=True,
+    )
     dist.destroy_process_group()
 
 

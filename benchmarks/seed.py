@@ -15,7 +15,7 @@ Three measurements, each printed as one JSON line on stdout:
   usable cores, each pinned to that many cores with ``taskset``, and ``speedup_vs_1_worker``
   against the 1-worker run of the same sweep.
 * ``naive_baseline``: what torchtitan does -- build the full model on CPU (paying for the default
-  ``nn.Linear`` init), run the same per-tensor recipe over it (``seedckpt.init.init_model``) and
+  ``nn.Linear`` init), run the same per-tensor recipe over it (``seedckpt.materialize.init_recipe.init_model``) and
   save ``model.state_dict()`` with stock ``torch.distributed.checkpoint.save``. Skip it with
   ``--skip-baseline`` for flavors whose full model does not fit in RAM.
 
@@ -48,8 +48,8 @@ NAIVE_BASELINE = """
 import sys
 import torch
 import torch.distributed.checkpoint as dcp
-from seedckpt.config import load_config
-from seedckpt.init import init_model
+from seedckpt.config.job_config import load_config
+from seedckpt.materialize.init_recipe import init_model
 
 flavor, dtype, seed, output = sys.argv[1:]
 cfg = load_config(None, ["--model.flavor", flavor])
@@ -63,11 +63,17 @@ dcp.save(state, checkpoint_id=output, no_dist=True)
 
 def main() -> None:
     parser = common.parser(__doc__)
-    parser.add_argument("--skip-baseline", action="store_true",
-                        help="do not run the naive baseline (for flavors that do not fit in RAM)")
+    parser.add_argument(
+        "--skip-baseline",
+        action="store_true",
+        help="do not run the naive baseline (for flavors that do not fit in RAM)",
+    )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--workers-sweep", action="store_true",
-                        help="also time --workers 1, 2, 4, ... (each pinned to as many cores with taskset)")
+    parser.add_argument(
+        "--workers-sweep",
+        action="store_true",
+        help="also time --workers 1, 2, 4, ... (each pinned to as many cores with taskset)",
+    )
     opts = parser.parse_args()
     with output_dir(opts.out_dir, "seedckpt-bench-") as out_dir:
         run_all(opts, out_dir)
@@ -89,18 +95,41 @@ def run_all(opts: argparse.Namespace, out_dir: Path) -> None:
         return
     baseline_dir = out_dir / "naive_baseline"
     remove(baseline_dir)
-    baseline = measure([sys.executable, "-c", NAIVE_BASELINE, opts.flavor, opts.dtype, str(SEED), str(baseline_dir)],
-                       baseline_dir, **labels, impl="naive_baseline")
+    baseline = measure(
+        [sys.executable, "-c", NAIVE_BASELINE, opts.flavor, opts.dtype, str(SEED), str(baseline_dir)],
+        baseline_dir,
+        **labels,
+        impl="naive_baseline",
+    )
     emit(baseline)
-    emit({**labels, "speedup_vs_baseline": baseline["wall_s"] / product["wall_s"],
-          "rss_ratio_vs_baseline": product["peak_rss_gib"] / baseline["peak_rss_gib"]})
+    emit(
+        {
+            **labels,
+            "speedup_vs_baseline": baseline["wall_s"] / product["wall_s"],
+            "rss_ratio_vs_baseline": product["peak_rss_gib"] / baseline["peak_rss_gib"],
+        }
+    )
 
 
 def seed_command(opts: argparse.Namespace, output: Path, *extra: str) -> list[str]:
     # Seeding reads only [model]; any config file works once the flavor is overridden.
-    return [sys.executable, "create_seed_checkpoint.py", "--config", "configs/debug.toml", "--model.flavor",
-            opts.flavor, "--output", str(output), "--seed", str(SEED), "--dtype", opts.dtype, "--force", "--quiet",
-            *extra]
+    return [
+        sys.executable,
+        "create_seed_checkpoint.py",
+        "--config",
+        "configs/debug.toml",
+        "--model.flavor",
+        opts.flavor,
+        "--output",
+        str(output),
+        "--seed",
+        str(SEED),
+        "--dtype",
+        opts.dtype,
+        "--force",
+        "--quiet",
+        *extra,
+    ]
 
 
 def sweep_workers(opts: argparse.Namespace, output: Path, disk_gb_per_s: float) -> None:
@@ -113,11 +142,22 @@ def sweep_workers(opts: argparse.Namespace, output: Path, disk_gb_per_s: float) 
     first = None
     for workers in counts:
         pinned = ["taskset", "-c", ",".join(map(str, cores[:workers]))]
-        line = measure(pinned + seed_command(opts, output, "--workers", str(workers)), output,
-                       benchmark="seed_workers", flavor=opts.flavor, dtype=opts.dtype, workers=workers)
+        line = measure(
+            pinned + seed_command(opts, output, "--workers", str(workers)),
+            output,
+            benchmark="seed_workers",
+            flavor=opts.flavor,
+            dtype=opts.dtype,
+            workers=workers,
+        )
         first = first or line["wall_s"]
-        emit({**line, "speedup_vs_1_worker": first / line["wall_s"],
-              "fraction_of_disk_bw": line["gb_per_s"] / disk_gb_per_s})
+        emit(
+            {
+                **line,
+                "speedup_vs_1_worker": first / line["wall_s"],
+                "fraction_of_disk_bw": line["gb_per_s"] / disk_gb_per_s,
+            }
+        )
         remove(output)
 
 

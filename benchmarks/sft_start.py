@@ -21,7 +21,8 @@ interpreter and torch start-up included), ``peak_rss_mib`` (the rank's ``ru_maxr
 (its parameter shards), ``read_mib`` (``/proc/self/io`` rchar: mmap'd reads are not in it),
 ``peak_anon_mib`` / ``peak_file_mib`` (sampled peaks of allocated and of file-backed resident memory:
 safetensors is read through mmap, whose pages count in RSS but are page cache the kernel can drop),
-and ``within_target`` / ``anon_within_target`` (peak RSS / peak anonymous RSS <= 1.3 x owned + 300 MiB). Then a line per method (slowest rank, largest RSS) and a comparison line.
+and ``within_target`` / ``anon_within_target`` (peak RSS / peak anonymous RSS <= 1.3 x owned + 300
+MiB). Then a line per method (slowest rank, largest RSS) and a comparison line.
 The parent does not import torch (see ``common.py``).
 """
 
@@ -43,11 +44,12 @@ def make_hf_dir(path: Path, flavor: str) -> None:
 
     import torch
 
+    from models.common.hf_names import to_hf_name
     from models.llama3.args import LLAMA3_FLAVORS
-    from models.llama3.hf import hf_config, to_hf_name
+    from models.llama3.hf import hf_config
     from seedckpt.checkpoint import TensorInfo, write_json_synced
     from seedckpt.checkpoint.formats.safetensors_file import write_safetensors
-    from seedckpt.layouts import codec_for
+    from seedckpt.materialize.model_checkpoint import codec_for
 
     args = dataclasses.replace(LLAMA3_FLAVORS[flavor], tie_word_embeddings=True)
     shapes = {f: s for f, s in codec_for().layout(args).shapes.items() if f != "output.weight"}
@@ -65,8 +67,9 @@ def make_hf_dir(path: Path, flavor: str) -> None:
         write_safetensors(path / file, {n: names[n] for n in shard}, read, {"format": "pt"})
         weight_map.update({n: file for n in shard})
     total = sum(i.nbytes for i in names.values())
-    write_json_synced(path / "model.safetensors.index.json", {"metadata": {"total_size": total},
-                                                              "weight_map": weight_map})
+    write_json_synced(
+        path / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map}
+    )
     write_json_synced(path / "config.json", hf_config(args, torch.bfloat16))
 
 
@@ -83,13 +86,19 @@ def worker(method: str, hf_dir: str, report: str, launched: float) -> None:
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     if method == "seedckpt":
-        from seedckpt.layouts import open_model_checkpoint
-        from seedckpt.parallel import apply_fsdp
-        from seedckpt.stages import build_stages, plan_rank_stages
+        from seedckpt.materialize.model_checkpoint import open_model_checkpoint
+        from seedckpt.materialize.stages import build_stages
+        from seedckpt.parallel.parallelize import apply_fsdp
+        from seedckpt.parallel.pipeline import plan_rank_stages
 
         args = open_model_checkpoint(hf_dir).args
-        [model] = build_stages(args, plan_rank_stages(args, 0, 1), "cpu", checkpoint=hf_dir,
-                               shard_fn=lambda m: apply_fsdp(m, mesh, torch.float32, torch.float32, True))
+        [model] = build_stages(
+            args,
+            plan_rank_stages(args, 0, 1),
+            "cpu",
+            checkpoint=hf_dir,
+            shard_fn=lambda m: apply_fsdp(m, mesh, torch.float32, torch.float32, True),
+        )
     else:
         import transformers
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -111,9 +120,14 @@ def worker(method: str, hf_dir: str, report: str, launched: float) -> None:
     dist.barrier()
     ready = time.time() - launched
     owned = sum(p.to_local().nbytes for p in model.parameters())
-    record = {"rank": dist.get_rank(), "ready_s": ready, "owned_mib": owned / 2**20,
-              "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-              "read_mib": proc_fields("io")["rchar"] / 2**20, **sampler.stop()}
+    record = {
+        "rank": dist.get_rank(),
+        "ready_s": ready,
+        "owned_mib": owned / 2**20,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "read_mib": proc_fields("io")["rchar"] / 2**20,
+        **sampler.stop(),
+    }
     write_rank_report(report, dist.get_rank(), record)
     dist.destroy_process_group()
 
@@ -144,17 +158,32 @@ class RssSampler:
 
 
 def run_method(method: str, hf_dir: Path, ranks: int, work: Path) -> list[dict]:
-    reports, _ = common.torchrun(str(Path(__file__).resolve()), ranks, work / f"report-{method}", "--worker", method,
-                                 "--hf", str(hf_dir), "--launched", repr(time.time()))
+    reports, _ = common.torchrun(
+        str(Path(__file__).resolve()),
+        ranks,
+        work / f"report-{method}",
+        "--worker",
+        method,
+        "--hf",
+        str(hf_dir),
+        "--launched",
+        repr(time.time()),
+    )
     records = []
     for r in reports:
         r["within_target"] = within_rss_target(r["peak_rss_mib"], r["owned_mib"])
         r["anon_within_target"] = within_rss_target(r["peak_anon_mib"], r["owned_mib"])
         records.append({"method": method, **r})
         emit(records[-1])
-    summary = {"method": method, "summary": True, "ranks": ranks, "ready_s": max(r["ready_s"] for r in records),
-               "max_peak_rss_mib": max(r["peak_rss_mib"] for r in records),
-               "all_within_target": all(r["within_target"] for r in records), "cpu_count": os.cpu_count()}
+    summary = {
+        "method": method,
+        "summary": True,
+        "ranks": ranks,
+        "ready_s": max(r["ready_s"] for r in records),
+        "max_peak_rss_mib": max(r["peak_rss_mib"] for r in records),
+        "all_within_target": all(r["within_target"] for r in records),
+        "cpu_count": os.cpu_count(),
+    }
     emit(summary)
     return records
 
@@ -175,16 +204,24 @@ def main() -> None:
         return make_hf_dir(Path(opts.make_hf), opts.flavor)
     with output_dir(opts.out_dir, "sft-start-") as work:
         hf_dir = work / "hf"
-        common.run_checked([sys.executable, str(Path(__file__).resolve()), "--make-hf", str(hf_dir), "--flavor",
-                            opts.flavor], "making the HF directory")
+        common.run_checked(
+            [sys.executable, str(Path(__file__).resolve()), "--make-hf", str(hf_dir), "--flavor", opts.flavor],
+            "making the HF directory",
+        )
         ours = run_method("seedckpt", hf_dir, opts.ranks, work)
         if opts.skip_baseline:
             return
         base = run_method("broadcast_baseline", hf_dir, opts.ranks, work)
-        emit({"comparison": True, "flavor": opts.flavor,
-              "speedup_vs_baseline": max(r["ready_s"] for r in base) / max(r["ready_s"] for r in ours),
-              "rank0_rss_ratio_vs_baseline": ours[0]["peak_rss_mib"] / base[0]["peak_rss_mib"],
-              "max_rss_ratio_vs_baseline": max(r["peak_rss_mib"] for r in ours) / max(r["peak_rss_mib"] for r in base)})
+        emit(
+            {
+                "comparison": True,
+                "flavor": opts.flavor,
+                "speedup_vs_baseline": max(r["ready_s"] for r in base) / max(r["ready_s"] for r in ours),
+                "rank0_rss_ratio_vs_baseline": ours[0]["peak_rss_mib"] / base[0]["peak_rss_mib"],
+                "max_rss_ratio_vs_baseline": max(r["peak_rss_mib"] for r in ours)
+                / max(r["peak_rss_mib"] for r in base),
+            }
+        )
 
 
 if __name__ == "__main__":

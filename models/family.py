@@ -5,7 +5,8 @@ never names a tensor. It asks the family -- how to build the model and initializ
 top-level modules belong to the first and last pipeline stage, which tensors follow the
 vocabulary, which are tied, which linears OSFT trains by default, the FLOPs per token, and how the
 model reads and writes Hugging Face's layout. Adding a family is a folder under ``models/`` that
-fills one ``ModelFamily`` and a line in ``models.registry``.
+fills one ``ModelFamily`` and a line in ``models.registry`` (``docs/model_families.md`` walks
+through it). The families here share one decoder (``models.common``), which fills most hooks.
 
 The contract a family's model keeps (torchtitan's pipeline-friendly shape):
 
@@ -21,8 +22,9 @@ The contract a family's model keeps (torchtitan's pipeline-friendly shape):
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -55,6 +57,9 @@ class ModelFamily:
     flops_per_token: Callable[[Any, int], int]  # (args, seq_len) -> training FLOPs per token
     hf: HFAdapter
     renamings: Mapping[str, Any] = field(default_factory=dict)  # {tool: name adapter}: other tools' names
+    # (args, training.seq_len) -> why this model cannot train that long, or None (a sliding window
+    # this version does not implement)
+    check_seq_len: Callable[[Any, int], str | None] = lambda args, seq_len: None
 
     def flavor_of(self, args) -> str | None:
         """The released flavor with these tensor shapes, if any."""
@@ -91,8 +96,10 @@ class ModelFamily:
 
 def matching_flavor(flavors: Mapping[str, Any], shape_fields: tuple[str, ...], args) -> str | None:
     """The name of the flavor whose ``shape_fields`` all equal ``args``', if any."""
-    return next((name for name, flavor in flavors.items()
-                 if all(getattr(flavor, f) == getattr(args, f) for f in shape_fields)), None)
+    return next(
+        (name for name, flavor in flavors.items() if all(getattr(flavor, f) == getattr(args, f) for f in shape_fields)),
+        None,
+    )
 
 
 def decoder_flops_per_token(model: Callable[[Any], nn.Module], args, seq_len: int) -> int:

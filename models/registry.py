@@ -7,9 +7,13 @@ Every caller that builds a model or names its tensors asks the family it finds h
 from __future__ import annotations
 
 from models.family import ModelFamily
+from models.granite import GRANITE
 from models.llama3 import LLAMA3
+from models.mistral import MISTRAL
+from models.qwen2 import QWEN2
+from models.qwen3 import QWEN3
 
-FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (LLAMA3,)}
+FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (LLAMA3, QWEN3, QWEN2, MISTRAL, GRANITE)}
 DEFAULT_FAMILY = "llama3"  # the family of a config or a command that names none
 
 
@@ -17,6 +21,11 @@ def get_family(name: str) -> ModelFamily:
     if name not in FAMILIES:
         raise ValueError(f"unknown model.name {name!r}; choose one of {sorted(FAMILIES)}")
     return FAMILIES[name]
+
+
+def family_of_model_type(model_type: str | None) -> ModelFamily | None:
+    """The family that reads Hugging Face's ``model_type``, if any."""
+    return next((family for family in FAMILIES.values() if model_type in family.hf.model_types), None)
 
 
 def family_of(args) -> ModelFamily:

@@ -11,8 +11,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from seedckpt.checkpoint import MANIFEST_NAME
-from seedckpt.config import load_config
-from seedckpt.seed import create_seed_checkpoint
+from seedckpt.config.job_config import load_config
+from seedckpt.materialize.seed import create_seed_checkpoint
 
 # What this machine has, asked once before any test hides it (torch caches the device count).
 HAS_CUDA = torch.cuda.device_count() > 0  # NVML: no CUDA context in the test process
@@ -58,8 +58,7 @@ def tied_seed(tmp_path_factory):
     """The debug model with tied embeddings (``output.weight`` is ``tok_embeddings.weight``): its
     seed (seed 0), written once for the session by two workers."""
     path = tmp_path_factory.mktemp("seeds") / "tied"
-    create_seed_checkpoint(tiny_config("--model.tie_word_embeddings", "true"), path, seed=0, progress=False,
-                           workers=2)
+    create_seed_checkpoint(tiny_config("--model.tie_word_embeddings", "true"), path, seed=0, progress=False, workers=2)
     return path
 
 
@@ -67,12 +66,14 @@ def check_tied_stock_load(path) -> None:
     """A tied checkpoint stores the matrix once, and ``.metadata`` records ``output.weight`` at the
     embedding's bytes: stock ``dcp.load`` fills a tied model's ``state_dict()`` and an untied-shaped
     one (two tensors) with our reader's values, bitwise; the manifest counts the matrix once."""
-    from models.llama3.model import Transformer
-    from seedckpt.layouts import open_model_checkpoint
+    from models.common.decoder import Transformer
+    from seedckpt.materialize.model_checkpoint import open_model_checkpoint
 
     checkpoint = open_model_checkpoint(path)
-    chunks = {fqn: [(index.offset, info) for index, info in checkpoint.metadata.storage_data.items()
-                    if index.fqn == fqn] for fqn in ("tok_embeddings.weight", "output.weight")}
+    chunks = {
+        fqn: [(index.offset, info) for index, info in checkpoint.metadata.storage_data.items() if index.fqn == fqn]
+        for fqn in ("tok_embeddings.weight", "output.weight")
+    }
     assert chunks["output.weight"] == chunks["tok_embeddings.weight"]  # the same bytes, no second copy
     manifest = json.loads((Path(path) / MANIFEST_NAME).read_text())
     model = Transformer(checkpoint.args)

@@ -25,8 +25,13 @@ def _worker(fn, rank, world_size, init_file, results, args):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=120))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=120),
+        )
         # Plain pickle: torch's queue pickler would share tensors through memory that dies with us.
         results.put((rank, None, pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:
@@ -42,8 +47,9 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 240.0) -> list:
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_worker, args=(fn, r, world_size, init_file, results, args))
-                 for r in range(world_size)]
+        procs = [
+            ctx.Process(target=_worker, args=(fn, r, world_size, init_file, results, args)) for r in range(world_size)
+        ]
         for p in procs:
             p.start()
         out, errors = {}, []
@@ -55,8 +61,9 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 240.0) -> list:
                 except queue.Empty:
                     dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
                     if dead:
-                        errors.append(f"ranks {dead} died without reporting (exit codes "
-                                      f"{[procs[r].exitcode for r in dead]})")
+                        errors.append(
+                            f"ranks {dead} died without reporting (exit codes {[procs[r].exitcode for r in dead]})"
+                        )
                     elif time.monotonic() > deadline:
                         missing = sorted(set(range(world_size)) - set(out))
                         errors.append(f"timed out after {timeout}s waiting for ranks {missing}")

@@ -14,14 +14,24 @@ import pytest
 import torch
 
 from seedckpt.checkpoint import DcpCheckpoint, complete_steps
-from seedckpt.errors import SeedckptError
+from seedckpt.utils.errors import SeedckptError
 from tests.dist import run_distributed
 from tests.test_train import REPO, _killed_mid_checkpoint_worker, losses, model_state, torchrun
 
 ASYNC = ["--checkpoint.async_mode", "async"]
 # dp_shard = 2: the saved weights and AdamW moments are DTensor shards, staged with their placements.
-LAYOUT = ["--parallelism.pipeline_parallel_degree", "1", "--training.local_batch_size", "4",
-          "--training.steps", "4", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0"]
+LAYOUT = [
+    "--parallelism.pipeline_parallel_degree",
+    "1",
+    "--training.local_batch_size",
+    "4",
+    "--training.steps",
+    "4",
+    "--checkpoint.interval",
+    "2",
+    "--checkpoint.keep_latest_k",
+    "0",
+]
 
 
 def _assert_same_tensors(a: Path, b: Path) -> None:
@@ -53,9 +63,9 @@ def _failing_write_worker(rank, world_size, seed, folder, dump):
     """An async run whose rank 1 cannot write step 4 (disk full); returns each rank's error line and
     the last step it trained."""
     from seedckpt.checkpoint import StreamingFileSystemWriter
-    from seedckpt.config import load_config
-    from seedckpt.resolve import resolve
-    from seedckpt.train import Trainer
+    from seedckpt.config.job_config import load_config
+    from seedckpt.config.resolve import resolve
+    from seedckpt.train.trainer import Trainer
 
     original = StreamingFileSystemWriter.write_data
 
@@ -65,10 +75,27 @@ def _failing_write_worker(rank, world_size, seed, folder, dump):
         return original(self, plan, planner)
 
     StreamingFileSystemWriter.write_data = disk_full_at_step_4
-    cfg = load_config(REPO / "configs/debug.toml", [
-        "--training.global_batch_size", "8", "--training.seq_len", "32", "--data.kind", "synthetic", *LAYOUT,
-        *ASYNC, "--training.steps", "8", "--checkpoint.seed_checkpoint", seed, "--checkpoint.folder", folder,
-        "--job.dump_folder", dump])
+    cfg = load_config(
+        REPO / "configs/debug.toml",
+        [
+            "--training.global_batch_size",
+            "8",
+            "--training.seq_len",
+            "32",
+            "--data.kind",
+            "synthetic",
+            *LAYOUT,
+            *ASYNC,
+            "--training.steps",
+            "8",
+            "--checkpoint.seed_checkpoint",
+            seed,
+            "--checkpoint.folder",
+            folder,
+            "--job.dump_folder",
+            dump,
+        ],
+    )
     trainer = Trainer(resolve(cfg, world_size).with_start())
     try:
         trainer.run()
@@ -92,8 +119,9 @@ def test_a_failed_background_write_stops_every_rank_with_one_line_and_publishes_
 def test_sigkill_during_a_background_write_leaves_the_previous_step_loadable(tmp_path, debug_seed):
     folder = tmp_path / "ckpt"
     with pytest.raises(AssertionError, match=r"died|Connection reset|Connection closed"):
-        run_distributed(_killed_mid_checkpoint_worker, 2, str(debug_seed), str(folder), str(tmp_path), *ASYNC,
-                        timeout=120)
+        run_distributed(
+            _killed_mid_checkpoint_worker, 2, str(debug_seed), str(folder), str(tmp_path), *ASYNC, timeout=120
+        )
     assert sorted(complete_steps(folder)) == [2]
     assert list(folder.glob(".step-4.*.partial"))  # the write was under way, unpublished
     assert DcpCheckpoint(folder / "step-2").verify() == []
@@ -135,8 +163,15 @@ def _one_in_flight_worker(rank, world_size, folder):
     except RuntimeError:
         refused = True
     second = saver.wait()
-    return {"most": most[0], "first": first.background_s, "second_stall": returned_after, "refused": refused,
-            "seen": [t[0].item() for t in seen], "second": second.path.name, "done": saver.wait() is None}
+    return {
+        "most": most[0],
+        "first": first.background_s,
+        "second_stall": returned_after,
+        "refused": refused,
+        "seen": [t[0].item() for t in seen],
+        "second": second.path.name,
+        "done": saver.wait() is None,
+    }
 
 
 def test_one_save_in_flight_and_each_writes_the_state_it_staged(tmp_path):

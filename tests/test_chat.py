@@ -9,14 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from models.common.decoder import Transformer
 from models.llama3.args import ModelArgs
-from models.llama3.model import Transformer
-from seedckpt.chat import ChatData, render_with_mask
-from seedckpt.config import Data
-from seedckpt.data import IGNORE_INDEX
-from seedckpt.datasets import make_dataset
-from seedckpt.errors import SeedckptError
-from seedckpt.tokenizer import load_tokenizer
+from seedckpt.config.job_config import Data
+from seedckpt.data.chat import ChatData, render_with_mask
+from seedckpt.data.datasets import make_dataset
+from seedckpt.data.sources import IGNORE_INDEX
+from seedckpt.data.tokenizer import load_tokenizer
+from seedckpt.utils.errors import SeedckptError
 from tests.tokenizers import build_tiny_tokenizer, corpus_of, make_chats
 
 CHATS = make_chats(40, seed=1)
@@ -39,23 +39,29 @@ def _data(tmp_path, tokenizer_dir, records=CHATS, seq_len=64, vocab=304, **kw) -
 
 def test_labels_are_exactly_the_assistant_tokens(tokenizer_dir):
     tok = load_tokenizer(tokenizer_dir)
-    messages = [{"role": "system", "content": "Answer briefly."},
-                {"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "2 + 3 = 5."},
-                {"role": "user", "content": "What is 1 + 1?"}, {"role": "assistant", "content": "1 + 1 = 2."}]
+    messages = [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "What is 2 + 3?"},
+        {"role": "assistant", "content": "2 + 3 = 5."},
+        {"role": "user", "content": "What is 1 + 1?"},
+        {"role": "assistant", "content": "1 + 1 = 2."},
+    ]
     ids, mask = render_with_mask(tok, messages, "test")
     assert ids == tok(tok.apply_chat_template(messages, tokenize=False), add_special_tokens=False)["input_ids"]
     # Expected independently: each assistant turn is its content's tokens then <|eot_id|>, right
     # after the assistant header; everything else (headers, system, user) has no label.
     kept = [i for i, m in zip(ids, mask) if m]
     eot = tok.convert_tokens_to_ids("<|eot_id|>")
-    answers = [tok("2 + 3 = 5.", add_special_tokens=False)["input_ids"] + [eot],
-               tok("1 + 1 = 2.", add_special_tokens=False)["input_ids"] + [eot]]
+    answers = [
+        tok("2 + 3 = 5.", add_special_tokens=False)["input_ids"] + [eot],
+        tok("1 + 1 = 2.", add_special_tokens=False)["input_ids"] + [eot],
+    ]
     assert kept == answers[0] + answers[1]
     header = tok("<|start_header_id|>assistant<|end_header_id|>\n\n", add_special_tokens=False)["input_ids"]
     for answer in answers:  # each masked run sits right after an assistant header
-        at = next(i for i in range(len(ids)) if mask[i] and ids[i:i + len(answer)] == answer)
-        assert ids[at - len(header):at] == header and not any(mask[at - len(header):at])
-        assert all(mask[at:at + len(answer)])
+        at = next(i for i in range(len(ids)) if mask[i] and ids[i : i + len(answer)] == answer)
+        assert ids[at - len(header) : at] == header and not any(mask[at - len(header) : at])
+        assert all(mask[at : at + len(answer)])
 
 
 def test_packing_keeps_conversations_apart_and_each_once_per_epoch(tmp_path, tokenizer_dir):
@@ -68,9 +74,11 @@ def test_packing_keeps_conversations_apart_and_each_once_per_epoch(tmp_path, tok
         at = 0
         for doc, i in enumerate(row):
             x, y = data.samples[i]
-            assert torch.equal(batch.inputs[b, at:at + len(x)], x) and torch.equal(batch.labels[b, at:at + len(x)], y)
-            assert batch.positions[b, at:at + len(x)].tolist() == list(range(len(x)))
-            assert set(batch.document_ids[b, at:at + len(x)].tolist()) == {doc}
+            assert torch.equal(batch.inputs[b, at : at + len(x)], x) and torch.equal(
+                batch.labels[b, at : at + len(x)], y
+            )
+            assert batch.positions[b, at : at + len(x)].tolist() == list(range(len(x)))
+            assert set(batch.document_ids[b, at : at + len(x)].tolist()) == {doc}
             at += len(x)
         assert (batch.labels[b, at:] == IGNORE_INDEX).all()  # padding carries no loss
         assert set(batch.document_ids[b, at:].tolist()) <= {len(row)}
@@ -80,8 +88,9 @@ def test_packing_keeps_conversations_apart_and_each_once_per_epoch(tmp_path, tok
 def test_packed_row_losses_equal_conversations_run_alone(tmp_path, tokenizer_dir):
     data = _data(tmp_path, tokenizer_dir, seq_len=128)
     torch.manual_seed(0)
-    model = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=304, multiple_of=32,
-                                  max_seq_len=256))
+    model = Transformer(
+        ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=304, multiple_of=32, max_seq_len=256)
+    )
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.05) if p.dim() > 1 else p.fill_(1.0)
@@ -92,7 +101,7 @@ def test_packed_row_losses_equal_conversations_run_alone(tmp_path, tokenizer_dir
     for i in data._row(0):
         x, y = data.samples[i]
         alone = F.cross_entropy(model(x[None])[0], y, ignore_index=IGNORE_INDEX, reduction="none")
-        torch.testing.assert_close(packed[at:at + len(x)], alone, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(packed[at : at + len(x)], alone, rtol=1e-5, atol=1e-5)
         at += len(x)
     assert at > len(data.samples[data._row(0)[0]][0])  # the row really held several conversations
 
@@ -107,15 +116,22 @@ def test_batches_are_a_pure_function_of_seed_and_step_across_epochs(tmp_path, to
         assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("inputs", "labels", "positions", "document_ids"))
     assert data._epoch(1) != data._epoch(0)  # epochs reshuffle
     assert sorted(i for r in data._epoch(1) for i in r) == list(range(len(data.samples)))
-    other_seed = ChatData(Data(kind="chat", path=str(tmp_path / "chats.jsonl"), tokenizer=str(tokenizer_dir)), 304, 64, 1)
+    other_seed = ChatData(
+        Data(kind="chat", path=str(tmp_path / "chats.jsonl"), tokenizer=str(tokenizer_dir)), 304, 64, 1
+    )
     assert not torch.equal(other_seed.global_batch(1, 4).inputs, data.global_batch(1, 4).inputs)
 
 
 def test_overflow_truncates_or_drops_and_counts(tmp_path, tokenizer_dir):
-    long_chat = {"messages": [{"role": "user", "content": "What is the capital of France? " * 3},
-                              {"role": "assistant", "content": "Paris. " * 30}]}
-    hopeless = {"messages": [{"role": "user", "content": "What is 1 + 1? " * 30},
-                             {"role": "assistant", "content": "2."}]}
+    long_chat = {
+        "messages": [
+            {"role": "user", "content": "What is the capital of France? " * 3},
+            {"role": "assistant", "content": "Paris. " * 30},
+        ]
+    }
+    hopeless = {
+        "messages": [{"role": "user", "content": "What is 1 + 1? " * 30}, {"role": "assistant", "content": "2."}]
+    }
     records = CHATS[:5] + [long_chat, hopeless]
     truncating = _data(tmp_path, tokenizer_dir, records, seq_len=128)
     assert "1 truncated, 1 dropped" in truncating.description  # the hopeless one has no assistant token left
@@ -146,18 +162,24 @@ def test_gzipped_chats_are_read_and_empty_files_are_called_empty(tmp_path, token
 def test_the_overflow_advice_names_only_what_is_not_set(tmp_path, tokenizer_dir):
     with pytest.raises(SeedckptError, match=r"\(data.overflow = truncate\); raise training.seq_len$"):
         _data(tmp_path, tokenizer_dir, CHATS[:3], seq_len=4)
-    with pytest.raises(SeedckptError, match=r"\(data.overflow = drop\); raise training.seq_len or use "
-                                            r"data.overflow = truncate$"):
+    with pytest.raises(
+        SeedckptError,
+        match=r"\(data.overflow = drop\); raise training.seq_len or use "
+        r"data.overflow = truncate$",
+    ):
         _data(tmp_path, tokenizer_dir, CHATS[:3], seq_len=4, overflow="drop")
 
 
-@pytest.mark.parametrize("record,message", [
-    ("{not json", "chats.jsonl:2: not valid JSON"),
-    ({"messages": [{"role": "wizard", "content": "hi"}]}, "chats.jsonl:2: unknown role 'wizard'"),
-    ({"messages": [{"role": "user", "content": "hi"}]}, "chats.jsonl:2: the conversation has no assistant turn"),
-    ({"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}]}, "must be a string"),
-    ({"text": "hello"}, 'chats.jsonl:2: expected {"messages"'),
-])
+@pytest.mark.parametrize(
+    "record,message",
+    [
+        ("{not json", "chats.jsonl:2: not valid JSON"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "chats.jsonl:2: unknown role 'wizard'"),
+        ({"messages": [{"role": "user", "content": "hi"}]}, "chats.jsonl:2: the conversation has no assistant turn"),
+        ({"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}]}, "must be a string"),
+        ({"text": "hello"}, 'chats.jsonl:2: expected {"messages"'),
+    ],
+)
 def test_bad_chat_lines_name_their_location(tmp_path, tokenizer_dir, record, message):
     with pytest.raises(SeedckptError, match=message.replace("{", r"\{").replace("+", r"\+")):
         _data(tmp_path, tokenizer_dir, [CHATS[0], record])
@@ -173,8 +195,11 @@ def test_bad_tokenizers_and_paths(tmp_path, tokenizer_dir):
     slow.mkdir()
     (slow / "tokenizer.model").write_bytes(b"\x0a\x05")  # a sentencepiece model, no tokenizer.json
     (slow / "tokenizer_config.json").write_text("{}")
-    with pytest.raises(SeedckptError, match=r"slow has no tokenizer.json \(only the slow tokenizer's "
-                                            r"tokenizer.model\); seedckpt needs a fast tokenizer"):
+    with pytest.raises(
+        SeedckptError,
+        match=r"slow has no tokenizer.json \(only the slow tokenizer's "
+        r"tokenizer.model\); seedckpt needs a fast tokenizer",
+    ):
         _data(tmp_path, slow)
     with pytest.raises(SeedckptError, match="does not exist"):
         ChatData(Data(kind="chat", path=str(tmp_path / "missing.jsonl"), tokenizer=str(tokenizer_dir)), 304, 64, 0)

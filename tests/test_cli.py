@@ -12,14 +12,20 @@ from pathlib import Path
 
 import pytest
 
-from seedckpt.cli import main
+from seedckpt.cli.main import main
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "seedckpt.cli", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=120, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    return subprocess.run(
+        [sys.executable, "-m", "seedckpt.cli.main", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+    )
 
 
 def test_inspect_json_lists_tensors_and_manifest(debug_seed, capsys):
@@ -40,7 +46,7 @@ def test_inspect_text(debug_seed, capsys):
 
 
 def test_inspect_counts_a_tied_matrix_once(tied_seed, capsys):
-    from models.llama3.model import Transformer
+    from models.common.decoder import Transformer
     from tests.conftest import tiny_config
 
     cfg = tiny_config("--model.tie_word_embeddings", "true")
@@ -54,9 +60,24 @@ def test_inspect_counts_a_tied_matrix_once(tied_seed, capsys):
 
 
 def test_plan_405b_on_meta(capsys):
-    code = main(["plan", "--config", str(REPO / "configs/llama3_70b.toml"), "--model.flavor", "405B",
-                 "--parallelism.pipeline_parallel_degree", "16", "--parallelism.pipeline_parallel_stages_per_rank",
-                 "1", "--parallelism.pipeline_parallel_schedule", "1F1B", "--world-size", "1024", "--json"])
+    code = main(
+        [
+            "plan",
+            "--config",
+            str(REPO / "configs/llama3_70b.toml"),
+            "--model.flavor",
+            "405B",
+            "--parallelism.pipeline_parallel_degree",
+            "16",
+            "--parallelism.pipeline_parallel_stages_per_rank",
+            "1",
+            "--parallelism.pipeline_parallel_schedule",
+            "1F1B",
+            "--world-size",
+            "1024",
+            "--json",
+        ]
+    )
     assert code == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["total_params"] == 405_853_388_800
@@ -71,9 +92,24 @@ def test_plan_405b_on_meta(capsys):
 def test_plan_counts_what_manual_fsdp_does_not_shard(capsys):
     """FSDP2: 16 B/param over dp_shard. Manual FSDP (bf16 params, fp32 reduce): 2 + 4 B/param whole on
     every rank, the 12 B of master copy and moments over dp_shard."""
+
     def plan(*overrides):
-        assert main(["plan", "--config", str(REPO / "configs/debug.toml"), "--parallelism.pipeline_parallel_degree",
-                     "1", "--world-size", "4", "--json", *overrides]) == 0
+        assert (
+            main(
+                [
+                    "plan",
+                    "--config",
+                    str(REPO / "configs/debug.toml"),
+                    "--parallelism.pipeline_parallel_degree",
+                    "1",
+                    "--world-size",
+                    "4",
+                    "--json",
+                    *overrides,
+                ]
+            )
+            == 0
+        )
         return json.loads(capsys.readouterr().out)["ranks"][0]
 
     fsdp2 = plan()
@@ -84,9 +120,22 @@ def test_plan_counts_what_manual_fsdp_does_not_shard(capsys):
 
 
 def test_plan_text_for_interleaved_stages(capsys):
-    assert main(["plan", "--config", str(REPO / "configs/debug.toml"),
-                 "--parallelism.pipeline_parallel_stages_per_rank", "2",
-                 "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", "--world-size", "4"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--config",
+                str(REPO / "configs/debug.toml"),
+                "--parallelism.pipeline_parallel_stages_per_rank",
+                "2",
+                "--parallelism.pipeline_parallel_schedule",
+                "Interleaved1F1B",
+                "--world-size",
+                "4",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "pp=2 x 2 stage(s)/rank, dp_shard=2" in out
     assert "[0, 2]" in out and "[1, 3]" in out
@@ -99,16 +148,21 @@ def test_help_shows_examples(command):
     assert "examples:" in proc.stdout and f"seedckpt {command} " in proc.stdout
 
 
-@pytest.mark.parametrize("args,message", [
-    (["plan", "--config", "nope.toml"], "config file nope.toml not found"),
-    (["plan", "--config", "configs/debug.toml", "--training.stpes", "3"], "did you mean 'steps'"),
-    (["plan", "--config", "configs/debug.toml", "--training.steps", "many"], "training.steps expects int"),
-    (["plan", "--config", "configs/debug.toml", "--model.flavor", "7B"], "unknown model.flavor '7B'"),
-    (["plan", "--config", "configs/debug.toml", "--parallelism.pipeline_parallel_degree", "8"],
-     "cannot split 6 layers into 8 pipeline stages"),
-    (["inspect", "/nonexistent/ckpt"], "no checkpoint at /nonexistent/ckpt"),
-    (["seed", "--config", "configs/debug.toml", "--output", "/tmp/x", "--dtype", "float8"], "--dtype float8"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["plan", "--config", "nope.toml"], "config file nope.toml not found"),
+        (["plan", "--config", "configs/debug.toml", "--training.stpes", "3"], "did you mean 'steps'"),
+        (["plan", "--config", "configs/debug.toml", "--training.steps", "many"], "training.steps expects int"),
+        (["plan", "--config", "configs/debug.toml", "--model.flavor", "7B"], "unknown model.flavor '7B'"),
+        (
+            ["plan", "--config", "configs/debug.toml", "--parallelism.pipeline_parallel_degree", "8"],
+            "cannot split 6 layers into 8 pipeline stages",
+        ),
+        (["inspect", "/nonexistent/ckpt"], "no checkpoint at /nonexistent/ckpt"),
+        (["seed", "--config", "configs/debug.toml", "--output", "/tmp/x", "--dtype", "float8"], "--dtype float8"),
+    ],
+)
 def test_user_errors_are_one_line_without_traceback(args, message):
     proc = _run(*args)
     assert proc.returncode == 2
@@ -128,20 +182,31 @@ def _listed_config_keys(help_text: str) -> dict[str, set[str]]:
     return listed
 
 
-@pytest.mark.parametrize("command,epilog", [(["-m", "seedckpt.cli"], "run `seedckpt COMMAND --help`"),
-                                            (["train.py"], "examples:")], ids=["seedckpt", "train.py"])
+@pytest.mark.parametrize(
+    "command,epilog",
+    [(["-m", "seedckpt.cli.main"], "run `seedckpt COMMAND --help`"), (["train.py"], "examples:")],
+    ids=["seedckpt", "train.py"],
+)
 def test_help_lists_every_config_key(command, epilog):
     """Listed from the dataclasses: a key added to a section shows up, and needs a doc (test_config)."""
     from models.llama3.args import ModelArgs
-    from seedckpt.config import JobConfig
+    from seedckpt.config.job_config import JobConfig
 
-    proc = subprocess.run([sys.executable, *command, "--help"], cwd=REPO, capture_output=True, text=True,
-                          timeout=120, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    proc = subprocess.run(
+        [sys.executable, *command, "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.index(epilog) < proc.stdout.index("config keys")  # the reference follows the usual help
     sections = {f.name: f.default_factory for f in dataclasses.fields(JobConfig) if not f.name.startswith("_")}
     assert _listed_config_keys(proc.stdout) == {
-        name: {f.name for f in dataclasses.fields(cls) if f.metadata.get("toml_key", True)} for name, cls in sections.items()}
-    model_section = proc.stdout[proc.stdout.index("[model]"):proc.stdout.index("[training]")]
+        name: {f.name for f in dataclasses.fields(cls) if f.metadata.get("toml_key", True)}
+        for name, cls in sections.items()
+    }
+    model_section = proc.stdout[proc.stdout.index("[model]") : proc.stdout.index("[training]")]
     assert all(re.search(rf"\b{f.name}\b", model_section) for f in dataclasses.fields(ModelArgs))
     assert 'mixed_precision_param = "float32"' in proc.stdout and '"bfloat16"' in proc.stdout  # default, choices

@@ -9,19 +9,35 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from models.llama3.model import Transformer
-from seedckpt.errors import SeedckptError
-from seedckpt.init import init_model
-from seedckpt.osft import convert_to_osft, decompose
-from seedckpt.parallel import apply_activation_checkpointing, apply_compile, check_compile_supported
+from models.common.decoder import Transformer
+from seedckpt.finetune.osft import convert_to_osft, decompose
+from seedckpt.materialize.init_recipe import init_model
+from seedckpt.parallel.parallelize import apply_activation_checkpointing, apply_compile, check_compile_supported
+from seedckpt.utils.errors import SeedckptError
 from tests.conftest import tiny_config
 from tests.test_train import losses, model_state, torchrun
 
-PP2_X_DP2 = ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4",
-             "--parallelism.pipeline_parallel_microbatches", "2", "--training.steps", "6"]
+PP2_X_DP2 = [
+    "--parallelism.pipeline_parallel_degree",
+    "2",
+    "--training.local_batch_size",
+    "4",
+    "--parallelism.pipeline_parallel_microbatches",
+    "2",
+    "--training.steps",
+    "6",
+]
 # The resumes re-shard pp2 x dp2's checkpoints onto pp2 alone.
-PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "8",
-       "--parallelism.pipeline_parallel_microbatches", "2", "--training.steps", "6"]
+PP2 = [
+    "--parallelism.pipeline_parallel_degree",
+    "2",
+    "--training.local_batch_size",
+    "8",
+    "--parallelism.pipeline_parallel_microbatches",
+    "2",
+    "--training.steps",
+    "6",
+]
 COMPILE = ["--training.compile", "true"]
 
 
@@ -67,7 +83,9 @@ def test_missing_cpp_compiler_is_refused_with_the_fix(monkeypatch):
     from torch._inductor import config as inductor_config
 
     monkeypatch.setattr(inductor_config.cpp, "cxx", ("no-such-compiler-seedckpt",))
-    with pytest.raises(SeedckptError, match=r"needs a C\+\+ compiler .*apt-get install g\+\+.*training.compile = false"):
+    with pytest.raises(
+        SeedckptError, match=r"needs a C\+\+ compiler .*apt-get install g\+\+.*training.compile = false"
+    ):
         check_compile_supported("cpu")
 
 

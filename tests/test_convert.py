@@ -10,29 +10,44 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.llama3.hf import permute_from_hf, permute_to_hf
-from seedckpt.cli import main
-from seedckpt.config import load_config
-from seedckpt.convert import convert, diff
-from seedckpt.errors import SeedckptError
-from seedckpt.layouts import codec_for, open_model_checkpoint
-from seedckpt.seed import create_seed_checkpoint
-from seedckpt.stages import build_stages, plan_rank_stages
+from models.common.hf_names import permute_from_hf, permute_to_hf
+from seedckpt.cli.convert import convert, diff
+from seedckpt.cli.main import main
+from seedckpt.config.job_config import load_config
+from seedckpt.materialize.model_checkpoint import codec_for, open_model_checkpoint
+from seedckpt.materialize.seed import create_seed_checkpoint
+from seedckpt.materialize.stages import build_stages
+from seedckpt.parallel.pipeline import plan_rank_stages
+from seedckpt.utils.errors import SeedckptError
 from tests.conftest import check_tied_stock_load, stock_load, tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
 
 transformers = pytest.importorskip("transformers")
 
+
 def _hf_llama(tie: bool = False, seed: int = 0):
     """A small random LlamaForCausalLM (GQA, Llama-3.1 rope scaling), built offline from a config."""
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=8,
-        num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=128,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 16},
-        tie_word_embeddings=tie)
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=128,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+        tie_word_embeddings=tie,
+    )
     model = transformers.LlamaForCausalLM(config).eval()
     with torch.no_grad():  # make every tensor random, norms included, so nothing can hide
         for p in model.parameters():
@@ -40,7 +55,7 @@ def _hf_llama(tie: bool = False, seed: int = 0):
     return model
 
 
-def _our_logits(checkpoint, tokens, pp: int = 1):
+def our_logits(checkpoint, tokens, pp: int = 1):
 
     args = open_model_checkpoint(checkpoint).args
     h = tokens
@@ -59,7 +74,7 @@ def test_hf_to_dcp_to_our_model_matches_transformers(tmp_path):
     convert(tmp_path / "hf", tmp_path / "dcp", "dcp", progress=False)
     with torch.no_grad():
         want = hf(TOKENS).logits
-        got = _our_logits(tmp_path / "dcp", TOKENS)
+        got = our_logits(tmp_path / "dcp", TOKENS)
     assert (got - want).abs().max().item() <= 1e-5
 
 
@@ -69,13 +84,15 @@ def test_stage_loading_straight_from_hf_directory(tmp_path):
     with torch.no_grad():
         want = hf(TOKENS).logits
         for pp in (1, 3):  # each stage reads only its own tensors through DCP's HF reader
-            assert (_our_logits(tmp_path / "hf", TOKENS, pp) - want).abs().max().item() <= 1e-5
+            assert (our_logits(tmp_path / "hf", TOKENS, pp) - want).abs().max().item() <= 1e-5
 
 
 def test_our_model_to_hf_loads_in_transformers(tmp_path):
     toml = tmp_path / "job.toml"
-    toml.write_text('[model]\nflavor = "debug"\nrope_theta = 500000.0\n'
-                    '[model.rope_scaling]\nfactor = 8.0\noriginal_max_position_embeddings = 16\n')
+    toml.write_text(
+        '[model]\nflavor = "debug"\nrope_theta = 500000.0\n'
+        "[model.rope_scaling]\nfactor = 8.0\noriginal_max_position_embeddings = 16\n"
+    )
     cfg = load_config(toml)
     assert cfg.model_args().n_kv_heads < cfg.model_args().n_heads  # GQA
     seed = create_seed_checkpoint(cfg, tmp_path / "seed", seed=3, progress=False)
@@ -87,7 +104,7 @@ def test_our_model_to_hf_loads_in_transformers(tmp_path):
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
     tokens = TOKENS % cfg.model_args().vocab_size
     with torch.no_grad():
-        assert (hf(tokens).logits - _our_logits(seed, tokens)).abs().max().item() <= 1e-5
+        assert (hf(tokens).logits - our_logits(seed, tokens)).abs().max().item() <= 1e-5
 
 
 def test_tied_embeddings_are_stored_once_and_read_as_the_output(tmp_path):
@@ -96,11 +113,12 @@ def test_tied_embeddings_are_stored_once_and_read_as_the_output(tmp_path):
     convert(tmp_path / "hf", tmp_path / "dcp", "dcp", progress=False)
     check_tied_stock_load(tmp_path / "dcp")
     with torch.no_grad():
-        assert (_our_logits(tmp_path / "dcp", TOKENS) - hf(TOKENS).logits).abs().max().item() <= 1e-5
+        assert (our_logits(tmp_path / "dcp", TOKENS) - hf(TOKENS).logits).abs().max().item() <= 1e-5
 
 
-@pytest.mark.parametrize("to,dst", [("dcp", "dcp"), ("hf", "hf"), ("torch", "m.pt"), ("safetensors", "m.safetensors"),
-                                    ("torchtitan", "tt")])
+@pytest.mark.parametrize(
+    "to,dst", [("dcp", "dcp"), ("hf", "hf"), ("torch", "m.pt"), ("safetensors", "m.safetensors"), ("torchtitan", "tt")]
+)
 def test_a_tied_checkpoint_converts_as_each_format_stores_ties_and_diffs_equal(tmp_path, tied_seed, to, dst):
     """DCP and HF store the tied matrix once (HF: no ``lm_head.weight``, ``tie_word_embeddings``),
     the others under both names; every export holds the seed's values."""
@@ -176,7 +194,7 @@ def _osft_checkpoint(seed: Path, dst: Path, patterns: tuple[str, ...] = ()) -> P
     """What an OSFT run's ``step-N`` holds (the targets as SVD factors, the OSFT settings in the
     manifest), made from ``seed`` by its SVDs alone: no training needed to compare it with exports."""
     from seedckpt.checkpoint import make_manifest, write_checkpoint
-    from seedckpt.osft import FROZEN, TRAINABLE, OSFTSpec, decompose, osft_record
+    from seedckpt.finetune.osft import FROZEN, TRAINABLE, OSFTSpec, decompose, osft_record
 
     source = open_model_checkpoint(seed)
     spec = OSFTSpec(0.25, patterns)
@@ -189,8 +207,9 @@ def _osft_checkpoint(seed: Path, dst: Path, patterns: tuple[str, ...] = ()) -> P
         elif name not in FROZEN + TRAINABLE:
             state[fqn] = source.read_tensor(fqn)
     finetune = {"mode": "osft", "pretrained": str(seed), **osft_record(spec)}
-    return write_checkpoint(dst, state, make_manifest("train", "llama3", "debug", source.args.to_dict(),
-                                                      finetune=finetune))
+    return write_checkpoint(
+        dst, state, make_manifest("train", "llama3", "debug", source.args.to_dict(), finetune=finetune)
+    )
 
 
 def _rebuilt(path: Path) -> str:
@@ -266,8 +285,11 @@ def test_an_integer_weight_is_refused_naming_tensor_and_file(tmp_path, debug_see
 
     if source == "hf":
         _hf_llama().save_pretrained(tmp_path / "src", max_shard_size="100KB")
-        file = next(f for f in sorted((tmp_path / "src").glob("*.safetensors"))
-                    if "model.layers.1.mlp.up_proj.weight" in load_file(f))
+        file = next(
+            f
+            for f in sorted((tmp_path / "src").glob("*.safetensors"))
+            if "model.layers.1.mlp.up_proj.weight" in load_file(f)
+        )
         tensors = load_file(file)
         tensors["model.layers.1.mlp.up_proj.weight"] = tensors["model.layers.1.mlp.up_proj.weight"].to(torch.int32)
         save_file(tensors, file, metadata={"format": "pt"})
@@ -282,8 +304,13 @@ def test_an_integer_weight_is_refused_naming_tensor_and_file(tmp_path, debug_see
     assert main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--to", "dcp", "--quiet", *config]) == 2
     _assert_nothing_written(tmp_path, "out")
     with pytest.raises(SeedckptError, match=expected + "; model weights are float32, bfloat16, float16, float64"):
-        convert(tmp_path / "src", tmp_path / "out", "dcp", progress=False,
-                args=tiny_config().model_args() if config else None)
+        convert(
+            tmp_path / "src",
+            tmp_path / "out",
+            "dcp",
+            progress=False,
+            args=tiny_config().model_args() if config else None,
+        )
 
 
 def test_a_failure_mid_write_leaves_no_output(tmp_path, debug_seed, monkeypatch):
@@ -300,8 +327,10 @@ def test_a_failure_mid_write_leaves_no_output(tmp_path, debug_seed, monkeypatch)
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):
-    for args in ([str(tmp_path / "none"), str(tmp_path / "out"), "--to", "hf"],
-                 [str(tmp_path), str(tmp_path / "out"), "--to", "onnx"]):
+    for args in (
+        [str(tmp_path / "none"), str(tmp_path / "out"), "--to", "hf"],
+        [str(tmp_path), str(tmp_path / "out"), "--to", "onnx"],
+    ):
         assert main(["convert", *args]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 2 and "no checkpoint at" in lines[0] and "--to 'onnx'" in lines[1]
@@ -324,8 +353,8 @@ def test_torchtitan_03_checkpoints_load_convert_and_are_written(tmp_path, debug_
     builds the same stages as our seed, converts to HF, and ours converts to its names."""
     import torch.distributed.checkpoint as dcp
 
-    from seedckpt.checkpoint import DcpCheckpoint
     from models.llama3.torchtitan import to_torchtitan_name
+    from seedckpt.checkpoint import DcpCheckpoint
 
     titan = {to_torchtitan_name(k): v for k, v in stock_load(debug_seed).items()}
     assert {"lm_head.weight", "layers.0.attention.qkv_linear.wq.weight"} <= set(titan)
@@ -341,7 +370,7 @@ def test_torchtitan_03_checkpoints_load_convert_and_are_written(tmp_path, debug_
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
     tokens = TOKENS % args.vocab_size
     with torch.no_grad():
-        assert (hf(tokens).logits - _our_logits(debug_seed, tokens)).abs().max().item() <= 1e-5
+        assert (hf(tokens).logits - our_logits(debug_seed, tokens)).abs().max().item() <= 1e-5
     convert(debug_seed, tmp_path / "to_titan", "torchtitan", progress=False)
     keys = set(DcpCheckpoint(tmp_path / "to_titan").metadata.state_dict_metadata)
     assert {"lm_head.weight", "layers.5.attention.qkv_linear.wk.weight"} <= keys and "output.weight" not in keys
@@ -352,9 +381,11 @@ def test_torchtitan_03_checkpoints_load_convert_and_are_written(tmp_path, debug_
 def test_a_checkpoint_that_misses_the_model_names_what_it_has(tmp_path, debug_seed):
     import torch.distributed.checkpoint as dcp
 
-
-    dcp.save({f"model.{k}": v for k, v in stock_load(debug_seed).items()}, checkpoint_id=str(tmp_path / "prefixed"),
-             no_dist=True)
+    dcp.save(
+        {f"model.{k}": v for k, v in stock_load(debug_seed).items()},
+        checkpoint_id=str(tmp_path / "prefixed"),
+        no_dist=True,
+    )
     args = tiny_config().model_args()
     with pytest.raises(SeedckptError, match=r"it has 57 model tensors this model does not use, e.g. model\."):
         build_stages(args, plan_rank_stages(args, 1, 2), "cpu", checkpoint=tmp_path / "prefixed")

@@ -8,10 +8,11 @@ import pickle
 import pytest
 import torch
 
-from seedckpt import stages as stages_module
 from seedckpt.checkpoint import DcpCheckpoint, make_manifest, write_checkpoint
-from seedckpt.errors import SeedckptError
-from seedckpt.stages import build_stages, plan_rank_stages
+from seedckpt.materialize import stages as stages_module
+from seedckpt.materialize.stages import build_stages
+from seedckpt.parallel.pipeline import plan_rank_stages
+from seedckpt.utils.errors import SeedckptError
 from tests.conftest import tiny_config
 
 ARGS = tiny_config().model_args()
@@ -65,7 +66,7 @@ def test_lossy_dtype_is_named_not_silently_cast(debug_seed, tmp_path):
 
 
 def test_bfloat16_seed_loads_exactly_into_fp32_parameters(tmp_path):
-    from seedckpt.seed import create_seed_checkpoint
+    from seedckpt.materialize.seed import create_seed_checkpoint
 
     bf16 = create_seed_checkpoint(tiny_config(), tmp_path / "bf16", seed=0, dtype="bfloat16", progress=False)
     [stage] = build_stages(ARGS, FULL, "cpu", checkpoint=bf16)
@@ -117,8 +118,11 @@ def test_config_mismatch_fails_before_allocation(debug_seed, monkeypatch):
 
     monkeypatch.setattr(stages_module, "build_stage_model", no_allocation)
     args = tiny_config("--model.n_layers", "8", "--model.vocab_size", "1024").model_args()
-    with pytest.raises(SeedckptError, match=r"n_layers: checkpoint 6, config 8; vocab_size: checkpoint 512, "
-                                            r"config 1024.*flavor='debug'"):
+    with pytest.raises(
+        SeedckptError,
+        match=r"n_layers: checkpoint 6, config 8; vocab_size: checkpoint 512, "
+        r"config 1024.*flavor='debug'",
+    ):
         build_stages(args, plan_rank_stages(args, 0, 1), "cpu", checkpoint=debug_seed)
 
 
@@ -144,8 +148,9 @@ class _Exploit:
 def _dotted_name_exploit(marker) -> bytes:
     """A pickle that names ``os.system`` through an allowed module (pickle follows dotted names)."""
     payload = pickle.dumps(_Exploit(), protocol=4)
-    return payload.replace(b"\x8c\x05posix\x94\x8c\x06system",
-                           b"\x8c\x25torch.distributed.checkpoint.metadata\x94\x8c\x09os.system")
+    return payload.replace(
+        b"\x8c\x05posix\x94\x8c\x06system", b"\x8c\x25torch.distributed.checkpoint.metadata\x94\x8c\x09os.system"
+    )
 
 
 @pytest.mark.parametrize("dotted", [False, True])

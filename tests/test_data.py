@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from seedckpt.data import ALPHABET, SyntheticData, TextData, builtin_corpus
-from seedckpt.datasets import make_dataset
-from seedckpt.config import Data
-from seedckpt.errors import SeedckptError
+from seedckpt.config.job_config import Data
+from seedckpt.data.datasets import make_dataset
+from seedckpt.data.sources import ALPHABET, SyntheticData, TextData, builtin_corpus
+from seedckpt.utils.errors import SeedckptError
 
 
 def test_synthetic_batches_depend_only_on_seed_and_step():
@@ -45,11 +45,14 @@ def test_builtin_corpus_is_real_text():
     assert len(corpus) > 200_000 and b"def " in corpus
 
 
-@pytest.mark.parametrize("kind,path,vocab,message", [
-    ("text", "", 128, "vocab_size >= 256"),
-    ("text", "/nonexistent.txt", 512, "is not a file"),
-    ("video", "", 512, "choose synthetic, text or chat"),
-])
+@pytest.mark.parametrize(
+    "kind,path,vocab,message",
+    [
+        ("text", "", 128, "vocab_size >= 256"),
+        ("text", "/nonexistent.txt", 512, "is not a file"),
+        ("video", "", 512, "choose synthetic, text or chat"),
+    ],
+)
 def test_bad_data_settings(kind, path, vocab, message):
     with pytest.raises(SeedckptError, match=message):
         make_dataset(Data(kind=kind, path=path), vocab, 32, 0)

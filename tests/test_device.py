@@ -12,15 +12,28 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from seedckpt.config import Training
-from seedckpt.errors import SeedckptError
-from seedckpt.resolve import choose_device, resolve
+from seedckpt.config.job_config import Training
+from seedckpt.config.resolve import choose_device, resolve
+from seedckpt.utils.errors import SeedckptError
 from tests.conftest import tiny_config
-from tests.test_resume import rows, train as train_from
+from tests.test_resume import rows
+from tests.test_resume import train as train_from
 
 # One process (python train.py, a world of one), pp = 1: the same run on either device.
-ONE_RANK = ["--parallelism.pipeline_parallel_degree", "1", "--training.steps", "10", "--training.local_batch_size",
-            "8", "--training.seq_len", "32", "--data.kind", "synthetic", "--checkpoint.interval", "0"]
+ONE_RANK = [
+    "--parallelism.pipeline_parallel_degree",
+    "1",
+    "--training.steps",
+    "10",
+    "--training.local_batch_size",
+    "8",
+    "--training.seq_len",
+    "32",
+    "--data.kind",
+    "synthetic",
+    "--checkpoint.interval",
+    "0",
+]
 
 
 def train(run_dir: Path, seed: Path, *overrides: str) -> subprocess.CompletedProcess:
@@ -29,10 +42,19 @@ def train(run_dir: Path, seed: Path, *overrides: str) -> subprocess.CompletedPro
 
 # -- the choice (CPU) ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("requested,local_ranks,gpus,chosen", [
-    ("auto", 1, 0, "cpu"), ("auto", 4, 4, "cuda"), ("auto", 2, 8, "cuda"), ("cpu", 4, 1, "cpu"),
-    ("cuda", 1, 1, "cuda"), ("cuda", 0, 0, "cuda"), ("auto", 0, 0, "cpu"),
-])
+
+@pytest.mark.parametrize(
+    "requested,local_ranks,gpus,chosen",
+    [
+        ("auto", 1, 0, "cpu"),
+        ("auto", 4, 4, "cuda"),
+        ("auto", 2, 8, "cuda"),
+        ("cpu", 4, 1, "cpu"),
+        ("cuda", 1, 1, "cuda"),
+        ("cuda", 0, 0, "cuda"),
+        ("auto", 0, 0, "cpu"),
+    ],
+)
 def test_auto_is_cuda_when_a_gpu_is_visible_and_cpu_is_always_possible(requested, local_ranks, gpus, chosen):
     assert choose_device(requested, local_ranks, gpus) == chosen
 
@@ -69,12 +91,15 @@ def test_cuda_without_cuda_is_one_line_before_any_rendezvous(tmp_path, debug_see
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-@pytest.mark.parametrize("device,backend", [
-    ("cpu", "cpu:gloo,cuda:gloo"),  # gloo for every tensor: torch's name for init_process_group("gloo")
-    pytest.param("cuda", "cpu:gloo,cuda:nccl", marks=pytest.mark.cuda),
-])
+@pytest.mark.parametrize(
+    "device,backend",
+    [
+        ("cpu", "cpu:gloo,cuda:gloo"),  # gloo for every tensor: torch's name for init_process_group("gloo")
+        pytest.param("cuda", "cpu:gloo,cuda:nccl", marks=pytest.mark.cuda),
+    ],
+)
 def test_the_process_group_backend_follows_the_device(device, backend):
-    from seedckpt.train import _init_process_group
+    from seedckpt.train.trainer import _init_process_group
 
     _init_process_group(device)
     try:
@@ -84,6 +109,7 @@ def test_the_process_group_backend_follows_the_device(device, backend):
 
 
 # -- the CUDA path (one GPU) --------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory, debug_seed):
@@ -107,8 +133,7 @@ def assert_close_in_bf16(got: list[dict], reference: list[dict]) -> None:
 
 @pytest.mark.cuda
 def test_one_gpu_trains_what_the_cpu_trains(tmp_path, debug_seed, cpu_run):
-    proc = train(tmp_path / "run", debug_seed, "--job.device", "cuda", "--training.mixed_precision_param",
-                 "bfloat16")
+    proc = train(tmp_path / "run", debug_seed, "--job.device", "cuda", "--training.mixed_precision_param", "bfloat16")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "on cuda" in proc.stdout and "AdamW fused" in proc.stdout, proc.stdout
     got = rows(tmp_path / "run")
@@ -122,8 +147,16 @@ def test_one_gpu_trains_what_the_cpu_trains(tmp_path, debug_seed, cpu_run):
 def test_compiled_training_on_cuda_matches_the_cpu(tmp_path, debug_seed, cpu_run):
     if "compile" not in {f.name for f in dataclasses.fields(Training)}:
         pytest.skip("training.compile is not a config key in this version")
-    proc = train(tmp_path / "run", debug_seed, "--job.device", "cuda", "--training.mixed_precision_param",
-                 "bfloat16", "--training.compile", "true")
+    proc = train(
+        tmp_path / "run",
+        debug_seed,
+        "--job.device",
+        "cuda",
+        "--training.mixed_precision_param",
+        "bfloat16",
+        "--training.compile",
+        "true",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_close_in_bf16(rows(tmp_path / "run"), cpu_run)
 
@@ -132,7 +165,8 @@ def test_compiled_training_on_cuda_matches_the_cpu(tmp_path, debug_seed, cpu_run
 def test_a_cuda_load_is_bitwise_the_cpu_load(debug_seed):
     """Each pipeline stage of the seed, loaded onto the GPU (read through pinned slots, copied on
     a side stream) and onto the CPU: the same bytes, non-persistent buffers recomputed on either device."""
-    from seedckpt.stages import build_stages, plan_rank_stages
+    from seedckpt.materialize.stages import build_stages
+    from seedckpt.parallel.pipeline import plan_rank_stages
 
     args = tiny_config().model_args()
     for rank in range(2):

@@ -22,21 +22,22 @@ UNEVEN = ("--model.vocab_size", "250", "--model.multiple_of", "25")
 @pytest.fixture(scope="module")
 def uneven_seeds(tmp_path_factory):
     """fp32 and bf16 seeds of the uneven model, written in blocks of ~1000 elements."""
-    from seedckpt import seed
+    from seedckpt.materialize import seed as seed
 
     root = tmp_path_factory.mktemp("uneven")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(seed, "BLOCK_NUMEL", 1000)
-        return {dtype: seed.create_seed_checkpoint(tiny_config(*UNEVEN), root / dtype, seed=3, dtype=dtype,
-                                                   progress=False)
-                for dtype in ("float32", "bfloat16")}
+        return {
+            dtype: seed.create_seed_checkpoint(tiny_config(*UNEVEN), root / dtype, seed=3, dtype=dtype, progress=False)
+            for dtype in ("float32", "bfloat16")
+        }
 
 
 def stock_tensors(path) -> dict[str, torch.Tensor]:
     """Every model tensor as stock DCP reads it (``FileSystemReader``: torch.load of whole items)."""
     import torch.distributed.checkpoint as dcp
 
-    from seedckpt.layouts import open_model_checkpoint
+    from seedckpt.materialize.model_checkpoint import open_model_checkpoint
 
     state = {f: torch.empty(i.shape, dtype=i.dtype) for f, i in open_model_checkpoint(path).infos.items()}
     dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
@@ -63,8 +64,9 @@ def _layout_worker(rank, world_size, seed_path, resume_path):
 
     from seedckpt.checkpoint import make_manifest, write_checkpoint
     from seedckpt.checkpoint.direct import DirectReads
-    from seedckpt.modules import local, local_rows
-    from seedckpt.stages import build_stages, plan_rank_stages
+    from seedckpt.materialize.stages import build_stages
+    from seedckpt.parallel.pipeline import plan_rank_stages
+    from seedckpt.utils.tensors import local, local_rows
 
     args = tiny_config(*UNEVEN).model_args()
     counts = {"direct": 0, "stock_items": 0}
@@ -96,8 +98,13 @@ def _layout_worker(rank, world_size, seed_path, resume_path):
         counts.update(direct=0, stock_items=0)
 
     # name: (pp, dp_replicate, dp_shard); HSDP: each replica group reads its own rows, once per replica.
-    layouts = {"pp1 x dp1": (1, 1, 1), "pp2 x dp1": (2, 1, 1), "pp1 x dp4": (1, 1, 4), "pp2 x dp2": (2, 1, 2),
-               "hsdp 2 x 2": (1, 2, 2)}
+    layouts = {
+        "pp1 x dp1": (1, 1, 1),
+        "pp2 x dp1": (2, 1, 1),
+        "pp1 x dp4": (1, 1, 4),
+        "pp2 x dp2": (2, 1, 2),
+        "hsdp 2 x 2": (1, 2, 2),
+    }
     for name, (pp, replicate, dp) in layouts.items():
         pp_rank = rank // (world_size // pp)
         specs = plan_rank_stages(args, pp_rank, pp)
@@ -117,8 +124,9 @@ def _layout_worker(rank, world_size, seed_path, resume_path):
             manifest = make_manifest("train", "llama3", "debug", args.to_dict())
             write_checkpoint(resume_path, modules[0].state_dict(), manifest, force=True)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    modules = build_stages(args, plan_rank_stages(args, rank // 2, 2), "cpu", checkpoint=resume_path,
-                           shard_fn=_fsdp(mesh["dp"]))
+    modules = build_stages(
+        args, plan_rank_stages(args, rank // 2, 2), "cpu", checkpoint=resume_path, shard_fn=_fsdp(mesh["dp"])
+    )
     check("resume dp4 -> pp2 x dp2", modules, resume_path)
     dist.barrier()
     return failures, volumes
@@ -144,7 +152,7 @@ def test_reads_through_staging_slots_are_bitwise_stock(uneven_seeds, monkeypatch
     destinations, with and without checksums."""
     from seedckpt.checkpoint import direct
     from seedckpt.checkpoint.load import load_state
-    from seedckpt.layouts import open_model_checkpoint
+    from seedckpt.materialize.model_checkpoint import open_model_checkpoint
 
     monkeypatch.setattr(direct, "READ_BYTES", 64)
     monkeypatch.setattr(direct, "PIECE_BYTES", 0)  # slots of 64 bytes; a checked unit spans a 1 MiB piece
@@ -172,12 +180,13 @@ def test_read_volume_is_bounded_by_the_rows_asked_for(tmp_path):
     through read/pread) at most 5 % more than it asks for, whatever rows it asks for -- plus, with
     checksums checked, at most the one integrity piece around each end of the request."""
     from seedckpt.checkpoint import RowWindow
-    from seedckpt.layouts import open_model_checkpoint
     from seedckpt.checkpoint.integrity import PIECE_BYTES
-    from seedckpt.seed import create_seed_checkpoint
+    from seedckpt.materialize.model_checkpoint import open_model_checkpoint
+    from seedckpt.materialize.seed import create_seed_checkpoint
 
-    path = create_seed_checkpoint(tiny_config("--model.vocab_size", "32768"), tmp_path / "big", seed=0,
-                                  progress=False)  # 35 MiB, mostly embedding and output
+    path = create_seed_checkpoint(
+        tiny_config("--model.vocab_size", "32768"), tmp_path / "big", seed=0, progress=False
+    )  # 35 MiB, mostly embedding and output
     expected = stock_tensors(path)
     g = torch.Generator().manual_seed(0)
     for verify in (False, True):
@@ -190,7 +199,7 @@ def test_read_volume_is_bounded_by_the_rows_asked_for(tmp_path):
             before = _rchar()
             checkpoint.load({fqn: window})
             read = _rchar() - before
-            assert torch.equal(window.dest, expected[fqn][start:start + rows])
+            assert torch.equal(window.dest, expected[fqn][start : start + rows])
             allowed = 1.05 * window.dest.nbytes + (2 * PIECE_BYTES if verify else 0)
             assert read <= allowed, f"verify={verify} rows {start}+{rows}: read {read} for {window.dest.nbytes}"
 
@@ -199,7 +208,8 @@ def test_foreign_checkpoint_loads_the_stock_way(tmp_path, debug_seed):
     """A checkpoint written by stock dcp.save (no recorded positions) still loads, bitwise."""
     import torch.distributed.checkpoint as dcp
 
-    from seedckpt.stages import build_stages, plan_rank_stages
+    from seedckpt.materialize.stages import build_stages
+    from seedckpt.parallel.pipeline import plan_rank_stages
 
     expected = stock_tensors(debug_seed)
     dcp.save(expected, storage_writer=dcp.FileSystemWriter(str(tmp_path / "stock")), no_dist=True)
@@ -213,8 +223,8 @@ def test_damaged_positions_and_truncated_files_are_errors(tmp_path, debug_seed):
     import json
     import shutil
 
-    from seedckpt.layouts import open_model_checkpoint
-    from seedckpt.errors import SeedckptError
+    from seedckpt.materialize.model_checkpoint import open_model_checkpoint
+    from seedckpt.utils.errors import SeedckptError
 
     args = tiny_config().model_args()
     state = {f: torch.empty(i.shape) for f, i in open_model_checkpoint(debug_seed).infos.items()}
@@ -239,7 +249,7 @@ def test_a_tied_matrix_is_read_once_for_both_destinations(tied_seed, monkeypatch
     """A rank holding the embedding and a separate output copy (a V schedule's first and last stage)
     reads the matrix once, through the name that stores it, though ``.metadata`` has both names."""
     from seedckpt.checkpoint.direct import DirectReads
-    from seedckpt.layouts import open_model_checkpoint
+    from seedckpt.materialize.model_checkpoint import open_model_checkpoint
 
     checkpoint = open_model_checkpoint(tied_seed)
     assert "output.weight" in checkpoint.metadata.state_dict_metadata

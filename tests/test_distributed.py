@@ -33,7 +33,8 @@ def _pp_by_fsdp_worker(rank, world_size, seed_path):
 
     from seedckpt.checkpoint import DcpCheckpoint
     from seedckpt.checkpoint.direct import DirectFileSystemReader
-    from seedckpt.stages import build_stages, plan_rank_stages
+    from seedckpt.materialize.stages import build_stages
+    from seedckpt.parallel.pipeline import plan_rank_stages
     from tests.conftest import tiny_config
 
     args = tiny_config().model_args()
@@ -65,16 +66,21 @@ def _pp_by_fsdp_worker(rank, world_size, seed_path):
         rows = seed_state[fqn].chunk(2, dim=0)[dp_rank] if seed_state[fqn].dim() else seed_state[fqn]
         checks = {
             "seed-loaded shard == seed slice": torch.equal(t.to_local(), rows),
-            "direct-init shard == seed-loaded shard":
-                torch.equal(direct_sharded.state_dict()[fqn].to_local(), t.to_local()),
+            "direct-init shard == seed-loaded shard": torch.equal(
+                direct_sharded.state_dict()[fqn].to_local(), t.to_local()
+            ),
             "gathered shard == seed": torch.equal(t.full_tensor(), seed_state[fqn]),
             "unsharded load == seed": torch.equal(unsharded.state_dict()[fqn], seed_state[fqn]),
             "unsharded direct init == seed": torch.equal(direct_unsharded.state_dict()[fqn], seed_state[fqn]),
         }
         failures += [f"{fqn}: {name}" for name, ok in checks.items() if not ok]
     dist.barrier()
-    return {"failures": failures, "owned": sorted(unsharded.state_dict()), "read": sorted(set(read)),
-            "stage": specs[0].stage_id}
+    return {
+        "failures": failures,
+        "owned": sorted(unsharded.state_dict()),
+        "read": sorted(set(read)),
+        "stage": specs[0].stage_id,
+    }
 
 
 def test_pp2_by_fsdp2_seed_load_equals_direct_init(debug_seed):
@@ -91,7 +97,8 @@ def _fsdp_forward_worker(rank, world_size, seed_path):
     """dp_shard=2 over the whole model: loading and training-ready forward agree with one process."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from seedckpt.stages import build_stages, plan_rank_stages
+    from seedckpt.materialize.stages import build_stages
+    from seedckpt.parallel.pipeline import plan_rank_stages
     from tests.conftest import tiny_config
 
     args = tiny_config().model_args()
@@ -103,7 +110,8 @@ def _fsdp_forward_worker(rank, world_size, seed_path):
 
 
 def test_fsdp2_sharded_stage_computes_the_same_logits(debug_seed):
-    from seedckpt.stages import build_stages, plan_rank_stages
+    from seedckpt.materialize.stages import build_stages
+    from seedckpt.parallel.pipeline import plan_rank_stages
     from tests.conftest import tiny_config
 
     args = tiny_config().model_args()
@@ -118,8 +126,9 @@ def _hf_stage_worker(rank, world_size, hf_dir, dcp_dir):
     """pp=2 x dp_shard=2 stages loaded from an HF directory equal those loaded from its DCP copy."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from seedckpt.layouts import open_model_checkpoint
-    from seedckpt.stages import build_stages, plan_rank_stages
+    from seedckpt.materialize.model_checkpoint import open_model_checkpoint
+    from seedckpt.materialize.stages import build_stages
+    from seedckpt.parallel.pipeline import plan_rank_stages
 
     args = open_model_checkpoint(dcp_dir).args
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp_shard"))
@@ -131,7 +140,7 @@ def _hf_stage_worker(rank, world_size, hf_dir, dcp_dir):
 
 
 def test_fsdp2_stages_load_straight_from_hf(tmp_path, debug_seed):
-    from seedckpt.convert import convert
+    from seedckpt.cli.convert import convert
 
     convert(debug_seed, tmp_path / "hf", "hf", progress=False)
     for rank, mismatched in enumerate(run_distributed(_hf_stage_worker, 4, str(tmp_path / "hf"), str(debug_seed))):

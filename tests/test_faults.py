@@ -19,25 +19,40 @@ from pathlib import Path
 import pytest
 
 from seedckpt.checkpoint import DcpCheckpoint
-from seedckpt.layouts import open_model_checkpoint
-from seedckpt.convert import diff
+from seedckpt.cli.convert import diff
+from seedckpt.materialize.model_checkpoint import open_model_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 KILLS = 10
-TRAIN = ["--config", "configs/debug.toml", "--parallelism.pipeline_parallel_degree", "1", "--training.steps", "4",
-         "--training.local_batch_size", "2", "--training.seq_len", "32", "--data.kind", "synthetic",
-         "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0"]
+TRAIN = [
+    "--config",
+    "configs/debug.toml",
+    "--parallelism.pipeline_parallel_degree",
+    "1",
+    "--training.steps",
+    "4",
+    "--training.local_batch_size",
+    "2",
+    "--training.seq_len",
+    "32",
+    "--data.kind",
+    "synthetic",
+    "--checkpoint.interval",
+    "1",
+    "--checkpoint.keep_latest_k",
+    "0",
+]
 
 
 def _cli(argv: list[str]) -> None:
-    from seedckpt.cli import main
+    from seedckpt.cli.main import main
 
     os.chdir(REPO)
     os._exit(main(argv))
 
 
 def _train(argv: list[str]) -> None:
-    from seedckpt.train import main
+    from seedckpt.train.trainer import main
 
     os.chdir(REPO)
     os._exit(main(argv))
@@ -47,7 +62,9 @@ def _train(argv: list[str]) -> None:
 def ctx():
     os.environ["OMP_NUM_THREADS"] = "1"
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "seedckpt.cli", "seedckpt.train", "seedckpt.convert", "seedckpt.seed"])
+    context.set_forkserver_preload(
+        ["torch", "seedckpt.cli.main", "seedckpt.train.trainer", "seedckpt.cli.convert", "seedckpt.materialize.seed"]
+    )
     warm_up = context.Process(target=os._exit, args=(0,))  # starts the server: its imports are not timed
     warm_up.start()
     warm_up.join()
@@ -104,17 +121,27 @@ def _remove(path: Path) -> None:
 
 def test_seed_killed_anywhere_leaves_nothing_or_the_whole_seed(ctx, tmp_path):
     outcomes = check_killed_writes(
-        ctx, lambda dst: ["seed", "--config", "configs/debug.toml", "--output", str(dst), "--quiet"],
-        tmp_path / "seed", tmp_path / "reference", seed=0)
+        ctx,
+        lambda dst: ["seed", "--config", "configs/debug.toml", "--output", str(dst), "--quiet"],
+        tmp_path / "seed",
+        tmp_path / "reference",
+        seed=0,
+    )
     assert outcomes["absent"] >= 1, outcomes  # some kills did land before publishing
 
 
-@pytest.mark.parametrize("target,name", [("dcp", "out"), ("torchtitan", "out"), ("hf", "out"),
-                                         ("safetensors", "out.safetensors"), ("torch", "out.pt")])
+@pytest.mark.parametrize(
+    "target,name",
+    [("dcp", "out"), ("torchtitan", "out"), ("hf", "out"), ("safetensors", "out.safetensors"), ("torch", "out.pt")],
+)
 def test_convert_killed_anywhere_leaves_nothing_or_the_whole_output(ctx, tmp_path, debug_seed, target, name):
     outcomes = check_killed_writes(
-        ctx, lambda dst: ["convert", str(debug_seed), str(dst), "--to", target, "--quiet"],
-        tmp_path / name, tmp_path / f"reference-{name}", seed=1)
+        ctx,
+        lambda dst: ["convert", str(debug_seed), str(dst), "--to", target, "--quiet"],
+        tmp_path / name,
+        tmp_path / f"reference-{name}",
+        seed=1,
+    )
     assert outcomes["absent"] >= 1, outcomes
 
 
@@ -124,8 +151,15 @@ def _losses(run_dir: Path) -> dict[int, float]:
 
 def test_training_killed_anywhere_resumes_to_the_uninterrupted_losses(ctx, tmp_path, debug_seed):
     def argv(run_dir: Path) -> list[str]:
-        return [*TRAIN, "--checkpoint.seed_checkpoint", str(debug_seed), "--checkpoint.folder",
-                str(run_dir / "ckpt"), "--job.dump_folder", str(run_dir)]
+        return [
+            *TRAIN,
+            "--checkpoint.seed_checkpoint",
+            str(debug_seed),
+            "--checkpoint.folder",
+            str(run_dir / "ckpt"),
+            "--job.dump_folder",
+            str(run_dir),
+        ]
 
     code, duration = run(ctx, _train, argv(tmp_path / "uninterrupted"))
     assert code == 0
@@ -164,10 +198,19 @@ def test_two_concurrent_conversions_publish_one_whole_output(ctx, tmp_path, debu
 
 def test_two_training_runs_on_one_folder_one_trains_the_other_fails_up_front(ctx, tmp_path, debug_seed):
     def argv(run_dir: Path) -> list[str]:
-        return [*TRAIN, "--checkpoint.seed_checkpoint", str(debug_seed), "--checkpoint.folder",
-                str(tmp_path / "shared" / "ckpt"), "--job.dump_folder", str(run_dir)]
+        return [
+            *TRAIN,
+            "--checkpoint.seed_checkpoint",
+            str(debug_seed),
+            "--checkpoint.folder",
+            str(tmp_path / "shared" / "ckpt"),
+            "--job.dump_folder",
+            str(run_dir),
+        ]
 
-    assert run(ctx, _train, [*argv(tmp_path / "alone"), "--checkpoint.folder", str(tmp_path / "alone" / "ckpt")])[0] == 0
+    assert (
+        run(ctx, _train, [*argv(tmp_path / "alone"), "--checkpoint.folder", str(tmp_path / "alone" / "ckpt")])[0] == 0
+    )
     codes = race(ctx, _train, [argv(tmp_path / "first"), argv(tmp_path / "second")])
     assert sorted(codes) == [0, 2], codes
     winner = tmp_path / ("first" if codes[0] == 0 else "second")

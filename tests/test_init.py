@@ -8,9 +8,18 @@ import pytest
 import torch
 from torch import nn
 
-from models.llama3.model import Transformer
-from seedckpt.init import CHUNK_NUMEL, Initializer, InitSpec, chunk_generator, generate, generate_flat, init_model
-from seedckpt.stages import StageSpec, build_stage_model
+from models.common.decoder import Transformer
+from seedckpt.materialize.init_recipe import (
+    CHUNK_NUMEL,
+    Initializer,
+    InitSpec,
+    chunk_generator,
+    generate,
+    generate_flat,
+    init_model,
+)
+from seedckpt.materialize.stages import build_stage_model
+from seedckpt.parallel.pipeline import StageSpec
 from tests.conftest import tiny_config
 
 
@@ -24,7 +33,7 @@ def _materialized(args) -> Transformer:
 
 def _truncated_std(std: float, cutoff: float) -> float:
     """Standard deviation of N(0, std^2) truncated to +-cutoff*std."""
-    phi = math.exp(-cutoff ** 2 / 2) / math.sqrt(2 * math.pi)
+    phi = math.exp(-(cutoff**2) / 2) / math.sqrt(2 * math.pi)
     mass = math.erf(cutoff / math.sqrt(2))
     return std * math.sqrt(1 - 2 * cutoff * phi / mass)
 
@@ -32,7 +41,7 @@ def _truncated_std(std: float, cutoff: float) -> float:
 def test_generator_uses_full_key_not_32_bits():
     # torch's manual_seed keeps 32 bits; keys must not collide just because they agree mod 2**32.
     a = torch.randn(8, generator=chunk_generator(1, "w", 0))
-    b = torch.randn(8, generator=chunk_generator(1 + 2 ** 32, "w", 0))
+    b = torch.randn(8, generator=chunk_generator(1 + 2**32, "w", 0))
     again = torch.randn(8, generator=chunk_generator(1, "w", 0))
     assert torch.equal(a, again)
     assert not torch.equal(a, b)
@@ -73,7 +82,7 @@ def test_chunked_generation_is_independent_per_chunk():
     for c in range(3):
         part = torch.empty(min(CHUNK_NUMEL, numel - c * CHUNK_NUMEL))
         spec.fill_chunk(part, chunk_generator(0, "x", c))
-        assert torch.equal(part, whole[c * CHUNK_NUMEL:(c + 1) * CHUNK_NUMEL])
+        assert torch.equal(part, whole[c * CHUNK_NUMEL : (c + 1) * CHUNK_NUMEL])
     # Any sub-range, aligned or not, equals the slice of the whole tensor.
     for start, stop in ((5, 17), (CHUNK_NUMEL - 3, CHUNK_NUMEL + 9), (CHUNK_NUMEL + 1, numel - 1), (numel - 7, numel)):
         assert torch.equal(generate_flat(spec, 0, "x", numel, start, stop), whole[start:stop]), (start, stop)
@@ -96,7 +105,7 @@ def _expected(fqn: str, args) -> InitSpec:
     if fqn == "tok_embeddings.weight":
         return InitSpec("normal", std=1.0)
     if fqn == "output.weight":
-        return InitSpec("trunc_normal", std=args.dim ** -0.5, cutoff=3.0)
+        return InitSpec("trunc_normal", std=args.dim**-0.5, cutoff=3.0)
     if parts[-2].endswith("norm"):
         return InitSpec("ones")
     std = 0.02 / math.sqrt(2 * (int(parts[1]) + 1)) if parts[-2] in ("wo", "w2", "w3") else 0.02
@@ -122,8 +131,7 @@ def test_every_parameter_initialized_exactly_once_with_recipe_std():
             assert p.abs().max().item() <= spec.cutoff * spec.std, fqn
 
 
-@pytest.mark.parametrize("std,bounds", [(0.02, None), (0.02 / math.sqrt(2), None), (0.01, None),
-                                        (2048 ** -0.5, 3.0)])
+@pytest.mark.parametrize("std,bounds", [(0.02, None), (0.02 / math.sqrt(2), None), (0.01, None), (2048**-0.5, 3.0)])
 def test_realized_std_matches_torchtitans_init_calls(std, bounds):
     """torchtitan: ``nn.init.trunc_normal_(w, std=s)`` (default a=-2, b=2) for hidden projections and
     ``a, b = -+3 s`` for the output; ours must have the same realized std within 1 %."""

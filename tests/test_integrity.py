@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from seedckpt.checkpoint import DcpCheckpoint
-from seedckpt.layouts import open_model_checkpoint
 from seedckpt.checkpoint.integrity import PIECE_BYTES, ItemChecks, PieceHasher
-from seedckpt.cli import main as cli
-from seedckpt.errors import SeedckptError
+from seedckpt.cli.main import main as cli
+from seedckpt.materialize.model_checkpoint import open_model_checkpoint
+from seedckpt.utils.errors import SeedckptError
 from tests.conftest import tiny_config
 from tests.dist import run_distributed
 
@@ -31,10 +31,12 @@ def _two_rank_checkpoint_worker(rank, world_size, path):
     from seedckpt.checkpoint import make_manifest, write_checkpoint
 
     g = torch.Generator().manual_seed(rank)
-    state = {f"layers.{rank}.attention.wq.weight": torch.randn(64, 128, generator=g),
-             f"layers.{rank}.attention_norm.weight": torch.randn(128, generator=g),
-             f"rng.rank{rank}": torch.get_rng_state(),
-             "train_state": {"step": 7, "lr_scheduler": {"base_lrs": [3e-4], "last_epoch": 7}}}
+    state = {
+        f"layers.{rank}.attention.wq.weight": torch.randn(64, 128, generator=g),
+        f"layers.{rank}.attention_norm.weight": torch.randn(128, generator=g),
+        f"rng.rank{rank}": torch.get_rng_state(),
+        "train_state": {"step": 7, "lr_scheduler": {"base_lrs": [3e-4], "last_epoch": 7}},
+    }
     write_checkpoint(path, state, make_manifest("train", "llama3", "debug", tiny_config().model_args().to_dict()))
 
 
@@ -56,8 +58,10 @@ def _owner(checkpoint: DcpCheckpoint, file: str, offset: int) -> str:
 def _load_everything(path: Path) -> None:
     """Load every entry (tensors and training state) the way a resume does: through DCP."""
     checkpoint = DcpCheckpoint(path)
-    state = {key: torch.empty(md.size, dtype=md.properties.dtype) if hasattr(md, "size") else None
-             for key, md in checkpoint.metadata.state_dict_metadata.items()}
+    state = {
+        key: torch.empty(md.size, dtype=md.properties.dtype) if hasattr(md, "size") else None
+        for key, md in checkpoint.metadata.state_dict_metadata.items()
+    }
     checkpoint.load(state)
 
 
@@ -192,6 +196,7 @@ def test_pieces_align_with_the_raw_data_and_reads_cover_what_they_touch():
 
 # -- broken files: one line, exit 2, from every command ---------------------------------------------
 
+
 def _damaged(tmp_path: Path, debug_seed: Path, how: str) -> Path:
     path = tmp_path / how
     shutil.copytree(debug_seed, path)
@@ -207,9 +212,12 @@ def _damaged(tmp_path: Path, debug_seed: Path, how: str) -> Path:
 @pytest.mark.parametrize("command", ["inspect", "verify", "convert", "diff"])
 def test_incomplete_checkpoints_are_one_line_exit_2(tmp_path, debug_seed, capsys, how, command):
     path = _damaged(tmp_path, debug_seed, how)
-    args = {"inspect": [str(path)], "verify": [str(path)], "convert": [str(path), str(tmp_path / "out.pt"),
-                                                                       "--to", "torch"],
-            "diff": [str(debug_seed), str(path)]}[command]
+    args = {
+        "inspect": [str(path)],
+        "verify": [str(path)],
+        "convert": [str(path), str(tmp_path / "out.pt"), "--to", "torch"],
+        "diff": [str(debug_seed), str(path)],
+    }[command]
     assert cli([command, *args]) == 2  # diff: 2 = error, never 1 ("different")
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "incomplete" in err and "__0_0.distcp" in err, err
@@ -229,20 +237,24 @@ def _safetensors(path: Path, header: bytes, declared: int | None = None, data: b
     return path
 
 
-@pytest.mark.parametrize("case,message", [
-    ("huge_length", "header length"),
-    ("nested", "header is not JSON"),
-    ("offsets_disagree", "do not hold shape"),
-    ("beyond_the_file", "truncated"),
-    ("bad_dtype", "entry"),
-])
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        ("huge_length", "header length"),
+        ("nested", "header is not JSON"),
+        ("offsets_disagree", "do not hold shape"),
+        ("beyond_the_file", "truncated"),
+        ("bad_dtype", "entry"),
+    ],
+)
 def test_crafted_safetensors_headers_are_refused(tmp_path, capsys, case, message):
     entry = {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}
     files = {
         "huge_length": lambda p: _safetensors(p, b"{}", declared=2**62),
         "nested": lambda p: _safetensors(p, b"[" * 100_000),
-        "offsets_disagree": lambda p: _safetensors(p, json.dumps(
-            {"w": {**entry, "shape": [2**26, 2**26]}}).encode(), data=bytes(16)),
+        "offsets_disagree": lambda p: _safetensors(
+            p, json.dumps({"w": {**entry, "shape": [2**26, 2**26]}}).encode(), data=bytes(16)
+        ),
         "beyond_the_file": lambda p: _safetensors(p, json.dumps({"w": entry}).encode(), data=bytes(8)),
         "bad_dtype": lambda p: _safetensors(p, json.dumps({"w": {**entry, "dtype": "F128"}}).encode(), data=bytes(16)),
     }
@@ -253,7 +265,7 @@ def test_crafted_safetensors_headers_are_refused(tmp_path, capsys, case, message
 
 
 def test_hf_index_entries_outside_the_directory_are_refused(tmp_path, capsys):
-    from seedckpt.convert import convert
+    from seedckpt.cli.convert import convert
 
     hf = convert(_seed_for_hf(tmp_path), tmp_path / "hf", "hf", progress=False)
     index = hf / "model.safetensors.index.json"
@@ -266,7 +278,7 @@ def test_hf_index_entries_outside_the_directory_are_refused(tmp_path, capsys):
 
 
 def _seed_for_hf(tmp_path: Path) -> Path:
-    from seedckpt.seed import create_seed_checkpoint
+    from seedckpt.materialize.seed import create_seed_checkpoint
 
     return create_seed_checkpoint(tiny_config("--model.n_layers", "1"), tmp_path / "seed", seed=0, progress=False)
 
@@ -281,14 +293,18 @@ def test_oversized_dcp_metadata_is_refused_before_reading(tmp_path, debug_seed, 
 
 # -- a manifest or config that does not describe the tensors --------------------------------------
 
+
 def test_a_manifest_that_does_not_describe_its_tensors_is_refused(tmp_path, debug_seed):
     path = tmp_path / "lying"
     shutil.copytree(debug_seed, path)
     manifest = json.loads((path / "seedckpt.json").read_text())
     manifest["model"]["args"]["n_layers"] = 4  # 6 layers are stored beside it
     (path / "seedckpt.json").write_text(json.dumps(manifest))
-    with pytest.raises(SeedckptError, match=r"weights do not match the model configuration: it has 18 model "
-                                            r"tensors this model does not use, e.g. layers\.4\."):
+    with pytest.raises(
+        SeedckptError,
+        match=r"weights do not match the model configuration: it has 18 model "
+        r"tensors this model does not use, e.g. layers\.4\.",
+    ):
         open_model_checkpoint(path)
 
 
@@ -297,7 +313,8 @@ def test_extra_layers_of_a_checkpoint_without_manifest_are_an_error_listing_them
     a pipeline stage's unowned layers (2 and 3 for the first of two stages) are fine."""
     import torch.distributed.checkpoint as dcp
 
-    from seedckpt.stages import build_stages, plan_rank_stages
+    from seedckpt.materialize.stages import build_stages
+    from seedckpt.parallel.pipeline import plan_rank_stages
     from tests.conftest import stock_load
 
     dcp.save(stock_load(debug_seed), checkpoint_id=str(tmp_path / "foreign"), no_dist=True)

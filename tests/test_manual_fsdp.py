@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from seedckpt.config import load_config
-from seedckpt.errors import SeedckptError
+from seedckpt.config.job_config import load_config
+from seedckpt.utils.errors import SeedckptError
 from tests.conftest import check_tied_stock_load
 from tests.dist import run_distributed
 from tests.test_train import COMMON, REPO, model_state
@@ -24,10 +24,23 @@ LAYOUT = [*COMMON, "--parallelism.pipeline_parallel_degree", "1", "--training.lo
 
 def _config(run: Path, seed: str, impl: str, *overrides: str):
     """FSDP2's collectives are timed too (off by default for it): these tests count them."""
-    return load_config(REPO / "configs/debug.toml", [
-        *LAYOUT, "--parallelism.fsdp_impl", impl, "--metrics.collective_timing", "on",
-        "--checkpoint.seed_checkpoint", seed, "--checkpoint.folder", str(run / "ckpt"), "--job.dump_folder", str(run),
-        *overrides])
+    return load_config(
+        REPO / "configs/debug.toml",
+        [
+            *LAYOUT,
+            "--parallelism.fsdp_impl",
+            impl,
+            "--metrics.collective_timing",
+            "on",
+            "--checkpoint.seed_checkpoint",
+            seed,
+            "--checkpoint.folder",
+            str(run / "ckpt"),
+            "--job.dump_folder",
+            str(run),
+            *overrides,
+        ],
+    )
 
 
 def _losses(run: Path, field: str = "loss") -> list[float]:
@@ -40,8 +53,8 @@ def _trainer(cfg, start=None):
 
     import torch.distributed as dist
 
-    from seedckpt.resolve import resolve
-    from seedckpt.train import Trainer
+    from seedckpt.config.resolve import resolve
+    from seedckpt.train.trainer import Trainer
 
     run = resolve(cfg, dist.get_world_size())
     return Trainer(dataclasses.replace(run, start=start) if start is not None else run.with_start())
@@ -61,8 +74,10 @@ def _parity_worker(rank, world_size, seed, tmp, impls):
     """Train ``impls`` one after the other in this world; manual FSDP with full activation
     checkpointing on 4 ranks (it must not care)."""
     ac = ["--activation_checkpoint.mode", "full"] if world_size == 4 else []
-    return {impl: _train(Path(tmp) / f"{impl}-{world_size}", seed, impl, *(ac if impl == "manual" else []))
-            for impl in impls}
+    return {
+        impl: _train(Path(tmp) / f"{impl}-{world_size}", seed, impl, *(ac if impl == "manual" else []))
+        for impl in impls
+    }
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +125,7 @@ def test_reduce_scatter_runs_once_per_optimizer_step(runs):
 def _checkpoint_worker(rank, world_size, seed, tmp):
     """Manual: 5 steps and stop, resume to 10. FSDP2 resumes the manual step-5 and trains to 10.
     Round trip: FSDP2 loads the manual step-5 and saves it, manual loads that and saves it."""
-    from seedckpt.start import open_start
+    from seedckpt.materialize.start import open_start
 
     tmp = Path(tmp)
     _train(tmp / "manual", seed, "manual", "--checkpoint.interval", "5", "--training.stop_after_step", "5")
@@ -130,8 +145,9 @@ def test_checkpoints_resume_bitwise_and_round_trip_through_fsdp2(runs, debug_see
     assert _losses(tmp / "ckpt-test" / "manual") == straight  # 5 + resume + 5 == 10 steps, bitwise
     for step, (a, b) in enumerate(zip(_losses(tmp / "ckpt-test" / "fsdp2"), straight[5:]), start=6):
         assert abs(a - b) <= 1e-5 * abs(b), f"FSDP2 resumed from manual, step {step}: {a} vs {b}"
-    manual, fsdp2, back = (model_state(tmp / "ckpt-test" / run / "ckpt" / "step-5")
-                           for run in ("manual", "to-fsdp2", "back"))
+    manual, fsdp2, back = (
+        model_state(tmp / "ckpt-test" / run / "ckpt" / "step-5") for run in ("manual", "to-fsdp2", "back")
+    )
     assert manual.keys() == fsdp2.keys() == back.keys()
     assert any(k.startswith("optimizer.state.") and k.endswith(".exp_avg_sq") for k in manual)
     for key in manual:  # model, AdamW moments and step: manual -> FSDP2 -> manual changes no bit
@@ -140,17 +156,31 @@ def test_checkpoints_resume_bitwise_and_round_trip_through_fsdp2(runs, debug_see
 
 def _mixed_precision_worker(rank, world_size, tmp):
     """A tied model (one matrix for embedding and output) in bf16 compute / fp32 reduce."""
-    mixed = ["--training.mixed_precision_param", "bfloat16", "--model.tie_word_embeddings", "true",
-             "--checkpoint.init_from", "direct", "--training.steps", "4", "--checkpoint.interval", "4"]
+    mixed = [
+        "--training.mixed_precision_param",
+        "bfloat16",
+        "--model.tie_word_embeddings",
+        "true",
+        "--checkpoint.init_from",
+        "direct",
+        "--training.steps",
+        "4",
+        "--checkpoint.interval",
+        "4",
+    ]
     _train(Path(tmp) / "fsdp2", "", "fsdp2", *mixed)
     trainer = _trainer(_config(Path(tmp) / "manual", "", "manual", *mixed))
     trainer.run()
     [flat], [module] = trainer.data_parallel.flat, trainer.modules
     state = flat.full_state_dict()
-    return {"fqns": flat.fqns, "shard": flat.shard.dtype, "compute": module.output.weight.dtype,
-            "tied": module.output.weight is module.tok_embeddings.weight,
-            "saved": {k: v.dtype for k, v in state.items()},
-            "same_values": torch.equal(state["output.weight"], state["tok_embeddings.weight"])}
+    return {
+        "fqns": flat.fqns,
+        "shard": flat.shard.dtype,
+        "compute": module.output.weight.dtype,
+        "tied": module.output.weight is module.tok_embeddings.weight,
+        "saved": {k: v.dtype for k, v in state.items()},
+        "same_values": torch.equal(state["output.weight"], state["tok_embeddings.weight"]),
+    }
 
 
 def test_mixed_precision_and_tied_embeddings(tmp_path):
@@ -166,14 +196,32 @@ def test_mixed_precision_and_tied_embeddings(tmp_path):
     assert len(manual) == 4 and all(abs(a - b) <= 1e-3 * abs(b) for a, b in zip(manual, fsdp2)), (manual, fsdp2)
 
 
-@pytest.mark.parametrize("overrides,named", [
-    (["--parallelism.pipeline_parallel_degree", "2"], ["parallelism.pipeline_parallel_degree = 2"]),
-    (["--parallelism.pipeline_parallel_degree", "1", "--parallelism.data_parallel_replicate_degree", "2"],
-     ["parallelism.data_parallel_replicate_degree = 2"]),
-    (["--parallelism.data_parallel_replicate_degree", "2", "--finetune.mode", "osft", "--finetune.pretrained", "x"],
-     ["parallelism.pipeline_parallel_degree = 2", "parallelism.data_parallel_replicate_degree = 2",
-      "finetune.mode = 'osft'"]),
-], ids=["pipeline", "hsdp", "all_three"])
+@pytest.mark.parametrize(
+    "overrides,named",
+    [
+        (["--parallelism.pipeline_parallel_degree", "2"], ["parallelism.pipeline_parallel_degree = 2"]),
+        (
+            ["--parallelism.pipeline_parallel_degree", "1", "--parallelism.data_parallel_replicate_degree", "2"],
+            ["parallelism.data_parallel_replicate_degree = 2"],
+        ),
+        (
+            [
+                "--parallelism.data_parallel_replicate_degree",
+                "2",
+                "--finetune.mode",
+                "osft",
+                "--finetune.pretrained",
+                "x",
+            ],
+            [
+                "parallelism.pipeline_parallel_degree = 2",
+                "parallelism.data_parallel_replicate_degree = 2",
+                "finetune.mode = 'osft'",
+            ],
+        ),
+    ],
+    ids=["pipeline", "hsdp", "all_three"],
+)
 def test_unsupported_layouts_are_refused_naming_the_keys(overrides, named):
     """At config load, before any process group: one error naming every offending key and the fix."""
     with pytest.raises(SeedckptError) as refused:
@@ -182,5 +230,7 @@ def test_unsupported_layouts_are_refused_naming_the_keys(overrides, named):
     assert message.startswith("parallelism.fsdp_impl = 'manual'") and "parallelism.fsdp_impl = 'fsdp2'" in message
     for key in named:
         assert key in message
-    load_config(REPO / "configs/debug.toml", ["--parallelism.fsdp_impl", "manual",
-                                              "--parallelism.pipeline_parallel_degree", "1"])  # the fix works
+    load_config(
+        REPO / "configs/debug.toml",
+        ["--parallelism.fsdp_impl", "manual", "--parallelism.pipeline_parallel_degree", "1"],
+    )  # the fix works

@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 
-from models.llama3.args import LLAMA3_FLAVORS
 from models.llama3 import LLAMA3
-from seedckpt.metrics import format_step, peak_tflops, utilization
+from models.llama3.args import LLAMA3_FLAVORS
+from seedckpt.train.metrics import format_step, peak_tflops, utilization
 
 ONE_B = LLAMA3_FLAVORS["1B"]
 
@@ -28,22 +28,25 @@ def test_a_tied_matrix_counts_once_and_attention_grows_with_the_sequence():
     assert LLAMA3.flops_per_token(ONE_B, 4096) - LLAMA3.flops_per_token(ONE_B, 2048) == 12 * 16 * 32 * 64 * 2048
 
 
-@pytest.mark.parametrize("name,dtype,tf32,peak", [
-    ("NVIDIA H100 80GB HBM3", "bfloat16", False, 989.5),  # SXM
-    ("NVIDIA H100 80GB HBM3", "float16", False, 989.5),
-    ("NVIDIA H100 80GB HBM3", "float32", False, 67.0),
-    ("NVIDIA H100 80GB HBM3", "float32", True, 494.5),
-    ("NVIDIA H100 PCIe", "bfloat16", False, 756.5),
-    ("NVIDIA H100 NVL", "bfloat16", False, 835.5),
-    ("NVIDIA H200", "bfloat16", False, 989.5),
-    ("NVIDIA H200 NVL", "float32", False, 60.0),
-    ("NVIDIA A100-SXM4-80GB", "bfloat16", False, 312.0),
-    ("NVIDIA A100 80GB PCIe", "float32", False, 19.5),
-    ("NVIDIA L40S", "bfloat16", False, 362.05),
-    ("NVIDIA L40S", "float32", True, 183.0),
-    ("NVIDIA GeForce RTX 4090", "bfloat16", False, None),
-    ("NVIDIA L4", "bfloat16", False, None),
-])
+@pytest.mark.parametrize(
+    "name,dtype,tf32,peak",
+    [
+        ("NVIDIA H100 80GB HBM3", "bfloat16", False, 989.5),  # SXM
+        ("NVIDIA H100 80GB HBM3", "float16", False, 989.5),
+        ("NVIDIA H100 80GB HBM3", "float32", False, 67.0),
+        ("NVIDIA H100 80GB HBM3", "float32", True, 494.5),
+        ("NVIDIA H100 PCIe", "bfloat16", False, 756.5),
+        ("NVIDIA H100 NVL", "bfloat16", False, 835.5),
+        ("NVIDIA H200", "bfloat16", False, 989.5),
+        ("NVIDIA H200 NVL", "float32", False, 60.0),
+        ("NVIDIA A100-SXM4-80GB", "bfloat16", False, 312.0),
+        ("NVIDIA A100 80GB PCIe", "float32", False, 19.5),
+        ("NVIDIA L40S", "bfloat16", False, 362.05),
+        ("NVIDIA L40S", "float32", True, 183.0),
+        ("NVIDIA GeForce RTX 4090", "bfloat16", False, None),
+        ("NVIDIA L4", "bfloat16", False, None),
+    ],
+)
 def test_peak_by_device_name_and_parameter_dtype(name, dtype, tf32, peak):
     assert peak_tflops(name, dtype, tf32) == peak
 
@@ -60,7 +63,16 @@ def test_utilization_per_gpu_and_nothing_without_a_peak():
 
 
 def test_the_step_line_shows_utilization_only_when_the_row_has_it():
-    row = {"step": 3, "steps": 10, "loss": 2.5, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 40_000.0,
-           "step_time_s": 0.2, "data_wait_s": 0.001, "peak_mem_bytes": 2**30}
+    row = {
+        "step": 3,
+        "steps": 10,
+        "loss": 2.5,
+        "lr": 1e-3,
+        "grad_norm": 0.5,
+        "tokens_per_s": 40_000.0,
+        "step_time_s": 0.2,
+        "data_wait_s": 0.001,
+        "peak_mem_bytes": 2**30,
+    }
     assert "TFLOP/s" not in format_step(row) and "mfu" not in format_step(row)
     assert "329 TFLOP/s  mfu 33.2 %" in format_step({**row, "tflops": 328.8, "mfu_pct": 33.23})

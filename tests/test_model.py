@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
+from models.common.decoder import Transformer, rope_frequencies
 from models.llama3.args import LLAMA3_FLAVORS, ModelArgs, RopeScaling
-from models.llama3.model import Transformer, rope_frequencies
-from seedckpt.init import init_model
+from seedckpt.materialize.init_recipe import init_model
 from tests.conftest import tiny_config
 
 
@@ -20,13 +20,16 @@ def _model(args: ModelArgs, seed: int = 0) -> Transformer:
 
 
 # Published parameter counts (HF configs of the released models; 1B/3B tie their embeddings).
-@pytest.mark.parametrize("flavor,params", [
-    ("1B", 1_235_814_400),
-    ("3B", 3_212_749_824),
-    ("8B", 8_030_261_248),
-    ("70B", 70_553_706_496),
-    ("405B", 405_853_388_800),
-])
+@pytest.mark.parametrize(
+    "flavor,params",
+    [
+        ("1B", 1_235_814_400),
+        ("3B", 3_212_749_824),
+        ("8B", 8_030_261_248),
+        ("70B", 70_553_706_496),
+        ("405B", 405_853_388_800),
+    ],
+)
 def test_flavor_shapes_match_released_models(flavor, params):
     args = LLAMA3_FLAVORS[flavor]
     with torch.device("meta"):
@@ -41,17 +44,25 @@ def test_packed_documents_compute_what_they_compute_alone():
     args = tiny_config().model_args()
     model = _model(args)
     a, b = torch.randint(0, args.vocab_size, (1, 7)), torch.randint(0, args.vocab_size, (1, 9))
-    packed = model(torch.cat([a, b], 1), positions=torch.cat([torch.arange(7), torch.arange(9)])[None],
-                   document_ids=torch.tensor([[0] * 7 + [1] * 9]))
+    packed = model(
+        torch.cat([a, b], 1),
+        positions=torch.cat([torch.arange(7), torch.arange(9)])[None],
+        document_ids=torch.tensor([[0] * 7 + [1] * 9]),
+    )
     alone = torch.cat([model(a), model(b)], 1)
     torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(model(torch.cat([a, b], 1))[:, 7:], alone[:, 7:], atol=1e-3)  # unmasked differs
 
 
 def test_rope_scaling_matches_llama31_rule():
-    args = ModelArgs(dim=256, n_heads=2, rope_theta=500000.0,
-                     rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                              original_max_position_embeddings=8192))
+    args = ModelArgs(
+        dim=256,
+        n_heads=2,
+        rope_theta=500000.0,
+        rope_scaling=RopeScaling(
+            factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+        ),
+    )
     got = rope_frequencies(args)
     head_dim = args.head_dim
     for i in range(head_dim // 2):

@@ -6,10 +6,18 @@ import pytest
 import torch
 
 from models.llama3 import LLAMA3
-from seedckpt.errors import SeedckptError
-from seedckpt.init import init_model
-from seedckpt.osft import (FROZEN, TRAINABLE, OSFTLinear, OSFTProjector, convert_to_osft, decompose,
-                           frozen_rank, target_fqns)
+from seedckpt.finetune.osft import (
+    FROZEN,
+    TRAINABLE,
+    OSFTLinear,
+    OSFTProjector,
+    convert_to_osft,
+    decompose,
+    frozen_rank,
+    target_fqns,
+)
+from seedckpt.materialize.init_recipe import init_model
+from seedckpt.utils.errors import SeedckptError
 from tests.conftest import tiny_config
 
 
@@ -41,7 +49,7 @@ def test_split_reconstructs_the_matrix_with_orthonormal_factors_and_fixed_signs(
 def _dense_and_osft(ratio: float = 0.25, seed: int = 0, device: str = "cpu"):
     """The dense model and its OSFT twin (the split computed on the CPU), the twin on ``device``."""
     args = tiny_config("--model.n_layers", "2").model_args()
-    from models.llama3.model import Transformer
+    from models.common.decoder import Transformer
 
     dense = Transformer(args)
     init_model(dense, seed)
@@ -62,11 +70,17 @@ def test_targets_are_inside_the_blocks_and_bad_patterns_are_named():
 
 
 def test_every_target_pattern_must_match_and_the_start_log_lists_the_targets(debug_seed):
-    from seedckpt.resolve import resolve
+    from seedckpt.config.resolve import resolve
 
     def run(*patterns):
-        cfg = tiny_config("--finetune.mode", "osft", "--finetune.pretrained", str(debug_seed),
-                          "--finetune.osft_target_patterns", ",".join(patterns))  # the command line's list
+        cfg = tiny_config(
+            "--finetune.mode",
+            "osft",
+            "--finetune.pretrained",
+            str(debug_seed),
+            "--finetune.osft_target_patterns",
+            ",".join(patterns),
+        )  # the command line's list
         return resolve(cfg, 1)
 
     with pytest.raises(SeedckptError, match=r"osft_target_patterns: 'nomatch' matches no linear layer"):
@@ -76,10 +90,12 @@ def test_every_target_pattern_must_match_and_the_start_log_lists_the_targets(deb
     notes = run("attention.wq", r"layers\.1\.feed_forward\.w2").notes
     args = tiny_config().model_args()
     k = frozen_rank(args.dim, args.dim, 0.25)
-    assert notes[1].startswith(f"osft: {args.n_layers + 1} target linears (m x n, frozen rank k at unfreeze ratio "
-                               "0.25): "), notes
-    assert (f"attention.wq {args.dim}x{args.dim} k={k} in {args.n_layers} blocks, feed_forward.w2 {args.dim}x"
-            in notes[1] and notes[1].endswith(" in 1 block")), notes
+    assert notes[1].startswith(
+        f"osft: {args.n_layers + 1} target linears (m x n, frozen rank k at unfreeze ratio 0.25): "
+    ), notes
+    assert f"attention.wq {args.dim}x{args.dim} k={k} in {args.n_layers} blocks, feed_forward.w2 {args.dim}x" in notes[
+        1
+    ] and notes[1].endswith(" in 1 block"), notes
 
 
 def test_default_targets_are_the_attention_and_ffn_projections():
@@ -152,8 +168,8 @@ def test_without_projection_adamw_leaks_into_the_frozen_subspace():
 def test_a_flavor_reshaped_by_model_keys_may_describe_the_pretrained_checkpoint():
     """``--model.flavor debug --model.n_layers 2`` describes a 2-layer debug checkpoint; a key that
     still disagrees is named."""
-    from seedckpt.config import load_config
-    from seedckpt.finetune import check_model_section
+    from seedckpt.config.job_config import load_config
+    from seedckpt.finetune.pretrained import check_model_section
 
     args = load_config(None, ["--model.n_layers", "2"]).model_args()
     check_model_section(load_config(None, ["--model.flavor", "debug", "--model.n_layers", "2"]), args, "ckpt")

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from seedckpt.layouts import open_model_checkpoint
-from seedckpt.convert import convert
-from seedckpt.errors import SeedckptError
-from seedckpt.finetune import pretrained_args
-from seedckpt.osft import FROZEN, TRAINABLE, OSFTSpec, assign_by_cost, decompose
+from seedckpt.cli.convert import convert
+from seedckpt.finetune.osft import FROZEN, TRAINABLE, OSFTSpec, assign_by_cost, decompose
+from seedckpt.finetune.pretrained import pretrained_args
+from seedckpt.materialize.model_checkpoint import open_model_checkpoint
+from seedckpt.utils.errors import SeedckptError
 from tests.dist import run_distributed
 from tests.test_sft import _hf_llama, chat_inputs, losses, sft  # noqa: F401 (chat_inputs: a fixture)
 from tests.test_train import model_state
@@ -36,11 +36,12 @@ def hf_dir(tmp_path_factory):
 def _svd_worker(rank, world_size, hf, hsdp=False):
     """Build the whole model (pp=1) FSDP2-sharded over all ranks (HSDP: 2 replicas x 2 shards) with
     OSFT; count this rank's SVDs and return the full factors."""
-    import seedckpt.osft as osft
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from seedckpt.stages import build_stages, plan_rank_stages
+    import seedckpt.finetune.osft as osft
+    from seedckpt.materialize.stages import build_stages
+    from seedckpt.parallel.pipeline import plan_rank_stages
 
     calls = []
     original = osft.decompose
@@ -56,8 +57,15 @@ def _svd_worker(rank, world_size, hf, hsdp=False):
         fully_shard(module, mesh=mesh)
 
     group = None if mesh is None else mesh._flatten().get_group() if hsdp else mesh.get_group()
-    [model] = build_stages(args, plan_rank_stages(args, 0, 1), "cpu", checkpoint=hf, osft=SPEC,
-                           shard_fn=shard if mesh else None, stage_group=group)
+    [model] = build_stages(
+        args,
+        plan_rank_stages(args, 0, 1),
+        "cpu",
+        checkpoint=hf,
+        osft=SPEC,
+        shard_fn=shard if mesh else None,
+        stage_group=group,
+    )
     factors = {}
     for fqn, p in model.named_parameters():
         if fqn.rsplit(".", 1)[-1] in FROZEN + TRAINABLE:
@@ -87,8 +95,14 @@ def test_distributed_svd_gives_the_same_factors_on_1_2_and_4_ranks_and_hsdp(hf_d
         assert (rebuilt - dense).abs().max() <= 1e-5
 
 
-PP2_DP2 = ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4",
-           "--parallelism.pipeline_parallel_microbatches", "2"]
+PP2_DP2 = [
+    "--parallelism.pipeline_parallel_degree",
+    "2",
+    "--training.local_batch_size",
+    "4",
+    "--parallelism.pipeline_parallel_microbatches",
+    "2",
+]
 OSFT = ["--finetune.mode", "osft", "--finetune.osft_unfreeze_rank_ratio", "0.25", "--metrics.log_freq", "1"]
 
 
@@ -130,8 +144,9 @@ def _exports_compute_the_osft_model(tmp_path: Path, step: Path) -> None:
     DCP copy all compute the OSFT model's logits."""
     import transformers
 
-    from seedckpt.convert import diff
-    from seedckpt.stages import build_stages, plan_rank_stages
+    from seedckpt.cli.convert import diff
+    from seedckpt.materialize.stages import build_stages
+    from seedckpt.parallel.pipeline import plan_rank_stages
 
     args = open_model_checkpoint(step).args
     tokens = torch.randint(0, args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -151,8 +166,9 @@ def _exports_compute_the_osft_model(tmp_path: Path, step: Path) -> None:
 
 def _resume_build_worker(rank, world_size, step_dir):
     """Build pp=2 stages from an OSFT run's step checkpoint, counting SVDs."""
-    import seedckpt.osft as osft
-    from seedckpt.stages import build_stages, plan_rank_stages
+    import seedckpt.finetune.osft as osft
+    from seedckpt.materialize.stages import build_stages
+    from seedckpt.parallel.pipeline import plan_rank_stages
 
     calls = []
     original = osft.decompose
@@ -179,8 +195,19 @@ def test_resume_gives_identical_losses_and_runs_no_svd(tmp_path, chat_inputs, hf
         assert svds == 0 and loaded_as_saved
     # Other settings on resume, a factor checkpoint as the next task's start, a cast of the factors:
     # each refused with the fix.
-    changed = sft(tmp_path / "resumed", hf_dir, tokenizer, chats, 4, *layout,
-                  "--finetune.osft_unfreeze_rank_ratio", "0.5", "--training.steps", "8", check=False)
+    changed = sft(
+        tmp_path / "resumed",
+        hf_dir,
+        tokenizer,
+        chats,
+        4,
+        *layout,
+        "--finetune.osft_unfreeze_rank_ratio",
+        "0.5",
+        "--training.steps",
+        "8",
+        check=False,
+    )
     # One line from rank 0 before any rendezvous (torchrun itself then exits 1).
     assert changed.returncode != 0 and "train.py: error:" in changed.stderr
     assert "resume with the same [finetune] settings" in changed.stderr
@@ -194,17 +221,40 @@ def test_resume_gives_identical_losses_and_runs_no_svd(tmp_path, chat_inputs, hf
 def _clip_sees_projected_worker(rank, world_size, hf, tokenizer, chats, folder):
     """One OSFT step in process; at clipping time the U_low/V_low gradients must already be free of
     any component in span(U_high)/span(V_high)."""
-    import seedckpt.train as train
-    from seedckpt.config import load_config
-    from seedckpt.osft import OSFTLinear
-    from seedckpt.resolve import resolve
+    import seedckpt.train.trainer as train
+    from seedckpt.config.job_config import load_config
+    from seedckpt.config.resolve import resolve
+    from seedckpt.finetune.osft import OSFTLinear
 
-    cfg = load_config("configs/sft_debug.toml", [
-        "--finetune.mode", "osft", "--finetune.pretrained", hf, "--data.tokenizer", tokenizer, "--data.path", chats,
-        "--checkpoint.folder", folder, "--job.dump_folder", folder, "--training.steps", "1",
-        "--training.seq_len", "64", "--training.global_batch_size", "8",
-        "--training.local_batch_size", str(8 // world_size),
-        "--parallelism.pipeline_parallel_degree", "1", "--checkpoint.interval", "0"])
+    cfg = load_config(
+        "configs/sft_debug.toml",
+        [
+            "--finetune.mode",
+            "osft",
+            "--finetune.pretrained",
+            hf,
+            "--data.tokenizer",
+            tokenizer,
+            "--data.path",
+            chats,
+            "--checkpoint.folder",
+            folder,
+            "--job.dump_folder",
+            folder,
+            "--training.steps",
+            "1",
+            "--training.seq_len",
+            "64",
+            "--training.global_batch_size",
+            "8",
+            "--training.local_batch_size",
+            str(8 // world_size),
+            "--parallelism.pipeline_parallel_degree",
+            "1",
+            "--checkpoint.interval",
+            "0",
+        ],
+    )
     leaks = []
     original = train.clip_grad_norm_
 
@@ -228,7 +278,8 @@ def _clip_sees_projected_worker(rank, world_size, hf, tokenizer, chats, folder):
 def test_clipping_sees_only_projected_gradients(tmp_path, chat_inputs, hf_dir, world):
     """Under FSDP2 the projection's sums run over sharded rows: checked on the full gradients."""
     tokenizer, chats, _ = chat_inputs
-    for leaks in run_distributed(_clip_sees_projected_worker, world, str(hf_dir), str(tokenizer), str(chats),
-                                 str(tmp_path / "run")):
+    for leaks in run_distributed(
+        _clip_sees_projected_worker, world, str(hf_dir), str(tokenizer), str(chats), str(tmp_path / "run")
+    ):
         assert len(leaks) == 2 * 4 * 7
         assert max(leaks) <= 1e-5

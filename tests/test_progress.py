@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import threading
 
-from seedckpt.progress import Progress
+from seedckpt.utils.progress import Progress
 
 
 class _Terminal(io.StringIO):

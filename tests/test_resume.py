@@ -17,17 +17,43 @@ import pytest
 from seedckpt.checkpoint import DcpCheckpoint
 
 REPO = Path(__file__).resolve().parents[1]
-BASE = ["--parallelism.pipeline_parallel_degree", "1", "--training.steps", "4", "--training.local_batch_size", "2",
-        "--training.seq_len", "32", "--data.kind", "synthetic", "--checkpoint.interval", "2",
-        "--checkpoint.keep_latest_k", "0"]
+BASE = [
+    "--parallelism.pipeline_parallel_degree",
+    "1",
+    "--training.steps",
+    "4",
+    "--training.local_batch_size",
+    "2",
+    "--training.seq_len",
+    "32",
+    "--data.kind",
+    "synthetic",
+    "--checkpoint.interval",
+    "2",
+    "--checkpoint.keep_latest_k",
+    "0",
+]
 
 
 def train(run: Path, seed: Path, *overrides: str, base: list[str] = BASE) -> subprocess.CompletedProcess:
     """``python train.py`` from ``seed`` into ``run`` (checkpoints in ``run/ckpt``) with ``base`` then ``overrides``."""
-    cmd = [sys.executable, "train.py", "--config", "configs/debug.toml", "--checkpoint.seed_checkpoint", str(seed),
-           "--checkpoint.folder", str(run / "ckpt"), "--job.dump_folder", str(run), *base, *overrides]
-    return subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=300)
+    cmd = [
+        sys.executable,
+        "train.py",
+        "--config",
+        "configs/debug.toml",
+        "--checkpoint.seed_checkpoint",
+        str(seed),
+        "--checkpoint.folder",
+        str(run / "ckpt"),
+        "--job.dump_folder",
+        str(run),
+        *base,
+        *overrides,
+    ]
+    return subprocess.run(
+        cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300
+    )
 
 
 def rows(run: Path) -> list[dict]:
@@ -87,8 +113,9 @@ def test_a_corrupt_byte_in_the_newest_step_stops_the_resume_with_the_fallback(fi
         f.write(bytes([byte[0] ^ 0x10]))
     proc = train(run, debug_seed, "--training.steps", "6")
     assert proc.returncode == 2
-    assert "norm.weight" in proc.stderr and "corrupt" in proc.stderr and "resume from step 2" in proc.stderr, \
+    assert "norm.weight" in proc.stderr and "corrupt" in proc.stderr and "resume from step 2" in proc.stderr, (
         proc.stderr[-2000:]
+    )
     assert "Traceback" not in proc.stderr
 
 
@@ -142,23 +169,39 @@ def test_a_second_run_on_the_same_dump_folder_fails_up_front(finished, tmp_path,
 
 def train_in_process(run: Path, seed: Path, *overrides: str) -> int:
     """``train.py``'s main in this process: validation fails before any process group exists."""
-    from seedckpt.train import main
+    from seedckpt.train.trainer import main
 
-    return main(["--config", "configs/debug.toml", "--checkpoint.seed_checkpoint", str(seed),
-                 "--checkpoint.folder", str(run / "ckpt"), "--job.dump_folder", str(run), *BASE, *overrides])
+    return main(
+        [
+            "--config",
+            "configs/debug.toml",
+            "--checkpoint.seed_checkpoint",
+            str(seed),
+            "--checkpoint.folder",
+            str(run / "ckpt"),
+            "--job.dump_folder",
+            str(run),
+            *BASE,
+            *overrides,
+        ]
+    )
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["--training.lr", "-1"], "training.lr = -1.0; it must be a finite number > 0"),
-    (["--training.lr", "nan"], "training.lr = nan"),
-    (["--training.lr", "inf"], "training.lr = inf"),
-    (["--training.warmup_steps", "-1"], "training.warmup_steps = -1"),
-    (["--training.max_norm", "-0.5"], "training.max_norm = -0.5"),
-    (["--training.stop_after_step", "-2"], "training.stop_after_step = -2"),
-    (["--parallelism.pipeline_parallel_schedule", "PipelineScheduleSingle"], "this version supports GPipe"),
-])
-def test_training_values_are_refused_before_any_rendezvous(tmp_path, debug_seed, capsys, monkeypatch, overrides,
-                                                            message):
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["--training.lr", "-1"], "training.lr = -1.0; it must be a finite number > 0"),
+        (["--training.lr", "nan"], "training.lr = nan"),
+        (["--training.lr", "inf"], "training.lr = inf"),
+        (["--training.warmup_steps", "-1"], "training.warmup_steps = -1"),
+        (["--training.max_norm", "-0.5"], "training.max_norm = -0.5"),
+        (["--training.stop_after_step", "-2"], "training.stop_after_step = -2"),
+        (["--parallelism.pipeline_parallel_schedule", "PipelineScheduleSingle"], "this version supports GPipe"),
+    ],
+)
+def test_training_values_are_refused_before_any_rendezvous(
+    tmp_path, debug_seed, capsys, monkeypatch, overrides, message
+):
     import torch.distributed as dist
 
     monkeypatch.chdir(REPO)

@@ -13,10 +13,10 @@ import torch
 
 import seedckpt.checkpoint as checkpoint_module
 from seedckpt.checkpoint import MANIFEST_NAME, write_checkpoint
-from seedckpt.cli import main
-from seedckpt.errors import SeedckptError
-from seedckpt.layouts import open_model_checkpoint
-from seedckpt.seed import create_seed_checkpoint
+from seedckpt.cli.main import main
+from seedckpt.materialize.model_checkpoint import open_model_checkpoint
+from seedckpt.materialize.seed import create_seed_checkpoint
+from seedckpt.utils.errors import SeedckptError
 from tests.conftest import check_tied_stock_load, stock_load, tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,8 +68,9 @@ def test_force_never_replaces_what_is_not_a_checkpoint(tmp_path, capsys):
     out.mkdir()
     (out / "keep.txt").write_text("precious")
     for force in ([], ["--force"]):
-        assert main(["seed", "--config", str(REPO / "configs/debug.toml"), "--output", str(out), "--quiet",
-                     *force]) == 2
+        assert (
+            main(["seed", "--config", str(REPO / "configs/debug.toml"), "--output", str(out), "--quiet", *force]) == 2
+        )
         assert "is a directory that is not a checkpoint" in capsys.readouterr().err
     assert (out / "keep.txt").read_text() == "precious"
 
@@ -100,13 +101,21 @@ def test_refuses_to_run_under_torchrun(tmp_path, monkeypatch):
 def test_script_is_cpu_only_and_reports_progress(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    probe = ("import os, sys, runpy; sys.argv = ['create_seed_checkpoint.py', *sys.argv[1:]]\n"
-             "try:\n    runpy.run_path('create_seed_checkpoint.py', run_name='__main__')\n"
-             "except SystemExit as e:\n    assert not e.code, e.code\n"
-             "import torch; print('CUDA_VISIBLE_DEVICES=%r initialized=%s' % "
-             "(os.environ.get('CUDA_VISIBLE_DEVICES'), torch.cuda.is_initialized()))")
-    proc = subprocess.run([sys.executable, "-c", probe, "--config", "configs/debug.toml", "--output",
-                           str(tmp_path / "seed")], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    probe = (
+        "import os, sys, runpy; sys.argv = ['create_seed_checkpoint.py', *sys.argv[1:]]\n"
+        "try:\n    runpy.run_path('create_seed_checkpoint.py', run_name='__main__')\n"
+        "except SystemExit as e:\n    assert not e.code, e.code\n"
+        "import torch; print('CUDA_VISIBLE_DEVICES=%r initialized=%s' % "
+        "(os.environ.get('CUDA_VISIBLE_DEVICES'), torch.cuda.is_initialized()))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe, "--config", "configs/debug.toml", "--output", str(tmp_path / "seed")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "CUDA_VISIBLE_DEVICES='' initialized=False" in proc.stdout
     assert "100.0%" in proc.stderr  # the progress line reached the end
@@ -127,7 +136,7 @@ def test_workers_write_one_file_each_and_the_same_tensors(tmp_path, debug_seed):
 
 
 def test_blocks_in_flight_stay_bounded_whatever_the_worker_count():
-    from seedckpt.seed import BLOCK_NUMEL, IN_FLIGHT_BYTES, block_numel
+    from seedckpt.materialize.seed import BLOCK_NUMEL, IN_FLIGHT_BYTES, block_numel
 
     assert block_numel(1) == block_numel(2) == BLOCK_NUMEL
     for workers in (16, 64, 128):  # two fp32 blocks per worker

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from seedckpt.convert import convert
-from seedckpt.layouts import open_model_checkpoint
-from models.llama3.hf import from_hf_name
-from seedckpt.stages import build_stages, plan_rank_stages
+from models.common.hf_names import from_hf_name
+from seedckpt.cli.convert import convert
+from seedckpt.materialize.model_checkpoint import open_model_checkpoint
+from seedckpt.materialize.stages import build_stages
+from seedckpt.parallel.pipeline import plan_rank_stages
 from tests.dist import run_distributed
 from tests.tokenizers import build_tiny_tokenizer, make_chats
 
@@ -28,9 +29,17 @@ def _hf_llama(path: Path, vocab_size: int, tie: bool) -> Path:
     """A small random LlamaForCausalLM (GQA) saved as an HF directory, built offline."""
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=256,
-        tie_word_embeddings=tie)
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie,
+    )
     model = transformers.LlamaForCausalLM(config)
     with torch.no_grad():
         for p in model.parameters():
@@ -51,16 +60,43 @@ def chat_inputs(tmp_path_factory):
     return tokenizer, path, len(transformers.AutoTokenizer.from_pretrained(tokenizer))
 
 
-def sft(run_dir: Path, pretrained: Path, tokenizer: Path, chats: Path, nproc: int, *overrides: str,
-        check: bool = True) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "train.py", "--config", "configs/sft_debug.toml", "--finetune.pretrained", str(pretrained),
-           "--data.tokenizer", str(tokenizer), "--data.path", str(chats), "--checkpoint.folder",
-           str(run_dir / "ckpt"), "--job.dump_folder", str(run_dir), "--training.steps", "10",
-           "--training.seq_len", "64", "--training.global_batch_size", "8", "--training.warmup_steps", "2",
-           "--checkpoint.interval", "10", *overrides]
-    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                          text=True, timeout=300)
+def sft(
+    run_dir: Path, pretrained: Path, tokenizer: Path, chats: Path, nproc: int, *overrides: str, check: bool = True
+) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "train.py",
+        "--config",
+        "configs/sft_debug.toml",
+        "--finetune.pretrained",
+        str(pretrained),
+        "--data.tokenizer",
+        str(tokenizer),
+        "--data.path",
+        str(chats),
+        "--checkpoint.folder",
+        str(run_dir / "ckpt"),
+        "--job.dump_folder",
+        str(run_dir),
+        "--training.steps",
+        "10",
+        "--training.seq_len",
+        "64",
+        "--training.global_batch_size",
+        "8",
+        "--training.warmup_steps",
+        "2",
+        "--checkpoint.interval",
+        "10",
+        *overrides,
+    ]
+    proc = subprocess.run(
+        cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300
+    )
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
@@ -71,11 +107,26 @@ def losses(run_dir: Path) -> list[float]:
 
 
 SINGLE = ["--parallelism.pipeline_parallel_degree", "1", "--training.local_batch_size", "8"]
-PP2_DP2 = ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4",
-           "--parallelism.pipeline_parallel_microbatches", "2"]
-ZBV = ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "8",
-       "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", "--parallelism.pipeline_parallel_stages_per_rank",
-       "2", "--parallelism.pipeline_parallel_microbatches", "4"]
+PP2_DP2 = [
+    "--parallelism.pipeline_parallel_degree",
+    "2",
+    "--training.local_batch_size",
+    "4",
+    "--parallelism.pipeline_parallel_microbatches",
+    "2",
+]
+ZBV = [
+    "--parallelism.pipeline_parallel_degree",
+    "2",
+    "--training.local_batch_size",
+    "8",
+    "--parallelism.pipeline_parallel_schedule",
+    "ZBVZeroBubble",
+    "--parallelism.pipeline_parallel_stages_per_rank",
+    "2",
+    "--parallelism.pipeline_parallel_microbatches",
+    "4",
+]
 
 
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
@@ -122,7 +173,7 @@ def _read_recording_worker(rank, world_size, hf_dir, dcp_dir):
     from torch.distributed.fsdp import fully_shard
 
     from seedckpt.checkpoint.direct import DirectFileSystemReader, DirectHFReader
-    from seedckpt.modules import local_rows
+    from seedckpt.utils.tensors import local_rows
 
     reads = []
     for cls in (DirectHFReader, DirectFileSystemReader):
@@ -133,6 +184,7 @@ def _read_recording_worker(rank, world_size, hf_dir, dcp_dir):
                 start = item.storage_index.offset[0] + item.storage_offsets[0] if item.storage_index.offset else 0
                 reads.append((item.storage_index.fqn, start, start + item.lengths[0]))
             return original(self, plan, planner)
+
         cls.read_data = recording
 
     args = open_model_checkpoint(dcp_dir).args
@@ -141,8 +193,9 @@ def _read_recording_worker(rank, world_size, hf_dir, dcp_dir):
     out = {}
     for name, path in (("hf", hf_dir), ("dcp", dcp_dir)):
         reads.clear()
-        [stage] = build_stages(args, specs, "cpu", checkpoint=path,
-                               shard_fn=lambda m: fully_shard(m, mesh=mesh["dp_shard"]))
+        [stage] = build_stages(
+            args, specs, "cpu", checkpoint=path, shard_fn=lambda m: fully_shard(m, mesh=mesh["dp_shard"])
+        )
         owned = {fqn: local_rows(t) for fqn, t in stage.state_dict().items()}
         out[name] = (owned, list(reads))
     return out
@@ -171,15 +224,24 @@ def _vocab_growth_worker(rank, world_size, checkpoint, vocab):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from seedckpt.modules import local_rows
+    from seedckpt.utils.tensors import local_rows
 
     args = dataclasses.replace(open_model_checkpoint(checkpoint).args, vocab_size=vocab)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp_shard"))
     specs = plan_rank_stages(args, mesh.get_local_rank("pp"), 2)
-    [stage] = build_stages(args, specs, "cpu", checkpoint=checkpoint, grow_vocab=True,
-                           shard_fn=lambda m: fully_shard(m, mesh=mesh["dp_shard"]))
-    return {fqn: (local_rows(t), t.to_local().clone()) for fqn, t in stage.state_dict().items()
-            if fqn in ("tok_embeddings.weight", "output.weight")}
+    [stage] = build_stages(
+        args,
+        specs,
+        "cpu",
+        checkpoint=checkpoint,
+        grow_vocab=True,
+        shard_fn=lambda m: fully_shard(m, mesh=mesh["dp_shard"]),
+    )
+    return {
+        fqn: (local_rows(t), t.to_local().clone())
+        for fqn, t in stage.state_dict().items()
+        if fqn in ("tok_embeddings.weight", "output.weight")
+    }
 
 
 @pytest.mark.parametrize("source", ["hf", "dcp"])
@@ -192,10 +254,10 @@ def test_vocab_growth_across_pipeline_and_fsdp_shards(tmp_path, source):
         for fqn, ((lo, hi), rows) in result.items():
             seen[fqn].append((lo, hi))
             old = max(0, min(hi, 40) - lo)
-            assert torch.equal(rows[:old], full[fqn][lo:lo + old]), fqn  # bitwise the checkpoint's rows
+            assert torch.equal(rows[:old], full[fqn][lo : lo + old]), fqn  # bitwise the checkpoint's rows
             mean = full[fqn].double().mean(0).float()
             torch.testing.assert_close(rows[old:], mean.expand(hi - lo - old, -1), rtol=0, atol=1e-7)
-    for fqn, ranges in seen.items():  # the rank with rows 64..128 held only new rows
+    for ranges in seen.values():  # the rank with rows 64..128 held only new rows
         assert sorted(ranges) == [(0, 64), (0, 64), (64, 128), (64, 128)] or sorted(ranges) == [(0, 64), (64, 128)]
 
 
@@ -212,8 +274,14 @@ def test_resume_mid_epoch_gives_identical_losses(tmp_path, chat_inputs):
     tokenizer, chats, tokenizer_vocab = chat_inputs
     tokenizer = _tokenizer_with_max_length(tokenizer, tmp_path / "tokenizer", 16)
     hf = _hf_llama(tmp_path / "hf", -(-tokenizer_vocab // 8) * 8, tie=True)
-    layout = ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "8",
-              "--checkpoint.interval", "4"]
+    layout = [
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--training.local_batch_size",
+        "8",
+        "--checkpoint.interval",
+        "4",
+    ]
     straight = sft(tmp_path / "straight", hf, tokenizer, chats, 2, *layout)
     # transformers' logs come from rank 0 only: every rank loads the same tokenizer and data.
     assert (straight.stdout + straight.stderr).count("Token indices sequence length is longer") == 1
@@ -227,8 +295,13 @@ def test_resume_mid_epoch_gives_identical_losses(tmp_path, chat_inputs):
 
 
 def _train_error(*argv: str) -> str:
-    proc = subprocess.run([sys.executable, "train.py", "--config", "configs/sft_debug.toml", *argv], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "train.py", "--config", "configs/sft_debug.toml", *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     return proc.stderr
 
@@ -236,8 +309,14 @@ def _train_error(*argv: str) -> str:
 def test_bad_input_fails_before_training_with_one_line(tmp_path, chat_inputs):
     tokenizer, chats, tokenizer_vocab = chat_inputs
     hf = _hf_llama(tmp_path / "hf", 320, tie=False)
-    common = ["--finetune.pretrained", str(hf), "--data.tokenizer", str(tokenizer),
-              "--parallelism.pipeline_parallel_degree", "1"]
+    common = [
+        "--finetune.pretrained",
+        str(hf),
+        "--data.tokenizer",
+        str(tokenizer),
+        "--parallelism.pipeline_parallel_degree",
+        "1",
+    ]
     err = _train_error(*common, "--data.path", str(chats), "--model.dim", "128")
     assert "model.dim = 128, the checkpoint has 64" in err
     err = _train_error(*common, "--data.path", str(chats), "--model.flavor", "1B")
@@ -245,6 +324,12 @@ def test_bad_input_fails_before_training_with_one_line(tmp_path, chat_inputs):
     broken = tmp_path / "broken.jsonl"
     broken.write_text(chats.read_text().splitlines()[0] + "\n{not json\n")
     assert f"{broken}:2" in _train_error(*common, "--data.path", str(broken))
-    err = _train_error("--finetune.pretrained", str(tmp_path / "nowhere"), "--data.tokenizer", str(tokenizer),
-                       "--data.path", str(chats))
+    err = _train_error(
+        "--finetune.pretrained",
+        str(tmp_path / "nowhere"),
+        "--data.tokenizer",
+        str(tokenizer),
+        "--data.path",
+        str(chats),
+    )
     assert "does not exist" in err

@@ -7,11 +7,12 @@ import json
 import pytest
 import torch
 
-from models.llama3.model import Transformer
+from models.common.decoder import Transformer
 from seedckpt.checkpoint.direct import DirectFileSystemReader
-from seedckpt.errors import SeedckptError
-from seedckpt.seed import create_seed_checkpoint
-from seedckpt.stages import build_stages, plan_rank_stages, split_layers, stage_ids_for_rank
+from seedckpt.materialize.seed import create_seed_checkpoint
+from seedckpt.materialize.stages import build_stages
+from seedckpt.parallel.pipeline import plan_rank_stages, split_layers, stage_ids_for_rank
+from seedckpt.utils.errors import SeedckptError
 from tests.conftest import tiny_config
 
 
@@ -29,13 +30,16 @@ def test_explicit_split_points():
     assert split_layers(6, 2, [4]) == [(0, 1, 2, 3), (4, 5)]
 
 
-@pytest.mark.parametrize("n_layers,stages,points,match", [
-    (4, 5, (), "cannot split 4 layers into 5"),
-    (6, 3, ["layers.2"], "give exactly 2 split points"),
-    (6, 3, ["layers.4", "layers.2"], "strictly increasing"),
-    (6, 2, ["layers.0"], "strictly increasing"),
-    (6, 2, ["blocks.3"], "must look like 'layers.N'"),
-])
+@pytest.mark.parametrize(
+    "n_layers,stages,points,match",
+    [
+        (4, 5, (), "cannot split 4 layers into 5"),
+        (6, 3, ["layers.2"], "give exactly 2 split points"),
+        (6, 3, ["layers.4", "layers.2"], "strictly increasing"),
+        (6, 2, ["layers.0"], "strictly increasing"),
+        (6, 2, ["blocks.3"], "must look like 'layers.N'"),
+    ],
+)
 def test_bad_splits_name_the_fix(n_layers, stages, points, match):
     with pytest.raises(SeedckptError, match=match):
         split_layers(n_layers, stages, points)
@@ -74,8 +78,12 @@ def seeds(tmp_path_factory):
     needed = {(LAYOUTS[name][0], False) for name in LAYOUTS} | {(LAYOUTS[name][0], True) for name in TIED_LAYOUTS}
     for n_layers, tied in sorted(needed):
         cfg = tiny_config("--model.n_layers", str(n_layers), "--model.tie_word_embeddings", str(tied).lower())
-        out[n_layers, tied] = (cfg.model_args(), create_seed_checkpoint(
-            cfg, tmp_path_factory.mktemp("seed") / f"l{n_layers}{'t' * tied}", seed=7, progress=False))
+        out[n_layers, tied] = (
+            cfg.model_args(),
+            create_seed_checkpoint(
+                cfg, tmp_path_factory.mktemp("seed") / f"l{n_layers}{'t' * tied}", seed=7, progress=False
+            ),
+        )
     return out
 
 
@@ -141,5 +149,5 @@ def test_tied_seed_stores_the_matrix_once_with_the_output_recipe(seeds):
     [last] = build_stages(args, plan_rank_stages(args, 1, 2), "cpu", checkpoint=seed_path)
     weight = last.output.weight.detach()
     # The output's recipe: std dim^-0.5, truncated at 3 std (an untied embedding would have std 1).
-    assert weight.abs().max() <= 3 * args.dim ** -0.5
-    assert abs(weight.std().item() / args.dim ** -0.5 - 0.986) < 0.03  # std of N(0,1) cut at +-3 is 0.986
+    assert weight.abs().max() <= 3 * args.dim**-0.5
+    assert abs(weight.std().item() / args.dim**-0.5 - 0.986) < 0.03  # std of N(0,1) cut at +-3 is 0.986

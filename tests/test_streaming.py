@@ -16,10 +16,11 @@ import torch.distributed.checkpoint as dcp
 
 from seedckpt.checkpoint import DcpCheckpoint
 from seedckpt.checkpoint.writer import BlockPool
-from seedckpt.errors import SeedckptError
-from seedckpt.init import CHUNK_NUMEL, init_model
-from seedckpt.seed import BLOCK_NUMEL, block_rows, create_seed_checkpoint
-from seedckpt.stages import build_stages, plan_rank_stages
+from seedckpt.materialize.init_recipe import CHUNK_NUMEL, init_model
+from seedckpt.materialize.seed import BLOCK_NUMEL, block_rows, create_seed_checkpoint
+from seedckpt.materialize.stages import build_stages
+from seedckpt.parallel.pipeline import plan_rank_stages
+from seedckpt.utils.errors import SeedckptError
 from tests.conftest import stock_load, tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,7 +53,7 @@ def test_streaming_seed_equals_naive_full_model_seed(tmp_path):
 def test_unaligned_blocks_equal_the_naive_seed(tmp_path, monkeypatch):
     # Blocks far smaller than a generator chunk cannot start on chunk boundaries: every block then
     # shares a chunk with its neighbours, and must still see exactly the chunk's values.
-    import seedckpt.seed as seed_module
+    import seedckpt.materialize.seed as seed_module
 
     monkeypatch.setattr(seed_module, "BLOCK_NUMEL", 1000)
     cfg = tiny_config("--model.n_layers", "1")
@@ -93,29 +94,45 @@ def test_fsdp_shard_reads_only_overlapping_blocks(tmp_path):
 
 PEAK_RSS = """
 import resource, sys, torch
-from seedckpt.config import load_config
+from seedckpt.config.job_config import load_config
 mode, args = sys.argv[1], sys.argv[2:]
 if mode == "seed":
-    from seedckpt.seed import create_seed_checkpoint
+    from seedckpt.materialize.seed import create_seed_checkpoint
     create_seed_checkpoint(load_config(None, args[2:]), args[0], seed=0, progress=False, workers=int(args[1]))
 elif mode == "convert":
-    from seedckpt.convert import convert
+    from seedckpt.cli.convert import convert
     convert(args[0], args[1], args[2], progress=False)
 else:
-    import seedckpt.convert
+    import seedckpt.cli.convert
     with torch.device("meta"):
         load_config(None, args).build_model()
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 """
 
-BIG = ["--model.flavor", "debug", "--model.dim", "512", "--model.n_layers", "40", "--model.vocab_size", "2048",
-       "--model.multiple_of", "256"]
+BIG = [
+    "--model.flavor",
+    "debug",
+    "--model.dim",
+    "512",
+    "--model.n_layers",
+    "40",
+    "--model.vocab_size",
+    "2048",
+    "--model.multiple_of",
+    "256",
+]
 
 
 def _peak_rss(mode: str, *args: str) -> int:
     """Peak RSS of a fresh process that seeds, converts, or only imports and builds on meta."""
-    proc = subprocess.run([sys.executable, "-c", PEAK_RSS, mode, *map(str, args)], cwd=REPO,
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-c", PEAK_RSS, mode, *map(str, args)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr
     return int(proc.stdout.split()[-1])
 
@@ -148,11 +165,27 @@ def test_conversion_memory_is_two_tensors_not_model(tmp_path):
 
 def test_sigkill_mid_write_leaves_nothing_acceptable(tmp_path):
     out = tmp_path / "seed"
-    proc = subprocess.Popen([sys.executable, "create_seed_checkpoint.py", "--config", "configs/debug.toml",
-                             "--model.dim", "1024", "--model.n_layers", "16", "--model.vocab_size", "8192",
-                             "--output", str(out), "--quiet"], cwd=REPO,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "create_seed_checkpoint.py",
+            "--config",
+            "configs/debug.toml",
+            "--model.dim",
+            "1024",
+            "--model.n_layers",
+            "16",
+            "--model.vocab_size",
+            "8192",
+            "--output",
+            str(out),
+            "--quiet",
+        ],
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     partial = tmp_path / f".seed.{proc.pid}.partial"  # the writer's own partial output
     deadline = time.monotonic() + 120
     while not any(partial.glob("*.distcp")) and time.monotonic() < deadline and proc.poll() is None:
@@ -164,14 +197,23 @@ def test_sigkill_mid_write_leaves_nothing_acceptable(tmp_path):
     for path in (out, partial):
         with pytest.raises(SeedckptError):
             DcpCheckpoint(path)
-        result = subprocess.run([sys.executable, "-m", "seedckpt.cli", "inspect", str(path)], cwd=REPO,
-                                capture_output=True, text=True, timeout=60)
+        result = subprocess.run(
+            [sys.executable, "-m", "seedckpt.cli.main", "inspect", str(path)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert result.returncode == 2
     args = tiny_config("--model.dim", "1024", "--model.n_layers", "16", "--model.vocab_size", "8192").model_args()
     with pytest.raises(SeedckptError, match="interrupted write"):
         build_stages(args, plan_rank_stages(args, 0, 1), "cpu", checkpoint=partial)
     # A rerun replaces the leftover and produces a complete seed.
-    create_seed_checkpoint(tiny_config("--model.dim", "1024", "--model.n_layers", "16",
-                                       "--model.vocab_size", "8192"), out, seed=0, progress=False)
+    create_seed_checkpoint(
+        tiny_config("--model.dim", "1024", "--model.n_layers", "16", "--model.vocab_size", "8192"),
+        out,
+        seed=0,
+        progress=False,
+    )
     assert not partial.exists() and DcpCheckpoint(out).manifest["kind"] == "seed"
     assert [p.name for p in tmp_path.iterdir()] == ["seed"]  # the dead writer's lock file went too

@@ -18,12 +18,22 @@ import torch
 import torch.distributed as dist
 
 from seedckpt.checkpoint import DcpCheckpoint, complete_steps
-from seedckpt.errors import SeedckptError
+from seedckpt.utils.errors import SeedckptError
 from tests.dist import run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
-COMMON = ["--training.steps", "10", "--training.global_batch_size", "8", "--training.seq_len", "32",
-          "--data.kind", "synthetic", "--checkpoint.interval", "0"]
+COMMON = [
+    "--training.steps",
+    "10",
+    "--training.global_batch_size",
+    "8",
+    "--training.seq_len",
+    "32",
+    "--data.kind",
+    "synthetic",
+    "--checkpoint.interval",
+    "0",
+]
 
 
 def _env() -> dict:
@@ -31,9 +41,24 @@ def _env() -> dict:
 
 
 def torchrun(run_dir: Path, seed: Path, nproc: int, *overrides: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "train.py", "--config", "configs/debug.toml", "--checkpoint.seed_checkpoint", str(seed),
-           "--checkpoint.folder", str(run_dir / "ckpt"), "--job.dump_folder", str(run_dir), *COMMON, *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "train.py",
+        "--config",
+        "configs/debug.toml",
+        "--checkpoint.seed_checkpoint",
+        str(seed),
+        "--checkpoint.folder",
+        str(run_dir / "ckpt"),
+        "--job.dump_folder",
+        str(run_dir),
+        *COMMON,
+        *overrides,
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
@@ -45,8 +70,11 @@ def losses(run_dir: Path) -> list[float]:
 
 def model_state(path: Path, prefix: str = "") -> dict[str, torch.Tensor]:
     reader = DcpCheckpoint(path)
-    state = {k: torch.zeros(i.shape, dtype=i.dtype) for k, i in reader.tensors().items()
-             if k.startswith(prefix) and not k.startswith("rng.")}
+    state = {
+        k: torch.zeros(i.shape, dtype=i.dtype)
+        for k, i in reader.tensors().items()
+        if k.startswith(prefix) and not k.startswith("rng.")
+    }
     reader.load(state)
     return state
 
@@ -54,31 +82,89 @@ def model_state(path: Path, prefix: str = "") -> dict[str, torch.Tensor]:
 LAYOUTS = {
     "pp2": (2, ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "8"]),
     "dp_shard2": (2, ["--parallelism.pipeline_parallel_degree", "1", "--training.local_batch_size", "4"]),
-    "pp2_x_dp_shard2": (4, ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4",
-                            "--parallelism.pipeline_parallel_microbatches", "2"]),
-    "pp2_grad_accumulation": (2, ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4",
-                                  "--parallelism.pipeline_parallel_microbatches", "2"]),
-    "hsdp_2x2_selective_ac": (4, ["--parallelism.pipeline_parallel_degree", "1", "--training.local_batch_size", "2",
-                                  "--parallelism.data_parallel_replicate_degree", "2",
-                                  "--activation_checkpoint.mode", "selective"]),
-    "pp2_zbv": (2, ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "8",
-                    "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble",
-                    "--parallelism.pipeline_parallel_stages_per_rank", "2"]),
-    "pp2_interleaved_full_ac": (2, ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "8",
-                                    "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
-                                    "--parallelism.pipeline_parallel_stages_per_rank", "2",
-                                    "--activation_checkpoint.mode", "full"]),
+    "pp2_x_dp_shard2": (
+        4,
+        [
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--training.local_batch_size",
+            "4",
+            "--parallelism.pipeline_parallel_microbatches",
+            "2",
+        ],
+    ),
+    "pp2_grad_accumulation": (
+        2,
+        [
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--training.local_batch_size",
+            "4",
+            "--parallelism.pipeline_parallel_microbatches",
+            "2",
+        ],
+    ),
+    "hsdp_2x2_selective_ac": (
+        4,
+        [
+            "--parallelism.pipeline_parallel_degree",
+            "1",
+            "--training.local_batch_size",
+            "2",
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+            "--activation_checkpoint.mode",
+            "selective",
+        ],
+    ),
+    "pp2_zbv": (
+        2,
+        [
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--training.local_batch_size",
+            "8",
+            "--parallelism.pipeline_parallel_schedule",
+            "ZBVZeroBubble",
+            "--parallelism.pipeline_parallel_stages_per_rank",
+            "2",
+        ],
+    ),
+    "pp2_interleaved_full_ac": (
+        2,
+        [
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--training.local_batch_size",
+            "8",
+            "--parallelism.pipeline_parallel_schedule",
+            "Interleaved1F1B",
+            "--parallelism.pipeline_parallel_stages_per_rank",
+            "2",
+            "--activation_checkpoint.mode",
+            "full",
+        ],
+    ),
 }
 
 
 def test_loss_parity_across_layouts(tmp_path, debug_seed):
-    torchrun(tmp_path / "single", debug_seed, 1, "--parallelism.pipeline_parallel_degree", "1",
-             "--training.local_batch_size", "8", "--profiling.steps", "2")
+    torchrun(
+        tmp_path / "single",
+        debug_seed,
+        1,
+        "--parallelism.pipeline_parallel_degree",
+        "1",
+        "--training.local_batch_size",
+        "8",
+        "--profiling.steps",
+        "2",
+    )
     reference = losses(tmp_path / "single")
     assert len(reference) == 10
     records = [json.loads(line) for line in (tmp_path / "single" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 11))
-    for r in records:  # the run-output contract (DESIGN.md): these fields, with sane values
+    for r in records:  # the run-output contract (README, run outputs): these fields, with sane values
         assert r["tokens_per_s"] > 0 and r["step_time_s"] > 0 and r["peak_mem_bytes"] > 100 * 2**20
         assert "tflops" not in r and "mfu_pct" not in r  # no peak to measure against on a CPU: never invented
     assert json.loads((tmp_path / "single" / "traces" / "step-2-rank0.json").read_text())["traceEvents"]
@@ -95,14 +181,16 @@ def test_auto_adamw_on_the_cpu_computes_what_torchs_default_did():
     """``optimizer.implementation = auto`` is foreach on the CPU, where foreach falls back to per-tensor
     ops: bitwise the for-loop AdamW that torch picks for CPU tensors when not told. Fused is CUDA's
     auto, and rounds the update its own way."""
-    from seedckpt.train_state import ADAMW_KERNELS, adamw_implementation
+    from seedckpt.train.state import ADAMW_KERNELS, adamw_implementation
 
     assert adamw_implementation("auto", "cpu") == "foreach" and adamw_implementation("auto", "cuda") == "fused"
     assert adamw_implementation("for-loop", "cuda") == "for-loop"
 
     def train(**kernels):
-        params = [torch.nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(i)))
-                  for i, shape in enumerate([(64, 32), (128,), (7, 9)])]
+        params = [
+            torch.nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(i)))
+            for i, shape in enumerate([(64, 32), (128,), (7, 9)])
+        ]
         optimizer = torch.optim.AdamW(params, lr=8e-4, betas=(0.9, 0.95), weight_decay=0.1, **kernels)
         grads = torch.Generator().manual_seed(10)
         for _ in range(20):
@@ -118,13 +206,26 @@ def test_auto_adamw_on_the_cpu_computes_what_torchs_default_did():
         assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(got, default)), implementation
 
 
-@pytest.mark.parametrize("implementation,nproc,layout", [
-    ("auto", 4, ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4",
-                 "--parallelism.pipeline_parallel_microbatches", "2"]),
-    # torch 2.13 has a fused AdamW for the CPU too; FSDP2's sharded parameters and moments on 2 ranks.
-    # (for-loop gives auto's bits on the CPU: test_auto_adamw_on_the_cpu_computes_what_torchs_default_did)
-    ("fused", 2, LAYOUTS["dp_shard2"][1]),
-])
+@pytest.mark.parametrize(
+    "implementation,nproc,layout",
+    [
+        (
+            "auto",
+            4,
+            [
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--training.local_batch_size",
+                "4",
+                "--parallelism.pipeline_parallel_microbatches",
+                "2",
+            ],
+        ),
+        # torch 2.13 has a fused AdamW for the CPU too; FSDP2's sharded parameters and moments on 2 ranks.
+        # (for-loop gives auto's bits on the CPU: test_auto_adamw_on_the_cpu_computes_what_torchs_default_did)
+        ("fused", 2, LAYOUTS["dp_shard2"][1]),
+    ],
+)
 def test_resume_is_bitwise_identical(tmp_path, debug_seed, implementation, nproc, layout):
     """With each AdamW implementation (``optimizer.implementation``; auto is foreach on the CPU)."""
     layout = [*layout, "--checkpoint.interval", "5", "--optimizer.implementation", implementation]
@@ -154,25 +255,47 @@ def _default_comms_worker(rank, world_size, seed, run):
     module runs, and whether manual FSDP on the same mesh would time its own calls."""
     from torch.distributed.fsdp import FSDPModule
 
-    from seedckpt.config import load_config
-    from seedckpt.data_parallel import make_data_parallel
-    from seedckpt.resolve import resolve
-    from seedckpt.train import Trainer
+    from seedckpt.config.job_config import load_config
+    from seedckpt.config.resolve import resolve
+    from seedckpt.parallel.data_parallel import make_data_parallel
+    from seedckpt.train.trainer import Trainer
 
     def config(*overrides):
-        return load_config(REPO / "configs/debug.toml", [
-            *COMMON, "--training.steps", "2", "--parallelism.pipeline_parallel_degree", "1",
-            "--training.local_batch_size", "4", "--checkpoint.seed_checkpoint", seed,
-            "--checkpoint.folder", str(Path(run) / "ckpt"), "--job.dump_folder", run, *overrides])
+        return load_config(
+            REPO / "configs/debug.toml",
+            [
+                *COMMON,
+                "--training.steps",
+                "2",
+                "--parallelism.pipeline_parallel_degree",
+                "1",
+                "--training.local_batch_size",
+                "4",
+                "--checkpoint.seed_checkpoint",
+                seed,
+                "--checkpoint.folder",
+                str(Path(run) / "ckpt"),
+                "--job.dump_folder",
+                run,
+                *overrides,
+            ],
+        )
 
     trainer = Trainer(resolve(config(), world_size).with_start())
     trainer.run()
-    comms = [(type(group._all_gather_comm).__name__, type(group._reduce_scatter_comm).__name__)
-             for module in trainer.modules for m in module.modules() if isinstance(m, FSDPModule)
-             for group in m._get_fsdp_state()._fsdp_param_groups]
+    comms = [
+        (type(group._all_gather_comm).__name__, type(group._reduce_scatter_comm).__name__)
+        for module in trainer.modules
+        for m in module.modules()
+        if isinstance(m, FSDPModule)
+        for group in m._get_fsdp_state()._fsdp_param_groups
+    ]
     manual = make_data_parallel(config("--parallelism.fsdp_impl", "manual"), trainer.dims, trainer.mesh)
-    return {"comms": comms, "fsdp2_timed": trainer.data_parallel.collectives is not None,
-            "manual_timed": manual.collectives is not None}
+    return {
+        "comms": comms,
+        "fsdp2_timed": trainer.data_parallel.collectives is not None,
+        "manual_timed": manual.collectives is not None,
+    }
 
 
 def test_fsdp2_keeps_its_default_comms_unless_timing_is_asked_for(tmp_path, debug_seed):
@@ -193,9 +316,9 @@ def _killed_mid_checkpoint_worker(rank, world_size, seed, folder, dump, *overrid
     SIGKILLed while writing step 4, after its data files are written and before ``.metadata``.
     ``overrides``: more config (``--checkpoint.async_mode async``: killed in the background write)."""
     from seedckpt.checkpoint import StreamingFileSystemWriter
-    from seedckpt.config import load_config
-    from seedckpt.resolve import resolve
-    from seedckpt.train import Trainer
+    from seedckpt.config.job_config import load_config
+    from seedckpt.config.resolve import resolve
+    from seedckpt.train.trainer import Trainer
 
     original = StreamingFileSystemWriter.write_data
 
@@ -206,9 +329,23 @@ def _killed_mid_checkpoint_worker(rank, world_size, seed, folder, dump, *overrid
         return result
 
     StreamingFileSystemWriter.write_data = write_then_die
-    cfg = load_config(REPO / "configs/debug.toml", [
-        *COMMON, "--checkpoint.interval", "2", "--checkpoint.seed_checkpoint", seed,
-        "--checkpoint.folder", folder, "--job.dump_folder", dump, "--training.local_batch_size", "8", *overrides])
+    cfg = load_config(
+        REPO / "configs/debug.toml",
+        [
+            *COMMON,
+            "--checkpoint.interval",
+            "2",
+            "--checkpoint.seed_checkpoint",
+            seed,
+            "--checkpoint.folder",
+            folder,
+            "--job.dump_folder",
+            dump,
+            "--training.local_batch_size",
+            "8",
+            *overrides,
+        ],
+    )
     Trainer(resolve(cfg, world_size).with_start()).run()
 
 
@@ -224,41 +361,105 @@ def test_sigkill_while_writing_leaves_previous_step_loadable(tmp_path, debug_see
         DcpCheckpoint(partial)
     assert model_state(folder / "step-2")["layers.0.attention.wq.weight"].abs().sum() > 0
     # The next run resumes from step 2 and cleans up the partial write when it saves step 4 again.
-    resumed = torchrun(tmp_path / "again", debug_seed, 2, "--checkpoint.folder", str(folder),
-                       "--checkpoint.interval", "2", "--training.steps", "4", "--training.local_batch_size", "8")
+    resumed = torchrun(
+        tmp_path / "again",
+        debug_seed,
+        2,
+        "--checkpoint.folder",
+        str(folder),
+        "--checkpoint.interval",
+        "2",
+        "--training.steps",
+        "4",
+        "--training.local_batch_size",
+        "8",
+    )
     assert "resuming from" in resumed.stdout and "step-2" in resumed.stdout
     assert sorted(complete_steps(folder)) == [2, 4] and not any(p.name.startswith(".") for p in folder.iterdir())
 
 
-@pytest.mark.parametrize("world,overrides,message", [
-    (4, ["--parallelism.pipeline_parallel_degree", "3"],
-     "world size 4 is not divisible by pipeline_parallel_degree x data_parallel_replicate_degree = 3 x 1"),
-    (4, ["--parallelism.data_parallel_shard_degree", "4"], "= 2 x 1 x 4 = 8, but the world size is 4"),
-    (8, ["--parallelism.pipeline_parallel_degree", "8"], "cannot split 6 layers into 8 pipeline stages"),
-    (4, ["--parallelism.pipeline_parallel_microbatches", "1"], "microbatches = 1 is less than the 2 pipeline ranks"),
-    (4, ["--parallelism.pipeline_parallel_microbatches", "3"], "not divisible by pipeline_parallel_microbatches = 3"),
-    (4, ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"], "pipeline_parallel_stages_per_rank = 2"),
-    (4, ["--parallelism.pipeline_parallel_schedule", "Sideways"], "pipeline_parallel_schedule = 'Sideways'; this version supports"),
-    (4, ["--training.global_batch_size", "12"], "must be a multiple of local_batch_size x data-parallel degree = 16"),
-    (1, ["--parallelism.pipeline_parallel_degree", "1", "--checkpoint.seed_checkpoint", "/nonexistent/seed"],
-     "checkpoint.seed_checkpoint /nonexistent/seed does not exist"),
-    (2, ["--parallelism.pipeline_parallel_degree", "1", "--parallelism.pipeline_parallel_stages_per_rank", "2"],
-     "pipeline_parallel_stages_per_rank > 1 needs pipeline_parallel_degree > 1"),
-    (4, ["--training.seq_len", "4096"], "training.seq_len = 4096 exceeds model.max_seq_len = 512"),
-    (4, ["--training.local_batch_size", "0"], "training.local_batch_size = 0; it must be >= 1"),
-    (4, ["--finetune.mode", "lora"], "finetune.mode = 'lora'; this version supports none, sft, osft"),
-    (4, ["--finetune.mode", "osft"], "finetune.mode = 'osft' needs finetune.pretrained"),
-    (4, ["--finetune.mode", "sft"], "finetune.mode = 'sft' needs finetune.pretrained"),
-    (4, ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", "--parallelism.pipeline_parallel_stages_per_rank",
-         "2", "--activation_checkpoint.mode", "full"], "which activation checkpointing does not support"),
-])
+@pytest.mark.parametrize(
+    "world,overrides,message",
+    [
+        (
+            4,
+            ["--parallelism.pipeline_parallel_degree", "3"],
+            "world size 4 is not divisible by pipeline_parallel_degree x data_parallel_replicate_degree = 3 x 1",
+        ),
+        (4, ["--parallelism.data_parallel_shard_degree", "4"], "= 2 x 1 x 4 = 8, but the world size is 4"),
+        (8, ["--parallelism.pipeline_parallel_degree", "8"], "cannot split 6 layers into 8 pipeline stages"),
+        (
+            4,
+            ["--parallelism.pipeline_parallel_microbatches", "1"],
+            "microbatches = 1 is less than the 2 pipeline ranks",
+        ),
+        (
+            4,
+            ["--parallelism.pipeline_parallel_microbatches", "3"],
+            "not divisible by pipeline_parallel_microbatches = 3",
+        ),
+        (4, ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"], "pipeline_parallel_stages_per_rank = 2"),
+        (
+            4,
+            ["--parallelism.pipeline_parallel_schedule", "Sideways"],
+            "pipeline_parallel_schedule = 'Sideways'; this version supports",
+        ),
+        (
+            4,
+            ["--training.global_batch_size", "12"],
+            "must be a multiple of local_batch_size x data-parallel degree = 16",
+        ),
+        (
+            1,
+            ["--parallelism.pipeline_parallel_degree", "1", "--checkpoint.seed_checkpoint", "/nonexistent/seed"],
+            "checkpoint.seed_checkpoint /nonexistent/seed does not exist",
+        ),
+        (
+            2,
+            ["--parallelism.pipeline_parallel_degree", "1", "--parallelism.pipeline_parallel_stages_per_rank", "2"],
+            "pipeline_parallel_stages_per_rank > 1 needs pipeline_parallel_degree > 1",
+        ),
+        (4, ["--training.seq_len", "4096"], "training.seq_len = 4096 exceeds model.max_seq_len = 512"),
+        (4, ["--training.local_batch_size", "0"], "training.local_batch_size = 0; it must be >= 1"),
+        (4, ["--finetune.mode", "lora"], "finetune.mode = 'lora'; this version supports none, sft, osft"),
+        (4, ["--finetune.mode", "osft"], "finetune.mode = 'osft' needs finetune.pretrained"),
+        (4, ["--finetune.mode", "sft"], "finetune.mode = 'sft' needs finetune.pretrained"),
+        (
+            4,
+            [
+                "--parallelism.pipeline_parallel_schedule",
+                "ZBVZeroBubble",
+                "--parallelism.pipeline_parallel_stages_per_rank",
+                "2",
+                "--activation_checkpoint.mode",
+                "full",
+            ],
+            "which activation checkpointing does not support",
+        ),
+    ],
+)
 def test_layout_validation_errors(world, overrides, message, tmp_path):
     env = {**_env(), "WORLD_SIZE": str(world)}
     if world == 1:
         env.pop("WORLD_SIZE")
-    proc = subprocess.run([sys.executable, "train.py", "--config", "configs/debug.toml", "--job.dump_folder",
-                           str(tmp_path), "--checkpoint.folder", str(tmp_path / "ckpt"), *overrides],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "--config",
+            "configs/debug.toml",
+            "--job.dump_folder",
+            str(tmp_path),
+            "--checkpoint.folder",
+            str(tmp_path / "ckpt"),
+            *overrides,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -269,12 +470,23 @@ def test_direct_init_refuses_a_configured_seed_made_otherwise(tmp_path, debug_se
     another seed or init recipe is refused, one that matches is accepted."""
     import shutil
 
-    from seedckpt.config import load_config
-    from seedckpt.start import find_start
+    from seedckpt.config.job_config import load_config
+    from seedckpt.materialize.start import find_start
 
     def start(seed_path, seed):
-        cfg = load_config(None, ["--checkpoint.init_from", "direct", "--checkpoint.seed_checkpoint", str(seed_path),
-                                 "--training.seed", str(seed), "--checkpoint.folder", str(tmp_path / "ckpt")])
+        cfg = load_config(
+            None,
+            [
+                "--checkpoint.init_from",
+                "direct",
+                "--checkpoint.seed_checkpoint",
+                str(seed_path),
+                "--training.seed",
+                str(seed),
+                "--checkpoint.folder",
+                str(tmp_path / "ckpt"),
+            ],
+        )
         return find_start(cfg, cfg.model_args())
 
     assert start(debug_seed, 0).path is None  # debug_seed was made with seed 0 and the current recipe
@@ -295,14 +507,16 @@ def _failing_ranks_worker(rank, world_size, case):
     import contextlib
     import io
 
-    from seedckpt.rank_failures import report_failure
+    from seedckpt.train.failures import report_failure
 
-    failures = {"one_rank": {1: SeedckptError("boom")},
-                "same_everywhere": {0: SeedckptError("boom"), 1: SeedckptError("boom")},
-                "different": {0: SeedckptError("stage 0 is bad"), 1: SeedckptError("stage 1 is bad")},
-                "interrupted": {0: KeyboardInterrupt(), 1: KeyboardInterrupt()},
-                "bug": {1: ZeroDivisionError("a bug")},
-                "left_silently": {1: None}}[case]  # as a rank the OOM killer ends: no report
+    failures = {
+        "one_rank": {1: SeedckptError("boom")},
+        "same_everywhere": {0: SeedckptError("boom"), 1: SeedckptError("boom")},
+        "different": {0: SeedckptError("stage 0 is bad"), 1: SeedckptError("stage 1 is bad")},
+        "interrupted": {0: KeyboardInterrupt(), 1: KeyboardInterrupt()},
+        "bug": {1: ZeroDivisionError("a bug")},
+        "left_silently": {1: None},
+    }[case]  # as a rank the OOM killer ends: no report
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr):
         try:
@@ -323,15 +537,21 @@ def _failing_ranks_worker(rank, world_size, case):
     return status, stderr.getvalue()
 
 
-@pytest.mark.parametrize("case,statuses,lines", [
-    ("one_rank", [2, 2], ["train.py: stopped: rank 1 failed (its error is above)", "train.py: error: boom"]),
-    ("same_everywhere", [2, 2], ["train.py: error: boom"]),
-    ("different", [2, 2], ["train.py: error: stage 0 is bad", "train.py: error: stage 1 is bad"]),
-    ("interrupted", [130, 130], ["train.py: interrupted; resume with the same command"]),
-    ("bug", [2, "raised"], ["train.py: stopped: rank 1 failed (its error is above)"]),
-    ("left_silently", [2, "left"],
-     ["train.py: stopped: a peer rank left without reporting an error (killed by a signal, or crashed)"]),
-])
+@pytest.mark.parametrize(
+    "case,statuses,lines",
+    [
+        ("one_rank", [2, 2], ["train.py: stopped: rank 1 failed (its error is above)", "train.py: error: boom"]),
+        ("same_everywhere", [2, 2], ["train.py: error: boom"]),
+        ("different", [2, 2], ["train.py: error: stage 0 is bad", "train.py: error: stage 1 is bad"]),
+        ("interrupted", [130, 130], ["train.py: interrupted; resume with the same command"]),
+        ("bug", [2, "raised"], ["train.py: stopped: rank 1 failed (its error is above)"]),
+        (
+            "left_silently",
+            [2, "left"],
+            ["train.py: stopped: a peer rank left without reporting an error (killed by a signal, or crashed)"],
+        ),
+    ],
+)
 def test_a_failure_is_reported_once_across_ranks(case, statuses, lines):
     results = run_distributed(_failing_ranks_worker, 2, case, timeout=120)
     assert [status for status, _ in results] == statuses
@@ -341,11 +561,28 @@ def test_a_failure_is_reported_once_across_ranks(case, statuses, lines):
 def launch(run_dir: Path, seed: Path, nproc: int, *overrides: str, when: str | None = None, act=None):
     """``seedckpt launch`` (torchrun with one-line endings) of train.py; ``act(process)`` once stdout
     shows ``when``. Its own session, so that it can be sent Ctrl-C as a terminal does (to the group)."""
-    cmd = [sys.executable, "-m", "seedckpt.cli", "launch", "--standalone", f"--nproc-per-node={nproc}", "train.py",
-           "--config", "configs/debug.toml", "--checkpoint.seed_checkpoint", str(seed), "--checkpoint.folder",
-           str(run_dir / "ckpt"), "--job.dump_folder", str(run_dir), *COMMON, *overrides]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "seedckpt.cli.main",
+        "launch",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "train.py",
+        "--config",
+        "configs/debug.toml",
+        "--checkpoint.seed_checkpoint",
+        str(seed),
+        "--checkpoint.folder",
+        str(run_dir / "ckpt"),
+        "--job.dump_folder",
+        str(run_dir),
+        *COMMON,
+        *overrides,
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         out = []
         if when is not None:
@@ -366,18 +603,21 @@ def test_launch_reports_a_failing_stage_in_one_line_with_its_exit_status(tmp_pat
     seed = tmp_path / "seed"
     shutil.copytree(debug_seed, seed)
     checkpoint = DcpCheckpoint(seed)
-    [(index, info)] = [(i, s) for i, s in checkpoint.metadata.storage_data.items()
-                       if i.fqn == "layers.4.attention.wq.weight"]  # only the second pipeline stage reads it
+    [(index, info)] = [
+        (i, s) for i, s in checkpoint.metadata.storage_data.items() if i.fqn == "layers.4.attention.wq.weight"
+    ]  # only the second pipeline stage reads it
     with open(seed / info.relative_path, "r+b") as f:
         f.seek(info.offset + 16)
         byte = f.read(1)
         f.seek(info.offset + 16)
         f.write(bytes([byte[0] ^ 0x24]))
-    status, out, err = launch(tmp_path, seed, 2, "--parallelism.pipeline_parallel_degree", "2",
-                              "--training.local_batch_size", "8")
+    status, out, err = launch(
+        tmp_path, seed, 2, "--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "8"
+    )
     assert status == 2, err
     assert [line for line in err.splitlines() if "error" in line] == [
-        line for line in err.splitlines() if line.startswith("train.py: error: layers.4.attention.wq.weight in")]
+        line for line in err.splitlines() if line.startswith("train.py: error: layers.4.attention.wq.weight in")
+    ]
     assert err.count("is corrupt") == 1, err
     assert "Traceback" not in err and "FAILED" not in err, err
 
@@ -385,16 +625,30 @@ def test_launch_reports_a_failing_stage_in_one_line_with_its_exit_status(tmp_pat
 @pytest.mark.parametrize("mode", ["disabled", "async"])
 def test_ctrl_c_stops_every_rank_with_one_line_naming_the_newest_checkpoint(tmp_path, debug_seed, mode):
     # async: a save is in flight at nearly every step; it must finish or vanish, never stay partial.
-    status, out, err = launch(tmp_path, debug_seed, 2, "--parallelism.pipeline_parallel_degree", "2",
-                              "--training.local_batch_size", "8", "--training.steps", "10000",
-                              "--checkpoint.interval", "2" if mode == "disabled" else "1",
-                              "--checkpoint.async_mode", mode, when="saved checkpoint",
-                              act=lambda proc: os.killpg(proc.pid, signal.SIGINT))
+    status, out, err = launch(
+        tmp_path,
+        debug_seed,
+        2,
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--training.local_batch_size",
+        "8",
+        "--training.steps",
+        "10000",
+        "--checkpoint.interval",
+        "2" if mode == "disabled" else "1",
+        "--checkpoint.async_mode",
+        mode,
+        when="saved checkpoint",
+        act=lambda proc: os.killpg(proc.pid, signal.SIGINT),
+    )
     assert status == 130, err
     newest = max(complete_steps(tmp_path / "ckpt"))
-    assert err.strip() == ("train.py: interrupted; no checkpoint is left half-written (a save in progress is "
-                           f"finished or removed); the newest checkpoint is {tmp_path / 'ckpt' / f'step-{newest}'}: the same "
-                           "command resumes from it"), err
+    assert err.strip() == (
+        "train.py: interrupted; no checkpoint is left half-written (a save in progress is "
+        f"finished or removed); the newest checkpoint is {tmp_path / 'ckpt' / f'step-{newest}'}: the same "
+        "command resumes from it"
+    ), err
     assert not [p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith(".")]  # no partial, no lock
 
 
@@ -403,10 +657,24 @@ def test_launch_names_a_rank_killed_by_a_signal(tmp_path, debug_seed):
         worker = int(Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()[0])
         os.kill(worker, signal.SIGKILL)
 
-    status, out, err = launch(tmp_path, debug_seed, 2, "--parallelism.pipeline_parallel_degree", "2",
-                              "--training.local_batch_size", "8", "--training.steps", "10000", when="step     2",
-                              act=kill_a_worker)
+    status, out, err = launch(
+        tmp_path,
+        debug_seed,
+        2,
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--training.local_batch_size",
+        "8",
+        "--training.steps",
+        "10000",
+        when="step     2",
+        act=kill_a_worker,
+    )
     assert status == 128 + signal.SIGKILL, err
-    assert re.search(r"^seedckpt launch: rank [01] was killed by SIGKILL \(the out-of-memory killer sends it\); "
-                     r"the other ranks were stopped$", err, re.MULTILINE), err
+    assert re.search(
+        r"^seedckpt launch: rank [01] was killed by SIGKILL \(the out-of-memory killer sends it\); "
+        r"the other ranks were stopped$",
+        err,
+        re.MULTILINE,
+    ), err
     assert "Traceback" not in err, err

@@ -23,14 +23,19 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from seedckpt.checkpoint import MANIFEST_NAME, DcpCheckpoint
 from seedckpt.checkpoint.integrity import crc
-from seedckpt.cli import main as cli
-from seedckpt.errors import SeedckptError
+from seedckpt.cli.main import main as cli
+from seedckpt.utils.errors import SeedckptError
 from tests.test_resume import REPO, train
 
 # One entry of each non-tensor kind a step-N holds, and the RNG state (a tensor read the stock way
 # once its raw position is gone).
-ITEMS = ["train_state.step", "train_state.samples_seen", "train_state.lr_scheduler.base_lrs",
-         "optimizer.param_groups.norm.weight.betas", "rng.rank0"]
+ITEMS = [
+    "train_state.step",
+    "train_state.samples_seen",
+    "train_state.lr_scheduler.base_lrs",
+    "optimizer.param_groups.norm.weight.betas",
+    "rng.rank0",
+]
 PAYLOAD = "payload.distcp"
 
 
@@ -123,12 +128,29 @@ def test_resume_from_a_crafted_step_stops_in_one_line_without_running(step, tmp_
 
 def test_sft_from_a_crafted_step_stops_in_one_line_without_running(step, tmp_path, marker):
     evil = craft(step, tmp_path / "evil", "optimizer.param_groups.norm.weight.betas", forge_checksums=False)
-    proc = subprocess.run([sys.executable, "train.py", "--config", "configs/sft_debug.toml", "--finetune.pretrained",
-                           str(evil), "--checkpoint.folder", str(tmp_path / "sft"), "--job.dump_folder",
-                           str(tmp_path / "sft"), "--parallelism.pipeline_parallel_degree", "1",
-                           "--training.steps", "2"],
-                          cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "--config",
+            "configs/sft_debug.toml",
+            "--finetune.pretrained",
+            str(evil),
+            "--checkpoint.folder",
+            str(tmp_path / "sft"),
+            "--job.dump_folder",
+            str(tmp_path / "sft"),
+            "--parallelism.pipeline_parallel_degree",
+            "1",
+            "--training.steps",
+            "2",
+        ],
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     err = proc.stderr.strip()
     assert proc.returncode == 2 and "no checksum recorded" in err and "Traceback" not in err, err
     assert not marker.exists()
@@ -140,8 +162,12 @@ def test_commands_on_a_crafted_step_never_run_it(step, tmp_path, marker, capsys,
     """Unforged: every command refuses the checkpoint in one line. Forged: the payload's checksum
     matches, and the commands that read only model tensors never parse it."""
     evil = str(craft(step, tmp_path / "evil", "train_state.samples_seen", forge_checksums=forge))
-    argv = {"inspect": [evil], "verify": [evil, "--quiet"], "convert": [evil, str(tmp_path / "hf"), "--to", "hf"],
-            "diff": [evil, str(step)]}[command]
+    argv = {
+        "inspect": [evil],
+        "verify": [evil, "--quiet"],
+        "convert": [evil, str(tmp_path / "hf"), "--to", "hf"],
+        "diff": [evil, str(step)],
+    }[command]
     status = cli([command, *argv])
     err = capsys.readouterr().err.strip()
     if forge:

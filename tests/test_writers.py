@@ -19,12 +19,12 @@ import torch
 
 import seedckpt.checkpoint.writer as writer_module
 from seedckpt.checkpoint import complete_steps, write_checkpoint
-from seedckpt.layouts import open_model_checkpoint
 from seedckpt.checkpoint.atomic import atomic_output, check_destination, destination_lock
-from seedckpt.cli import main
-from seedckpt.convert import convert, diff
-from seedckpt.errors import SeedckptError
-from seedckpt.seed import create_seed_checkpoint
+from seedckpt.cli.convert import convert, diff
+from seedckpt.cli.main import main
+from seedckpt.materialize.model_checkpoint import open_model_checkpoint
+from seedckpt.materialize.seed import create_seed_checkpoint
+from seedckpt.utils.errors import SeedckptError
 from tests.conftest import tiny_config
 from tests.dist import run_distributed
 
@@ -51,8 +51,11 @@ def test_a_held_lock_stops_another_writer_before_any_work(tmp_path, debug_seed, 
     else:
         shutil.copytree(debug_seed, dst)
     before = _contents(dst)
-    argv = ([*SEED, "--output", str(dst), "--seed", "3"] if to == "seed"
-            else ["convert", str(debug_seed), str(dst), "--to", to, "--quiet"])
+    argv = (
+        [*SEED, "--output", str(dst), "--seed", "3"]
+        if to == "seed"
+        else ["convert", str(debug_seed), str(dst), "--to", to, "--quiet"]
+    )
     with destination_lock(dst):
         assert main([*argv, "--force"]) == 2
         assert sorted(os.listdir(tmp_path)) == [f".{dst.name}.lock", dst.name]  # no partial output either
@@ -99,10 +102,17 @@ def test_a_killed_holder_does_not_block_the_next_writer(tmp_path):
 def test_two_racing_seeds_publish_one_whole_checkpoint(tmp_path):
     out = tmp_path / "c"
     big = ["--model.dim", "1024", "--model.n_layers", "8"]  # ~1.5 s of writing: the writes overlap
-    procs = {seed: subprocess.Popen([sys.executable, "-m", "seedckpt.cli", *SEED, "--output", str(out),
-                                     "--seed", str(seed), *big], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for seed in (0, 3)}
+    procs = {
+        seed: subprocess.Popen(
+            [sys.executable, "-m", "seedckpt.cli.main", *SEED, "--output", str(out), "--seed", str(seed), *big],
+            cwd=REPO,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for seed in (0, 3)
+    }
     results = {seed: (proc.wait(timeout=120), *proc.communicate()) for seed, proc in procs.items()}
     [winner] = [seed for seed, (code, _, _) in results.items() if code == 0]
     [(code, _, err)] = [result for seed, result in results.items() if seed != winner]
@@ -128,7 +138,8 @@ def test_force_replaces_only_an_output_of_its_own_kind(tmp_path, debug_seed, cap
         "--force replaces only a checkpoint directory or an empty one: choose another destination or remove it "
         "yourself",
         f"seedckpt convert: error: {folder} is a directory; --force replaces only a file: choose another "
-        "destination or remove it yourself"]
+        "destination or remove it yourself",
+    ]
     assert (docs / "notes.txt").read_text() == "precious" and folder.is_dir() and not any(folder.iterdir())
 
     seed = tmp_path / "seed"
@@ -137,8 +148,12 @@ def test_force_replaces_only_an_output_of_its_own_kind(tmp_path, debug_seed, cap
     assert open_model_checkpoint(seed).manifest["seed"] == 2
     file = tmp_path / "m.safetensors"
     convert(debug_seed, file, "safetensors", progress=False)
-    assert main(["convert", str(debug_seed), str(file), "--to", "safetensors", "--dtype", "bfloat16", "--force",
-                 "--quiet"]) == 0
+    assert (
+        main(
+            ["convert", str(debug_seed), str(file), "--to", "safetensors", "--dtype", "bfloat16", "--force", "--quiet"]
+        )
+        == 0
+    )
     assert open_model_checkpoint(file).infos["norm.weight"].dtype == torch.bfloat16
     assert sorted(os.listdir(tmp_path)) == ["docs", "folder", "m.safetensors", "seed"]
 
@@ -151,8 +166,10 @@ def test_what_force_may_replace(tmp_path):
         return tmp_path / name
 
     dcp, empty = make("dcp", ".metadata", "__0_0.distcp"), make("empty")
-    hf, sharded = make("hf", "config.json", "model.safetensors"), make("sharded", "config.json",
-                                                                       "model.safetensors.index.json")
+    hf, sharded = (
+        make("hf", "config.json", "model.safetensors"),
+        make("sharded", "config.json", "model.safetensors.index.json"),
+    )
     config_only = make("config_only", "config.json", "a.txt", "b.txt", "c.txt")
     file = tmp_path / "m.safetensors"
     file.write_text("{}")
@@ -162,15 +179,18 @@ def test_what_force_may_replace(tmp_path):
         assert check_destination(path, force=True, directory=True) == path
     for path in (file, tmp_path / "file_link"):
         assert check_destination(path, force=True, directory=False) == path
-    refused = {(config_only, True): "is a directory that is not a checkpoint (holds 4 entries, e.g. a.txt, b.txt, "
-                                    "c.txt); --force replaces only a checkpoint directory or an empty one",
-               (file, True): "is a file; --force replaces only a checkpoint directory or an empty one",
-               (dcp, False): "is a directory; --force replaces only a file",
-               (tmp_path / "dir_link", False): "is a directory; --force replaces only a file"}
+    refused = {
+        (config_only, True): "is a directory that is not a checkpoint (holds 4 entries, e.g. a.txt, b.txt, "
+        "c.txt); --force replaces only a checkpoint directory or an empty one",
+        (file, True): "is a file; --force replaces only a checkpoint directory or an empty one",
+        (dcp, False): "is a directory; --force replaces only a file",
+        (tmp_path / "dir_link", False): "is a directory; --force replaces only a file",
+    }
     for (path, directory), what in refused.items():
         for force in (True, False):
-            with pytest.raises(SeedckptError, match=re.escape(f"{path} {what}: choose another destination or "
-                                                              "remove it yourself")):
+            with pytest.raises(
+                SeedckptError, match=re.escape(f"{path} {what}: choose another destination or remove it yourself")
+            ):
                 check_destination(path, force, directory)
     with pytest.raises(SeedckptError, match="already exists; pass --force to replace it"):
         check_destination(dcp, False)
@@ -235,16 +255,20 @@ def test_convert_never_writes_over_into_or_around_its_input(tmp_path, debug_seed
     seed = tmp_path / "seed"
     shutil.copytree(debug_seed, seed)
     before = _contents(seed)
-    for dst, why in [(seed, "is the input checkpoint"), (seed / "inner", "is inside the input checkpoint"),
-                     (tmp_path, "contains the input checkpoint")]:
+    for dst, why in [
+        (seed, "is the input checkpoint"),
+        (seed / "inner", "is inside the input checkpoint"),
+        (tmp_path, "contains the input checkpoint"),
+    ]:
         assert main(["convert", str(seed), str(dst), "--to", "dcp", "--force", "--quiet"]) == 2
         err = capsys.readouterr().err
         assert why in err and len(err.strip().splitlines()) == 1, err
     assert _contents(seed) == before and sorted(os.listdir(tmp_path)) == ["seed"]
 
 
-@pytest.mark.parametrize("to, other", [("torch", "notes.txt"), ("safetensors", "model.safetensors"),
-                                       ("torch", "model.safetensors")])
+@pytest.mark.parametrize(
+    "to, other", [("torch", "notes.txt"), ("safetensors", "model.safetensors"), ("torch", "model.safetensors")]
+)
 def test_force_replaces_a_file_only_with_one_of_its_own_format(tmp_path, debug_seed, capsys, to, other):
     dst = tmp_path / other
     if other == "notes.txt":
@@ -295,8 +319,9 @@ class _FullDisk:
 
 @pytest.mark.parametrize("failure", ["disk full", "ctrl-c"])
 @pytest.mark.parametrize("to", ["torch", "safetensors", "hf", "dcp", "torchtitan", "seed"])
-def test_a_full_disk_or_ctrl_c_while_writing_is_one_line_and_leaves_nothing(tmp_path, debug_seed, capsys,
-                                                                            monkeypatch, to, failure):
+def test_a_full_disk_or_ctrl_c_while_writing_is_one_line_and_leaves_nothing(
+    tmp_path, debug_seed, capsys, monkeypatch, to, failure
+):
     import errno
 
     from seedckpt.checkpoint.formats import safetensors_file, torch_file
@@ -315,14 +340,17 @@ def test_a_full_disk_or_ctrl_c_while_writing_is_one_line_and_leaves_nothing(tmp_
 
     monkeypatch.setattr(writer_module._RawStream, "write", write)
     dst = tmp_path / ("out.pt" if to == "torch" else "out.safetensors" if to == "safetensors" else "out")
-    argv = ([*SEED, "--output", str(dst)] if to == "seed"
-            else ["convert", str(debug_seed), str(dst), "--to", to, "--quiet"])
+    argv = (
+        [*SEED, "--output", str(dst)] if to == "seed" else ["convert", str(debug_seed), str(dst), "--to", to, "--quiet"]
+    )
     code = main(argv)
     err = capsys.readouterr().err
     command = "seed" if to == "seed" else "convert"
     if failure == "disk full":
-        assert code == 2 and err == (f"seedckpt {command}: error: no space left on the device writing {dst}; nothing "
-                                     "was written there: free space or choose another destination and run again\n")
+        assert code == 2 and err == (
+            f"seedckpt {command}: error: no space left on the device writing {dst}; nothing "
+            "was written there: free space or choose another destination and run again\n"
+        )
     else:
         assert code == 130 and err == f"seedckpt {command}: interrupted; nothing was written to {dst}\n"
     assert os.listdir(tmp_path) == []

@@ -15,15 +15,32 @@ SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
     "{{ m['content'] }}<|eot_id|>{% endfor %}"
-    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
 
-CAPITALS = {"France": "Paris", "Japan": "Tokyo", "Italy": "Rome", "Spain": "Madrid", "Egypt": "Cairo",
-            "Canada": "Ottawa", "Kenya": "Nairobi", "Peru": "Lima", "Norway": "Oslo", "Chile": "Santiago",
-            "Poland": "Warsaw", "Greece": "Athens", "Cuba": "Havana", "Nepal": "Kathmandu", "Ghana": "Accra"}
+CAPITALS = {
+    "France": "Paris",
+    "Japan": "Tokyo",
+    "Italy": "Rome",
+    "Spain": "Madrid",
+    "Egypt": "Cairo",
+    "Canada": "Ottawa",
+    "Kenya": "Nairobi",
+    "Peru": "Lima",
+    "Norway": "Oslo",
+    "Chile": "Santiago",
+    "Poland": "Warsaw",
+    "Greece": "Athens",
+    "Cuba": "Havana",
+    "Nepal": "Kathmandu",
+    "Ghana": "Accra",
+}
 SYSTEMS = ["You are a helpful assistant.", "Answer briefly."]
 
 
-def build_tiny_tokenizer(path: Path, corpus: list[str], vocab_size: int = 300, chat_template: str | None = CHAT_TEMPLATE) -> Path:
+def build_tiny_tokenizer(
+    path: Path, corpus: list[str], vocab_size: int = 300, chat_template: str | None = CHAT_TEMPLATE
+) -> Path:
     """A byte-level BPE trained on ``corpus``, saved with ``save_pretrained`` (no pad token: the eos
     fallback applies)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -32,8 +49,12 @@ def build_tiny_tokenizer(path: Path, corpus: list[str], vocab_size: int = 300, c
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     bpe.train_from_iterator(corpus, trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
     if chat_template is not None:
@@ -51,12 +72,16 @@ def make_chats(n: int, seed: int = 0) -> list[dict]:
         for _ in range(rng.choice((1, 1, 2))):
             if rng.random() < 0.5:
                 country = rng.choice(sorted(CAPITALS))
-                messages += [{"role": "user", "content": f"What is the capital of {country}?"},
-                             {"role": "assistant", "content": f"The capital of {country} is {CAPITALS[country]}."}]
+                messages += [
+                    {"role": "user", "content": f"What is the capital of {country}?"},
+                    {"role": "assistant", "content": f"The capital of {country} is {CAPITALS[country]}."},
+                ]
             else:
                 a, b = rng.randint(1, 9), rng.randint(1, 9)
-                messages += [{"role": "user", "content": f"What is {a} + {b}?"},
-                             {"role": "assistant", "content": f"{a} + {b} = {a + b}."}]
+                messages += [
+                    {"role": "user", "content": f"What is {a} + {b}?"},
+                    {"role": "assistant", "content": f"{a} + {b} = {a + b}."},
+                ]
         chats.append({"messages": messages})
     return chats
 
@@ -66,7 +91,7 @@ def corpus_of(chats: list[dict]) -> list[str]:
 
 
 if __name__ == "__main__":  # the shipped demo set: 200 conversations, a tokenizer larger than the debug vocab
-    from seedckpt.data import builtin_corpus
+    from seedckpt.data.sources import builtin_corpus
 
     out = Path(sys.argv[1])
     demo = make_chats(200, seed=0)

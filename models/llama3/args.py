@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from models.common.decoder import DecoderOptions
+
 
 @dataclass
 class RopeScaling:
@@ -42,8 +44,15 @@ class ModelArgs:
             self.rope_scaling = RopeScaling(**self.rope_scaling)
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
-        sizes = dict(dim=self.dim, n_layers=self.n_layers, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
-                     vocab_size=self.vocab_size, multiple_of=self.multiple_of, max_seq_len=self.max_seq_len)
+        sizes = dict(
+            dim=self.dim,
+            n_layers=self.n_layers,
+            n_heads=self.n_heads,
+            n_kv_heads=self.n_kv_heads,
+            vocab_size=self.vocab_size,
+            multiple_of=self.multiple_of,
+            max_seq_len=self.max_seq_len,
+        )
         if any(v < 1 for v in sizes.values()):
             raise ValueError(f"sizes must be >= 1: {sizes}")
         if self.dim % self.n_heads:
@@ -65,11 +74,16 @@ class ModelArgs:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
+    @property
+    def decoder_options(self) -> DecoderOptions:
+        """Llama 3 is the shared decoder's plain case."""
+        return DecoderOptions()
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ModelArgs":
+    def from_dict(cls, d: dict) -> ModelArgs:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - names
         if unknown:
@@ -87,24 +101,66 @@ _LLAMA32_ROPE = dict(_LLAMA31_ROPE, factor=32.0)
 # Shapes of the released Llama 3.x models (torchtitan's flavors, plus 1B/3B from Llama 3.2 and a
 # tiny CPU-friendly ``debug``). 1B and 3B tie the output to the embedding, as released.
 LLAMA3_FLAVORS: dict[str, ModelArgs] = {
-    "debug": ModelArgs(dim=128, n_layers=6, n_heads=8, n_kv_heads=4, vocab_size=512, multiple_of=32,
-                       rope_theta=10000.0, max_seq_len=512),
-    "1B": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5,
-                    multiple_of=256, rope_scaling=RopeScaling(**_LLAMA32_ROPE), max_seq_len=131072,
-                    tie_word_embeddings=True),
-    "3B": ModelArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0,
-                    multiple_of=256, rope_scaling=RopeScaling(**_LLAMA32_ROPE), max_seq_len=131072,
-                    tie_word_embeddings=True),
-    "8B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3,
-                    multiple_of=1024, rope_scaling=RopeScaling(**_LLAMA31_ROPE), max_seq_len=131072),
-    "70B": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3,
-                     multiple_of=4096, rope_scaling=RopeScaling(**_LLAMA31_ROPE), max_seq_len=131072),
-    "405B": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2,
-                      multiple_of=4096, rope_scaling=RopeScaling(**_LLAMA31_ROPE), max_seq_len=131072),
+    "debug": ModelArgs(
+        dim=128,
+        n_layers=6,
+        n_heads=8,
+        n_kv_heads=4,
+        vocab_size=512,
+        multiple_of=32,
+        rope_theta=10000.0,
+        max_seq_len=512,
+    ),
+    "1B": ModelArgs(
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.5,
+        multiple_of=256,
+        rope_scaling=RopeScaling(**_LLAMA32_ROPE),
+        max_seq_len=131072,
+        tie_word_embeddings=True,
+    ),
+    "3B": ModelArgs(
+        dim=3072,
+        n_layers=28,
+        n_heads=24,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.0,
+        multiple_of=256,
+        rope_scaling=RopeScaling(**_LLAMA32_ROPE),
+        max_seq_len=131072,
+        tie_word_embeddings=True,
+    ),
+    "8B": ModelArgs(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.3,
+        multiple_of=1024,
+        rope_scaling=RopeScaling(**_LLAMA31_ROPE),
+        max_seq_len=131072,
+    ),
+    "70B": ModelArgs(
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.3,
+        multiple_of=4096,
+        rope_scaling=RopeScaling(**_LLAMA31_ROPE),
+        max_seq_len=131072,
+    ),
+    "405B": ModelArgs(
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.2,
+        multiple_of=4096,
+        rope_scaling=RopeScaling(**_LLAMA31_ROPE),
+        max_seq_len=131072,
+    ),
 }
-
-
-def tied_weights(args: ModelArgs) -> dict[str, str]:
-    """FQNs whose tensor is another's: ``{tied: source}`` (a tied output is the embedding)."""
-    return {"output.weight": "tok_embeddings.weight"} if args.tie_word_embeddings else {}
-

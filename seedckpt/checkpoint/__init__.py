@@ -20,21 +20,55 @@ from its caller (``model``: expected shapes, tied FQNs, name adapters). By respo
 * ``steps`` -- a training run's ``step-N`` folders.
 """
 
-from seedckpt.checkpoint.atomic import (PARTIAL_SUFFIX, atomic_output, check_destination, destination_lock,
-                                       write_json_synced)
+from seedckpt.checkpoint.atomic import (
+    PARTIAL_SUFFIX,
+    atomic_output,
+    check_destination,
+    destination_lock,
+    write_json_synced,
+)
 from seedckpt.checkpoint.base import Checkpoint, WriteJob
 from seedckpt.checkpoint.formats import FORMATS, open_checkpoint
 from seedckpt.checkpoint.formats.dcp import DcpCheckpoint
 from seedckpt.checkpoint.load import RowWindow
-from seedckpt.checkpoint.manifest import (MANIFEST_NAME, TOKENIZER_DIR, TensorInfo, dtype_name, is_model_key,
-                                          make_manifest)
+from seedckpt.checkpoint.manifest import (
+    MANIFEST_NAME,
+    TOKENIZER_DIR,
+    TensorInfo,
+    dtype_name,
+    is_model_key,
+    make_manifest,
+)
 from seedckpt.checkpoint.model import ModelLayout
 from seedckpt.checkpoint.safe_pickle import SafeFileSystemReader
 from seedckpt.checkpoint.steps import complete_steps, prune_steps, step_dir, step_dirs
 from seedckpt.checkpoint.writer import LazySavePlanner, StreamingFileSystemWriter, write_checkpoint
 
-__all__ = ["PARTIAL_SUFFIX", "atomic_output", "check_destination", "destination_lock", "write_json_synced",
-           "Checkpoint", "WriteJob", "FORMATS", "open_checkpoint", "DcpCheckpoint", "RowWindow", "MANIFEST_NAME", "TOKENIZER_DIR",
-           "TensorInfo", "dtype_name", "is_model_key", "make_manifest", "ModelLayout", "SafeFileSystemReader",
-           "complete_steps", "prune_steps", "step_dir", "step_dirs", "LazySavePlanner", "StreamingFileSystemWriter",
-           "write_checkpoint"]
+__all__ = [
+    "PARTIAL_SUFFIX",
+    "atomic_output",
+    "check_destination",
+    "destination_lock",
+    "write_json_synced",
+    "Checkpoint",
+    "WriteJob",
+    "FORMATS",
+    "open_checkpoint",
+    "DcpCheckpoint",
+    "RowWindow",
+    "MANIFEST_NAME",
+    "TOKENIZER_DIR",
+    "TensorInfo",
+    "dtype_name",
+    "is_model_key",
+    "make_manifest",
+    "ModelLayout",
+    "SafeFileSystemReader",
+    "complete_steps",
+    "prune_steps",
+    "step_dir",
+    "step_dirs",
+    "LazySavePlanner",
+    "StreamingFileSystemWriter",
+    "write_checkpoint",
+]

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
-from seedckpt.errors import SeedckptError, interrupted, write_failure
+from seedckpt.utils.errors import SeedckptError, interrupted, write_failure
 
 PARTIAL_SUFFIX = ".partial"  # every partial output's name ends with it; readers refuse such paths
 LOCK_SUFFIX = ".lock"
@@ -71,8 +71,9 @@ def _lock(lock: Path, path: Path) -> int:
             lines = os.pread(fd, 65536, 0).decode(errors="replace").splitlines()
             os.close(fd)
             holder = lines[0].strip() if lines and lines[0].strip() else "another process"  # empty: just started
-            raise SeedckptError(f"{path} is being written by {holder}; wait for it to finish or choose another "
-                                "destination") from None
+            raise SeedckptError(
+                f"{path} is being written by {holder}; wait for it to finish or choose another destination"
+            ) from None
         except BaseException:
             os.close(fd)
             raise
@@ -91,9 +92,11 @@ def check_destination(path: str | os.PathLike, force: bool, directory: bool = Tr
     if path.exists():
         refusal = _why_not_replaceable(path, directory)
         if refusal:
-            raise SeedckptError(f"{path} {refusal}; --force replaces only "
-                                f"{'a checkpoint directory or an empty one' if directory else 'a file'}: choose "
-                                "another destination or remove it yourself")
+            raise SeedckptError(
+                f"{path} {refusal}; --force replaces only "
+                f"{'a checkpoint directory or an empty one' if directory else 'a file'}: choose "
+                "another destination or remove it yourself"
+            )
         if not force:
             raise SeedckptError(f"{path} already exists; pass --force to replace it or choose another destination")
     return path
@@ -116,13 +119,20 @@ def _why_not_replaceable(path: Path, directory: bool) -> str | None:
     weights = (path / "model.safetensors.index.json").is_file() or any(path.glob("*.safetensors"))
     if not entries or (path / ".metadata").is_file() or ((path / "config.json").is_file() and weights):
         return None
-    return (f"is a directory that is not a checkpoint (holds {len(entries)} "
-            f"entr{'y' if len(entries) == 1 else 'ies'}, e.g. {', '.join(entries[:3])})")
+    return (
+        f"is a directory that is not a checkpoint (holds {len(entries)} "
+        f"entr{'y' if len(entries) == 1 else 'ies'}, e.g. {', '.join(entries[:3])})"
+    )
 
 
 @contextlib.contextmanager
-def atomic_output(path: str | os.PathLike, force: bool = False, directory: bool = True,
-                  check: Callable[[Path], None] | None = None, replaces: Callable[[Path], None] | None = None):
+def atomic_output(
+    path: str | os.PathLike,
+    force: bool = False,
+    directory: bool = True,
+    check: Callable[[Path], None] | None = None,
+    replaces: Callable[[Path], None] | None = None,
+):
     """Yield this writer's hidden partial sibling of ``path`` to write into; publish it as ``path``
     on success, after ``check(partial)`` (if given) has accepted it. An existing file at ``path`` is
     replaced (``force``) only if ``replaces(path)`` (if given) accepts it: a file of the format written.
@@ -164,8 +174,10 @@ def _check_same_format(path: Path, replaces: Callable[[Path], None]) -> None:
         replaces(path)
     except Exception as e:  # noqa: BLE001 -- whatever the reader says, it is not such a file
         reason = " ".join(str(e).split())[:200]
-        raise SeedckptError(f"{path} is not a file of the format being written ({reason}); --force replaces only "
-                            "such a file: choose another destination or remove it yourself") from None
+        raise SeedckptError(
+            f"{path} is not a file of the format being written ({reason}); --force replaces only "
+            "such a file: choose another destination or remove it yourself"
+        ) from None
 
 
 def _remove_stale_partials(path: Path) -> None:

@@ -10,8 +10,8 @@ synchronous one and a crash mid-write publishes nothing. What this module adds:
   and reuses at the next save. On CUDA the buffers are pinned and the copies are issued
   ``non_blocking`` on a side stream from a staging thread, so they overlap the next step's forward
   and backward; the optimizer waits for them (``wait_for_staging``) before it changes the weights.
-  Measured on one H100 with the 1B train state (DESIGN.md 5b): such staging stalls 0.13-0.24 s, a
-  pageable copy 11.5-12.8 s. On CPU the copy is a plain memory copy in the training thread.
+  Measured on one H100 with the 1B train state (stock DCP's stager): pinned staging stalls
+  0.13-0.24 s, a pageable copy 11.5-12.8 s. On CPU the copy is a plain memory copy in the training thread.
 * **Its own gloo group** for the write's collectives (DCP's plan exchange, the partial directory's
   name, the final barrier). Two threads must not issue collectives on one group: the background
   write would interleave with training's all-reduces on the default group. Created once, by every
@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from seedckpt.errors import SeedckptError
+from seedckpt.utils.errors import SeedckptError
 
 # write(staged_state_dict, group=...) -> the published path: ``write_checkpoint`` with everything
 # else bound.
@@ -70,8 +70,11 @@ class BackgroundSaver:
         self.group = dist.new_group(backend="gloo")  # all ranks; CPU tensors only (what is staged)
         self.device = device
         cuda = device.type == "cuda"
-        self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                   use_async_staging=cuda, use_non_blocking_copy=cuda))
+        self.stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=cuda, use_non_blocking_copy=cuda
+            )
+        )
         self.in_flight: _InFlight | None = None
         self.staging: Future | None = None
 
@@ -89,8 +92,9 @@ class BackgroundSaver:
         staged = self.stager.stage(state_dict)
         self.staging = staged if isinstance(staged, Future) else None
         done: Future = Future()
-        thread = threading.Thread(target=self._write, args=(staged, write, done), daemon=True,
-                                  name=f"seedckpt-save-{path.name}")
+        thread = threading.Thread(
+            target=self._write, args=(staged, write, done), daemon=True, name=f"seedckpt-save-{path.name}"
+        )
         # Daemon: a run stopping on an error must not hang at exit on a write blocked in a collective
         # with a rank that is gone; an unfinished write publishes nothing. In flight before it starts:
         # ``start`` waits for the thread to run, and a Ctrl-C landing there must still find the write
@@ -161,8 +165,10 @@ class BackgroundSaver:
         if failed_anywhere:
             self.in_flight = None
             cause = " ".join(str(job.done.exception()).split()) if failed else "another rank's write failed"
-            raise SeedckptError(f"the background save of {job.path} failed: {cause}; nothing was published "
-                                f"(the run resumes from the newest complete step-N): fix the cause and run again")
+            raise SeedckptError(
+                f"the background save of {job.path} failed: {cause}; nothing was published "
+                f"(the run resumes from the newest complete step-N): fix the cause and run again"
+            )
         if running_anywhere:
             return None
         self.in_flight = None

@@ -8,18 +8,17 @@ anything is allocated. What it knows of the model comes from its caller (``check
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from seedckpt.checkpoint.load import RowWindow, tensor_problems
 from seedckpt.checkpoint.manifest import TensorInfo, dtype_name, is_model_key
 from seedckpt.checkpoint.model import ModelCodec, ModelLayout
-from seedckpt.errors import SeedckptError
-from seedckpt.modules import copy_full_into
-
+from seedckpt.utils.errors import SeedckptError
+from seedckpt.utils.tensors import copy_full_into
 
 # The dtypes a model weight may be stored in: an integer or float8 tensor under a weight's name is
 # not a weight this model can load or convert as it is (quantized checkpoints need their own reader).
@@ -33,8 +32,14 @@ class Checkpoint:
     kind = ""
     checksums = None  # ``integrity.Checksums`` where the format records them (our DCP checkpoints)
 
-    def __init__(self, path: Path, infos: dict[str, TensorInfo], manifest: dict | None,
-                 recorded: ModelLayout | None = None, layout: ModelLayout | None = None):
+    def __init__(
+        self,
+        path: Path,
+        infos: dict[str, TensorInfo],
+        manifest: dict | None,
+        recorded: ModelLayout | None = None,
+        layout: ModelLayout | None = None,
+    ):
         self.path, self.infos, self.manifest = path, infos, manifest
         self.recorded, self.layout = recorded, recorded or layout
         # FQNs that are not stored but read from another tensor: {fqn: source} (a tied output).
@@ -73,14 +78,16 @@ class Checkpoint:
             for fqn, wanted in state_dict.items():
                 full = self.read_tensor(fqn)
                 if isinstance(wanted, RowWindow):
-                    wanted.dest.copy_(full[wanted.start:wanted.start + wanted.dest.shape[0]])
+                    wanted.dest.copy_(full[wanted.start : wanted.start + wanted.dest.shape[0]])
                 else:
                     copy_full_into(wanted, full)
 
     def require_args(self):
         if self.layout is None:
-            raise SeedckptError(f"{self.path} does not record its model configuration; pass --config with the "
-                                "config it was trained with")
+            raise SeedckptError(
+                f"{self.path} does not record its model configuration; pass --config with the "
+                "config it was trained with"
+            )
         return self.layout.args
 
     def check_against_layout(self, complete: bool = True) -> None:
@@ -91,11 +98,17 @@ class Checkpoint:
             return
         want = self.layout.shapes
         problems = [f"{f}: missing" for f in want if f not in self.infos and complete]
-        problems += [f"{f}: shape {list(i.shape)}, config implies {list(want[f])}"
-                     for f, i in self.infos.items() if f in want and i.shape != want[f]]
-        problems += [f"{f}: dtype {dtype_name(i.dtype)} in {self.file_of(f)}; model weights are "
-                     f"{', '.join(map(dtype_name, WEIGHT_DTYPES))}" for f, i in self.infos.items()
-                     if f in want and i.dtype not in WEIGHT_DTYPES]
+        problems += [
+            f"{f}: shape {list(i.shape)}, config implies {list(want[f])}"
+            for f, i in self.infos.items()
+            if f in want and i.shape != want[f]
+        ]
+        problems += [
+            f"{f}: dtype {dtype_name(i.dtype)} in {self.file_of(f)}; model weights are "
+            f"{', '.join(map(dtype_name, WEIGHT_DTYPES))}"
+            for f, i in self.infos.items()
+            if f in want and i.dtype not in WEIGHT_DTYPES
+        ]
         problems = problems[:10] + (["..."] if len(problems) > 10 else [])
         unused = [f for f in self.infos if f not in want]  # loading would silently leave them out
         if unused:
@@ -121,8 +134,9 @@ class Checkpoint:
             model = self.layout.shapes if self.layout is not None else {}
             unwanted = sorted(k for k in set(have) - set(wanted) if is_model_key(k) and k not in model)
             if unwanted:
-                problems.append(f"it has {len(unwanted)} model tensors this model does not use, e.g. "
-                                f"{', '.join(unwanted[:4])}")
+                problems.append(
+                    f"it has {len(unwanted)} model tensors this model does not use, e.g. {', '.join(unwanted[:4])}"
+                )
             raise SeedckptError(f"checkpoint {self.path} does not cover the model: " + "; ".join(problems))
 
     def has_entry(self, key: str) -> bool:

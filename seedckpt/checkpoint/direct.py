@@ -31,10 +31,10 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from seedckpt.checkpoint.integrity import PIECE_BYTES, Checksums, ItemChecks, crc, data_file, verify_item
 from seedckpt.checkpoint.safe_pickle import SafeFileSystemReader
 from seedckpt.checkpoint.safetensors_header import SAFETENSORS_DTYPES, safetensors_header
-from seedckpt.checkpoint.integrity import PIECE_BYTES, Checksums, ItemChecks, crc, data_file, verify_item
-from seedckpt.errors import SeedckptError
+from seedckpt.utils.errors import SeedckptError
 
 READ_BYTES = 16 * 2**20  # about one preadv call; small enough to spread a tensor over the threads
 STAGING_BYTES = 256 * 2**20  # at most this much is buffered at once for casts and device copies
@@ -152,8 +152,9 @@ class DirectReads:
             for fd in fds.values():
                 os.close(fd)
 
-    def _finish(self, jobs: list[_Job], pool: ThreadPoolExecutor, planner: LoadPlanner,
-                slots: dict[torch.device, StagingSlots]) -> None:
+    def _finish(
+        self, jobs: list[_Job], pool: ThreadPoolExecutor, planner: LoadPlanner, slots: dict[torch.device, StagingSlots]
+    ) -> None:
         units = [unit for job in jobs for unit in job.units()]
         total = sum(pool.map(_read_unit, units))
         asked = sum(job.hi - job.lo for job in jobs)
@@ -173,15 +174,15 @@ class _Job:
     whole rows, contiguous), else ``buffer``, the stored rows on the target's device, from which
     ``complete`` narrows and casts into the target."""
 
-    def __init__(self, item: ReadItem, chunk: RawChunk, target: torch.Tensor, fd: int,
-                 slots: StagingSlots | None):
+    def __init__(self, item: ReadItem, chunk: RawChunk, target: torch.Tensor, fd: int, slots: StagingSlots | None):
         self.item, self.chunk, self.target, self.fd, self.slots = item, chunk, target, fd, slots
         offsets, lengths = list(item.storage_offsets) or [0], list(item.lengths) or [1]
         first_row, rows = offsets[0], lengths[0]
         whole_rows = all(o == 0 and n == s for o, n, s in zip(offsets[1:], lengths[1:], chunk.shape[1:]))
         straight = whole_rows and target.dtype == chunk.dtype and target.is_contiguous()
-        self.buffer = None if straight else torch.empty((rows, *chunk.shape[1:]), dtype=chunk.dtype,
-                                                        device=target.device)
+        self.buffer = (
+            None if straight else torch.empty((rows, *chunk.shape[1:]), dtype=chunk.dtype, device=target.device)
+        )
         self.dest = target if straight else self.buffer
         self.lo = chunk.start + first_row * chunk.row_bytes  # the bytes asked for: [lo, hi)
         self.hi = self.lo + rows * chunk.row_bytes
@@ -201,8 +202,10 @@ class _Job:
             return [_Unit(self, a, b, range(0), []) for a, b in zip(bounds, bounds[1:])]
         cuts = checks.cuts
         span_lo, span_hi = min(self.lo, cuts[self.pieces.start]), max(self.hi, cuts[self.pieces.stop])
-        sides = [(span_lo, memoryview(bytearray(self.lo - span_lo))),
-                 (self.hi, memoryview(bytearray(span_hi - self.hi)))]
+        sides = [
+            (span_lo, memoryview(bytearray(self.lo - span_lo))),
+            (self.hi, memoryview(bytearray(span_hi - self.hi))),
+        ]
         units, group = [], []
         for k in self.pieces:
             group.append(k)
@@ -241,7 +244,7 @@ def _read_unit(unit: _Unit) -> int:
     """Read and check one unit into its destination, through a staging slot when the job has them."""
     job = unit.job
     a, b = unit.asked
-    dest = job.dest_bytes()[a - job.lo:b - job.lo]
+    dest = job.dest_bytes()[a - job.lo : b - job.lo]
     if job.slots is None:
         _read_into(unit, memoryview(dest.numpy()))
     else:
@@ -261,7 +264,7 @@ def _read_into(unit: _Unit, asked: memoryview) -> None:
         for start, mem in segments:
             x, y = max(lo, start), min(hi, start + mem.nbytes)
             if x < y:
-                out.append(mem[x - start:y - start])
+                out.append(mem[x - start : y - start])
         return out
 
     position = unit.lo
@@ -270,8 +273,10 @@ def _read_into(unit: _Unit, asked: memoryview) -> None:
         while done < view.nbytes:
             n = os.preadv(unit.job.fd, [view[done:]], position + done)
             if n == 0:
-                raise SeedckptError(f"{chunk.path} is truncated: a tensor's bytes end at {position + view.nbytes}, "
-                                    f"the file at {position + done}; the checkpoint is damaged -- write it again")
+                raise SeedckptError(
+                    f"{chunk.path} is truncated: a tensor's bytes end at {position + view.nbytes}, "
+                    f"the file at {position + done}; the checkpoint is damaged -- write it again"
+                )
             done += n
         position += view.nbytes
     checks = chunk.checks
@@ -300,8 +305,14 @@ class DirectFileSystemReader(SafeFileSystemReader):
     """A DCP storage reader for our checkpoints: reads the owned rows of every tensor item at the
     positions the manifest records (``raw_items``), the rest the stock way."""
 
-    def __init__(self, path, raw_items: dict, metadata: Metadata | None = None, checksums: Checksums | None = None,
-                 threads: int = READ_THREADS):
+    def __init__(
+        self,
+        path,
+        raw_items: dict,
+        metadata: Metadata | None = None,
+        checksums: Checksums | None = None,
+        threads: int = READ_THREADS,
+    ):
         """``checksums``: check every byte read against them (``None``: nothing to check)."""
         super().__init__(path, metadata)
         self.raw = {(file, entry[0]): entry for file, entries in raw_items.items() for entry in entries}
@@ -349,12 +360,18 @@ class DirectFileSystemReader(SafeFileSystemReader):
         _, start, nbytes = self._raw_entry(index)
         md = self.metadata.state_dict_metadata[index.fqn]
         chunk = next((c for c in md.chunks if c.offsets == index.offset), None)
-        if (chunk is None or not info.offset <= start <= start + nbytes <= info.offset + info.length
-                or nbytes != chunk.sizes.numel() * md.properties.dtype.itemsize):
-            raise SeedckptError(f"{self.path}: the manifest's raw position of {index.fqn} does not fit its item in "
-                                f"{info.relative_path}; the checkpoint is damaged")
-        return RawChunk(data_file(Path(self.path), info.relative_path), start, chunk.sizes, md.properties.dtype,
-                        self._checks(index))
+        if (
+            chunk is None
+            or not info.offset <= start <= start + nbytes <= info.offset + info.length
+            or nbytes != chunk.sizes.numel() * md.properties.dtype.itemsize
+        ):
+            raise SeedckptError(
+                f"{self.path}: the manifest's raw position of {index.fqn} does not fit its item in "
+                f"{info.relative_path}; the checkpoint is damaged"
+            )
+        return RawChunk(
+            data_file(Path(self.path), info.relative_path), start, chunk.sizes, md.properties.dtype, self._checks(index)
+        )
 
 
 class DirectHFReader(HuggingFaceStorageReader):
@@ -382,6 +399,6 @@ class DirectHFReader(HuggingFaceStorageReader):
             self.headers[info.relative_path] = (data_start, header)
         data_start, header = self.headers[info.relative_path]
         entry = header[item.storage_index.fqn]
-        return RawChunk(path, data_start + entry["data_offsets"][0], torch.Size(entry["shape"]),
-                        SAFETENSORS_DTYPES[entry["dtype"]])
-
+        return RawChunk(
+            path, data_start + entry["data_offsets"][0], torch.Size(entry["shape"]), SAFETENSORS_DTYPES[entry["dtype"]]
+        )

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import crc32c
 
-from seedckpt.errors import SeedckptError
+from seedckpt.utils.errors import SeedckptError
 
 ALGORITHM = "crc32c"
 PIECE_BYTES = 1 << 20
@@ -55,8 +55,10 @@ class ItemChecks:
         cuts.append(end)
         object.__setattr__(self, "cuts", cuts)
         if len(self.crcs) != len(cuts) - 1 or not self.offset <= self.start <= end:
-            raise SeedckptError(f"the manifest's checksums of the item at byte {self.offset} of {self.file} do not "
-                                "fit the item; the manifest is damaged")
+            raise SeedckptError(
+                f"the manifest's checksums of the item at byte {self.offset} of {self.file} do not "
+                "fit the item; the manifest is damaged"
+            )
 
     @property
     def end(self) -> int:
@@ -78,7 +80,8 @@ class ItemChecks:
         lo, hi = self.cuts[index], self.cuts[index + 1]
         return SeedckptError(
             f"{what} is corrupt: bytes {lo}..{hi} of {self.file} have CRC32C {got:08x}, {self.crcs[index]:08x} was "
-            "written; the checkpoint is damaged -- restore or write it again (`seedckpt verify` checks all of it)")
+            "written; the checkpoint is damaged -- restore or write it again (`seedckpt verify` checks all of it)"
+        )
 
 
 class PieceHasher:
@@ -123,8 +126,13 @@ def checksums_record(items: list[ItemChecks], metadata_crc: int, file_sizes: dic
     by_file: dict[str, list] = {}
     for item in sorted(items, key=lambda i: (i.file, i.offset)):
         by_file.setdefault(item.file, []).append([item.offset, item.length, item.start, list(item.crcs)])
-    return {"algorithm": ALGORITHM, "piece_bytes": PIECE_BYTES, "metadata": metadata_crc, "files": file_sizes,
-            "items": by_file}
+    return {
+        "algorithm": ALGORITHM,
+        "piece_bytes": PIECE_BYTES,
+        "metadata": metadata_crc,
+        "files": file_sizes,
+        "items": by_file,
+    }
 
 
 @dataclass
@@ -148,8 +156,9 @@ class Checksums:
             items = {}
             for file, entries in record["items"].items():
                 for offset, length, start, crcs in entries:
-                    items[(file, int(offset))] = ItemChecks(file, int(offset), int(length), int(start),
-                                                            tuple(int(c) for c in crcs), piece)
+                    items[(file, int(offset))] = ItemChecks(
+                        file, int(offset), int(length), int(start), tuple(int(c) for c in crcs), piece
+                    )
             return cls(items, int(record["metadata"]), {str(f): int(n) for f, n in record["files"].items()})
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise SeedckptError(f"{where}: the manifest's checksums are damaged ({e!r})") from None
@@ -157,15 +166,19 @@ class Checksums:
     def check_metadata(self, data: bytes, where) -> None:
         got = crc(data)
         if got != self.metadata:
-            raise SeedckptError(f"{where}/.metadata is corrupt: CRC32C {got:08x}, {self.metadata:08x} was written; "
-                                "the checkpoint is damaged -- restore or write it again")
+            raise SeedckptError(
+                f"{where}/.metadata is corrupt: CRC32C {got:08x}, {self.metadata:08x} was written; "
+                "the checkpoint is damaged -- restore or write it again"
+            )
 
 
 def data_file(root: Path, name: str) -> Path:
     """A data file named by ``.metadata``: a plain file name inside the checkpoint, nothing else."""
     if not name or name != Path(name).name or name in (".", ".."):
-        raise SeedckptError(f"{root}/.metadata names the data file {name!r}, which is not inside the checkpoint; "
-                            "the checkpoint is damaged or crafted")
+        raise SeedckptError(
+            f"{root}/.metadata names the data file {name!r}, which is not inside the checkpoint; "
+            "the checkpoint is damaged or crafted"
+        )
     return root / name
 
 
@@ -187,8 +200,10 @@ def check_data_files(root: Path, storage_data, written: dict[str, int] | None = 
         elif size < need:
             problems.append(f"{name} has {size:,} bytes, .metadata points up to byte {need:,}")
     if problems:
-        raise SeedckptError(f"{root} is incomplete: {'; '.join(problems[:5])}; it was not fully written, was "
-                            "truncated or lost files -- restore or write it again")
+        raise SeedckptError(
+            f"{root} is incomplete: {'; '.join(problems[:5])}; it was not fully written, was "
+            "truncated or lost files -- restore or write it again"
+        )
 
 
 def file_sizes(items: list[ItemChecks]) -> dict[str, int]:
@@ -203,12 +218,14 @@ def verify_item(fd: int, checks: ItemChecks, what: str) -> int:
     """Read all of an item from ``fd`` and check every piece; returns the bytes read."""
     buffer = memoryview(bytearray(max(b - a for a, b in zip(checks.cuts, checks.cuts[1:]))))
     for k, (lo, hi) in enumerate(zip(checks.cuts, checks.cuts[1:])):
-        view, done = buffer[:hi - lo], 0
+        view, done = buffer[: hi - lo], 0
         while done < view.nbytes:
             n = os.preadv(fd, [view[done:]], lo + done)
             if n == 0:
-                raise SeedckptError(f"{what}: {checks.file} is truncated at byte {lo + done:,}; the checkpoint is "
-                                    "damaged -- restore or write it again")
+                raise SeedckptError(
+                    f"{what}: {checks.file} is truncated at byte {lo + done:,}; the checkpoint is "
+                    "damaged -- restore or write it again"
+                )
             done += n
         got = crc(view)
         if got != checks.crcs[k]:

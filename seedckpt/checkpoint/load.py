@@ -16,16 +16,16 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-from torch.distributed.checkpoint._traverse import set_element
 
 from seedckpt.checkpoint.manifest import TensorInfo, dtype_name
 from seedckpt.checkpoint.safe_pickle import load_plain_values
-from seedckpt.errors import SeedckptError, interrupted, write_failure
-from seedckpt.modules import local
+from seedckpt.utils.errors import SeedckptError, interrupted, write_failure
+from seedckpt.utils.tensors import local
 
 
 @dataclass(frozen=True)
@@ -57,8 +57,10 @@ def tensor_problems(fqn: str, info: TensorInfo, wanted: torch.Tensor | RowWindow
     if isinstance(wanted, RowWindow):
         shape, stop = tuple(wanted.dest.shape), wanted.start + wanted.dest.shape[0]
         if not info.shape or info.shape[1:] != shape[1:] or stop > info.shape[0]:
-            return [f"{fqn}: rows {wanted.start}..{stop} of shape {list(shape)} do not fit the checkpoint's "
-                    f"shape {list(info.shape)}"]
+            return [
+                f"{fqn}: rows {wanted.start}..{stop} of shape {list(shape)} do not fit the checkpoint's "
+                f"shape {list(info.shape)}"
+            ]
         wanted = wanted.dest
     elif info.shape != tuple(wanted.shape):
         return [f"{fqn}: shape {list(info.shape)} in checkpoint, {list(wanted.shape)} in model"]
@@ -93,8 +95,10 @@ def copy_shared(state_dict: dict, by_source: dict, shared: list[tuple[str, str]]
         for key, source in shared:
             dst, src = destination(state_dict[key]), destination(by_source[source])
             if dst.shape != src.shape:
-                raise SeedckptError(f"{key} and its tied source {source} are laid out differently on this rank "
-                                    f"({list(dst.shape)} vs {list(src.shape)}); shard them alike")
+                raise SeedckptError(
+                    f"{key} and its tied source {source} are laid out differently on this rank "
+                    f"({list(dst.shape)} vs {list(src.shape)}); shard them alike"
+                )
             dst.copy_(src)
 
 
@@ -137,8 +141,7 @@ def load_state(state_dict: dict, reader, where, no_dist: bool = False) -> None:
         raise root_cause(e, f"reading {where}") from None
 
 
-def root_cause(error: CheckpointException, doing: str,
-               writing: bool = False) -> SeedckptError | KeyboardInterrupt:
+def root_cause(error: CheckpointException, doing: str, writing: bool = False) -> SeedckptError | KeyboardInterrupt:
     """One line for a failed DCP load or save: our own message where we raised it, else the first
     failed rank's exception (DCP's text embeds every rank's whole traceback); an interruption stays
     one, and a save (``writing``) that failed for the machine's reason says which (``write_failure``)."""

@@ -17,7 +17,7 @@ import torch
 
 import seedckpt
 from seedckpt.checkpoint.untrusted import MAX_JSON_BYTES, parse_json, read_bounded
-from seedckpt.errors import SeedckptError
+from seedckpt.utils.errors import SeedckptError
 
 MANIFEST_NAME = "seedckpt.json"
 FORMAT_VERSION = 1
@@ -91,8 +91,7 @@ def manifest_model(manifest: dict | None, where) -> dict | None:
         return None
     model = manifest.get("model")
     if not isinstance(model, dict) or not isinstance(model.get("args"), dict):
-        raise SeedckptError(f"{where}: the seedckpt manifest is damaged (its model entry is not an object "
-                            "with args)")
+        raise SeedckptError(f"{where}: the seedckpt manifest is damaged (its model entry is not an object with args)")
     return model
 
 

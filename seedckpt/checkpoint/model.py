@@ -4,7 +4,7 @@ This layer moves tensors by name and checks bytes; it imports no model and no fi
 Where a format needs model knowledge -- the tensors a model has, which FQN reads another tensor
 (a tied output), the names and row order another tool uses, the model a manifest or an HF
 ``config.json`` records -- the caller supplies it as a ``ModelLayout`` and a ``ModelCodec``
-(``seedckpt.layouts`` builds both from the model spec). A caller that passes neither still gets
+(``seedckpt.materialize.model_checkpoint`` builds both from the model spec). A caller that passes neither still gets
 every tensor by its stored name: ``inspect`` of a foreign checkpoint, ``verify``, a training-state
 load.
 """

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from seedckpt.checkpoint.manifest import TensorInfo
 from seedckpt.checkpoint.untrusted import MAX_METADATA_BYTES, read_bounded
-from seedckpt.errors import SeedckptError
+from seedckpt.utils.errors import SeedckptError
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -31,9 +31,19 @@ class _MetadataUnpickler(pickle.Unpickler):
     """
 
     _ALLOWED = {
-        *(("torch.distributed.checkpoint.metadata", name) for name in (
-            "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-            "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
+        *(
+            ("torch.distributed.checkpoint.metadata", name)
+            for name in (
+                "Metadata",
+                "TensorStorageMetadata",
+                "BytesStorageMetadata",
+                "ChunkStorageMetadata",
+                "TensorProperties",
+                "MetadataIndex",
+                "StorageMeta",
+                "_MEM_FORMAT_ENCODING",
+            )
+        ),
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
         ("torch.distributed.checkpoint._hf_utils", "_HFStorageInfo"),
         ("torch.serialization", "_get_layout"),
@@ -46,7 +56,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str):
         allowed = (module, name) in self._ALLOWED or (
-            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        )
         if allowed and "." not in name:
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
@@ -62,8 +73,9 @@ def parse_dcp_metadata(data: bytes, path: Path) -> Metadata:
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     except Exception as e:  # any damage to the pickle: truncation, bad opcodes, wrong types, deep nesting
-        raise SeedckptError(f"{path} is not valid DCP metadata ({str(e)[:200]}); the checkpoint is "
-                            "corrupt or not a DCP checkpoint") from None
+        raise SeedckptError(
+            f"{path} is not valid DCP metadata ({str(e)[:200]}); the checkpoint is corrupt or not a DCP checkpoint"
+        ) from None
     if not isinstance(metadata, Metadata):
         raise SeedckptError(f"{path} does not hold DCP metadata")
     return metadata
@@ -75,8 +87,10 @@ def load_plain_values(data: io.BytesIO, what: str):
     try:
         return torch.load(data, map_location="cpu", weights_only=True)
     except Exception as e:  # UnpicklingError for a forbidden class; many types for damaged bytes
-        raise SeedckptError(f"{what} is not plain data ({unpickling_reason(e)}); the checkpoint is damaged or "
-                            "crafted and was not loaded -- restore it or write it again") from None
+        raise SeedckptError(
+            f"{what} is not plain data ({unpickling_reason(e)}); the checkpoint is damaged or "
+            "crafted and was not loaded -- restore it or write it again"
+        ) from None
 
 
 def unpickling_reason(error: Exception) -> str:
@@ -89,8 +103,11 @@ def unpickling_reason(error: Exception) -> str:
 
 def tensor_infos(metadata: Metadata) -> dict[str, TensorInfo]:
     """The tensors a DCP checkpoint stores, by stored key."""
-    return {fqn: TensorInfo(tuple(md.size), md.properties.dtype)
-            for fqn, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
+    return {
+        fqn: TensorInfo(tuple(md.size), md.properties.dtype)
+        for fqn, md in metadata.state_dict_metadata.items()
+        if isinstance(md, TensorStorageMetadata)
+    }
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -107,9 +124,11 @@ class SafeFileSystemReader(FileSystemReader):
         try:
             return super().read_data(plan, planner)
         except pickle.UnpicklingError as e:
-            raise SeedckptError(f"{self.path}: a stored tensor is not plain data ({unpickling_reason(e)}); the "
-                                "checkpoint is damaged or crafted and was not loaded -- restore it or write it "
-                                "again") from None
+            raise SeedckptError(
+                f"{self.path}: a stored tensor is not plain data ({unpickling_reason(e)}); the "
+                "checkpoint is damaged or crafted and was not loaded -- restore it or write it "
+                "again"
+            ) from None
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         metadata = self._known or read_dcp_metadata(Path(self._get_metadata_path(kwargs.get("rank"))))

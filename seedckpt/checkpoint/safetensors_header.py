@@ -7,18 +7,28 @@ from pathlib import Path
 
 import torch
 
-from seedckpt.errors import SeedckptError
+from seedckpt.utils.errors import SeedckptError
 
 MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit on a header
 
-SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                      "U8": torch.uint8, "BOOL": torch.bool}
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 def safetensors_header(path: Path) -> tuple[dict, dict, int]:
     """(tensor entries, ``__metadata__``, data start) of a safetensors file, checked before it is
     trusted: a bounded header, known dtypes, offsets that match shape x dtype, data all present."""
+
     def bad(why: str) -> SeedckptError:
         return SeedckptError(f"{path} is not a valid safetensors file ({why})")
 

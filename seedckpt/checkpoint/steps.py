@@ -29,8 +29,11 @@ def step_dirs(folder: str | os.PathLike) -> dict[int, Path]:
 
 def complete_steps(folder: str | os.PathLike) -> dict[int, Path]:
     """The ``step-N`` directories in ``folder`` that finished writing (``.metadata`` and manifest)."""
-    return {n: path for n, path in step_dirs(folder).items()
-            if (path / ".metadata").is_file() and (path / MANIFEST_NAME).is_file()}
+    return {
+        n: path
+        for n, path in step_dirs(folder).items()
+        if (path / ".metadata").is_file() and (path / MANIFEST_NAME).is_file()
+    }
 
 
 def prune_steps(folder: str | os.PathLike, keep: int) -> None:

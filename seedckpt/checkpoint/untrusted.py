@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from seedckpt.errors import SeedckptError
+from seedckpt.utils.errors import SeedckptError
 
 MAX_METADATA_BYTES = 2**30  # a 405B checkpoint's .metadata is tens of MB
 MAX_JSON_BYTES = 256 * 2**20  # a 405B seed's seedckpt.json, checksums included, is ~10 MB
@@ -20,8 +20,10 @@ def read_bounded(path: Path, limit: int) -> bytes:
     """The bytes of a metadata file, refusing one larger than ``limit`` before reading it."""
     size = path.stat().st_size
     if size > limit:
-        raise SeedckptError(f"{path} is {size:,} bytes, more than the {limit:,} a checkpoint's metadata may take; "
-                            "it is damaged or crafted")
+        raise SeedckptError(
+            f"{path} is {size:,} bytes, more than the {limit:,} a checkpoint's metadata may take; "
+            "it is damaged or crafted"
+        )
     return path.read_bytes()
 
 

@@ -27,18 +27,25 @@ from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import (SavePlan, SavePlanner, TensorWriteData, WriteItem,
-                                                  WriteItemType)
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from seedckpt.checkpoint.atomic import atomic_output, write_json_synced
-from seedckpt.checkpoint.integrity import (CHECKSUMS_KEY, ItemChecks, PieceHasher, check_data_files, checksums_record,
-                                           crc, file_sizes)
+from seedckpt.checkpoint.integrity import (
+    CHECKSUMS_KEY,
+    ItemChecks,
+    PieceHasher,
+    check_data_files,
+    checksums_record,
+    crc,
+    file_sizes,
+)
 from seedckpt.checkpoint.load import quiet_single_process_dcp, root_cause
 from seedckpt.checkpoint.manifest import MANIFEST_NAME, RAW_ITEMS_KEY, dtype_name, is_model_key
 from seedckpt.checkpoint.safe_pickle import parse_dcp_metadata, tensor_infos
-from seedckpt.errors import SeedckptError
+from seedckpt.utils.errors import SeedckptError
+
 
 @dataclass
 class _Written:
@@ -73,8 +80,12 @@ class _RawStream:
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
-        if (self.watch is not None and view.nbytes == self.watch.nbytes and view.nbytes
-                and np.frombuffer(view, np.uint8).ctypes.data == self.watch.data_ptr()):
+        if (
+            self.watch is not None
+            and view.nbytes == self.watch.nbytes
+            and view.nbytes
+            and np.frombuffer(view, np.uint8).ctypes.data == self.watch.data_ptr()
+        ):
             self.data_start = self.pos
             self.hasher.mark_start()
         self.hasher.update(view)
@@ -103,8 +114,14 @@ class StreamingFileSystemWriter(FileSystemWriter):
     ``finish`` (rank 0), ``raw_items`` holds every tensor item's raw byte position for the manifest.
     """
 
-    def __init__(self, path: str | os.PathLike, lookahead: int = 4, workers: int = 2, files: int = 1,
-                 aliases: dict[str, str] | None = None):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        lookahead: int = 4,
+        workers: int = 2,
+        files: int = 1,
+        aliases: dict[str, str] | None = None,
+    ):
         """``lookahead``: items resolved ahead of the one being written, per file; ``workers``:
         resolving threads per file; ``files``: data files this rank writes concurrently; ``aliases``:
         ``{fqn: source}`` recorded in ``.metadata`` as ``source``'s bytes (``finish``)."""
@@ -120,8 +137,10 @@ class StreamingFileSystemWriter(FileSystemWriter):
         torch.serialization.set_crc32_options(False)
         try:
             with ThreadPoolExecutor(len(groups)) as writers:
-                written = [writers.submit(self._write_file, f"{plan.storage_data.prefix}{k}.distcp", items, planner)
-                           for k, items in enumerate(groups)]
+                written = [
+                    writers.submit(self._write_file, f"{plan.storage_data.prefix}{k}.distcp", items, planner)
+                    for k, items in enumerate(groups)
+                ]
                 results = [result for file in written for result in file.result()]
         finally:
             torch.serialization.set_crc32_options(crc)
@@ -157,8 +176,15 @@ class StreamingFileSystemWriter(FileSystemWriter):
                         torch.save(stream.watch, stream)
                         stream.watch = None
                     length = stream.pos - offset
-                    results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=_Written(
-                        _StorageInfo(file_name, offset, length), stream.data_start, stream.hasher.finish())))
+                    results.append(
+                        WriteResult(
+                            index=item.index,
+                            size_in_bytes=length,
+                            storage_data=_Written(
+                                _StorageInfo(file_name, offset, length), stream.data_start, stream.hasher.finish()
+                            ),
+                        )
+                    )
                     if isinstance(planner, LazySavePlanner):
                         planner.release(data)
                     del data
@@ -179,7 +205,8 @@ class StreamingFileSystemWriter(FileSystemWriter):
                 if written.data_start is not None:
                     nbytes = _item_nbytes(metadata, r.index)
                     self.raw_items.setdefault(written.info.relative_path, []).append(
-                        [written.info.offset, written.data_start, nbytes])
+                        [written.info.offset, written.data_start, nbytes]
+                    )
         plain.append(self._alias_results(metadata, [r for rank_results in plain for r in rank_results]))
         super().finish(metadata, plain)
 
@@ -193,8 +220,12 @@ class StreamingFileSystemWriter(FileSystemWriter):
         tensors = metadata.state_dict_metadata
         for fqn, source in self.aliases.items():
             tensors[fqn] = tensors[source]
-        return [WriteResult(MetadataIndex(fqn, r.index.offset, r.index.index), r.size_in_bytes, r.storage_data)
-                for fqn, source in self.aliases.items() for r in written if r.index.fqn == source]
+        return [
+            WriteResult(MetadataIndex(fqn, r.index.offset, r.index.index), r.size_in_bytes, r.storage_data)
+            for fqn, source in self.aliases.items()
+            for r in written
+            if r.index.fqn == source
+        ]
 
 
 def _balanced(items: list[WriteItem], files: int) -> list[list[WriteItem]]:
@@ -278,10 +309,17 @@ class LazySavePlanner(DefaultSavePlanner):
             for start in range(0, shape[0], rows):
                 offsets = torch.Size([start] + [0] * (len(shape) - 1))
                 sizes = torch.Size([min(rows, shape[0] - start), *shape[1:]])
-                items.append(WriteItem(
-                    index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
-                    tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets, sizes),
-                                                properties=TensorProperties(dtype=meta.dtype), size=shape)))
+                items.append(
+                    WriteItem(
+                        index=MetadataIndex(fqn, offsets),
+                        type=WriteItemType.SHARD,
+                        tensor_data=TensorWriteData(
+                            chunk=ChunkStorageMetadata(offsets, sizes),
+                            properties=TensorProperties(dtype=meta.dtype),
+                            size=shape,
+                        ),
+                    )
+                )
         self.plan = SavePlan(items, planner_data=self.mappings)  # FQN mapping, as the default planner
         return self.plan
 
@@ -319,10 +357,19 @@ def _compact_cpu(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.clone(memory_format=torch.contiguous_format)
 
 
-def write_checkpoint(path: str | os.PathLike, state_dict: dict, manifest: dict, force: bool = False,
-                     planner: SavePlanner | None = None, lookahead: int = 4,
-                     files: dict[str, Path] | None = None, parallel_files: int = 1, resolvers: int = 2,
-                     group: dist.ProcessGroup | None = None, aliases: dict[str, str] | None = None) -> Path:
+def write_checkpoint(
+    path: str | os.PathLike,
+    state_dict: dict,
+    manifest: dict,
+    force: bool = False,
+    planner: SavePlanner | None = None,
+    lookahead: int = 4,
+    files: dict[str, Path] | None = None,
+    parallel_files: int = 1,
+    resolvers: int = 2,
+    group: dist.ProcessGroup | None = None,
+    aliases: dict[str, str] | None = None,
+) -> Path:
     """Write a DCP checkpoint plus manifest to ``path`` atomically.
 
     Collective when a process group is initialized (every rank passes its own entries, e.g. its
@@ -362,13 +409,15 @@ def write_checkpoint(path: str | os.PathLike, state_dict: dict, manifest: dict, 
         partial = names[0]
         if partial is None:
             raise SeedckptError(f"rank 0 could not start writing {path}; its error says why")
-        writer = StreamingFileSystemWriter(partial, lookahead=lookahead, workers=resolvers, files=parallel_files,
-                                           aliases=aliases)
+        writer = StreamingFileSystemWriter(
+            partial, lookahead=lookahead, workers=resolvers, files=parallel_files, aliases=aliases
+        )
         try:
             # The warning filter is process-wide state: a background save running distributed leaves it alone.
             with contextlib.nullcontext() if distributed else quiet_single_process_dcp():
-                dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=group,
-                         no_dist=not distributed)
+                dcp.save(
+                    state_dict, storage_writer=writer, planner=planner, process_group=group, no_dist=not distributed
+                )
         except CheckpointException as e:  # a BaseException wrapping each rank's failure
             raise root_cause(e, f"writing {path}", writing=True) from None
         if leader:
@@ -376,13 +425,18 @@ def write_checkpoint(path: str | os.PathLike, state_dict: dict, manifest: dict, 
             metadata = parse_dcp_metadata(metadata_bytes, partial / ".metadata")
             sizes = file_sizes(writer.checks)
             check_data_files(partial, metadata.storage_data, sizes)  # publish only what is complete
-            tensors = {fqn: info for fqn, info in tensor_infos(metadata).items()
-                       if is_model_key(fqn) and fqn not in writer.aliases}
-            manifest = {**manifest, "num_params": sum(i.numel for i in tensors.values()),
-                        "tensors": {fqn: {"shape": list(i.shape), "dtype": dtype_name(i.dtype)}
-                                    for fqn, i in tensors.items()},
-                        RAW_ITEMS_KEY: writer.raw_items,
-                        CHECKSUMS_KEY: checksums_record(writer.checks, crc(metadata_bytes), sizes)}
+            tensors = {
+                fqn: info
+                for fqn, info in tensor_infos(metadata).items()
+                if is_model_key(fqn) and fqn not in writer.aliases
+            }
+            manifest = {
+                **manifest,
+                "num_params": sum(i.numel for i in tensors.values()),
+                "tensors": {fqn: {"shape": list(i.shape), "dtype": dtype_name(i.dtype)} for fqn, i in tensors.items()},
+                RAW_ITEMS_KEY: writer.raw_items,
+                CHECKSUMS_KEY: checksums_record(writer.checks, crc(metadata_bytes), sizes),
+            }
             write_json_synced(partial / MANIFEST_NAME, manifest)
             for name, source in (files or {}).items():
                 (partial / name).parent.mkdir(parents=True, exist_ok=True)

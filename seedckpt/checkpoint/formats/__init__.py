@@ -8,8 +8,9 @@
 
 Each module has ``detect(path)``, ``reader(path, codec, layout, verify)`` (its ``Checkpoint``) and
 ``write(source, dst, job)``. ``FORMATS`` maps each ``convert --to`` target to its module and
-``open_checkpoint``, the one way into a checkpoint, asks each in turn. Each module also says whether it stores any tensor under our
-FQNs (``OUR_NAMES``: OSFT factors fit) and whether it stores a tied matrix once (``TIED_STORED_ONCE``).
+``open_checkpoint``, the one way into a checkpoint, asks each in turn. Each module also says whether
+it stores any tensor under our FQNs (``OUR_NAMES``: OSFT factors fit) and whether it stores a tied
+matrix once (``TIED_STORED_ONCE``).
 """
 
 from __future__ import annotations
@@ -20,13 +21,18 @@ from seedckpt.checkpoint.atomic import PARTIAL_SUFFIX
 from seedckpt.checkpoint.base import Checkpoint
 from seedckpt.checkpoint.formats import dcp, hf, safetensors_file, torch_file, torchtitan
 from seedckpt.checkpoint.model import ModelCodec, ModelLayout
-from seedckpt.errors import SeedckptError
+from seedckpt.utils.errors import SeedckptError
 
 FORMATS = {"dcp": dcp, "hf": hf, "safetensors": safetensors_file, "torch": torch_file, "torchtitan": torchtitan}
 
 
-def open_checkpoint(path: str | Path, codec: ModelCodec | None = None, layout: ModelLayout | None = None,
-                    complete: bool = True, verify: bool = True) -> Checkpoint:
+def open_checkpoint(
+    path: str | Path,
+    codec: ModelCodec | None = None,
+    layout: ModelLayout | None = None,
+    complete: bool = True,
+    verify: bool = True,
+) -> Checkpoint:
     """Detect the format of ``path`` (DCP directory, HF directory, ``.safetensors`` file,
     ``torch.save`` file) and check its tensors against the model it records (read with the caller's
     ``codec``); ``layout`` describes the model when the checkpoint does not. ``complete=False``: a
@@ -39,11 +45,15 @@ def open_checkpoint(path: str | Path, codec: ModelCodec | None = None, layout: M
     if found is not None:
         checkpoint = found.reader(path, codec, layout, verify)
     elif path.is_dir():
-        raise SeedckptError(f"{path} is neither a DCP checkpoint (no .metadata; an interrupted write?) nor a "
-                            "Hugging Face directory (no config.json)")
+        raise SeedckptError(
+            f"{path} is neither a DCP checkpoint (no .metadata; an interrupted write?) nor a "
+            "Hugging Face directory (no config.json)"
+        )
     else:
-        raise SeedckptError(f"no checkpoint at {path}: give a DCP or Hugging Face directory, a .safetensors "
-                            "file or a torch.save file (create a seed with `seedckpt seed --config CONFIG "
-                            "--output DIR`)")
+        raise SeedckptError(
+            f"no checkpoint at {path}: give a DCP or Hugging Face directory, a .safetensors "
+            "file or a torch.save file (create a seed with `seedckpt seed --config CONFIG "
+            "--output DIR`)"
+        )
     checkpoint.check_against_layout(complete)
     return checkpoint

@@ -23,7 +23,7 @@ from seedckpt.checkpoint.model import ModelCodec, ModelLayout, NameAdapter
 from seedckpt.checkpoint.safe_pickle import parse_dcp_metadata, tensor_infos
 from seedckpt.checkpoint.untrusted import MAX_METADATA_BYTES, read_bounded
 from seedckpt.checkpoint.writer import LazySavePlanner, write_checkpoint
-from seedckpt.errors import SeedckptError
+from seedckpt.utils.errors import SeedckptError
 
 OUR_NAMES = True  # stores any tensor under our FQNs (OSFT factors too)
 TIED_STORED_ONCE = True  # a tied matrix is stored once; .metadata records the other FQN as its bytes
@@ -33,8 +33,9 @@ def detect(path: Path) -> bool:
     return path.is_dir() and (path / ".metadata").is_file()
 
 
-def reader(path: Path, codec: ModelCodec | None = None, layout: ModelLayout | None = None,
-           verify: bool = True) -> DcpCheckpoint:
+def reader(
+    path: Path, codec: ModelCodec | None = None, layout: ModelLayout | None = None, verify: bool = True
+) -> DcpCheckpoint:
     return DcpCheckpoint(path, codec, layout, verify)
 
 
@@ -43,22 +44,32 @@ class DcpCheckpoint(Checkpoint):
 
     kind = "dcp"
 
-    def __init__(self, path: str | os.PathLike, codec: ModelCodec | None = None, layout: ModelLayout | None = None,
-                 verify: bool = True):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        codec: ModelCodec | None = None,
+        layout: ModelLayout | None = None,
+        verify: bool = True,
+    ):
         """``codec``/``layout``: the caller's model knowledge (``checkpoint.model``); without them,
         tensors keep their stored names. ``verify``: check every byte read against the checksums the
         manifest records (on by default; checkpoints from before checksums, and foreign ones, have
         none to check)."""
         path = Path(path)
         if path.name.endswith(PARTIAL_SUFFIX):
-            raise SeedckptError(f"{path} is an incomplete checkpoint left by an interrupted write; "
-                                "delete it and write the checkpoint again")
+            raise SeedckptError(
+                f"{path} is an incomplete checkpoint left by an interrupted write; "
+                "delete it and write the checkpoint again"
+            )
         if not path.is_dir():
-            raise SeedckptError(f"no checkpoint directory at {path}; create one with "
-                                "`seedckpt seed --config CONFIG --output DIR`")
+            raise SeedckptError(
+                f"no checkpoint directory at {path}; create one with `seedckpt seed --config CONFIG --output DIR`"
+            )
         if not (path / ".metadata").is_file():
-            raise SeedckptError(f"{path} is not a complete DCP checkpoint (no .metadata); "
-                                "it may be an interrupted write -- write it again")
+            raise SeedckptError(
+                f"{path} is not a complete DCP checkpoint (no .metadata); "
+                "it may be an interrupted write -- write it again"
+            )
         manifest = read_manifest(path)
         self.checksums = Checksums.from_manifest(manifest, path)
         data = read_bounded(path / ".metadata", MAX_METADATA_BYTES)
@@ -71,8 +82,13 @@ class DcpCheckpoint(Checkpoint):
         self.stored = _renamed(self.metadata.state_dict_metadata, codec.renamings.values() if codec else ())
         ours = {key: fqn for fqn, key in self.stored.items()}
         self.all_tensors = {ours.get(k, k): v for k, v in tensor_infos(self.metadata).items()}
-        super().__init__(path, {f: i for f, i in self.all_tensors.items() if is_model_key(f)}, manifest,
-                         recorded_layout(codec, manifest, path), layout)
+        super().__init__(
+            path,
+            {f: i for f, i in self.all_tensors.items() if is_model_key(f)},
+            manifest,
+            recorded_layout(codec, manifest, path),
+            layout,
+        )
         raw = (manifest or {}).get(RAW_ITEMS_KEY)
         self.raw_items = raw if isinstance(raw, dict) else {}
         # Keys whose bytes another key stores: read (and checked) through that key only, once.
@@ -90,13 +106,18 @@ class DcpCheckpoint(Checkpoint):
         the same length: an item added or stretched after the write (a crafted training-state
         entry) is refused before any of its bytes are read, whether or not reads are checked."""
         items = self.checksums.items
-        unchecked = [f"{_describe(index)} in {info.relative_path}"
-                     for index, info in self.metadata.storage_data.items() if index.fqn not in self.shared
-                     and getattr(items.get((info.relative_path, info.offset)), "length", None) != info.length]
+        unchecked = [
+            f"{_describe(index)} in {info.relative_path}"
+            for index, info in self.metadata.storage_data.items()
+            if index.fqn not in self.shared
+            and getattr(items.get((info.relative_path, info.offset)), "length", None) != info.length
+        ]
         if unchecked:
-            raise SeedckptError(f"{self.path}: {len(unchecked)} item(s) of .metadata have no checksum recorded in "
-                                f"the manifest, e.g. {', '.join(unchecked[:3])}; they were not written with this "
-                                "checkpoint (it was altered or crafted) -- restore it or write it again")
+            raise SeedckptError(
+                f"{self.path}: {len(unchecked)} item(s) of .metadata have no checksum recorded in "
+                f"the manifest, e.g. {', '.join(unchecked[:3])}; they were not written with this "
+                "checkpoint (it was altered or crafted) -- restore it or write it again"
+            )
 
     def tensors(self) -> dict[str, TensorInfo]:
         return self.all_tensors
@@ -106,8 +127,9 @@ class DcpCheckpoint(Checkpoint):
         return key in keys or any(k.startswith(key + ".") for k in keys)
 
     def reader(self) -> DirectFileSystemReader:
-        return DirectFileSystemReader(self.path, self.raw_items, self.metadata,
-                                      self.checksums if self.check_reads else None)
+        return DirectFileSystemReader(
+            self.path, self.raw_items, self.metadata, self.checksums if self.check_reads else None
+        )
 
     def read_tensor(self, fqn: str) -> torch.Tensor:
         info = self.all_tensors[fqn]
@@ -135,14 +157,20 @@ class DcpCheckpoint(Checkpoint):
         problems found, each naming the tensor (or entry) and the file. ``on_bytes``: progress."""
         if self.checksums is None:
             return []
-        names = {(info.relative_path, info.offset): index for index, info in self.metadata.storage_data.items()
-                 if index.fqn not in self.shared}
+        names = {
+            (info.relative_path, info.offset): index
+            for index, info in self.metadata.storage_data.items()
+            if index.fqn not in self.shared
+        }
         fds = {file: os.open(data_file(self.path, file), os.O_RDONLY) for file in self.checksums.files}
 
         def check(item: ItemChecks) -> str | None:
             try:
-                on_bytes(verify_item(fds[item.file], item, f"{_describe(names.get((item.file, item.offset)))} in "
-                                                          f"{self.path}"))
+                on_bytes(
+                    verify_item(
+                        fds[item.file], item, f"{_describe(names.get((item.file, item.offset)))} in {self.path}"
+                    )
+                )
             except SeedckptError as e:
                 return str(e)
             return None
@@ -166,8 +194,11 @@ def _shared_bytes(metadata) -> dict[str, str]:
         where = (info.relative_path, info.offset)
         owners.setdefault(index.fqn, set()).add(owner.setdefault(where, index.fqn))
     tensors = metadata.state_dict_metadata
-    return {key: source for key, (source, *others) in owners.items()
-            if not others and source != key and tensors.get(key) == tensors.get(source)}
+    return {
+        key: source
+        for key, (source, *others) in owners.items()
+        if not others and source != key and tensors.get(key) == tensors.get(source)
+    }
 
 
 def _renamed(keys, renamings) -> dict[str, str]:
@@ -190,9 +221,11 @@ def write(source: Checkpoint, dst: Path, job: WriteJob, names: NameAdapter | Non
     def produce(key: str, start: int, stop: int) -> torch.Tensor:
         job.on_bytes(job.infos[fqn_of[key]].nbytes)
         return source.read_tensor(fqn_of[key])[start:stop]
+
     state = {k: torch.empty(job.infos[f].shape, dtype=job.infos[f].dtype, device="meta") for k, f in fqn_of.items()}
-    return write_checkpoint(dst, state, job.manifest, force=job.force, planner=LazySavePlanner(produce), lookahead=1,
-                            aliases=job.aliases)
+    return write_checkpoint(
+        dst, state, job.manifest, force=job.force, planner=LazySavePlanner(produce), lookahead=1, aliases=job.aliases
+    )
 
 
 def _describe(index) -> str:

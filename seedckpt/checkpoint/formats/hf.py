@@ -25,8 +25,8 @@ from seedckpt.checkpoint.manifest import TOKENIZER_DIR, TensorInfo
 from seedckpt.checkpoint.model import ModelCodec, ModelLayout
 from seedckpt.checkpoint.safetensors_header import SAFETENSORS_DTYPES, safetensors_header
 from seedckpt.checkpoint.untrusted import read_json
-from seedckpt.errors import SeedckptError
-from seedckpt.modules import local, local_rows
+from seedckpt.utils.errors import SeedckptError
+from seedckpt.utils.tensors import local, local_rows
 
 OUR_NAMES = False  # only the model's dense tensors have HF names
 TIED_STORED_ONCE = True  # as HF stores a tied model: no separate output head
@@ -36,8 +36,9 @@ def detect(path: Path) -> bool:
     return path.is_dir() and (path / "config.json").is_file()
 
 
-def reader(path: Path, codec: ModelCodec | None = None, layout: ModelLayout | None = None,
-           verify: bool = True) -> HFCheckpoint:
+def reader(
+    path: Path, codec: ModelCodec | None = None, layout: ModelLayout | None = None, verify: bool = True
+) -> HFCheckpoint:
     """HF files carry no checksums (``verify`` has nothing to check) and record their model."""
     return HFCheckpoint(path, codec)
 
@@ -47,8 +48,9 @@ class HFCheckpoint(Checkpoint):
 
     def __init__(self, path: Path, codec: ModelCodec | None):
         if codec is None:
-            raise SeedckptError(f"{path} is a Hugging Face directory: reading it needs the model family "
-                                "(the caller passes its codec)")
+            raise SeedckptError(
+                f"{path} is a Hugging Face directory: reading it needs the model family (the caller passes its codec)"
+            )
         self.config = read_json(path / "config.json", "the model configuration")
         try:
             layout = codec.hf_layout(self.config)
@@ -78,8 +80,11 @@ class HFCheckpoint(Checkpoint):
                 self.location[fqn] = (path / file, name)
                 infos[fqn] = TensorInfo(tuple(entry["shape"]), SAFETENSORS_DTYPES[entry["dtype"]])
         if weight_map is not None:
-            absent = [n for n, f in weight_map.items() if self._ours(n, index) is not None
-                      and self.location.get(self._ours(n, index), (None, None))[1] != n]
+            absent = [
+                n
+                for n, f in weight_map.items()
+                if self._ours(n, index) is not None and self.location.get(self._ours(n, index), (None, None))[1] != n
+            ]
             if absent:
                 raise SeedckptError(f"{index} lists tensors that its files do not contain: {absent[:5]}")
         super().__init__(path, infos, None, layout)  # config.json records the model
@@ -132,7 +137,7 @@ class HFCheckpoint(Checkpoint):
                 rows = window.dest.shape[0]
                 lo, hi = local_rows(wanted) or (0, wanted.shape[0])
                 full = self.names.from_stored_rows(window.dest, rows // group_rows)
-                local(wanted).copy_(full[lo - window.start:hi - window.start])
+                local(wanted).copy_(full[lo - window.start : hi - window.start])
         copy_shared(state_dict, names, shared)
 
 
@@ -176,8 +181,13 @@ def write(source: Checkpoint, dst: Path, job: WriteJob) -> Path:
     with atomic_output(dst, job.force, check=lambda path: HFCheckpoint(path, job.codec)) as partial:
         for k, fqns in enumerate(shards, start=1):
             file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-            write_safetensors(partial / file, {hf_name_of[f]: job.infos[f] for f in fqns}, read_hf_layout,
-                              {"format": "pt"}, job.on_bytes)
+            write_safetensors(
+                partial / file,
+                {hf_name_of[f]: job.infos[f] for f in fqns},
+                read_hf_layout,
+                {"format": "pt"},
+                job.on_bytes,
+            )
             weight_map.update({hf_name_of[f]: file for f in fqns})
         index = {"metadata": {"total_size": sum(i.nbytes for i in job.infos.values())}, "weight_map": weight_map}
         write_json_synced(partial / "model.safetensors.index.json", index)

@@ -22,7 +22,7 @@ from seedckpt.checkpoint.manifest import TensorInfo, parse_manifest
 from seedckpt.checkpoint.model import ModelCodec, ModelLayout
 from seedckpt.checkpoint.safetensors_header import SAFETENSORS_DTYPES, safetensors_header
 from seedckpt.checkpoint.writer import start_writeback
-from seedckpt.errors import SeedckptError
+from seedckpt.utils.errors import SeedckptError
 
 OUR_NAMES = True
 TIED_STORED_ONCE = False
@@ -46,8 +46,9 @@ def detect(path: Path) -> bool:
     return path.is_file() and path.suffix == ".safetensors"
 
 
-def reader(path: Path, codec: ModelCodec | None = None, layout: ModelLayout | None = None,
-           verify: bool = True) -> SafetensorsFile:
+def reader(
+    path: Path, codec: ModelCodec | None = None, layout: ModelLayout | None = None, verify: bool = True
+) -> SafetensorsFile:
     """No checksums to ``verify`` in a safetensors file."""
     return SafetensorsFile(path, codec, layout)
 
@@ -58,8 +59,7 @@ class SafetensorsFile(Checkpoint):
     def __init__(self, path: Path, codec: ModelCodec | None = None, layout: ModelLayout | None = None):
         header, metadata, _ = safetensors_header(path)
         if any(name.startswith("model.") or name == "lm_head.weight" for name in header):
-            raise SeedckptError(f"{path} uses Hugging Face names; pass the directory that holds it and its "
-                                "config.json")
+            raise SeedckptError(f"{path} uses Hugging Face names; pass the directory that holds it and its config.json")
         manifest = embedded_manifest(metadata.get(MANIFEST_KEY), path)
         infos = {n: TensorInfo(tuple(e["shape"]), SAFETENSORS_DTYPES[e["dtype"]]) for n, e in header.items()}
         super().__init__(path, infos, manifest, recorded_layout(codec, manifest, path), layout)
@@ -68,14 +68,18 @@ class SafetensorsFile(Checkpoint):
         return read_safetensor(self.path, fqn)
 
 
-def write_safetensors(path: Path, infos: dict[str, TensorInfo], read, metadata: dict[str, str],
-                      on_tensor=lambda nbytes: None) -> None:
+def write_safetensors(
+    path: Path, infos: dict[str, TensorInfo], read, metadata: dict[str, str], on_tensor=lambda nbytes: None
+) -> None:
     """Stream tensors into a safetensors file: the header first (from shapes), then each tensor's
     bytes as ``read(name)`` produces it, reading the next one while the current one is written."""
     header, offset = {}, 0
     for name, info in infos.items():
-        header[name] = {"dtype": _ST_NAMES[info.dtype], "shape": list(info.shape),
-                        "data_offsets": [offset, offset + info.nbytes]}
+        header[name] = {
+            "dtype": _ST_NAMES[info.dtype],
+            "shape": list(info.shape),
+            "data_offsets": [offset, offset + info.nbytes],
+        }
         offset += info.nbytes
     header["__metadata__"] = metadata
     blob = json.dumps(header, separators=(",", ":")).encode()
@@ -102,8 +106,10 @@ def write_safetensors(path: Path, infos: dict[str, TensorInfo], read, metadata: 
 
 def write(source: Checkpoint, dst: Path, job: WriteJob) -> Path:
     """One file, published once its header reads back."""
-    with atomic_output(dst, job.force, directory=False, check=safetensors_header,
-                       replaces=safetensors_header) as partial:
-        write_safetensors(partial, job.infos, source.read_tensor, {MANIFEST_KEY: json.dumps(job.manifest)},
-                          job.on_bytes)
+    with atomic_output(
+        dst, job.force, directory=False, check=safetensors_header, replaces=safetensors_header
+    ) as partial:
+        write_safetensors(
+            partial, job.infos, source.read_tensor, {MANIFEST_KEY: json.dumps(job.manifest)}, job.on_bytes
+        )
     return Path(dst)

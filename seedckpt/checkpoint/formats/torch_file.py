@@ -18,7 +18,7 @@ from seedckpt.checkpoint.formats.safetensors_file import MANIFEST_KEY, embedded_
 from seedckpt.checkpoint.manifest import TensorInfo
 from seedckpt.checkpoint.model import ModelCodec, ModelLayout
 from seedckpt.checkpoint.safe_pickle import unpickling_reason
-from seedckpt.errors import SeedckptError
+from seedckpt.utils.errors import SeedckptError
 
 OUR_NAMES = True
 TIED_STORED_ONCE = False
@@ -29,8 +29,9 @@ def detect(path: Path) -> bool:
     return path.is_file() and path.suffix != ".safetensors"
 
 
-def reader(path: Path, codec: ModelCodec | None = None, layout: ModelLayout | None = None,
-           verify: bool = True) -> TorchFile:
+def reader(
+    path: Path, codec: ModelCodec | None = None, layout: ModelLayout | None = None, verify: bool = True
+) -> TorchFile:
     """No checksums to ``verify`` in a torch.save file."""
     return TorchFile(path, codec, layout)
 
@@ -42,8 +43,10 @@ class TorchFile(Checkpoint):
         try:
             obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as e:  # torch raises many types for foreign or damaged files
-            raise SeedckptError(f"{path} is not a supported checkpoint (DCP directory, HF directory, "
-                                f".safetensors or torch.save file of tensors): {unpickling_reason(e)}") from None
+            raise SeedckptError(
+                f"{path} is not a supported checkpoint (DCP directory, HF directory, "
+                f".safetensors or torch.save file of tensors): {unpickling_reason(e)}"
+            ) from None
         if isinstance(obj, dict) and isinstance(obj.get("model"), dict):
             obj = obj["model"]
         if not isinstance(obj, dict):

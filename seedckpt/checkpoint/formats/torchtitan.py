@@ -11,7 +11,7 @@ from pathlib import Path
 
 from seedckpt.checkpoint.base import Checkpoint, WriteJob
 from seedckpt.checkpoint.formats import dcp
-from seedckpt.errors import SeedckptError
+from seedckpt.utils.errors import SeedckptError
 
 OUR_NAMES = False  # only the model's dense tensors have torchtitan names
 TIED_STORED_ONCE = False  # torchtitan's model state holds lm_head.weight as its own entry

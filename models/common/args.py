@@ -1,0 +1,75 @@
+"""The configuration the Hugging Face decoder families share: Mistral, Qwen2, Qwen3, Granite.
+
+Their ``config.json`` files name the same shapes (``hidden_size``, ``intermediate_size``,
+``head_dim`` ...), so their args are one dataclass, ``DecoderArgs``, which each family subclasses
+with what is its own (a sliding window, Granite's multipliers) and with ``decoder_options``: how its
+decoder differs from Llama 3's. Field names follow torchtitan's (``dim``, ``n_layers``, ``n_heads``
+...); the FFN width is given (``ffn_dim``), not derived as Llama's is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from models.common.decoder import DecoderOptions
+
+
+@dataclass
+class DecoderArgs:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None  # None: n_heads
+    head_dim: int | None = None  # None: dim // n_heads
+    ffn_dim: int = 14336
+    vocab_size: int = 32000
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_seq_len: int = 32768
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02  # the std of HF's init (``DecoderOptions.init = "normal"``)
+
+    def __post_init__(self):
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.head_dim is None and self.n_heads >= 1:
+            self.head_dim = self.dim // self.n_heads
+        sizes = {
+            f: getattr(self, f)
+            for f in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size", "max_seq_len")
+        }
+        if any(v < 1 for v in sizes.values()):
+            raise ValueError(f"sizes must be >= 1: {sizes}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        return self.ffn_dim
+
+    @property
+    def rope_scaling(self) -> None:
+        """No RoPE scaling: a config that asks for one is refused when read."""
+        return None
+
+    @property
+    def decoder_options(self) -> DecoderOptions:
+        return DecoderOptions(init="normal", init_std=self.initializer_range)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown {cls.__name__} fields {sorted(unknown)}; valid: {sorted(names)}")
+        return cls(**d)
+
+
+# The fields that decide which tensors exist and their shapes.
+SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size", "tie_word_embeddings")

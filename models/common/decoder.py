@@ -1,0 +1,332 @@
+"""The decoder every family here shares: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+Llama 3 is the plain case; the other families switch on what they add (``DecoderOptions``): bias
+on q/k/v (Qwen2), an RMSNorm over each q and k head before RoPE (Qwen3), Granite's multipliers on
+the embedding, the residual branches, the attention scores and the logits, and HF's plain normal
+init. Each family's args provide the shapes and ``decoder_options``; its folder says which.
+
+Names are Meta's and torchtitan's (``tok_embeddings``, ``layers.{i}.attention.wq``, ...), for every
+family: a family's Hugging Face names are mapped by ``models.common.hf_names``. RoPE rotates
+interleaved pairs (Meta's convention), so HF conversion permutes the rows of ``wq``/``wk`` (and
+their biases and norms) within each head.
+
+The model is *pipeline friendly* (torchtitan's recipe): ``layers`` is an ``nn.ModuleDict`` keyed
+``"0".."n-1"`` so FQNs survive deleting the layers a stage does not own, ``tok_embeddings``,
+``norm`` and ``output`` may be set to ``None`` and are then skipped, and the top-level forward is
+a plain loop. Anything that depends on the sequence length is sliced inside the layer; attention
+reshapes with ``-1`` heads, so a rank holding a slice of the heads runs as it is.
+
+Initialization protocol
+-----------------------
+Constructors allocate but never initialize weights. Each module that owns parameters defines
+``init_weights(init)`` and initializes *only its own* parameters (directly, or those of leaf
+children such as ``nn.Linear`` that have no ``init_weights``); it never calls ``init_weights`` of
+a child. A driver calls ``init_weights`` once on every module that defines it. This is the lesson
+of fms-fsdp: a recursive init used per module re-initializes children and silently overwrites the
+recipe. ``init`` is any object with::
+
+    init.normal_(tensor, std)               # N(0, std^2)
+    init.trunc_normal_(tensor, std, cutoff) # N(0, std^2) truncated to +-cutoff*std
+    init.ones_(tensor)
+    init.zeros_(tensor)
+
+``normal_`` and ``trunc_normal_`` also take ``key=FQN``: draw the values of the tensor named FQN
+(the copy of a tied matrix on another pipeline stage). The seed writer and the stage builder pass
+one that derives every tensor's values from (seed, FQN, recipe).
+
+Two recipes (``DecoderOptions.init``). ``torchtitan`` is torchtitan's Llama 3 / Qwen3
+distribution (depth-scaled output projections). torchtitan calls ``nn.init.trunc_normal_(w,
+std=...)`` for the hidden projections with that function's default *absolute* bounds +-2
+(``TRUNC_BOUND``): +-100 std for std 0.02, so in effect an untruncated normal, reproduced here
+exactly as a normal truncated at +-2. Only the output is cut relative to its std (+-3 std).
+
+=============================================  ==========================================
+``tok_embeddings.weight``                      normal, std 1.0
+``attention.{wq,wk,wv}``, ``feed_forward.w1``  normal, std 0.02, truncated at +-2 (absolute)
+``attention.wo``, ``feed_forward.{w2,w3}``     normal, std 0.02 / sqrt(2 (layer_id + 1)), truncated at +-2
+``*norm.weight``                               ones
+``output.weight``                              truncated normal, std dim^-0.5, +-3 std
+tied ``tok_embeddings.weight`` (= output)      the output's recipe (see ``Transformer.init_weights``)
+``attention.{wq,wk,wv}.bias``                  zeros
+=============================================  ==========================================
+
+``normal`` is Hugging Face's ``_init_weights`` for these families: every linear and embedding
+weight normal with std ``init_std`` (the config's ``initializer_range``), biases zero, norms one.
+
+Non-persistent buffers (``freqs_cis``) are a pure function of the args. They are *not* stored in
+checkpoints: a complex RoPE table is not a weight, HF checkpoints do not carry it, and persisting
+it would make a seed depend on ``max_seq_len``. Instead ``init_buffers()`` recomputes them
+deterministically on whatever device the module lives on, so a stage rebuilt from a seed has
+exactly the buffers of the full model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Absolute bound of ``nn.init.trunc_normal_``'s defaults (a=-2, b=2), which torchtitan keeps.
+TRUNC_BOUND = 2.0
+
+
+@dataclass(frozen=True)
+class DecoderOptions:
+    """How a family's decoder differs from Llama 3's; every default is Llama 3's."""
+
+    qkv_bias: bool = False  # a bias on the q, k and v projections (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each q and k head, before RoPE (Qwen3)
+    embedding_multiplier: float = 1.0  # scales the embedding's output (Granite)
+    residual_multiplier: float = 1.0  # scales each block's branches before the residual add (Granite)
+    attention_multiplier: float | None = None  # the attention scores' scale (Granite; None: head_dim^-0.5)
+    logits_scaling: float = 1.0  # the logits are divided by it (Granite)
+    init: Literal["torchtitan", "normal"] = "torchtitan"
+    init_std: float = 0.02  # ``normal``: the std of every weight (HF's initializer_range)
+
+
+def tied_weights(args) -> dict[str, str]:
+    """FQNs whose tensor is another's: ``{tied: source}`` (a tied output is the embedding)."""
+    return {"output.weight": "tok_embeddings.weight"} if args.tie_word_embeddings else {}
+
+
+def rope_frequencies(args, device: torch.device | None = None) -> torch.Tensor:
+    """Per-pair rotation frequencies, with Llama-3.1 scaling when ``args.rope_scaling`` is set.
+
+    3.1 scaling leaves high frequencies (wavelength < original_len / high_freq_factor) alone,
+    divides low frequencies (wavelength > original_len / low_freq_factor) by ``factor`` and
+    interpolates smoothly in between.
+    """
+    dim = args.head_dim
+    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float64) / dim))
+    s = args.rope_scaling
+    if s is not None:
+        wavelen = 2 * math.pi / freqs
+        low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+        high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+        smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+            s.high_freq_factor - s.low_freq_factor
+        )
+        blended = (1 - smooth) * freqs / s.factor + smooth * freqs
+        freqs = torch.where(
+            wavelen > low_wavelen, freqs / s.factor, torch.where(wavelen < high_wavelen, freqs, blended)
+        )
+    return freqs.float()
+
+
+def precompute_freqs_cis(args, device: torch.device | None = None) -> torch.Tensor:
+    """``(max_seq_len, head_dim // 2)`` complex64 table of e^{i * pos * freq}."""
+    freqs = rope_frequencies(args, device)
+    positions = torch.arange(args.max_seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(positions, freqs)
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs (x0, x1), (x2, x3), ... of ``x`` (bsz, seq, heads, head_dim).
+
+    ``freqs_cis`` is ``(seq, head_dim // 2)`` (the same positions in every row) or
+    ``(bsz, seq, head_dim // 2)`` (per-row positions, e.g. restarting at each packed document).
+    """
+    x_complex = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    freqs = freqs_cis[None, :, None, :] if freqs_cis.dim() == 2 else freqs_cis[:, :, None, :]
+    rotated = torch.view_as_real(x_complex * freqs).flatten(3)
+    return rotated.type_as(x)
+
+
+def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """``(bsz, 1, seq, seq)`` boolean mask: token i attends to token j <= i of the same document.
+
+    Packing several documents (e.g. chat conversations) into one row needs this so no token sees
+    another document -- with per-document positions the row then computes exactly what the
+    documents would compute one by one.
+    """
+    seqlen = document_ids.shape[1]
+    causal = torch.ones(seqlen, seqlen, dtype=torch.bool, device=document_ids.device).tril()
+    same = document_ids[:, :, None] == document_ids[:, None, :]
+    return (same & causal)[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, args, init_std: float):
+        super().__init__()
+        options = args.decoder_options
+        self.head_dim = args.head_dim
+        self.options = options
+        self.init_std = init_std
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=options.qkv_bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=options.qkv_bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=options.qkv_bias)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        if options.qk_norm:
+            self.q_norm = nn.RMSNorm(self.head_dim, eps=args.norm_eps)
+            self.k_norm = nn.RMSNorm(self.head_dim, eps=args.norm_eps)
+
+    def init_weights(self, init) -> None:
+        qkv = (self.wq, self.wk, self.wv)
+        if self.options.init == "normal":
+            for linear in (*qkv, self.wo):
+                init.normal_(linear.weight, std=self.options.init_std)
+        else:
+            for linear in qkv:
+                init.trunc_normal_(linear.weight, std=0.02, cutoff=TRUNC_BOUND / 0.02)
+            init.trunc_normal_(self.wo.weight, std=self.init_std, cutoff=TRUNC_BOUND / self.init_std)
+        for linear in qkv:
+            if linear.bias is not None:
+                init.zeros_(linear.bias)
+        if self.options.qk_norm:
+            init.ones_(self.q_norm.weight)
+            init.ones_(self.k_norm.weight)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        if self.options.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if freqs_cis.dim() == 2:
+            freqs_cis = freqs_cis[:seqlen]  # sliced here, with the runtime sequence length
+        q, k = apply_rotary_emb(q, freqs_cis), apply_rotary_emb(k, freqs_cis)
+        # GQA: each kv head serves n_heads / n_kv_heads q heads, without copying K and V per q head.
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=self.options.attention_multiplier,
+            enable_gqa=True,
+        )
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, args, init_std: float):
+        super().__init__()
+        self.options = args.decoder_options
+        self.init_std = init_std
+        self.w1 = nn.Linear(args.dim, args.ffn_hidden_dim, bias=False)
+        self.w2 = nn.Linear(args.ffn_hidden_dim, args.dim, bias=False)
+        self.w3 = nn.Linear(args.dim, args.ffn_hidden_dim, bias=False)
+
+    def init_weights(self, init) -> None:
+        if self.options.init == "normal":
+            for linear in (self.w1, self.w2, self.w3):
+                init.normal_(linear.weight, std=self.options.init_std)
+            return
+        init.trunc_normal_(self.w1.weight, std=0.02, cutoff=TRUNC_BOUND / 0.02)
+        for linear in (self.w2, self.w3):
+            init.trunc_normal_(linear.weight, std=self.init_std, cutoff=TRUNC_BOUND / self.init_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args):
+        super().__init__()
+        init_std = 0.02 / math.sqrt(2 * (layer_id + 1))  # torchtitan: depth-scaled output projections
+        self.residual_multiplier = args.decoder_options.residual_multiplier
+        self.attention = Attention(args, init_std)
+        self.feed_forward = FeedForward(args, init_std)
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+
+    def init_weights(self, init) -> None:
+        init.ones_(self.attention_norm.weight)
+        init.ones_(self.ffn_norm.weight)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        attended = self.attention(self.attention_norm(x), freqs_cis, mask)
+        if self.residual_multiplier != 1.0:
+            attended = attended * self.residual_multiplier
+        h = x + attended
+        transformed = self.feed_forward(self.ffn_norm(h))
+        if self.residual_multiplier != 1.0:
+            transformed = transformed * self.residual_multiplier
+        return h + transformed
+
+
+class Transformer(nn.Module):
+    def __init__(self, args):
+        super().__init__()
+        self.args = args
+        self.options = args.decoder_options
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.tie_weights()
+        # On `meta` this allocates nothing; after `to_empty` call `init_buffers()`.
+        self.register_buffer("freqs_cis", precompute_freqs_cis(args), persistent=False)
+
+    def tie_weights(self) -> None:
+        """With ``tie_word_embeddings``, make ``output`` use the embedding's parameter when this
+        module holds both. Call again after anything that replaces parameters (``to_empty``)."""
+        if (
+            self.args.tie_word_embeddings
+            and self.tok_embeddings is not None
+            and self.output is not None
+            and self.output.weight is not self.tok_embeddings.weight
+        ):
+            self.output.weight = self.tok_embeddings.weight
+
+    def init_buffers(self) -> None:
+        """Recompute non-persistent buffers on the device the module now lives on."""
+        self.freqs_cis = precompute_freqs_cis(self.args, device=self.freqs_cis.device)
+
+    def init_weights(self, init) -> None:
+        if self.norm is not None:
+            init.ones_(self.norm.weight)
+        # A stage holding only the output copy of a tied matrix draws it under the embedding's FQN,
+        # so the copies on the first and last pipeline stages are bitwise equal without communication.
+        tied = self.args.tie_word_embeddings
+        key = "tok_embeddings.weight" if tied else None
+        if self.options.init == "normal":
+            weights = {id(m.weight): m.weight for m in (self.tok_embeddings, self.output) if m is not None}
+            for weight in weights.values():
+                init.normal_(weight, std=self.options.init_std, key=key)
+            return
+        output_std = self.args.dim**-0.5
+        if not tied:
+            if self.tok_embeddings is not None:
+                init.normal_(self.tok_embeddings.weight, std=1.0)
+            if self.output is not None:
+                init.trunc_normal_(self.output.weight, std=output_std, cutoff=3.0)
+            return
+        # Tied: one matrix is the output projection too, so it takes the output's recipe (std 1.0
+        # would give logits of std ~sqrt(dim)); HF's Llama likewise draws a tied matrix at std 0.02.
+        weights = {id(m.weight): m.weight for m in (self.tok_embeddings, self.output) if m is not None}
+        for weight in weights.values():
+            init.trunc_normal_(weight, std=output_std, cutoff=3.0, key=key)
+
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Token ids (or, on a later pipeline stage, hidden states) -> logits (or hidden states).
+
+        ``positions`` (bsz, seq): RoPE position of each token (default ``0..seq-1`` in every row).
+        ``document_ids`` (bsz, seq): tokens attend only within their document (default: one per row).
+        """
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(tokens)
+            if self.options.embedding_multiplier != 1.0:
+                h = h * self.options.embedding_multiplier
+        else:
+            h = tokens
+        freqs_cis = self.freqs_cis if positions is None else self.freqs_cis[positions]
+        mask = None if document_ids is None else document_causal_mask(document_ids)
+        for layer in self.layers.values():
+            h = layer(h, freqs_cis, mask)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is None:
+            return h
+        logits = self.output(h)
+        return logits / self.options.logits_scaling if self.options.logits_scaling != 1.0 else logits

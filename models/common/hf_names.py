@@ -1,0 +1,120 @@
+"""Hugging Face's tensor names for the shared decoder, and the q/k RoPE permutation.
+
+Every family here is saved by ``transformers`` under the same names (``model.embed_tokens``,
+``model.layers.{i}.self_attn.q_proj``, ``mlp.gate_proj``, ``lm_head`` ...), so one adapter serves
+them all; each family's own ``hf.py`` reads and writes its ``config.json``.
+
+Meta's (and our) RoPE rotates interleaved pairs ``(x0, x1), (x2, x3), ...`` of each head; HF's
+classes rotate halves ``(x0, x_{d/2}), ...``. Converting ``wq``/``wk`` therefore reorders the rows
+*within each head* (per KV head for ``wk``, which matters with GQA), and with them the q/k biases
+(Qwen2) and the per-head q/k norm weights (Qwen3, one head's worth of rows). Getting this wrong is
+subtle: logits still look plausible (torchtitan measured KL 5.4e-6 instead of ~1e-13), so tests
+compare logits against ``transformers`` at 1e-5.
+
+``HFNames`` is this layout as the checkpoint layer's name adapter (``seedckpt.checkpoint.model``):
+it maps names both ways and says which tensors' rows are permuted in groups (heads). Errors here are
+``ValueError``s; the format that reads or writes the file names it.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+_LAYER = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention.wq.bias": "self_attn.q_proj.bias",
+    "attention.wk.bias": "self_attn.k_proj.bias",
+    "attention.wv.bias": "self_attn.v_proj.bias",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_TOP = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_INV = {v: k for k, v in _LAYER.items()}
+_TOP_INV = {v: k for k, v in _TOP.items()}
+_OURS = re.compile(r"layers\.(\d+)\.(.+)")
+_THEIRS = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def to_hf_name(fqn: str) -> str:
+    if fqn in _TOP:
+        return _TOP[fqn]
+    m = _OURS.fullmatch(fqn)
+    if m and m.group(2) in _LAYER:
+        return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}"
+    raise ValueError(f"{fqn} has no Hugging Face name")
+
+
+def from_hf_name(name: str) -> str | None:
+    """Our FQN for an HF tensor name; ``None`` for tensors we do not keep (RoPE caches)."""
+    if name in _TOP_INV:
+        return _TOP_INV[name]
+    m = _THEIRS.fullmatch(name)
+    if m and m.group(2) in _LAYER_INV:
+        return f"layers.{m.group(1)}.{_LAYER_INV[m.group(2)]}"
+    if name.endswith("rotary_emb.inv_freq"):
+        return None
+    raise ValueError(f"unexpected tensor {name!r}: this model has no such tensor")
+
+
+def heads_of(fqn: str, args) -> int | None:
+    """How many groups (heads) the RoPE permutation reorders ``fqn``'s rows within, or None."""
+    name = fqn.rsplit(".", 2)
+    if len(name) < 3:
+        return None
+    module, kind = name[1], name[2]
+    if module == "wq" and fqn.endswith(("attention.wq.weight", "attention.wq.bias")):
+        return args.n_heads
+    if module == "wk" and fqn.endswith(("attention.wk.weight", "attention.wk.bias")):
+        return args.n_kv_heads
+    if kind == "weight" and fqn.endswith(("attention.q_norm.weight", "attention.k_norm.weight")):
+        return 1  # one head's dimensions: the same permutation as each head's rows
+    return None
+
+
+def permute_to_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Interleaved-pair rows -> half-split rows, per head (a 1-D ``w``: its elements)."""
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, -1).transpose(1, 2).reshape(w.shape)
+
+
+def permute_from_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Half-split rows -> interleaved-pair rows, per head (inverse of ``permute_to_hf``)."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, -1).transpose(1, 2).reshape(w.shape)
+
+
+class HFNames:
+    """The name adapter between our FQNs and HF's for one model (``args`` gives the head counts)."""
+
+    def __init__(self, args):
+        self.args = args
+
+    def to_stored(self, fqn: str) -> str:
+        return to_hf_name(fqn)
+
+    def from_stored(self, name: str) -> str | None:
+        return from_hf_name(name)
+
+    def row_groups(self, fqn: str) -> int | None:
+        """Rows of ``fqn`` are permuted within this many equal groups (its heads), or None."""
+        return heads_of(fqn, self.args)
+
+    def to_stored_rows(self, fqn: str, tensor: torch.Tensor) -> torch.Tensor:
+        heads = heads_of(fqn, self.args)
+        return permute_to_hf(tensor, heads) if heads else tensor
+
+    def from_stored_rows(self, tensor: torch.Tensor, groups: int) -> torch.Tensor:
+        """Whole groups of rows as stored -> ours."""
+        return permute_from_hf(tensor, groups)

@@ -1,0 +1,208 @@
+"""``seedckpt convert`` and ``seedckpt diff``: any supported format to any other, one tensor at a time.
+
+A conversion is a lookup: the target's format module (``seedckpt.checkpoint.formats``) writes what
+the source reads, one tensor at a time, so peak memory stays near two tensors (the one being
+written and the next one being read) -- except ``torch``, whose single pickle holds the model.
+
+* ``dcp``: a DCP checkpoint with our flat FQNs and a manifest (kind ``converted``);
+  ``torchtitan``: the same in torchtitan 0.3's names (``qkv_linear``, ``lm_head``).
+* ``hf``: safetensors shards of at most ``--max-shard-size`` in HF's names and row order, the
+  index and a ``config.json`` that ``transformers`` loads; a tied model is written tied.
+* ``safetensors``: one file with our FQNs; ``torch``: ``torch.save`` of ``{fqn: tensor}``.
+
+An OSFT run's checkpoint keeps its SVD factors where the target stores our names, else (or with
+``--dense``) each target is rebuilt as its dense weight (``osft.DenseOSFT``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from models.family import ModelFamily
+from seedckpt.checkpoint import FORMATS, Checkpoint, TensorInfo, WriteJob, dtype_name, make_manifest
+from seedckpt.config.job_config import DTYPES
+from seedckpt.finetune.osft import DenseOSFT, manifest_osft
+from seedckpt.materialize.model_checkpoint import codec_for, family_to_open, open_model_checkpoint
+from seedckpt.utils.errors import SeedckptError
+from seedckpt.utils.progress import Progress
+
+TARGETS = tuple(FORMATS)
+
+
+def parse_size(text: str) -> int:
+    """``"5GB"`` -> 5e9, ``"500MiB"`` -> 500 * 2**20, ``"1000"`` -> 1000 bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*", text, re.IGNORECASE)
+    if not m:
+        raise SeedckptError(f"--max-shard-size {text!r} is not a size like 5GB or 500MiB")
+    base = 1024 if m.group(3) else 1000
+    return int(float(m.group(1)) * base ** " KMGT".index(m.group(2).upper() or " "))
+
+
+def _ordered(fqns, family: ModelFamily) -> list[str]:
+    """Embedding, blocks in numeric order, final norm and output -- the order HF files and readers
+    expect."""
+    return sorted(fqns, key=lambda fqn: (*family.position(fqn), fqn))
+
+
+def convert(
+    src: str | Path,
+    dst: str | Path,
+    to: str,
+    dtype: str | None = None,
+    max_shard_size: str = "5GB",
+    force: bool = False,
+    progress: bool = True,
+    args=None,
+    dense: bool = False,
+    verify: bool = True,
+    model: str | None = None,
+) -> Path:
+    """Convert ``src`` (any supported format) into ``dst`` as ``to``; returns ``dst``. An OSFT run's
+    checkpoint keeps its factors unless ``dense`` (or the target has no place for them): then each
+    target becomes its dense weight, for the next task of a continual-learning sequence. ``verify``:
+    check the bytes read against the source's checksums. ``model``: the model family (``model.name``)
+    of a source that does not record it, which ``args`` then describes."""
+    if to not in FORMATS:
+        raise SeedckptError(f"--to {to!r}: choose one of {', '.join(TARGETS)}")
+    if dtype is not None and dtype not in DTYPES:
+        raise SeedckptError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    check_apart(Path(src), Path(dst))
+    target = FORMATS[to]
+    shard_bytes = parse_size(max_shard_size)
+    model = family_to_open(src, args, model)
+    codec = codec_for(model)
+    source = open_model_checkpoint(src, args, verify=verify, model=model)
+    has_factors = manifest_osft(source.manifest) is not None
+    keeps_factors = has_factors and target.OUR_NAMES and not dense
+    if keeps_factors and dtype is not None:
+        raise SeedckptError(
+            f"{src} holds OSFT factors; casting them would break their orthonormality. Pass "
+            "--dense to write (and cast) the dense weights, or leave out --dtype"
+        )
+    if has_factors and not keeps_factors:
+        source = dense_view(source, codec)
+    model_args = source.require_args()
+    if not source.infos:
+        raise SeedckptError(f"{src} holds no model tensors")
+    cast = DTYPES[dtype] if dtype else None
+    infos = {
+        f: TensorInfo(source.infos[f].shape, cast or source.infos[f].dtype)
+        for f in _ordered(source.infos, codec.family)
+    }
+    tied = source.layout.aliases if target.TIED_STORED_ONCE else {}  # stored once, as HF and our DCP store it
+    for fqn in tied:
+        infos.pop(fqn, None)
+    out_dtype = cast or next(iter(infos.values())).dtype
+    bar = Progress(sum(i.nbytes for i in infos.values()), f"convert {source.kind}->{to}", enabled=progress)
+    recorded = source.manifest or {}
+    flavor = recorded.get("model", {}).get("flavor") or source.layout.flavor
+    manifest = make_manifest(
+        "converted",
+        model,
+        flavor,
+        model_args.to_dict(),
+        dtype=dtype_name(out_dtype),
+        seed=recorded.get("seed"),
+        source={"format": source.kind, "path": str(src)},
+        **({"finetune": recorded["finetune"]} if keeps_factors else {}),
+    )
+    job = WriteJob(infos, manifest, force, bar.update, shard_bytes, codec, aliases=tied)
+    try:
+        return target.write(source, Path(dst), job)
+    finally:
+        bar.close()
+
+
+def check_apart(src: Path, dst: Path) -> None:
+    """The output must not be the input, lie inside it or contain it: writing there (``--force``
+    included) would replace or delete the checkpoint being read."""
+    source, output = src.resolve(), dst.resolve()
+    if output == source:
+        raise SeedckptError(
+            f"{dst} is the input checkpoint; write the conversion to another path (--force never replaces the input)"
+        )
+    if source in output.parents:
+        raise SeedckptError(f"{dst} is inside the input checkpoint {src}; choose a destination outside it")
+    if output in source.parents:
+        raise SeedckptError(
+            f"{dst} contains the input checkpoint {src}; replacing it would delete the input: "
+            "choose another destination"
+        )
+
+
+def dense_view(source: Checkpoint, codec) -> DenseOSFT:
+    """An OSFT run's checkpoint as the dense model it computes, each target rebuilt only when read
+    (one matrix in memory at a time): what a dense export of it holds."""
+    return DenseOSFT(source, codec.layout(source.require_args()))
+
+
+def _comparable(sides: list[Checkpoint], paths, codec) -> tuple[list[Checkpoint], list[str]]:
+    """An OSFT run's checkpoint stores its targets as SVD factors, its dense export as weights.
+    Unless both sides hold the same factors (same OSFT settings), each side with factors is seen as
+    the dense model it computes, so that the targets meet under their ``.weight`` names; a report
+    line names each side so rebuilt."""
+    specs = [manifest_osft(side.manifest) for side in sides]
+    if specs[0] == specs[1]:
+        return sides, []
+    rebuilt = [spec is not None for spec in specs]
+    return (
+        [dense_view(side, codec) if dense else side for side, dense in zip(sides, rebuilt)],
+        [
+            f"{path}: OSFT factors compared as the dense weights they rebuild"
+            for path, dense in zip(paths, rebuilt)
+            if dense
+        ],
+    )
+
+
+def diff(
+    a: str | Path, b: str | Path, atol: float = 0.0, args=None, verify: bool = True, model: str | None = None
+) -> tuple[bool, list[str]]:
+    """Compare two checkpoints of any formats tensor by tensor; ``(equal, report lines)``. With
+    ``atol`` above 0 values are compared after casting to the wider dtype and a dtype mismatch alone
+    is no difference (a bf16 export can equal its fp32 source within ``atol``); with ``atol`` 0 it is one."""
+    model = family_to_open(a, args, model)
+    opened = [open_model_checkpoint(path, args, verify=verify, model=model) for path in (a, b)]
+    codec = codec_for(model)
+    (left, right), lines = _comparable(opened, (a, b), codec)
+    equal = True
+    casts = Counter()  # (left dtype, right dtype) -> tensors compared after casting
+    for fqn in _ordered(set(left.infos) | set(right.infos), codec.family):
+        if fqn not in right.infos or fqn not in left.infos:
+            lines.append(f"{fqn}: only in {a if fqn in left.infos else b}")
+            equal = False
+            continue
+        li, ri = left.infos[fqn], right.infos[fqn]
+        if li.shape != ri.shape:
+            lines.append(f"{fqn}: shape {list(li.shape)} vs {list(ri.shape)}")
+            equal = False
+            continue
+        x, y = left.read_tensor(fqn).double(), right.read_tensor(fqn).double()  # exact for every float dtype
+        both = ~(x.isnan() | y.isnan())
+        delta = (x[both] - y[both]).abs().max().item() if both.any() else 0.0
+        note = ""
+        if li.dtype != ri.dtype and atol == 0:
+            note = f" (dtype {dtype_name(li.dtype)} vs {dtype_name(ri.dtype)})"
+        elif li.dtype != ri.dtype:
+            casts[li.dtype, ri.dtype] += 1
+        note += " (NaN in different places)" if bool((x.isnan() != y.isnan()).any()) else ""
+        if delta > atol or note:
+            equal = False
+            lines.append(f"{fqn}: max |delta| {delta:.3g}{note}")
+    if casts:
+        lines.append(
+            "; ".join(
+                f"{n} tensors differ in dtype ({dtype_name(p)} vs {dtype_name(q)}): compared after "
+                f"casting to {dtype_name(torch.promote_types(p, q))}"
+                for (p, q), n in casts.items()
+            )
+        )
+    lines.append(
+        f"{'equal' if equal else 'different'}: {len(set(left.infos) | set(right.infos))} tensors compared"
+        f" ({left.kind} vs {right.kind}, atol {atol:g})"
+    )
+    return equal, lines

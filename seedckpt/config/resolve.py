@@ -1,0 +1,88 @@
+"""``resolve``: a loaded job config, fitted once to its world and its checkpoints.
+
+``load_config`` returns a frozen config: what the files and the command line say. What a run is
+made of also depends on the world size (``data_parallel_shard_degree = -1``, the layout checks), on
+the pretrained checkpoint (fine-tuning's model shape and vocabulary) and on what the checkpoint
+folder holds (where to start), and where the ranks run on the GPUs this machine has (``job.device``).
+``resolve`` works that out in one place, before any process group, for ``train.py``, ``seedckpt
+plan`` and ``seedckpt seed``; nothing changes the config afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+import torch
+
+from models.family import ModelFamily
+from seedckpt.config.job_config import JobConfig
+from seedckpt.finetune.pretrained import finetune_model
+from seedckpt.materialize.start import Start, find_start
+from seedckpt.parallel.parallelize import ParallelDims
+from seedckpt.utils.errors import SeedckptError
+
+
+@dataclass(frozen=True)
+class Run:
+    """A config resolved: the model (family and args), the parallel layout, the device type every rank
+    trains on and, for a training run, where it starts. ``notes``: lines for the run log (the
+    fine-tuned model's shape)."""
+
+    cfg: JobConfig
+    family: ModelFamily
+    args: object  # the family's args: the flavor and [model] keys, or the pretrained checkpoint's
+    dims: ParallelDims
+    device: str  # "cuda" (rank i of a machine on cuda:i, nccl) or "cpu" (gloo)
+    start: Start | None = None
+    notes: tuple[str, ...] = ()
+
+    def with_start(self) -> Run:
+        """This run with where it starts: the checkpoint folder's newest ``step-N``, the pretrained
+        weights or the seed, opened once (``start.find_start``). A training run calls it under the
+        folder's lock, after the config's own checks have passed."""
+        return replace(self, start=find_start(self.cfg, self.args))
+
+
+def default_world_size(cfg: JobConfig) -> int:
+    """The world the config's degrees describe, ``data_parallel_shard_degree = -1`` counting as 1
+    (``seedckpt plan`` without ``--world-size``, ``seedckpt seed``)."""
+    par = cfg.parallelism
+    return par.pipeline_parallel_degree * par.data_parallel_replicate_degree * max(1, par.data_parallel_shard_degree)
+
+
+def choose_device(requested: str, local_ranks: int, gpus: int) -> str:
+    """``job.device`` for ``local_ranks`` processes on a machine with ``gpus`` visible GPUs.
+
+    Each rank of a CUDA run takes ``cuda:LOCAL_RANK``, so more ranks than GPUs would fail inside the
+    first collective ("invalid device ordinal") on one rank after the rendezvous; here it is one line
+    before it. ``local_ranks = 0``: no rank is placed here (``seedckpt plan`` / ``seed`` only
+    describe a run), so nothing is checked -- ``auto`` still says what this machine would choose."""
+    device = ("cuda" if gpus else "cpu") if requested == "auto" else requested
+    if device == "cuda" and local_ranks:
+        if not gpus:
+            raise SeedckptError(
+                "job.device = 'cuda' but torch sees no CUDA device on this machine; use "
+                "--job.device cpu (or auto), or run on a machine with a GPU"
+            )
+        if local_ranks > gpus:
+            raise SeedckptError(
+                f"{local_ranks} ranks on this machine but only {gpus} visible GPU(s): each rank "
+                f"needs its own; launch with --nproc-per-node {gpus}, or use --job.device cpu"
+            )
+    return device
+
+
+def resolve(cfg: JobConfig, world_size: int, local_world_size: int | None = None) -> Run:
+    """Model args, parallel dims and device (a training run adds its start: ``Run.with_start``), each
+    checked; every failure is one ``SeedckptError`` naming the key to change. Reads only metadata.
+
+    ``local_world_size``: the ranks on this machine (default: torchrun's ``LOCAL_WORLD_SIZE``, 1 for
+    a plain ``python train.py``); 0 for a command that places no rank (see ``choose_device``)."""
+    finetune = finetune_model(cfg)
+    args, notes = finetune if finetune else (cfg.model_args(), ())
+    dims = ParallelDims.from_config(cfg, world_size, args)
+    if local_world_size is None:
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    device = choose_device(cfg.job.device, local_world_size, torch.cuda.device_count())
+    return Run(cfg, cfg.model_family(), args, dims, device, notes=notes)

@@ -1,0 +1,189 @@
+"""Chat SFT data: JSONL conversations rendered with the tokenizer's chat template, loss on the
+assistant's tokens only, packed into rows with per-conversation attention.
+
+Format: one ``{"messages": [{"role": ..., "content": ...}, ...]}`` per line (OpenAI / HF messages),
+roles ``system``, ``user``, ``assistant``, ``tool``.
+
+* **Masking.** For every assistant turn i the rendered text of ``messages[:i]`` plus the generation
+  prompt ends where the assistant's text starts, and the render of ``messages[:i + 1]`` ends where
+  its turn (content + end-of-turn token) ends. The full conversation is tokenized once with
+  character offsets, and a token carries a label when it starts inside such a span -- so the mask
+  is exactly the assistant's tokens of the rendered template. A template whose partial renders are
+  not prefixes of the full one cannot be masked this way and is refused.
+* **Samples.** A conversation of tokens t gives inputs ``t[:-1]`` and labels ``t[1:]`` (masked).
+  Longer than ``seq_len + 1`` tokens: ``overflow = "truncate"`` keeps the start, ``"drop"`` drops
+  it; a truncated conversation left without any assistant label is dropped too.
+* **Packing.** Samples are placed first-fit (over a window of ``OPEN_ROWS`` open rows, in the
+  epoch's shuffled order) into rows of ``seq_len`` tokens. Each sample is its own document: its
+  positions restart at 0 and attention never crosses documents (``Transformer.forward``'s
+  ``document_ids``), so a packed row computes what its conversations compute alone. The rest of
+  a row is padding (own document, no labels). Measured on the demo set (configs/sft_demo: 200
+  conversations of 40-100 tokens): 9.6 % / 6.3 % of the tokens are padding at seq_len 128 / 256
+  packed, against 61.6 % / 80.8 % with one conversation per row (``packing = false``).
+* **Determinism.** Epoch e is a permutation drawn from (seed, e), packed in that order; the row
+  stream is epoch 0's rows, then epoch 1's, ...; step s takes rows ``[(s - 1) B, s B)``. So a batch
+  is a pure function of (seed, step): the same for every layout, and a resume mid-epoch is bitwise.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from seedckpt.data.sources import IGNORE_INDEX, Batch, data_files, jsonl_records, keyed_generator
+from seedckpt.data.tokenizer import load_tokenizer, pad_token_id
+from seedckpt.utils.errors import SeedckptError
+
+ROLES = ("system", "user", "assistant", "tool")
+OPEN_ROWS = 64  # rows first-fit packing keeps open: more wastes less padding, costs more per sample
+
+
+def read_conversations(path: str) -> list[tuple[str, list[dict]]]:
+    """``(where, messages)`` for every conversation of the JSONL file(s), validated."""
+    out = []
+    for file in data_files(path, ".jsonl"):
+        for number, record in jsonl_records(file):
+            where = f"{file}:{number}"
+            messages = record.get("messages") if isinstance(record, dict) else None
+            if not isinstance(messages, list) or not messages:
+                raise SeedckptError(f'{where}: expected {{"messages": [{{"role": ..., "content": ...}}, ...]}}')
+            for m in messages:
+                if not isinstance(m, dict) or m.get("role") not in ROLES:
+                    role = m.get("role") if isinstance(m, dict) else m
+                    raise SeedckptError(f"{where}: unknown role {role!r}; roles are {', '.join(ROLES)}")
+                if not isinstance(m.get("content"), str):
+                    raise SeedckptError(f"{where}: a {m['role']} message's content must be a string")
+            if not any(m["role"] == "assistant" for m in messages):
+                raise SeedckptError(f"{where}: the conversation has no assistant turn, so nothing to learn")
+            out.append((where, messages))
+    return out
+
+
+def render_with_mask(tokenizer, messages: list[dict], where: str) -> tuple[list[int], list[bool]]:
+    """Token ids of the rendered conversation and, per token, whether it is the assistant's."""
+
+    def render(msgs, generation_prompt=False) -> str:
+        try:
+            return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
+        except Exception as e:  # a template may raise on its own terms (jinja's raise_exception)
+            raise SeedckptError(f"{where}: the chat template failed: {e}") from None
+
+    text = render(messages)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        start, stop = render(messages[:i], generation_prompt=True), render(messages[: i + 1])
+        if not (text.startswith(start) and text.startswith(stop) and len(start) <= len(stop)):
+            raise SeedckptError(
+                f"{where}: the chat template renders a conversation's beginning differently "
+                "from the whole, so assistant tokens cannot be located"
+            )
+        spans.append((len(start), len(stop)))
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    mask = [any(lo <= start < hi for lo, hi in spans) for start, _ in encoded["offset_mapping"]]
+    return encoded["input_ids"], mask
+
+
+class ChatData:
+    def __init__(self, data, vocab_size: int, seq_len: int, seed: int):
+        tokenizer = load_tokenizer(data.tokenizer)
+        if tokenizer.chat_template is None:
+            raise SeedckptError(
+                f"the tokenizer in {data.tokenizer} has no chat template; add one to its "
+                'tokenizer_config.json ("chat_template") or chat_template.jinja'
+            )
+        if len(tokenizer) > vocab_size:
+            raise SeedckptError(
+                f"the tokenizer in {data.tokenizer} has {len(tokenizer)} tokens but the model's "
+                f"vocab_size is {vocab_size}"
+            )
+        self.pad_id, pad_note = pad_token_id(tokenizer)
+        self.seq_len, self.seed, self.packing = seq_len, seed, data.packing
+        self.samples: list[tuple[torch.Tensor, torch.Tensor]] = []  # (inputs, labels) per conversation
+        truncated = dropped = 0
+        conversations = read_conversations(data.path)
+        for where, messages in conversations:
+            ids, mask = render_with_mask(tokenizer, messages, where)
+            overflows = len(ids) > seq_len + 1
+            if overflows and data.overflow == "drop" or not any(mask[1 : seq_len + 1]):
+                dropped += 1  # too long, or truncation left no assistant token
+                continue
+            truncated += overflows
+            ids = torch.tensor(ids[: seq_len + 1], dtype=torch.int64)
+            labels = torch.where(torch.tensor(mask[1 : seq_len + 1]), ids[1:], IGNORE_INDEX)
+            self.samples.append((ids[:-1], labels))
+        if not self.samples:
+            fixes = "raise training.seq_len" + (
+                "" if data.overflow == "truncate" else " or use data.overflow = truncate"
+            )
+            raise SeedckptError(
+                f"no conversation of {data.path} fits seq_len = {seq_len} with an assistant "
+                f"token left (data.overflow = {data.overflow}); {fixes}"
+            )
+        self._epochs: list[list[list[int]]] = []  # packed rows (sample indices) per epoch
+        self._starts = [0]  # first global row of each epoch, then the end of the last one
+        rows = self._epoch(0)
+        used = sum(len(self.samples[i][0]) for row in rows for i in row)
+        self.padding_fraction = 1 - used / (len(rows) * seq_len)
+        self.description = (
+            f"chat {data.path}: {len(conversations)} conversations, {len(self.samples)} kept "
+            f"({truncated} truncated, {dropped} dropped, overflow={data.overflow}); "
+            f"{len(rows)} rows per epoch, {'packed' if self.packing else 'one per row'}, "
+            f"{self.padding_fraction:.1%} padding" + (f"; {pad_note}" if pad_note else "")
+        )
+
+    def _epoch(self, epoch: int) -> list[list[int]]:
+        while len(self._epochs) <= epoch:
+            order = torch.randperm(
+                len(self.samples), generator=keyed_generator("seedckpt-chat", self.seed, len(self._epochs))
+            ).tolist()
+            rows = self._pack(order)
+            self._epochs.append(rows)
+            self._starts.append(self._starts[-1] + len(rows))
+        return self._epochs[epoch]
+
+    def _pack(self, order: list[int]) -> list[list[int]]:
+        """First-fit of samples (in ``order``) into rows of ``seq_len`` tokens, ``OPEN_ROWS`` open at once."""
+        if not self.packing:
+            return [[i] for i in order]
+        closed, open_rows = [], []  # open: [free tokens, sample indices]
+        for i in order:
+            length = len(self.samples[i][0])
+            row = next((r for r in open_rows if r[0] >= length), None)
+            if row is None:
+                if len(open_rows) == OPEN_ROWS:
+                    closed.append(open_rows.pop(0)[1])
+                row = [self.seq_len, []]
+                open_rows.append(row)
+            row[0] -= length
+            row[1].append(i)
+        return closed + [r[1] for r in open_rows]
+
+    def _row(self, index: int) -> list[int]:
+        """Global row ``index`` of the endless stream of epochs."""
+        while self._starts[-1] <= index:
+            self._epoch(len(self._epochs))
+        epoch = bisect.bisect_right(self._starts, index) - 1
+        return self._epochs[epoch][index - self._starts[epoch]]
+
+    def global_batch(self, step: int, batch_size: int) -> Batch:
+        shape = (batch_size, self.seq_len)
+        inputs = torch.full(shape, self.pad_id, dtype=torch.int64)
+        labels = torch.full(shape, IGNORE_INDEX, dtype=torch.int64)
+        positions = torch.zeros(shape, dtype=torch.int64)
+        documents = torch.zeros(shape, dtype=torch.int64)
+        for b in range(batch_size):
+            at = 0
+            row = self._row((step - 1) * batch_size + b)
+            for doc, i in enumerate(row):
+                x, y = self.samples[i]
+                n = len(x)
+                inputs[b, at : at + n], labels[b, at : at + n] = x, y
+                positions[b, at : at + n] = torch.arange(n)
+                documents[b, at : at + n] = doc
+                at += n
+            positions[b, at:] = torch.arange(self.seq_len - at)
+            documents[b, at:] = len(row)  # padding is a document of its own
+        return Batch(inputs, labels, positions, documents)

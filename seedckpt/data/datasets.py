@@ -1,0 +1,24 @@
+"""``make_dataset``: the dataset a ``[data]`` section describes.
+
+Its own module so that the datasets (``data``: synthetic and text; ``chat``: conversations, built
+on ``data``'s batches and file readers) never import each other in a circle.
+"""
+
+from __future__ import annotations
+
+from seedckpt.data.chat import ChatData
+from seedckpt.data.sources import SyntheticData, TextData
+from seedckpt.utils.errors import SeedckptError
+
+
+def make_dataset(data, vocab_size: int, seq_len: int, seed: int):
+    """The dataset that the ``[data]`` section ``data`` describes."""
+    if data.kind == "synthetic":
+        return SyntheticData(vocab_size, seq_len, seed)
+    if data.kind == "text":
+        if data.tokenizer:
+            return TextData.tokenized(data.path, data.tokenizer, vocab_size, seq_len, seed)
+        return TextData.bytes(data.path, vocab_size, seq_len, seed)
+    if data.kind == "chat":
+        return ChatData(data, vocab_size, seq_len, seed)
+    raise SeedckptError(f"data.kind = {data.kind!r}; choose synthetic, text or chat")

@@ -1,0 +1,223 @@
+"""Training data that is a pure function of (seed, step): the same global batch at step s for
+every parallel layout, each data-parallel rank taking its slice, and nothing to restore on resume
+but the step. Every dataset returns a ``Batch``.
+
+* ``synthetic``: each row repeats a random motif (length 4-16, from a 32-token alphabet). A model
+  first learns the alphabet (loss falls from ln(vocab) to ~ln 32) and then to copy the motif
+  (loss falls further towards 0) -- a learnable task that needs no files.
+* ``text``: byte-level language modelling (token = byte, so vocab_size >= 256) on random windows
+  of a local file, or, with no ``data.path``, of a built-in corpus made from the Python standard
+  library's own source files (real text, present on every machine, no downloads). With
+  ``data.tokenizer`` the files (plain text, or JSONL ``{"text": ...}``) are tokenized with that
+  Hugging Face tokenizer and joined with its eos token instead.
+* ``chat``: supervised fine-tuning on chat conversations (``seedckpt.data.chat``).
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import importlib.util
+import json
+import zlib
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from seedckpt.utils.errors import SeedckptError
+
+IGNORE_INDEX = -100  # a label that carries no loss (cross_entropy's ignore_index)
+MAX_LINE_BYTES = 16 << 20  # longest JSONL line read: a bound on what a hostile file can make us parse
+
+ALPHABET = 32
+MOTIF_LENGTHS = (4, 16)
+# Modules whose source makes up the built-in text corpus (~1 MB of Python and prose).
+CORPUS_MODULES = (
+    "argparse",
+    "dataclasses",
+    "difflib",
+    "textwrap",
+    "functools",
+    "pathlib",
+    "shutil",
+    "tempfile",
+    "json.decoder",
+    "json.encoder",
+    "csv",
+    "heapq",
+    "bisect",
+    "enum",
+    "string",
+)
+
+
+@dataclass
+class Batch:
+    """Rows of next-token prediction: ``labels[i, t]`` is the target after ``inputs[i, :t + 1]``."""
+
+    inputs: torch.Tensor  # (B, S) token ids
+    labels: torch.Tensor  # (B, S) targets; IGNORE_INDEX where there is no loss
+    positions: torch.Tensor | None = None  # (B, S) RoPE positions; None: 0..S-1 in every row
+    document_ids: torch.Tensor | None = None  # (B, S) attention stays within a document; None: one per row
+
+    @classmethod
+    def from_rows(cls, rows: torch.Tensor) -> Batch:
+        """``(B, S + 1)`` token rows -> inputs ``[:, :-1]``, labels ``[:, 1:]``."""
+        return cls(rows[:, :-1], rows[:, 1:])
+
+    def rows(self, start: int, stop: int) -> Batch:
+        return self._map(lambda t: t[start:stop])
+
+    def to(self, device) -> Batch:
+        return self._map(lambda t: t.to(device))
+
+    def _map(self, fn) -> Batch:
+        return replace(self, **{k: fn(v) for k, v in vars(self).items() if v is not None})
+
+    @property
+    def num_label_tokens(self) -> int:
+        return int((self.labels != IGNORE_INDEX).sum())
+
+
+def _step_generator(seed: int, step: int) -> torch.Generator:
+    return keyed_generator("seedckpt-data", seed, step)
+
+
+def keyed_generator(*key) -> torch.Generator:
+    digest = hashlib.sha256("\0".join(map(str, key)).encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+
+
+def data_files(path: str, suffix: str) -> list[Path]:
+    """``path``: one file, several comma-separated, or a directory (its ``*suffix`` files, sorted)."""
+    files = []
+    for part in (p.strip() for p in path.split(",") if p.strip()):
+        p = Path(part)
+        if p.is_dir():
+            found = sorted([*p.glob(f"*{suffix}"), *p.glob(f"*{suffix}.gz")])
+            if not found:
+                raise SeedckptError(f"data.path {p} is a directory without *{suffix} or *{suffix}.gz files")
+            files += found
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise SeedckptError(f"data.path {p} does not exist; give a file, comma-separated files or a directory")
+    if not files:
+        raise SeedckptError("data.path is empty; give the data file(s)")
+    return files
+
+
+def jsonl_records(path: Path):
+    """``(line number, object)`` per non-blank line, of a ``.jsonl`` file or a gzipped one (read as a
+    stream); a malformed line is an error naming it, a file without any an error calling it empty."""
+    opener = gzip.open if path.name.endswith(".gz") else open
+    empty = True
+    try:
+        with opener(path, "rb") as f:
+            for number, line in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""), start=1):
+                if len(line) > MAX_LINE_BYTES:
+                    raise SeedckptError(f"{path}:{number}: line longer than {MAX_LINE_BYTES >> 20} MiB")
+                if not line.strip():
+                    continue
+                empty = False
+                try:
+                    yield number, json.loads(line)
+                except (ValueError, UnicodeDecodeError) as e:
+                    raise SeedckptError(f"{path}:{number}: not valid JSON ({e})") from None
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+        raise SeedckptError(f"{path} is not a complete gzip file ({e}); compress it again") from None
+    if empty:
+        raise SeedckptError(f"{path} is empty: it holds no JSON lines")
+
+
+class SyntheticData:
+    def __init__(self, vocab_size: int, seq_len: int, seed: int):
+        if vocab_size < ALPHABET:
+            raise SeedckptError(f"synthetic data needs vocab_size >= {ALPHABET}")
+        self.seq_len, self.seed = seq_len, seed
+        self.description = f"synthetic repeated motifs (alphabet {ALPHABET}, lengths {MOTIF_LENGTHS})"
+
+    def global_batch(self, step: int, batch_size: int) -> Batch:
+        g = _step_generator(self.seed, step)
+        lo, hi = MOTIF_LENGTHS
+        periods = torch.randint(lo, hi + 1, (batch_size, 1), generator=g)
+        motifs = torch.randint(0, ALPHABET, (batch_size, hi), generator=g)
+        positions = torch.arange(self.seq_len + 1).expand(batch_size, -1) % periods
+        return Batch.from_rows(motifs.gather(1, positions))
+
+
+class TextData:
+    """Random windows of ``seq_len + 1`` tokens of one token stream."""
+
+    def __init__(self, tokens: torch.Tensor, description: str, seq_len: int, seed: int):
+        if tokens.numel() <= seq_len + 1:
+            raise SeedckptError(f"{description} is shorter than seq_len + 1 = {seq_len + 1} tokens")
+        self.tokens, self.description, self.seq_len, self.seed = tokens, description, seq_len, seed
+
+    @classmethod
+    def bytes(cls, path: str, vocab_size: int, seq_len: int, seed: int) -> TextData:
+        if vocab_size < 256:
+            raise SeedckptError(f"text data is byte-level and needs model.vocab_size >= 256 (got {vocab_size})")
+        if path:
+            if not Path(path).is_file():
+                raise SeedckptError(
+                    f"data.path {path} is not a file; give a local text file or leave it empty for the built-in corpus"
+                )
+            raw = Path(path).read_bytes()
+            description = f"text {path} ({len(raw):,} bytes)"
+        else:
+            raw = builtin_corpus()
+            description = f"built-in text corpus: Python stdlib sources ({len(raw):,} bytes)"
+        return cls(torch.frombuffer(bytearray(raw), dtype=torch.uint8), description, seq_len, seed)
+
+    @classmethod
+    def tokenized(cls, path: str, tokenizer_dir: str, vocab_size: int, seq_len: int, seed: int) -> TextData:
+        """Plain text files (one document each) or JSONL ``{"text": ...}``, joined with eos."""
+        from seedckpt.data.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(tokenizer_dir)
+        if len(tokenizer) > vocab_size:
+            raise SeedckptError(
+                f"the tokenizer in {tokenizer_dir} has {len(tokenizer)} tokens but the model's "
+                f"vocab_size is {vocab_size}; raise model.vocab_size"
+            )
+        if tokenizer.eos_token_id is None:
+            raise SeedckptError(f"the tokenizer in {tokenizer_dir} has no eos token to separate documents")
+        if not path:
+            raise SeedckptError("data.tokenizer needs data.path: the text or JSONL files to tokenize")
+        ids = []
+        for file in data_files(path, ".jsonl"):
+            for text in _documents(file):
+                ids += tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        return cls(
+            torch.tensor(ids, dtype=torch.int64),
+            f"text {path} tokenized with {tokenizer_dir} ({len(ids):,} tokens)",
+            seq_len,
+            seed,
+        )
+
+    def global_batch(self, step: int, batch_size: int) -> Batch:
+        g = _step_generator(self.seed, step)
+        starts = torch.randint(0, self.tokens.numel() - self.seq_len - 1, (batch_size, 1), generator=g)
+        return Batch.from_rows(self.tokens[starts + torch.arange(self.seq_len + 1)].long())
+
+
+def _documents(file: Path):
+    """Each JSONL record's ``"text"``, or the whole file."""
+    if not file.name.endswith((".jsonl", ".jsonl.gz")):
+        yield file.read_text(errors="replace")
+        return
+    for number, record in jsonl_records(file):
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise SeedckptError(f'{file}:{number}: expected an object with a string "text"')
+        yield record["text"]
+
+
+def builtin_corpus() -> bytes:
+    parts = []
+    for name in CORPUS_MODULES:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.origin and spec.origin.endswith(".py"):
+            parts.append(Path(spec.origin).read_bytes())
+    return b"\n".join(parts)

@@ -1,0 +1,157 @@
+"""Fine-tuning set-up: the model's shape comes from the pretrained checkpoint, its vocabulary from
+the tokenizer.
+
+SFT and OSFT start from ``finetune.pretrained`` -- a DCP checkpoint of ours or a Hugging Face
+directory of the family -- through the same ``build_stages`` path as pretraining: every rank reads only its
+stage's tensors (and its rows under FSDP), nobody holds the whole model. This module only decides
+*which* model that is, before any process group or allocation:
+
+* The model's args are read from the checkpoint (``seedckpt.json`` or ``config.json``). A ``[model]``
+  key the user set that contradicts them is an error naming both values -- never silently ignored.
+* Vocabulary alignment (Mini Trainer's rule): a tokenizer with more tokens than the checkpoint's
+  vocabulary grows the embedding and the output projection to the next multiple of 8 (the new
+  rows start as the mean of the old ones, see ``stages``); the vocabulary never shrinks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from seedckpt.config.job_config import JobConfig
+from seedckpt.data.tokenizer import load_tokenizer
+from seedckpt.finetune.osft import OSFTSpec, describe_targets, manifest_osft, pattern_matches, target_fqns
+from seedckpt.materialize.model_checkpoint import open_model_checkpoint
+from seedckpt.utils.errors import SeedckptError
+
+VOCAB_MULTIPLE = 8
+
+
+def aligned_vocab_size(checkpoint_vocab: int, tokenizer_vocab: int) -> int:
+    """The checkpoint's vocabulary, grown to a multiple of 8 when the tokenizer needs more rows."""
+    if tokenizer_vocab <= checkpoint_vocab:
+        return checkpoint_vocab
+    return -(-tokenizer_vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
+def pretrained_args(path: str, family: str | None = None):
+    """The model args of the pretrained checkpoint at ``path``, a ``family`` model (None: the one
+    the checkpoint records or its ``config.json`` names)."""
+    if not Path(path).exists():
+        raise SeedckptError(
+            f"finetune.pretrained {path} does not exist; give a DCP checkpoint directory or a "
+            "Hugging Face directory (config.json + *.safetensors)"
+        )
+    checkpoint = open_model_checkpoint(path, model=family)
+    if manifest_osft(checkpoint.manifest) is not None:
+        raise SeedckptError(
+            f"finetune.pretrained {path} holds an OSFT run's SVD factors, not dense weights; "
+            f"for the next task export it first: seedckpt convert {path} DENSE_DIR --to dcp --dense "
+            "(to continue that run instead, set checkpoint.folder to its folder)"
+        )
+    return checkpoint.require_args()
+
+
+def check_model_section(cfg: JobConfig, args, where: str) -> None:
+    """Every ``[model]`` key the user set must agree with the pretrained checkpoint."""
+    model, family = cfg.model, cfg.model_family()
+    conflicts = []
+    if "flavor" in model.given:
+        # The flavor as the [model] overrides shape it (an 8B flavor with n_layers = 2 is fine).
+        flavor = cfg.model_args()
+        conflicts += [
+            f"model.flavor = {model.flavor!r} has {f} = {getattr(flavor, f)!r}, the checkpoint {getattr(args, f)!r}"
+            for f in family.shape_fields
+            if getattr(flavor, f) != getattr(args, f)
+        ]
+    # Each override as the args hold it (a rope_scaling table becomes the family's dataclass).
+    try:
+        overridden = family.args.from_dict({**args.to_dict(), **model.overrides})
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise SeedckptError(
+            f"[model] keys {sorted(model.overrides)} do not fit finetune.pretrained {where} ({e}); "
+            "the model comes from the pretrained checkpoint: remove them"
+        ) from None
+    conflicts += [
+        f"model.{key} = {value!r}, the checkpoint has {getattr(args, key)!r}"
+        for key, value in model.overrides.items()
+        if getattr(overridden, key) != getattr(args, key)
+    ]
+    if conflicts:
+        raise SeedckptError(
+            f"[model] contradicts finetune.pretrained {where}: {'; '.join(conflicts)}. The model "
+            "comes from the pretrained checkpoint: remove these [model] keys or make them match"
+        )
+
+
+def osft_spec(cfg: JobConfig) -> OSFTSpec | None:
+    """The run's OSFT settings, with the default targets spelled out (checkpoints record them, so a
+    later change of the defaults cannot change what an existing checkpoint holds)."""
+    ft = cfg.finetune
+    if ft.mode != "osft":
+        return None
+    return OSFTSpec(ft.osft_unfreeze_rank_ratio, tuple(ft.osft_target_patterns) or cfg.model_family().osft_targets)
+
+
+def check_osft_settings(cfg: JobConfig, args) -> str:
+    """The ratio is a fraction and every pattern names some of the model's linear layers (one that
+    matches nothing is a typo: training would silently leave that layer dense). Returns the log
+    line that lists the targets."""
+    ft, family = cfg.finetune, cfg.model_family()
+    patterns = ft.osft_target_patterns
+    examples = ", ".join(f'"{p}"' for p in family.osft_targets[:2])
+    if not isinstance(patterns, list) or not all(isinstance(p, str) and p for p in patterns):
+        raise SeedckptError(
+            f"finetune.osft_target_patterns = {patterns!r}: give a list of names such as "
+            f"[{examples}] (empty: the default targets)"
+        )
+    patterns = patterns or list(family.osft_targets)
+    with torch.device("meta"):
+        model = family.model(args)
+    unmatched = [p for p, fqns in pattern_matches(model, patterns).items() if not fqns]
+    if unmatched:
+        raise SeedckptError(
+            f"finetune.osft_target_patterns: {', '.join(map(repr, unmatched))} "
+            f"match{'es' * (len(unmatched) == 1)} no linear layer inside the model's blocks; fix or "
+            f"remove {'it' if len(unmatched) == 1 else 'them'} (names end like "
+            f"{', '.join(family.osft_targets[:3])} ...)"
+        )
+    return describe_targets(model, target_fqns(model, patterns), ft.osft_unfreeze_rank_ratio)  # checks the ratio
+
+
+def finetune_model(cfg: JobConfig) -> tuple[object, tuple[str, ...]] | None:
+    """Validate ``[finetune]``; the pretrained model's args, its vocabulary grown to fit
+    ``data.tokenizer``, and lines for the run log (None for pretraining). Reads only metadata, so
+    it runs before any process group: a bad set-up fails at once, with one line."""
+    ft = cfg.finetune
+    if ft.mode == "none":
+        if ft.pretrained:
+            raise SeedckptError(
+                "finetune.pretrained is set but finetune.mode = 'none'; set finetune.mode = 'sft' or 'osft'"
+            )
+        return None
+    if not ft.pretrained:
+        raise SeedckptError(
+            f"finetune.mode = {ft.mode!r} needs finetune.pretrained (a DCP checkpoint or an HF "
+            "directory), e.g. --finetune.pretrained path/to/Llama-3.2-1B"
+        )
+    args = pretrained_args(ft.pretrained, cfg.model.name)
+    check_model_section(cfg, args, ft.pretrained)
+    targets = check_osft_settings(cfg, args) if ft.mode == "osft" else None
+    vocab = f"vocabulary {args.vocab_size}"
+    if cfg.data.tokenizer:
+        tokenizer_vocab = len(load_tokenizer(cfg.data.tokenizer))
+        grown = aligned_vocab_size(args.vocab_size, tokenizer_vocab)
+        if grown != args.vocab_size:
+            vocab = (
+                f"vocabulary grown from {args.vocab_size} to {grown} rows for the tokenizer's {tokenizer_vocab} "
+                "tokens (new rows = mean of the old)"
+            )
+        args = dataclasses.replace(args, vocab_size=grown)
+    start = (
+        f"{ft.mode} from {ft.pretrained}: dim {args.dim}, {args.n_layers} layers, {vocab}, "
+        f"{'tied' if args.tie_word_embeddings else 'untied'} embeddings"
+    )
+    return args, (start, targets) if targets else (start,)

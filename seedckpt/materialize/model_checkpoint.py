@@ -1,0 +1,133 @@
+"""The model a checkpoint holds, described to the checkpoint layer.
+
+The checkpoint layer knows no model (``seedckpt.checkpoint.model``). This module describes one to
+it from the model family (``models.family``: class, tied weights, HF and torchtitan names) and, for an
+OSFT run's checkpoint, from the OSFT settings its manifest records (those targets hold SVD factors
+instead of a weight). Every command and the stage builder open checkpoints through
+``open_model_checkpoint``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from models.family import ModelFamily
+from models.registry import DEFAULT_FAMILY, FAMILIES, family_of, family_of_model_type, get_family
+from seedckpt.checkpoint import Checkpoint, ModelLayout, open_checkpoint
+from seedckpt.checkpoint.manifest import MANIFEST_NAME, manifest_flavor, manifest_model, read_manifest
+from seedckpt.checkpoint.untrusted import read_json
+from seedckpt.finetune.osft import OSFTSpec, convert_to_osft, manifest_osft
+from seedckpt.utils.errors import SeedckptError
+
+
+class FamilyCodec:
+    """A model family as the checkpoint layer's ``ModelCodec``."""
+
+    def __init__(self, family: ModelFamily):
+        self.family = family
+        self.renamings = family.renamings
+
+    def layout(self, args, osft: OSFTSpec | None = None) -> ModelLayout:
+        """The tensors ``args`` describes (built on ``meta``: nothing allocated); with ``osft``, its
+        targets hold SVD factors instead of a weight."""
+        with torch.device("meta"):
+            model = self.family.model(args)
+            if osft is not None:
+                convert_to_osft(model, osft.patterns, osft.ratio)
+            shapes = {fqn: tuple(t.shape) for fqn, t in model.state_dict().items()}
+        return ModelLayout(args, args.to_dict(), shapes, self.family.tied_weights(args), self.family.flavor_of(args))
+
+    def recorded_layout(self, manifest: dict) -> ModelLayout | None:
+        model = manifest_model(manifest, "the manifest")
+        if model is None:
+            return None
+        if model.get("name", self.family.name) != self.family.name:
+            raise SeedckptError(
+                f"it holds a {model['name']} model, not a {self.family.name} one: set model.name = {model['name']!r}"
+            )
+        try:
+            args = self.family.args.from_dict(model["args"])
+        except (TypeError, ValueError, ZeroDivisionError) as e:
+            raise ValueError(f"its model args do not describe a {self.family.name} model: {e!r}") from None
+        return self.layout(args, manifest_osft(manifest))
+
+    def hf_layout(self, config: dict) -> ModelLayout:
+        model_type = config.get("model_type")
+        if model_type is not None and model_type not in self.family.hf.model_types:
+            other = family_of_model_type(model_type)
+            fix = f"set model.name = {other.name!r}" if other else f"this version reads {', '.join(FAMILIES)}"
+            raise SeedckptError(f"config.json has model_type {model_type!r}, not a {self.family.name} model: {fix}")
+        return self.layout(self.family.hf.args_from_config(config))
+
+    def hf_names(self, layout: ModelLayout):
+        return self.family.hf.names(layout.args)
+
+    def hf_config(self, layout: ModelLayout, dtype: torch.dtype) -> dict:
+        return self.family.hf.config(layout.args, dtype)
+
+
+CODECS = {name: FamilyCodec(family) for name, family in FAMILIES.items()}
+
+
+def codec_for(name: str = DEFAULT_FAMILY) -> FamilyCodec:
+    try:
+        return CODECS[get_family(name).name]
+    except ValueError as e:
+        raise SeedckptError(str(e)) from None
+
+
+def detect_family(path: str | Path) -> str:
+    """The family a checkpoint says it holds: its manifest's model name or its ``config.json``'s
+    ``model_type``; the default family where it says neither."""
+    path = Path(path)
+    if (path / MANIFEST_NAME).is_file():
+        name = (manifest_model(read_manifest(path), path) or {}).get("name")
+        if name in FAMILIES:
+            return name
+    if (path / "config.json").is_file():
+        config = read_json(path / "config.json", "config.json")
+        family = family_of_model_type(config.get("model_type")) if isinstance(config, dict) else None
+        if family is not None:
+            return family.name
+    return DEFAULT_FAMILY
+
+
+def family_to_open(path: str | Path, args=None, model: str | None = None) -> str:
+    """The family a checkpoint at ``path`` is opened as: ``model`` when given, else that of ``args``,
+    else the one the checkpoint names (``detect_family``)."""
+    return model or (family_of(args).name if args is not None else detect_family(path))
+
+
+def open_model_checkpoint(
+    path: str | Path, args=None, complete: bool = True, verify: bool = True, model: str | None = None
+) -> Checkpoint:
+    """``open_checkpoint`` for a ``model`` checkpoint (None: the family of ``args``, else the one the
+    checkpoint names): the model it records is read, and ``args`` describes the model where it
+    records none (a foreign DCP checkpoint, a torch.save file)."""
+    codec = codec_for(family_to_open(path, args, model))
+    return open_checkpoint(path, codec, codec.layout(args) if args is not None else None, complete, verify)
+
+
+def check_args_match(checkpoint: Checkpoint, args, grow_vocab: bool = False) -> None:
+    """Fail (before any allocation) if ``args`` (from a config) does not describe the model the
+    checkpoint records: the fields that decide tensor shapes must agree (with ``grow_vocab``,
+    ``args`` may have more vocabulary rows). A checkpoint that records no model is checked tensor
+    by tensor at load time."""
+    if checkpoint.recorded is None:
+        return
+    saved = checkpoint.recorded.args
+    diffs = [
+        f"{f}: checkpoint {getattr(saved, f)!r}, config {getattr(args, f)!r}"
+        for f in family_of(args).shape_fields
+        if getattr(saved, f) != getattr(args, f)
+        and not (f == "vocab_size" and grow_vocab and saved.vocab_size < args.vocab_size)
+    ]
+    if diffs:
+        flavor = manifest_flavor(checkpoint.manifest)
+        made_with = f" (model.flavor={flavor!r})" if flavor else ""
+        raise SeedckptError(
+            f"config does not match checkpoint {checkpoint.path} ({'; '.join(diffs)}); use the "
+            f"config it was made with{made_with} or create a new seed for this config"
+        )

@@ -1,0 +1,155 @@
+"""Where a run starts: the checkpoint it loads from, opened once, and the checks a resume must pass.
+
+The order of preference is fixed: the newest ``checkpoint.folder/step-N`` (resume; one that is not
+complete stops the run with the fallback named), else
+``finetune.pretrained`` for SFT / OSFT, else ``checkpoint.seed_checkpoint`` (which must exist -- a run
+never silently starts from random), or, with ``checkpoint.init_from = "direct"``, each rank's own
+per-tensor init from ``training.seed`` (bitwise the seed file that seed would make).
+
+The chosen checkpoint is opened here, once: its ``.metadata``, checksums and data-file lengths are
+checked before any process group exists (a damaged checkpoint is one line, not one per rank), and
+the same ``Checkpoint`` object is handed to the stage builder and the train-state load, so a
+resume reads and validates ``step-N``'s metadata once instead of three times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from seedckpt.checkpoint import Checkpoint, DcpCheckpoint, step_dirs
+from seedckpt.checkpoint.manifest import MANIFEST_NAME, read_manifest
+from seedckpt.config.job_config import JobConfig
+from seedckpt.finetune.osft import manifest_osft
+from seedckpt.finetune.pretrained import osft_spec
+from seedckpt.materialize.init_recipe import RECIPE_VERSION
+from seedckpt.materialize.model_checkpoint import open_model_checkpoint
+from seedckpt.utils.errors import SeedckptError
+
+
+@dataclass(frozen=True)
+class Start:
+    checkpoint: Checkpoint | None  # None: initialize directly from training.seed
+    step: int  # 0 when starting from the seed or the pretrained weights
+    pretrained: bool = False  # fine-tuning's first start: the vocabulary may grow
+
+    @property
+    def path(self) -> Path | None:
+        return self.checkpoint.path if self.checkpoint is not None else None
+
+
+def open_start(cfg: JobConfig, args, path: str | Path, step: int = 0, pretrained: bool = False) -> Start:
+    """``path`` opened the way the stage builder loads it: checked against the run's model ``args``
+    unless fine-tuning may grow the vocabulary (then only against what the checkpoint records), and
+    with ``checkpoint.verify_checksums`` deciding whether the bytes read are checked."""
+    checkpoint = open_model_checkpoint(
+        path, None if pretrained else args, complete=False, verify=cfg.checkpoint.verify_checksums, model=cfg.model.name
+    )
+    return Start(checkpoint, step, pretrained)
+
+
+def find_start(cfg: JobConfig, args) -> Start:
+    """Where a run of ``cfg`` whose model is ``args`` starts (``resolve`` calls it once)."""
+    steps = step_dirs(cfg.checkpoint.folder)
+    if steps:
+        newest = max(steps)
+        if newest > cfg.training.steps:
+            raise SeedckptError(
+                f"{steps[newest]} is beyond training.steps = {cfg.training.steps}; raise "
+                "training.steps to continue this run, or start a new checkpoint.folder"
+            )
+        try:  # the manifest, .metadata, its checksum and every data file's length
+            return open_start(cfg, args, require_manifest(steps[newest]), newest)
+        except SeedckptError as e:
+            raise SeedckptError(f"cannot resume: {e}; {fallback_hint(steps, newest)}") from None
+    if cfg.finetune.mode != "none":
+        return open_start(cfg, args, cfg.finetune.pretrained, pretrained=True)
+    if cfg.checkpoint.init_from == "direct":
+        check_direct_init_matches_seed(cfg)
+        return Start(None, 0)
+    seed = cfg.checkpoint.seed_checkpoint
+    if not seed:
+        raise SeedckptError(
+            "no checkpoint to start from: set checkpoint.seed_checkpoint (create it with "
+            "`python create_seed_checkpoint.py --config CONFIG`)"
+        )
+    if not Path(seed).is_dir():
+        raise SeedckptError(
+            f"checkpoint.seed_checkpoint {seed} does not exist; create it with "
+            f"`python create_seed_checkpoint.py --config CONFIG --output {seed}`"
+        )
+    return open_start(cfg, args, seed)  # damaged or incomplete: one line now, not one per rank later
+
+
+def require_manifest(step: Path) -> Path:
+    """``step`` if it holds the manifest every ``step-N`` is written with (a DCP directory without
+    one would open as a foreign checkpoint and lose the run's step, data position and settings)."""
+    if not (step / MANIFEST_NAME).is_file():
+        raise SeedckptError(
+            f"{step} has no {MANIFEST_NAME}, which every step-N is written with: it is not a "
+            "complete checkpoint (copied in part, or filtered by the copy)"
+        )
+    return step
+
+
+def fallback_hint(steps: dict[int, Path], broken: int) -> str:
+    """What to do about a damaged ``step-N``: which earlier checkpoint would resume instead. A run
+    never falls back by itself -- that would silently throw work away on a storage fault."""
+    for step in sorted((s for s in steps if s < broken), reverse=True):
+        try:
+            DcpCheckpoint(require_manifest(steps[step]))
+        except SeedckptError:
+            continue
+        return (
+            f"the newest intact checkpoint before it is {steps[step]}: move {steps[broken]} out of the folder "
+            f"to resume from step {step}"
+        )
+    return "no earlier checkpoint in the folder is intact: start again from the seed in a new checkpoint.folder"
+
+
+def changed_training_settings(cfg: JobConfig, start: Start) -> list[str]:
+    """The ``[training]`` values that differ from those ``start``'s checkpoint was trained with (they
+    all apply from the next step; the log says which changed)."""
+    saved = (start.checkpoint.manifest or {}).get("training") if start.step else None
+    if not isinstance(saved, dict):
+        return []
+    now = dataclasses.asdict(cfg.training)
+    return [f"training.{k} {saved[k]!r} -> {v!r}" for k, v in now.items() if k in saved and saved[k] != v]
+
+
+def check_resume_matches_osft(cfg: JobConfig, start: Start) -> None:
+    """A resumed run must train what its checkpoint holds: the same OSFT settings (the factors'
+    shapes follow from them), or dense weights for a run without OSFT."""
+    if not start.step:
+        return
+    saved = manifest_osft(start.checkpoint.manifest)
+    wanted = osft_spec(cfg)
+    if saved != wanted:
+        raise SeedckptError(
+            f"{start.path} was trained with {_describe_osft(saved)}, but the config asks for "
+            f"{_describe_osft(wanted)}; resume with the same [finetune] settings, or start a new "
+            "checkpoint.folder"
+        )
+
+
+def _describe_osft(spec) -> str:
+    return f"osft (ratio {spec.ratio}, targets {list(spec.patterns)})" if spec is not None else "no osft"
+
+
+def check_direct_init_matches_seed(cfg: JobConfig) -> None:
+    """Direct init promises the values of the seed made with ``training.seed``; when a configured
+    ``seed_checkpoint`` exists and was made otherwise (another seed, an older init recipe), refuse
+    rather than silently start from different weights."""
+    path = Path(cfg.checkpoint.seed_checkpoint) if cfg.checkpoint.seed_checkpoint else None
+    manifest = read_manifest(path) if path is not None and path.is_dir() else None
+    if manifest is None:
+        return
+    recipe = (manifest.get("init") or {}).get("recipe")
+    made = (manifest.get("seed"), recipe)
+    if made != (cfg.training.seed, RECIPE_VERSION):
+        raise SeedckptError(
+            f"checkpoint.init_from = direct would draw seed {cfg.training.seed} with {RECIPE_VERSION}, but "
+            f"checkpoint.seed_checkpoint {path} was made with seed {made[0]} and {recipe or 'an unknown recipe'}: "
+            "load it (checkpoint.init_from = seed_checkpoint), or unset checkpoint.seed_checkpoint"
+        )

@@ -1,0 +1,261 @@
+"""The device mesh and what is applied per stage module: activation checkpointing and FSDP2.
+
+Mesh dimensions are ``(pp, dp_replicate, dp_shard)``. FSDP2 shards over ``dp_shard``, or over the
+2-D ``(dp_replicate, dp_shard)`` sub-mesh (HSDP: replicate across, shard within) when
+``data_parallel_replicate_degree > 1``. Degrees are validated before any process group work so a
+wrong layout fails with the fix, not a hang.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._composable import checkpoint
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+from models.registry import family_of
+from seedckpt.config.job_config import JobConfig
+from seedckpt.parallel.pipeline import split_layers
+from seedckpt.utils.errors import SeedckptError
+from seedckpt.utils.tensors import local
+
+# Zero-bubble schedules run backward as separate input-grad and weight-grad passes.
+SPLIT_BACKWARD_SCHEDULES = {"ZBVZeroBubble", "InterleavedZeroBubble", "DualPipeV"}
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @classmethod
+    def from_config(cls, cfg: JobConfig, world_size: int, args) -> ParallelDims:
+        """Resolve ``-1`` and validate everything about the layout that can fail later.
+
+        Each key's own range was checked by ``load_config``; what is left needs the world size or
+        the model's shape ``args`` (fine-tuning's comes from the pretrained checkpoint: ``resolve``).
+        """
+        par, train = cfg.parallelism, cfg.training
+        pp, rep, shard = (
+            par.pipeline_parallel_degree,
+            par.data_parallel_replicate_degree,
+            par.data_parallel_shard_degree,
+        )
+        if shard == -1:
+            shard, rem = divmod(world_size, pp * rep)
+            if rem or shard < 1:
+                raise SeedckptError(
+                    f"world size {world_size} is not divisible by pipeline_parallel_degree "
+                    f"x data_parallel_replicate_degree = {pp} x {rep}; change the degrees "
+                    "or --nproc-per-node"
+                )
+        if pp * rep * shard != world_size:
+            raise SeedckptError(
+                f"pipeline_parallel_degree x data_parallel_replicate_degree x "
+                f"data_parallel_shard_degree = {pp} x {rep} x {shard} = {pp * rep * shard}, "
+                f"but the world size is {world_size}; make them multiply to the world size "
+                "(or set data_parallel_shard_degree = -1)"
+            )
+        dims = cls(pp, rep, shard)
+        max_seq_len = args.max_seq_len
+        problem = family_of(args).check_seq_len(args, train.seq_len)
+        if problem:
+            raise SeedckptError(problem)
+        if train.seq_len > max_seq_len:
+            raise SeedckptError(
+                f"training.seq_len = {train.seq_len} exceeds model.max_seq_len = {max_seq_len}; "
+                "shorten the sequences or raise model.max_seq_len"
+            )
+        split_layers(args.n_layers, pp * par.pipeline_parallel_stages_per_rank, par.pipeline_parallel_split_points)
+        if pp == 1 and par.pipeline_parallel_stages_per_rank != 1:
+            raise SeedckptError("pipeline_parallel_stages_per_rank > 1 needs pipeline_parallel_degree > 1")
+        if pp > 1:
+            single = issubclass(get_schedule_class(par.pipeline_parallel_schedule), PipelineScheduleSingle)
+            if single and par.pipeline_parallel_stages_per_rank != 1:
+                raise SeedckptError(
+                    f"{par.pipeline_parallel_schedule} runs one stage per rank; set "
+                    "pipeline_parallel_stages_per_rank = 1 or use Interleaved1F1B"
+                )
+            if not single and par.pipeline_parallel_stages_per_rank < 2:
+                raise SeedckptError(
+                    f"{par.pipeline_parallel_schedule} runs several stages per rank; set "
+                    "parallelism.pipeline_parallel_stages_per_rank = 2"
+                )
+            if par.pipeline_parallel_schedule in SPLIT_BACKWARD_SCHEDULES and cfg.activation_checkpoint.mode != "none":
+                raise SeedckptError(
+                    f"{par.pipeline_parallel_schedule} splits backward into input and weight "
+                    "passes, which activation checkpointing does not support (torch 2.13); set "
+                    "activation_checkpoint.mode = none or use Interleaved1F1B"
+                )
+            microbatches = dims.microbatches(cfg)
+            if microbatches < pp:
+                raise SeedckptError(
+                    f"pipeline_parallel_microbatches = {microbatches} is less than the "
+                    f"{pp} pipeline ranks, which would leave stages idle; use at least {pp}"
+                )
+            if train.local_batch_size % microbatches:
+                raise SeedckptError(
+                    f"training.local_batch_size = {train.local_batch_size} is not divisible "
+                    f"by pipeline_parallel_microbatches = {microbatches}"
+                )
+        dims.accumulation_steps(cfg)
+        return dims
+
+    def microbatches(self, cfg: JobConfig) -> int:
+        n = cfg.parallelism.pipeline_parallel_microbatches
+        return n if n > 0 else self.pp * cfg.parallelism.pipeline_parallel_stages_per_rank
+
+    def accumulation_steps(self, cfg: JobConfig) -> int:
+        """Gradient-accumulation steps implied by ``global_batch_size`` (-1: no accumulation)."""
+        train = cfg.training
+        per_step = train.local_batch_size * self.dp
+        if train.global_batch_size in (-1, per_step):
+            return 1
+        if train.global_batch_size < per_step or train.global_batch_size % per_step:
+            raise SeedckptError(
+                f"training.global_batch_size = {train.global_batch_size} must be a multiple of "
+                f"local_batch_size x data-parallel degree = {per_step}"
+            )
+        return train.global_batch_size // per_step
+
+    def global_batch_size(self, cfg: JobConfig) -> int:
+        return cfg.training.local_batch_size * self.dp * self.accumulation_steps(cfg)
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        return init_device_mesh(
+            device_type, (self.pp, self.dp_replicate, self.dp_shard), mesh_dim_names=("pp", "dp_replicate", "dp_shard")
+        )
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str, every: int) -> None:
+    """``full``: recompute every block in backward; ``selective``: every ``every``-th block.
+
+    The composable ``checkpoint`` leaves FQNs unchanged (a wrapper module would add a prefix).
+    """
+    if mode == "none":
+        return
+    for layer_id, block in family_of(model.args).blocks(model).items():
+        if mode == "full" or int(layer_id) % every == 0:
+            checkpoint(block)
+
+
+def apply_compile(model: nn.Module) -> None:
+    """``torch.compile`` each transformer block's ``forward`` (``training.compile``), after
+    activation checkpointing and before data parallelism, as torchtitan does.
+
+    Per block rather than the whole model: the blocks have one structure, so dynamo traces one and
+    every other block reuses its graph -- parameters are graph inputs in torch 2.13 (dynamo always
+    inlines ``nn.Module`` calls), so guards do not pin a block's identity and a stage compiles once
+    whatever its depth (``tests/test_compile.py`` counts it). Pipeline stages (any slice of the
+    blocks) and compile time both follow from that.
+
+    Only ``forward`` is compiled, set as an instance attribute, not the module call:
+
+    * the module's hooks stay eager around the compiled code: composable activation checkpointing
+      (its hooks enter a generator context manager dynamo cannot trace: ``block.compile(
+      fullgraph=True)`` fails on it), FSDP2's all-gather / reshard and manual FSDP's views, so each
+      runs exactly as without compile and AC recomputes the compiled forward in backward;
+    * FQNs and state-dict keys are untouched (``torch.compile(block)`` would return a wrapper that
+      adds ``_orig_mod.``), so compiled and eager runs read each other's checkpoints bitwise.
+
+    The cost of the eager AC: the recomputation is not visible to the compiler's partitioner, which
+    torchtitan's wrapper-based AC lets choose what to save. ``fullgraph=True``: a graph break would
+    silently run pieces of the block in eager; it is an error at the first step instead.
+    """
+    for block in family_of(model.args).blocks(model).values():
+        block.forward = torch.compile(block.forward, fullgraph=True)
+
+
+def check_compile_supported(device_type: str) -> None:
+    """Refuse ``training.compile`` where torch cannot compile, before any rendezvous: this Python
+    (dynamo's version range), or inductor's code generator for ``device_type`` -- a C++ compiler on
+    CPU (torch's own search: ``$CXX``, then ``g++``), Triton on CUDA."""
+    from torch._dynamo.eval_frame import is_dynamo_supported
+    from torch._inductor import cpp_builder
+    from torch._inductor.exc import InvalidCxxCompiler
+    from torch.utils._triton import has_triton
+
+    if not is_dynamo_supported():
+        raise SeedckptError(
+            f"training.compile = true: torch {torch.__version__} cannot compile on Python "
+            f"{sys.version.split()[0]}; use a Python torch.compile supports or set training.compile = false"
+        )
+    if device_type == "cuda" and not has_triton():
+        raise SeedckptError(
+            "training.compile = true needs Triton for inductor's CUDA kernels; install the triton "
+            "matching your torch (pip install triton) or set training.compile = false"
+        )
+    if device_type == "cpu":
+        try:
+            cpp_builder.get_cpp_compiler()
+        except InvalidCxxCompiler:
+            raise SeedckptError(
+                "training.compile = true needs a C++ compiler for inductor's CPU backend; install one "
+                "(apt-get install g++) or name it in $CXX, or set training.compile = false"
+            ) from None
+
+
+def apply_fsdp(
+    model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype, reshard_after_forward: bool
+) -> None:
+    """``fully_shard`` each transformer block, then the root (embeddings, norm, output)."""
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for block in family_of(model.args).blocks(model).values():
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+
+
+def reshard_after_forward(policy: str, pp: int) -> bool:
+    """``default``: reshard unless pipelining, where each microbatch would re-gather the weights."""
+    return pp == 1 if policy == "default" else policy == "always"
+
+
+class TiedEmbeddings:
+    """Tied input embedding and output projection when a pipeline puts them on different stages.
+
+    Megatron's scheme: the first stage's input embedding and the last stage's output projection
+    (the family's tied pair) are two copies, loaded with the same values; after every backward both get
+    the *sum* of their gradients (all-reduced between the two pipeline ranks of the same data-
+    parallel coordinate, or added locally when one rank holds both stages, as V schedules do), so
+    identical AdamW steps keep them bitwise equal. ``duplicates`` (the output copies) are left out
+    of the gradient norm, which would otherwise count the shared gradient twice. With both on one
+    stage the model shares a single parameter and nothing here is needed.
+    """
+
+    def __init__(self, modules, specs, mesh: DeviceMesh, pp_degree: int, stage_owner):
+        [(output, embedding)] = family_of(modules[0].args).tied_weights(modules[0].args).items()
+        self.duplicates = [m.get_parameter(output) for m, s in zip(modules, specs) if s.is_last]
+        self.copies = [m.get_parameter(embedding) for m, s in zip(modules, specs) if s.is_first] + self.duplicates
+        num_stages = specs[0].num_stages
+        first, last = stage_owner(0), stage_owner(num_stages - 1)
+        self.group = None
+        if first != last:  # one group per data-parallel coordinate: {its first-stage rank, its last-stage rank}
+            ranks = mesh.mesh.reshape(pp_degree, -1)
+            for column in range(ranks.shape[1]):
+                pair = [int(ranks[first, column]), int(ranks[last, column])]
+                group = dist.new_group(pair)
+                if dist.get_rank() in pair:
+                    self.group = group
+
+    def sync_grads(self) -> None:
+        grads = [local(p.grad) for p in self.copies if p.grad is not None]
+        if not grads:
+            return
+        total = grads[0].clone()
+        for g in grads[1:]:
+            total += g
+        if self.group is not None:
+            dist.all_reduce(total, group=self.group)
+        for g in grads:
+            g.copy_(total)

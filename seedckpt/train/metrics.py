@@ -1,0 +1,145 @@
+"""Per-step telemetry: a readable progress line, ``metrics.jsonl`` and optional TensorBoard.
+
+On a GPU the rows also carry model FLOPs utilization, torchtitan's way: ``tflops`` is the model's
+FLOPs per token (its family's ``flops_per_token``) times the global tokens per second, divided by the number
+of GPUs; ``mfu_pct`` is that against the GPU's dense peak for the parameter dtype
+(``peak_tflops``). It counts the model's math only -- no recomputation (activation checkpointing),
+no attention masking savings -- so runs with different settings compare on the work they do for
+the model. On a CPU, or a GPU the table does not know, both fields are absent, never guessed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+from pathlib import Path
+
+import torch
+
+from seedckpt.utils.errors import SeedckptError
+
+# Dense (no 2:4 sparsity) peaks in TFLOP/s per GPU, from NVIDIA's datasheets. Their tensor-core
+# headline figures are "with sparsity", twice the dense ones; fp32 is the non-tensor rate:
+#   H100 SXM 1,979 bf16 / 989 tf32 (sparse), 67 fp32    -> 989.5 / 494.5 / 67 dense
+#   H100 NVL 1,671 / 835, 60;  H100 PCIe 1,513 / 756, 51 -> halved likewise
+#   H200 (SXM) as H100 SXM; H200 NVL as H100 NVL
+#   A100 (SXM and PCIe) 312 bf16 / 156 tf32 dense, 19.5 fp32
+#   L40S 362.05 bf16 / 183 tf32 dense (733 / 366 sparse), 91.6 fp32
+# fp16 runs at the bf16 rate on all of them. fp32 parameters run the plain fp32 units
+# unless float32 matmuls may use TF32 (``torch.set_float32_matmul_precision("high")``).
+# ``torch.cuda.get_device_name`` names them e.g. "NVIDIA H100 80GB HBM3" (SXM), "NVIDIA H100 PCIe",
+# "NVIDIA H100 NVL", "NVIDIA H200", "NVIDIA A100-SXM4-80GB", "NVIDIA L40S": the first entry whose
+# words all occur in the name wins, so variants come before their family.
+PEAK_TFLOPS: tuple[tuple[tuple[str, ...], dict[str, float]], ...] = (
+    (("H100", "NVL"), {"bf16": 835.5, "tf32": 417.5, "fp32": 60.0}),
+    (("H100", "PCIe"), {"bf16": 756.5, "tf32": 378.0, "fp32": 51.0}),
+    (("H100",), {"bf16": 989.5, "tf32": 494.5, "fp32": 67.0}),
+    (("H200", "NVL"), {"bf16": 835.5, "tf32": 417.5, "fp32": 60.0}),
+    (("H200",), {"bf16": 989.5, "tf32": 494.5, "fp32": 67.0}),
+    (("A100",), {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5}),
+    (("L40S",), {"bf16": 362.05, "tf32": 183.0, "fp32": 91.6}),
+)
+
+
+def peak_tflops(device_name: str, param_dtype: str, tf32: bool = False) -> float | None:
+    """The dense peak TFLOP/s of the GPU ``device_name`` for matmuls in ``param_dtype``
+    (``training.mixed_precision_param``); ``tf32``: float32 matmuls may use TF32. None for a
+    device the table does not know."""
+    unit = "bf16" if param_dtype in ("bfloat16", "float16") else "tf32" if tf32 else "fp32"
+    for words, peaks in PEAK_TFLOPS:
+        if all(word in device_name for word in words):
+            return peaks[unit]
+    return None
+
+
+def utilization(flops_per_token: int, tokens_per_s: float, num_gpus: int, peak: float | None) -> dict:
+    """``tflops`` (per GPU) and ``mfu_pct`` for a row, or nothing without a known ``peak``."""
+    if peak is None:
+        return {}
+    tflops = flops_per_token * tokens_per_s / num_gpus / 1e12
+    return {"tflops": tflops, "mfu_pct": 100 * tflops / peak}
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Max allocated on CUDA; peak resident set size (RSS) of this process on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+METRICS_FILE = "metrics.jsonl"  # in job.dump_folder
+
+
+class MetricsLogger:
+    """Written by one rank (the caller decides which). A resumed run continues the file: rows of the
+    steps after ``after_step`` (logged by the interrupted run past its last checkpoint, now replayed)
+    are dropped first, so the file keeps one row per step."""
+
+    def __init__(self, dump_folder: str | Path, enable_tensorboard: bool = False, after_step: int = 0):
+        self.folder = Path(dump_folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.path = self.folder / METRICS_FILE
+        self._drop_rows_after(after_step)
+        self._file = open(self.path, "a")
+        self._tb = None
+        if enable_tensorboard:
+            self._tb = self.check_tensorboard()(str(self.folder / "tensorboard"))
+
+    def _drop_rows_after(self, step: int) -> None:
+        if not self.path.is_file():
+            return
+        kept = [line for line in self.path.read_text().splitlines(keepends=True) if _step_of(line) <= step]
+        partial = self.path.with_name(f".{self.path.name}.partial")
+        partial.write_text("".join(kept))
+        os.replace(partial, self.path)
+
+    @staticmethod
+    def check_tensorboard():
+        """TensorBoard's ``SummaryWriter``, or a clear error (checked before any rendezvous)."""
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise SeedckptError(
+                "metrics.enable_tensorboard needs the tensorboard package: pip install tensorboard"
+            ) from None
+        return SummaryWriter
+
+    def log(self, record: dict) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self._tb.add_scalar(key, value, record["step"])
+        print(format_step(record), flush=True)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _step_of(line: str) -> float:
+    """A row's step; a damaged row (a crash mid-line) counts as past every step, so it is dropped."""
+    try:
+        step = json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
+    return step if isinstance(step, int) else math.inf
+
+
+def format_step(r: dict) -> str:
+    return (
+        f"step {r['step']:>5}/{r['steps']}  loss {r['loss']:.4f}  lr {r['lr']:.2e}  "
+        f"grad_norm {r['grad_norm']:.3f}  {r['tokens_per_s']:,.0f} tok/s  step {1e3 * r['step_time_s']:.0f} ms  "
+        f"data {1e3 * r['data_wait_s']:.1f} ms  mem {r['peak_mem_bytes'] / 2**20:,.0f} MiB"
+        + (
+            f"  all-gather {1e3 * r['all_gather_s']:.0f} ms  reduce-scatter {1e3 * r['reduce_scatter_s']:.0f} ms"
+            if r.get("all_gather_calls") or r.get("reduce_scatter_calls")
+            else ""
+        )
+        + (f"  {r['tflops']:.0f} TFLOP/s  mfu {r['mfu_pct']:.1f} %" if "tflops" in r else "")
+        + (f"  osft_leak {r['osft_leak']:.1e}" if "osft_leak" in r else "")
+    )

@@ -1,0 +1,528 @@
+"""Pretraining, SFT and OSFT: the training loop, pipeline parallel x data parallel on a
+``(pp, dp_replicate, dp_shard)`` mesh.
+
+One run, end to end -- the trainer is the loop; each other concern is one module:
+
+1. resolve the config once (``resolve``): the model (fine-tuning's from the pretrained checkpoint),
+   the layout (``ParallelDims``) and the data, all checked before touching a process group;
+2. pick the start (``start``): the newest complete ``step-N``, the pretrained weights, the seed, or
+   direct init -- opened once, before any rendezvous, and handed on;
+3. build this rank's stage(s) through ``stages.build_stages`` -- the same load path for seed,
+   pretrained weights and resume -- with activation checkpointing applied on ``meta`` and data
+   parallelism (``data_parallel``: FSDP2, or manual FSDP) applied on ``meta`` or once loaded;
+4. the train state (``train_state``: optimizers, LR schedules, RNG, data position); for a resume it
+   loads itself from the same checkpoint;
+5. each step: the global batch for that step (same for every layout), this DP rank's slice,
+   forward/backward through the pipeline schedule (or directly when pp = 1), finish the
+   data-parallel gradients (manual FSDP: one reduce-scatter per step), for OSFT project the
+   gradients off the frozen subspaces, clip by the global gradient norm across PP and DP, AdamW
+   (for OSFT, project the trainable factors again), LR schedule, telemetry. The loss is the mean over the
+   global batch's label tokens (chat data masks all but the assistant's), whatever the layout;
+6. every ``checkpoint.interval`` steps (and at the end) the train state writes ``step-N``
+   atomically, and the newest ``keep_latest_k`` are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import gc
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+from torch.distributed.tensor import DTensor
+
+from seedckpt.checkpoint import complete_steps, destination_lock, prune_steps, step_dirs
+from seedckpt.checkpoint.background import BackgroundSaver, SavedInBackground
+from seedckpt.config.job_config import check_output_folders, config_reference, load_config
+from seedckpt.config.resolve import Run, resolve
+from seedckpt.data.datasets import make_dataset
+from seedckpt.data.sources import IGNORE_INDEX
+from seedckpt.finetune.osft import OSFTProjector
+from seedckpt.finetune.pretrained import osft_spec
+from seedckpt.materialize.init_recipe import RECIPE_VERSION
+from seedckpt.materialize.stages import build_stages
+from seedckpt.materialize.start import changed_training_settings, check_resume_matches_osft, fallback_hint
+from seedckpt.parallel.data_parallel import make_data_parallel
+from seedckpt.parallel.parallelize import (
+    TiedEmbeddings,
+    apply_activation_checkpointing,
+    apply_compile,
+    check_compile_supported,
+)
+from seedckpt.parallel.pipeline import plan_rank_stages, stage_ids_for_rank
+from seedckpt.train.failures import EXIT_ERROR, EXIT_INTERRUPTED, report_failure, stop_at_first_sigint
+from seedckpt.train.metrics import METRICS_FILE, MetricsLogger, peak_memory_bytes, peak_tflops, utilization
+from seedckpt.train.state import TrainState, adamw_implementation
+from seedckpt.utils.errors import SeedckptError
+
+# How long a stopped run waits for its background save in flight to end (BackgroundSaver.drain):
+# under torchrun's 30 s grace (TORCH_ELASTIC_SHUTDOWN_TIMEOUT) between its SIGTERM and SIGKILL.
+SAVE_DRAIN_S = 20.0
+
+
+def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of a micro-batch's label tokens (in float32, whatever the logits' dtype)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def clip_grad_norm_(
+    params: list[nn.Parameter], max_norm: float, pp_group, duplicates=(), dp_group=None
+) -> torch.Tensor:
+    """Clip by the norm over *all* gradients of the model: DP shards and pipeline stages
+    (``duplicates``: copies of a tied parameter, counted once through the original). FSDP2's
+    gradients are DTensors that know their DP mesh; plain shards (manual FSDP) name it: ``dp_group``."""
+    skip = {id(p) for p in duplicates}
+    grads = [p.grad for p in params if p.grad is not None and id(p) not in skip]
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if isinstance(norm, DTensor):  # partial over the FSDP mesh -> reduce to the full norm
+        norm = norm.full_tensor()
+    groups = [g for g in (dp_group, pp_group) if g is not None]
+    if groups:  # sum of squares over the other ranks' parts
+        squared = norm**2
+        for group in groups:
+            dist.all_reduce(squared, group=group)
+        norm = squared.sqrt()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm
+
+
+class Trainer:
+    """The training loop over this rank's stages, built from a start (``start``), a data-parallel
+    implementation (``data_parallel``) and a train state (``train_state``)."""
+
+    def __init__(self, run: Run, data=None):
+        """``run``: the config resolved for this world, with its start (``resolve(cfg, world).with_start()``)."""
+        cfg = self.cfg = run.cfg
+        self.rank = dist.get_rank()
+        if run.start is None or run.dims.pp * run.dims.dp != dist.get_world_size():
+            raise ValueError("Trainer needs a run resolved for this world size, with its start")
+        self.dims = run.dims
+        self.device = (
+            torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if run.device == "cuda" else torch.device("cpu")
+        )
+        self.mesh = self.dims.build_mesh(self.device.type)
+        # checkpoint.async_mode: saves staged here, written by a background thread over its own group.
+        self.saver = BackgroundSaver(self.device) if cfg.checkpoint.async_mode == "async" else None
+        self.pp_rank = self.mesh.get_local_rank("pp")
+        self.dp_rank = self.mesh.get_local_rank("dp_replicate") * self.dims.dp_shard + self.mesh.get_local_rank(
+            "dp_shard"
+        )
+        par, train = cfg.parallelism, cfg.training
+        self.args = run.args
+        self.specs = plan_rank_stages(
+            self.args,
+            self.pp_rank,
+            self.dims.pp,
+            par.pipeline_parallel_stages_per_rank,
+            par.pipeline_parallel_schedule,
+            par.pipeline_parallel_split_points,
+        )
+        self.accum = self.dims.accumulation_steps(cfg)
+        # Set each step: micro-batch losses are token sums times loss_scale = dp / (label tokens in
+        # the global batch), so what FSDP averages over DP ranks is the global per-token mean.
+        self.loss_scale = 1.0
+        # Compiled apart from the scale, a Python float that changes every step: dynamo guards on
+        # such a value, so a scale inside the compiled function would recompile at each step.
+        self.cross_entropy = torch.compile(token_cross_entropy) if train.compile else token_cross_entropy
+        self.global_batch = self.dims.global_batch_size(cfg)
+        self.data = data or make_dataset(cfg.data, self.args.vocab_size, train.seq_len, train.seed)
+
+        start = run.start
+        self.data_parallel = make_data_parallel(cfg, self.dims, self.mesh)
+        origin = (
+            "resuming from"
+            if start.step
+            else "starting from pretrained"
+            if start.pretrained
+            else "starting from seed checkpoint"
+            if start.path
+            else f"initializing directly from seed {train.seed} ({RECIPE_VERSION}, no seed file):"
+        )
+        self.log(
+            f"{origin} {start.path or ''} (step {start.step}); mesh pp={self.dims.pp} "
+            f"dp_replicate={self.dims.dp_replicate} dp_shard={self.dims.dp_shard} on {self.device.type}"
+            f"{self.data_parallel.log_label}; "
+            f"AdamW {adamw_implementation(cfg.optimizer.implementation, self.device.type)}"
+            f"; data: {self.data.description}"
+        )
+        for change in changed_training_settings(cfg, start):
+            self.log(f"resuming with a changed setting, applied from step {start.step + 1}: {change}")
+        self.osft = osft_spec(cfg)
+        try:
+            self.modules = build_stages(
+                self.args,
+                self.specs,
+                self.device,
+                checkpoint=start.checkpoint,
+                seed=train.seed if start.checkpoint is None else None,
+                shard_fn=self._parallelize,
+                grow_vocab=start.pretrained,
+                osft=self.osft,
+                stage_group=self.data_parallel.stage_group() if self.osft is not None else None,
+                verify=cfg.checkpoint.verify_checksums,
+            )
+            self.data_parallel.wrap_loaded(self.modules)
+            self.tied = self._tie_across_stages()
+            # OSFT: gradients and trainable factors stay orthogonal to the frozen singular subspaces.
+            self.projector = OSFTProjector(self.modules) if self.osft is not None else None
+            self.state = TrainState(
+                cfg, self.args, self.modules, self.data_parallel, start.step, self.global_batch, self.osft
+            )
+            if start.step:
+                self.state.load(start.checkpoint)
+        except SeedckptError as e:  # a damaged step-N: say which checkpoint would resume instead
+            if not start.step:
+                raise
+            raise SeedckptError(
+                f"cannot resume: {e}; {fallback_hint(step_dirs(cfg.checkpoint.folder), start.step)}"
+            ) from None
+        self.pipeline = self._build_pipeline() if self.dims.pp > 1 else None
+        # Clipped: the gradients of what the optimizers step (frozen parameters have none).
+        self.params = [p for i in range(len(self.modules)) for p in self.data_parallel.parameters(i)]
+        # MFU (metrics): the model's FLOPs per token, against this GPU's peak; no peak on a CPU.
+        self.flops_per_token = run.family.flops_per_token(self.args, train.seq_len)
+        self.peak_tflops = (
+            peak_tflops(
+                torch.cuda.get_device_name(self.device),
+                train.mixed_precision_param,
+                tf32=torch.get_float32_matmul_precision() != "highest",
+            )
+            if self.device.type == "cuda"
+            else None
+        )
+
+    # -- setup -------------------------------------------------------------------------------
+    def _parallelize(self, module: nn.Module) -> None:
+        """Applied to each stage module on ``meta``: activation checkpointing, compile (``training.compile``),
+        then data parallelism -- torchtitan's order, so the compiled code sits inside AC's and FSDP2's hooks."""
+        ac = self.cfg.activation_checkpoint
+        apply_activation_checkpointing(module, ac.mode, ac.selective_every)
+        if self.cfg.training.compile:
+            apply_compile(module)
+        self.data_parallel.shard_on_meta(module)
+
+    def _tie_across_stages(self) -> TiedEmbeddings | None:
+        par = self.cfg.parallelism
+        if not self.args.tie_word_embeddings or self.dims.pp == 1:
+            return None
+        owner = {
+            s: r
+            for r in range(self.dims.pp)
+            for s in stage_ids_for_rank(
+                r, self.dims.pp, par.pipeline_parallel_stages_per_rank, par.pipeline_parallel_schedule
+            )
+        }
+        return TiedEmbeddings(self.modules, self.specs, self.mesh, self.dims.pp, owner.__getitem__)
+
+    def _build_pipeline(self):
+        par = self.cfg.parallelism
+        group = self.mesh["pp"].get_group()
+        stages = [
+            PipelineStage(m, s.stage_id, s.num_stages, self.device, group=group)
+            for m, s in zip(self.modules, self.specs)
+        ]
+        schedule = get_schedule_class(par.pipeline_parallel_schedule)
+        n_micro = self.dims.microbatches(self.cfg)
+        # scale_grads=False: the schedule would rescale *all* gradients at every step() call,
+        # including those accumulated by earlier micro-steps; the loss is pre-scaled instead.
+        if issubclass(schedule, PipelineScheduleSingle):
+            return schedule(stages[0], n_microbatches=n_micro, loss_fn=self._loss, scale_grads=False)
+        return schedule(stages, n_microbatches=n_micro, loss_fn=self._loss, scale_grads=False)
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Summed token cross-entropy of one micro-batch, scaled so the gradients add up to the
+        global batch's per-token mean (micro-batches hold different numbers of label tokens)."""
+        return self.cross_entropy(logits, labels) * self.loss_scale
+
+    def _osft_leak(self) -> float:
+        """The worst ||U_high^T U_low|| / ||V_high^T V_low|| over every stage (collective)."""
+        leak = torch.tensor(self.projector.worst_leak(), dtype=torch.float64, device=self.device)
+        dist.all_reduce(leak, op=dist.ReduceOp.MAX)
+        return leak.item()
+
+    def save(self) -> None:
+        """Synchronous: write ``step-N``, then prune. Asynchronous: wait for the save in flight, then
+        stage this one; it is pruned after and logged once every rank has published it."""
+        if self.saver is None:
+            start = time.perf_counter()
+            path = self.state.save()
+            self._saved(path, time.perf_counter() - start)
+            return
+        self._published(self.saver.wait())
+        self.state.save(self.saver)
+
+    def _published(self, saved: SavedInBackground | None) -> None:
+        """Prune and log a background save that every rank has published (``None``: none has)."""
+        if saved is not None:
+            self._saved(saved.path, saved.stall_s, saved.background_s)
+
+    def _saved(self, path: Path, stall_s: float, background_s: float | None = None) -> None:
+        if self.rank == 0:  # after the new step is published: never fewer complete steps than before
+            prune_steps(self.cfg.checkpoint.folder, self.cfg.checkpoint.keep_latest_k)
+        background = f", background {background_s:.2f} s" if background_s is not None else ""
+        self.log(f"saved checkpoint {path} (stall {stall_s:.2f} s{background})")
+
+    # -- the loop -------------------------------------------------------------------------------
+    def local_batches(self, step: int):
+        """This DP rank's ``Batch`` for each accumulation micro-step of ``step``; sets the loss scale
+        from the global batch (which every rank has), so no collective is needed for it."""
+        batch = self.data.global_batch(step, self.global_batch)
+        self.label_tokens = batch.num_label_tokens
+        self.loss_scale = self.dims.dp / max(1, self.label_tokens)
+        local = self.cfg.training.local_batch_size
+        for k in range(self.accum):
+            start = (k * self.dims.dp + self.dp_rank) * local
+            yield batch.rows(start, start + local).to(self.device)
+
+    def train_step(self, batches) -> torch.Tensor:
+        """Forward/backward over the accumulation micro-steps; the local loss (0 off the last stage)."""
+        total = torch.zeros((), device=self.device)
+        has_first = any(s.is_first for s in self.specs)
+        has_last = any(s.is_last for s in self.specs)
+        for batch in batches:
+            # Packed rows: per-document positions and attention, given to every stage.
+            extra = {
+                k: v for k, v in (("positions", batch.positions), ("document_ids", batch.document_ids)) if v is not None
+            }
+            if self.pipeline is None:
+                loss = self._loss(self.modules[0](batch.inputs, **extra), batch.labels)
+                loss.backward()
+                total += loss.detach()
+                continue
+            losses = [] if has_last else None
+            self.pipeline.step(
+                *([batch.inputs] if has_first else []),
+                target=batch.labels if has_last else None,
+                losses=losses,
+                return_outputs=False,
+                **extra,
+            )
+            if has_last:
+                total += torch.stack(losses).sum().detach()
+        return total
+
+    def run(self) -> None:
+        train, ckpt, state = self.cfg.training, self.cfg.checkpoint, self.state
+        metrics = (
+            MetricsLogger(self.cfg.job.dump_folder, self.cfg.metrics.enable_tensorboard, after_step=state.step)
+            if self.rank == 0
+            else None
+        )
+        profile_steps = {int(s) for s in self.cfg.profiling.steps}
+        tokens_per_step = self.global_batch * train.seq_len
+        # Logged only when timed (metrics.collective_timing): an untimed run's rows carry no collective columns.
+        collectives = self.data_parallel.collectives
+        try:
+            while state.step < train.steps:
+                if self.saver is not None:  # a failed background save stops every rank here
+                    self._published(self.saver.poll())
+                state.step += 1
+                t0 = time.perf_counter()
+                if collectives is not None:
+                    collectives.reset()
+                with self._maybe_profile(state.step in profile_steps):
+                    batches = list(self.local_batches(state.step))
+                    data_wait = time.perf_counter() - t0
+                    local_loss = self.train_step(batches)
+                    self.data_parallel.sync_gradients()
+                    if self.tied is not None:
+                        self.tied.sync_grads()
+                    if self.projector is not None:  # before clipping: the norm counts only what the step applies
+                        self.projector.project_gradients()
+                    grad_norm = clip_grad_norm_(
+                        self.params,
+                        train.max_norm,
+                        self.mesh["pp"].get_group() if self.dims.pp > 1 else None,
+                        self.tied.duplicates if self.tied is not None else (),
+                        self.data_parallel.grad_norm_group,
+                    )
+                    if self.saver is not None:  # CUDA: the weights' copies for the save in flight are done
+                        self.saver.wait_for_staging()
+                    for optimizer, scheduler in zip(state.optimizers, state.schedulers):
+                        optimizer.step()
+                        optimizer.zero_grad(set_to_none=True)
+                        scheduler.step()
+                    if self.projector is not None:  # AdamW's per-element scaling leaves the complement
+                        self.projector.project_parameters()
+                comm = dataclasses.asdict(collectives) if collectives is not None else {}
+                stats = torch.tensor(
+                    [local_loss.item(), float(peak_memory_bytes(self.device)), *comm.values()],
+                    dtype=torch.float64,
+                    device=self.device,
+                )
+                dist.all_reduce(stats[:1])  # sum of the last stages' DP-local parts (each x dp)
+                dist.all_reduce(stats[1:], op=dist.ReduceOp.MAX)  # the busiest rank's memory and collectives
+                step_time = time.perf_counter() - t0
+                tokens_per_s = tokens_per_step / step_time
+                logging = state.step % self.cfg.metrics.log_freq == 0 or state.step == train.steps
+                extra = {"osft_leak": self._osft_leak()} if logging and self.projector is not None else {}
+                if metrics is not None and logging:
+                    metrics.log(
+                        {
+                            "step": state.step,
+                            "steps": train.steps,
+                            "loss": stats[0].item() / self.dims.dp,
+                            "lr": state.schedulers[0].get_last_lr()[0],
+                            "grad_norm": grad_norm.item(),
+                            "label_tokens": self.label_tokens,
+                            "tokens_per_s": tokens_per_s,
+                            "step_time_s": step_time,
+                            **utilization(self.flops_per_token, tokens_per_s, dist.get_world_size(), self.peak_tflops),
+                            "data_wait_s": data_wait,
+                            "peak_mem_bytes": int(stats[1].item()),
+                            **{k: (int if k.endswith("calls") else float)(v) for k, v in zip(comm, stats[2:].tolist())},
+                            **extra,
+                        }
+                    )
+                stopping = state.step == train.stop_after_step
+                if stopping or (ckpt.interval > 0 and (state.step % ckpt.interval == 0 or state.step == train.steps)):
+                    self.save()
+                if stopping:
+                    self.log(f"stopping after step {state.step} (training.stop_after_step); run again to resume")
+                    break
+            if self.saver is not None:
+                self._published(self.saver.wait())
+            # Let every rank's outstanding pipeline sends complete before the group is torn down.
+            dist.barrier()
+        except BaseException:
+            if self.saver is not None:
+                self.saver.drain(SAVE_DRAIN_S)
+            raise
+        finally:
+            if metrics is not None:
+                metrics.close()
+
+    @contextlib.contextmanager
+    def _maybe_profile(self, enabled: bool):
+        if not enabled:
+            yield
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
+            yield
+        trace = Path(self.cfg.job.dump_folder) / "traces" / f"step-{self.state.step}-rank{self.rank}.json"
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace))
+        self.log(f"wrote Chrome trace {trace}", all_ranks=True)
+
+    def log(self, message: str, all_ranks: bool = False) -> None:
+        if all_ranks or self.rank == 0:
+            print(f"[rank{self.rank}] {message}", flush=True)
+
+
+def quiet_library_logs() -> None:
+    """Silence Python warnings and transformers' logging (read when transformers is imported,
+    which happens later, with the tokenizer): what a rank > 0 would print, rank 0 prints too."""
+    warnings.simplefilter("ignore")
+    os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+
+
+def _init_process_group(device: str) -> None:
+    """torchrun's env:// rendezvous; a plain ``python train.py`` runs as a world of one.
+
+    The backend follows ``device`` (``Run.device``), not what the machine has: a CPU run on a GPU
+    machine stays on gloo. A CUDA run keeps gloo beside nccl for what lives on the CPU (a
+    checkpoint's bytes, the RNG state)."""
+    backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
+    timeout = datetime.timedelta(minutes=10)
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if "RANK" in os.environ:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="train.py",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Pipeline x FSDP2 pretraining from a seed checkpoint. Any config key can be "
+        "overridden with --section.key value.",
+        epilog="examples:\n"
+        "  torchrun --nproc-per-node 4 train.py --config configs/debug.toml\n"
+        "  torchrun --nproc-per-node 4 train.py --config configs/debug.toml --training.steps 50 \\\n"
+        "      --parallelism.pipeline_parallel_schedule Interleaved1F1B "
+        "--parallelism.pipeline_parallel_stages_per_rank 2\n\n" + config_reference(),
+    )
+    parser.add_argument("--config", required=True, help="job config TOML, e.g. configs/debug.toml")
+    opts, overrides = parser.parse_known_args(argv)
+    rank = int(os.environ.get("RANK", 0))
+    if rank != 0:
+        quiet_library_logs()  # every rank sees the same data and config: rank 0 warns for all
+    try:  # every rank validates the same config, so rank 0 speaks for all
+        cfg = load_config(opts.config, overrides)
+        run = resolve(cfg, int(os.environ.get("WORLD_SIZE", 1)))  # fail before any rendezvous
+        if rank == 0:
+            for note in run.notes:
+                print(f"[rank0] {note}", flush=True)
+        if cfg.metrics.enable_tensorboard:
+            MetricsLogger.check_tensorboard()
+        check_output_folders(cfg)
+        if cfg.training.compile:
+            check_compile_supported(run.device)
+        with contextlib.ExitStack() as run_lock:
+            if rank == 0:  # one run per checkpoint.folder and per metrics file: a second fails here, naming the first
+                run_lock.enter_context(destination_lock(cfg.checkpoint.folder))
+                run_lock.enter_context(destination_lock(Path(cfg.job.dump_folder) / METRICS_FILE))
+            run = run.with_start()
+            check_resume_matches_osft(cfg, run.start)
+            if run.start.step == cfg.training.steps:
+                if rank == 0:
+                    print(
+                        f"[rank0] nothing to train: {run.start.path} already reached training.steps = "
+                        f"{cfg.training.steps}; raise --training.steps to continue",
+                        flush=True,
+                    )
+                return 0
+            data = make_dataset(cfg.data, run.args.vocab_size, cfg.training.seq_len, cfg.training.seed)
+            return _train(run, data, rank)
+    except SeedckptError as e:
+        if rank == 0:
+            print(f"train.py: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        if rank == 0:
+            print("train.py: interrupted before training started; nothing was written", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _interrupted_line(folder: str) -> str:
+    steps = complete_steps(folder)
+    newest = (
+        f"the newest checkpoint is {steps[max(steps)]}: the same command resumes from it"
+        if steps
+        else "no checkpoint was saved yet"
+    )
+    return "interrupted; no checkpoint is left half-written (a save in progress is finished or removed); " + newest
+
+
+def _train(run: Run, data, rank: int) -> int:
+    stop_at_first_sigint()
+    _init_process_group(run.device)
+    try:
+        Trainer(run, data).run()
+    except BaseException as e:  # one report per failure, whichever ranks it reaches (rank_failures)
+        return report_failure(e, rank, _interrupted_line(run.cfg.checkpoint.folder))
+    finally:
+        # Pipeline schedules keep P2P work objects in reference cycles; collected after the group is
+        # gone (at interpreter exit) they abort the process ("terminate called without an active
+        # exception", seen about once in six ZBV runs). Free them while the group still exists.
+        gc.collect()
+        dist.destroy_process_group()
+    return 0

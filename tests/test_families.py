@@ -1,0 +1,240 @@
+"""Every model family against ``transformers``: released parameter counts, HF directories read and
+written with logits within 1e-5 of the family's own class (tied and untied, GQA, biases, q/k norms,
+multipliers), and the config fields that change the math read or refused in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from models.registry import FAMILIES, get_family
+from seedckpt.cli.convert import convert
+from seedckpt.materialize.model_checkpoint import open_model_checkpoint
+from seedckpt.utils.errors import SeedckptError
+from tests.test_convert import our_logits
+from tests.test_sft import chat_inputs  # noqa: F401 (a fixture)
+
+transformers = pytest.importorskip("transformers")
+
+# The released models' parameter counts (their config.json shapes; a tied matrix counted once).
+RELEASED = {
+    ("llama3", "1B"): 1_235_814_400,
+    ("llama3", "8B"): 8_030_261_248,
+    ("llama3", "70B"): 70_553_706_496,
+    ("qwen3", "0.6B"): 596_049_920,
+    ("qwen3", "1.7B"): 1_720_574_976,
+    ("qwen3", "4B"): 4_022_468_096,
+    ("qwen3", "8B"): 8_190_735_360,
+    ("qwen3", "32B"): 32_762_123_264,
+    ("qwen2", "0.5B"): 494_032_768,
+    ("qwen2", "1.5B"): 1_543_714_304,
+    ("qwen2", "7B"): 7_615_616_512,
+    ("qwen2", "72B"): 72_706_203_648,
+    ("mistral", "7B"): 7_241_732_096,
+    ("mistral", "7B-v0.3"): 7_248_023_552,
+    ("granite", "2B"): 2_533_531_648,
+    ("granite", "8B"): 8_170_848_256,
+}
+CLASSES = {
+    "llama3": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "granite": "GraniteForCausalLM",
+}
+TOKENS = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+
+
+def _count(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())  # a tied matrix once
+
+
+@pytest.mark.parametrize("name,flavor", sorted(RELEASED))
+def test_flavors_have_the_released_parameter_counts_and_transformers_agrees(name, flavor):
+    family = get_family(name)
+    args = family.flavors[flavor]
+    config = transformers.AutoConfig.for_model(**family.hf.config(args, torch.bfloat16))
+    with torch.device("meta"):
+        ours, theirs = family.model(args), transformers.AutoModelForCausalLM.from_config(config)
+    assert type(theirs).__name__ == CLASSES[name]
+    assert _count(ours) == _count(theirs) == RELEASED[name, flavor]
+
+
+def test_every_family_has_a_debug_flavor_and_a_released_one():
+    for name, family in FAMILIES.items():
+        assert "debug" in family.flavors
+        assert any(key[0] == name for key in RELEASED), name
+
+
+def _hf_model(name: str, tie: bool):
+    """A small random model of the family's own ``transformers`` class (GQA), from its own config
+    class, every tensor random (norms and biases too) so that nothing can hide."""
+    torch.manual_seed(1)
+    common = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=tie,
+    )
+    config = {
+        "qwen3": lambda: transformers.Qwen3Config(**common, head_dim=16, rope_theta=1e6),
+        "qwen2": lambda: transformers.Qwen2Config(**common, rope_theta=1e6),
+        "mistral": lambda: transformers.MistralConfig(**common, sliding_window=64, rope_theta=1e6),
+        "granite": lambda: transformers.GraniteConfig(
+            **common,
+            embedding_multiplier=12.0,
+            residual_multiplier=0.22,
+            attention_multiplier=0.03,
+            logits_scaling=4.0,
+        ),
+    }[name]()
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.05) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    return model
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("name", ["qwen3", "qwen2", "mistral", "granite"])
+def test_hf_directories_read_and_write_with_transformers_logits(tmp_path, name, tie):
+    """HF -> DCP -> our model, HF -> our pipeline stages directly, and back to an HF directory that
+    ``transformers`` loads as the family's class: logits within 1e-5 of the original each way."""
+    hf = _hf_model(name, tie)
+    hf.save_pretrained(tmp_path / "hf")
+    with torch.no_grad():
+        want = hf(TOKENS).logits
+        convert(tmp_path / "hf", tmp_path / "dcp", "dcp", progress=False)
+        manifest = json.loads((tmp_path / "dcp" / "seedckpt.json").read_text())
+        assert manifest["model"]["name"] == name  # found from config.json's model_type
+        for source, pp in ((tmp_path / "dcp", 1), (tmp_path / "hf", 2)):
+            assert (our_logits(source, TOKENS, pp) - want).abs().max().item() <= 1e-5, (source, pp)
+        convert(tmp_path / "dcp", tmp_path / "back", "hf", progress=False)
+        back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+        assert type(back).__name__ == CLASSES[name]
+        assert (back(TOKENS).logits - want).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "name,field,value,message",
+    [
+        ("qwen3", "hidden_act", "gelu", "hidden_act = 'gelu'"),
+        ("qwen3", "attention_bias", True, "attention_bias = True"),
+        ("qwen2", "use_sliding_window", True, "use_sliding_window = True"),
+        ("mistral", "rope_parameters", {"rope_type": "yarn", "factor": 4.0}, "'yarn' RoPE scaling"),
+        ("granite", "mlp_bias", True, "mlp_bias = True"),
+    ],
+)
+def test_config_fields_that_change_the_math_are_refused(tmp_path, name, field, value, message):
+    _hf_model(name, tie=False).save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config[field] = value
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SeedckptError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        convert(tmp_path / "hf", tmp_path / "dcp", "dcp", progress=False)
+    assert not (tmp_path / "dcp").exists()
+
+
+def test_a_directory_of_another_family_names_the_model_name_to_set(tmp_path):
+    _hf_model("qwen3", tie=False).save_pretrained(tmp_path / "hf")
+    with pytest.raises(SeedckptError, match="model_type 'qwen3', not a llama3 model: set model.name = 'qwen3'"):
+        open_model_checkpoint(tmp_path / "hf", model="llama3")
+
+
+def test_a_sliding_window_shorter_than_the_sequences_is_refused():
+    from seedckpt.config.job_config import load_config
+    from seedckpt.config.resolve import resolve
+
+    cfg = load_config(None, ["--model.name", "mistral", "--model.sliding_window", "64", "--training.seq_len", "128"])
+    with pytest.raises(SeedckptError, match="exceeds the model's sliding_window = 64"):
+        resolve(cfg, 1, local_world_size=0)
+    resolve(load_config(None, ["--model.name", "mistral", "--model.sliding_window", "128"]), 1, local_world_size=0)
+
+
+FAMILIES_BEYOND_LLAMA = ["qwen3", "qwen2", "mistral", "granite"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen3", "qwen2", "granite"])
+def test_seed_then_pp2_x_dp_shard2_matches_one_process(tmp_path, name):
+    """A seed of the family's debug flavor trains on pp=2 x dp_shard=2 with the losses of one
+    process (the same global batch) within 1e-5. (Mistral's math is Llama 3's, which
+    ``test_train`` runs in every layout.)"""
+    from seedckpt.materialize.seed import create_seed_checkpoint
+    from tests.conftest import tiny_config
+    from tests.test_train import losses, torchrun
+
+    family = ["--model.name", name]
+    seed = create_seed_checkpoint(tiny_config(*family), tmp_path / "seed", seed=0, progress=False, workers=1)
+    steps = ["--training.steps", "4", *family]
+    torchrun(
+        tmp_path / "one",
+        seed,
+        1,
+        *steps,
+        "--parallelism.pipeline_parallel_degree",
+        "1",
+        "--training.local_batch_size",
+        "8",
+    )
+    torchrun(
+        tmp_path / "four",
+        seed,
+        4,
+        *steps,
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--training.local_batch_size",
+        "4",
+        "--parallelism.pipeline_parallel_microbatches",
+        "2",
+    )
+    reference, got = losses(tmp_path / "one"), losses(tmp_path / "four")
+    assert len(got) == len(reference) == 4
+    for step, (a, b) in enumerate(zip(got, reference), start=1):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: {a} vs {b}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FAMILIES_BEYOND_LLAMA)
+def test_osft_from_the_familys_hf_directory_exports_what_transformers_loads(tmp_path, name, chat_inputs):
+    """OSFT (the biases of Qwen2 stay dense and train) from the family's HF directory, then its
+    dense export, which ``transformers`` loads as the family's class."""
+    from tests.test_sft import sft
+
+    tokenizer, chats, _ = chat_inputs
+    _hf_model(name, tie=name in ("qwen3", "qwen2")).save_pretrained(tmp_path / "hf")
+    sft(
+        tmp_path / "run",
+        tmp_path / "hf",
+        tokenizer,
+        chats,
+        1,
+        "--model.name",
+        name,
+        "--finetune.mode",
+        "osft",
+        "--parallelism.pipeline_parallel_degree",
+        "1",
+        "--training.steps",
+        "4",
+        "--checkpoint.interval",
+        "4",
+    )
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and all(row["osft_leak"] < 1e-4 for row in rows)
+    convert(tmp_path / "run" / "ckpt" / "step-4", tmp_path / "export", "hf", dense=True, progress=False)
+    export = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    assert type(export).__name__ == CLASSES[name]
+    if name == "qwen2":  # the biases stayed dense parameters, and trained
+        bias = "model.layers.0.self_attn.q_proj.bias"
+        before = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()[bias]
+        assert not torch.equal(export.state_dict()[bias], before)
+    with torch.no_grad():
+        assert torch.isfinite(export(TOKENS).logits).all()
