@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from models.registry import FAMILIES, get_family
+from seedckpt import load_model
 from seedckpt.cli.convert import convert
 from seedckpt.materialize.model_checkpoint import open_model_checkpoint
 from seedckpt.utils.errors import SeedckptError
@@ -83,6 +84,7 @@ def _hf_model(name: str, tie: bool):
         tie_word_embeddings=tie,
     )
     config = {
+        "llama3": lambda: transformers.LlamaConfig(**common, rope_theta=500000.0),
         "qwen3": lambda: transformers.Qwen3Config(**common, head_dim=16, rope_theta=1e6),
         "qwen2": lambda: transformers.Qwen2Config(**common, rope_theta=1e6),
         "mistral": lambda: transformers.MistralConfig(**common, sliding_window=64, rope_theta=1e6),
@@ -232,9 +234,51 @@ def test_osft_from_the_familys_hf_directory_exports_what_transformers_loads(tmp_
     convert(tmp_path / "run" / "ckpt" / "step-4", tmp_path / "export", "hf", dense=True, progress=False)
     export = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
     assert type(export).__name__ == CLASSES[name]
-    if name == "qwen2":  # the biases stayed dense parameters, and trained
-        bias = "model.layers.0.self_attn.q_proj.bias"
-        before = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()[bias]
-        assert not torch.equal(export.state_dict()[bias], before)
+    step = load_model(tmp_path / "run" / "ckpt" / "step-4")  # its factors rebuilt dense
+    tokens = TOKENS % step.args.vocab_size
     with torch.no_grad():
-        assert torch.isfinite(export(TOKENS).logits).all()
+        assert (step(tokens) - export(tokens).logits).abs().max().item() <= 1e-5
+    if name == "qwen2":  # the biases stayed dense parameters, trained, and were exported
+        bias = "model.layers.0.self_attn.v_proj.bias"
+        before = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()[bias]
+        assert torch.equal(export.state_dict()[bias], step.layers["0"].attention.wv.bias)
+        assert not torch.equal(export.state_dict()[bias], before)
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen3", "qwen2", "mistral", "granite"])
+def test_load_model_reads_every_format_as_transformers_computes(tmp_path, name):
+    """``load_model`` on an HF directory, the DCP checkpoint, one safetensors file and one torch
+    file converted from it: the family's module in eval mode, logits within 1e-5 of ``transformers``."""
+    hf = _hf_model(name, tie=name == "qwen3")
+    hf.save_pretrained(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "dcp", "dcp", progress=False)
+    convert(tmp_path / "dcp", tmp_path / "model.safetensors", "safetensors", progress=False)
+    convert(tmp_path / "dcp", tmp_path / "model.pt", "torch", progress=False)
+    with torch.no_grad():
+        want = hf(TOKENS).logits
+        for source in ("hf", "dcp", "model.safetensors", "model.pt"):
+            model = load_model(tmp_path / source)
+            assert get_family(name).args is type(model.args) and not model.training, source
+            assert (model(TOKENS) - want).abs().max().item() <= 1e-5, source
+        bf16 = load_model(tmp_path / "dcp", dtype=torch.bfloat16)
+        assert bf16.output.weight.dtype == torch.bfloat16 and bf16.freqs_cis.is_complex()
+        assert (bf16(TOKENS).float() - want).abs().max().item() <= 0.05 * want.abs().max().item()
+
+
+def test_every_command_takes_a_family(tmp_path, capsys):
+    """``seed``, ``inspect``, ``verify``, ``plan``, ``convert`` and ``diff`` on a Qwen3 model, which
+    each finds in the checkpoint (the manifest, then ``config.json``)."""
+    from seedckpt.cli.main import main as cli
+
+    seed, hf = str(tmp_path / "seed"), str(tmp_path / "hf")
+    family = ["--config", "configs/debug.toml", "--model.name", "qwen3"]
+    assert cli(["seed", *family, "--output", seed, "--quiet"]) == 0
+    assert cli(["inspect", seed]) == 0
+    assert "model qwen3 debug" in capsys.readouterr().out
+    assert cli(["verify", seed, "--quiet"]) == 0
+    assert cli(["plan", *family, "--world-size", "4"]) == 0
+    assert cli(["convert", seed, hf, "--to", "hf", "--quiet"]) == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "qwen3"
+    capsys.readouterr()
+    assert cli(["diff", seed, hf]) == 0  # the q/k rows and their norms went out permuted and came back
+    assert capsys.readouterr().out.splitlines()[-1].startswith("equal: 69 tensors compared")

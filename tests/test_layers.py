@@ -7,7 +7,8 @@ Layers are folders, bottom to top (a module may import its own layer and the one
 2. checkpoint -- ``seedckpt/checkpoint``: bytes, formats, manifests, integrity, atomic publishing;
    no model, no fine-tuning;
 3. features -- ``config``, ``data``, ``parallel``, ``materialize``, ``finetune``;
-4. commands -- ``train`` (the trainer and its state) and ``cli``.
+4. commands -- ``train`` (the trainer and its state), ``cli`` and the package's public API
+   (``seedckpt.load_model``).
 
 Every module must be in exactly one layer, and the package holds nothing but these folders, so a
 new module is placed on purpose.
@@ -25,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("seedckpt", "models")
 
 LAYERS = [
-    ("foundation", ["seedckpt", "seedckpt.utils", "seedckpt.utils.*"]),
+    ("foundation", ["seedckpt.utils", "seedckpt.utils.*"]),
     ("models", ["models", "models.*"]),
     ("checkpoint", ["seedckpt.checkpoint", "seedckpt.checkpoint.*"]),
     (
@@ -36,7 +37,7 @@ LAYERS = [
             for part in ("", ".*")
         ],
     ),
-    ("commands", [f"seedckpt.{folder}{part}" for folder in ("train", "cli") for part in ("", ".*")]),
+    ("commands", ["seedckpt"] + [f"seedckpt.{folder}{part}" for folder in ("train", "cli") for part in ("", ".*")]),
 ]
 
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-import seedckpt
 from seedckpt.checkpoint.untrusted import MAX_JSON_BYTES, parse_json, read_bounded
 from seedckpt.utils.errors import SeedckptError
+from seedckpt.utils.version import VERSION
 
 MANIFEST_NAME = "seedckpt.json"
 FORMAT_VERSION = 1
@@ -63,7 +63,7 @@ def make_manifest(kind: str, model_name: str, flavor: str | None, args: dict, **
         "kind": kind,
         "model": {"name": model_name, "flavor": flavor, "args": dict(args)},
         "torch_version": torch.__version__,
-        "seedckpt_version": seedckpt.__version__,
+        "seedckpt_version": VERSION,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         **extra,
     }

@@ -25,8 +25,8 @@ import torch
 from models.family import ModelFamily
 from seedckpt.checkpoint import FORMATS, Checkpoint, TensorInfo, WriteJob, dtype_name, make_manifest
 from seedckpt.config.job_config import DTYPES
-from seedckpt.finetune.osft import DenseOSFT, manifest_osft
-from seedckpt.materialize.model_checkpoint import codec_for, family_to_open, open_model_checkpoint
+from seedckpt.finetune.osft import manifest_osft
+from seedckpt.materialize.model_checkpoint import codec_for, dense_view, family_to_open, open_model_checkpoint
 from seedckpt.utils.errors import SeedckptError
 from seedckpt.utils.progress import Progress
 
@@ -84,7 +84,7 @@ def convert(
             "--dense to write (and cast) the dense weights, or leave out --dtype"
         )
     if has_factors and not keeps_factors:
-        source = dense_view(source, codec)
+        source = dense_view(source)
     model_args = source.require_args()
     if not source.infos:
         raise SeedckptError(f"{src} holds no model tensors")
@@ -134,13 +134,7 @@ def check_apart(src: Path, dst: Path) -> None:
         )
 
 
-def dense_view(source: Checkpoint, codec) -> DenseOSFT:
-    """An OSFT run's checkpoint as the dense model it computes, each target rebuilt only when read
-    (one matrix in memory at a time): what a dense export of it holds."""
-    return DenseOSFT(source, codec.layout(source.require_args()))
-
-
-def _comparable(sides: list[Checkpoint], paths, codec) -> tuple[list[Checkpoint], list[str]]:
+def _comparable(sides: list[Checkpoint], paths) -> tuple[list[Checkpoint], list[str]]:
     """An OSFT run's checkpoint stores its targets as SVD factors, its dense export as weights.
     Unless both sides hold the same factors (same OSFT settings), each side with factors is seen as
     the dense model it computes, so that the targets meet under their ``.weight`` names; a report
@@ -150,7 +144,7 @@ def _comparable(sides: list[Checkpoint], paths, codec) -> tuple[list[Checkpoint]
         return sides, []
     rebuilt = [spec is not None for spec in specs]
     return (
-        [dense_view(side, codec) if dense else side for side, dense in zip(sides, rebuilt)],
+        [dense_view(side) if dense else side for side, dense in zip(sides, rebuilt)],
         [
             f"{path}: OSFT factors compared as the dense weights they rebuild"
             for path, dense in zip(paths, rebuilt)
@@ -168,7 +162,7 @@ def diff(
     model = family_to_open(a, args, model)
     opened = [open_model_checkpoint(path, args, verify=verify, model=model) for path in (a, b)]
     codec = codec_for(model)
-    (left, right), lines = _comparable(opened, (a, b), codec)
+    (left, right), lines = _comparable(opened, (a, b))
     equal = True
     casts = Counter()  # (left dtype, right dtype) -> tensors compared after casting
     for fqn in _ordered(set(left.infos) | set(right.infos), codec.family):

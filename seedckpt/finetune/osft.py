@@ -372,7 +372,7 @@ class DenseOSFT(Checkpoint):
         infos = {}
         for fqn, info in source.infos.items():
             base, _, name = fqn.rpartition(".")
-            if base not in self.targets:
+            if base not in self.targets or name not in FROZEN + TRAINABLE:  # a target's bias stays as it is
                 infos[fqn] = info
             elif name == "U_high":
                 infos[f"{base}.weight"] = TensorInfo(

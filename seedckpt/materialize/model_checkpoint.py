@@ -18,7 +18,7 @@ from models.registry import DEFAULT_FAMILY, FAMILIES, family_of, family_of_model
 from seedckpt.checkpoint import Checkpoint, ModelLayout, open_checkpoint
 from seedckpt.checkpoint.manifest import MANIFEST_NAME, manifest_flavor, manifest_model, read_manifest
 from seedckpt.checkpoint.untrusted import read_json
-from seedckpt.finetune.osft import OSFTSpec, convert_to_osft, manifest_osft
+from seedckpt.finetune.osft import DenseOSFT, OSFTSpec, convert_to_osft, manifest_osft
 from seedckpt.utils.errors import SeedckptError
 
 
@@ -82,6 +82,9 @@ def detect_family(path: str | Path) -> str:
     """The family a checkpoint says it holds: its manifest's model name or its ``config.json``'s
     ``model_type``; the default family where it says neither."""
     path = Path(path)
+    if path.is_file():  # our safetensors and torch files embed the manifest
+        name = (manifest_model(open_checkpoint(path).manifest, path) or {}).get("name")
+        return name if name in FAMILIES else DEFAULT_FAMILY
     if (path / MANIFEST_NAME).is_file():
         name = (manifest_model(read_manifest(path), path) or {}).get("name")
         if name in FAMILIES:
@@ -92,6 +95,13 @@ def detect_family(path: str | Path) -> str:
         if family is not None:
             return family.name
     return DEFAULT_FAMILY
+
+
+def dense_view(source: Checkpoint) -> DenseOSFT:
+    """An OSFT run's checkpoint as the dense model it computes, each target rebuilt only when read
+    (one matrix in memory at a time): what a dense export of it holds."""
+    args = source.require_args()
+    return DenseOSFT(source, codec_for(family_of(args).name).layout(args))
 
 
 def family_to_open(path: str | Path, args=None, model: str | None = None) -> str:

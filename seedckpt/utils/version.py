@@ -1,0 +1,3 @@
+"""The package version, recorded in every manifest."""
+
+VERSION = "0.1.0"
