@@ -438,31 +438,26 @@ def test_sigkill_while_writing_leaves_previous_step_loadable(tmp_path, debug_see
         ),
     ],
 )
-def test_layout_validation_errors(world, overrides, message, tmp_path):
-    env = {**_env(), "WORLD_SIZE": str(world)}
-    if world == 1:
-        env.pop("WORLD_SIZE")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "train.py",
-            "--config",
-            "configs/debug.toml",
-            "--job.dump_folder",
-            str(tmp_path),
-            "--checkpoint.folder",
-            str(tmp_path / "ckpt"),
-            *overrides,
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 2, proc.stderr
-    assert message in proc.stderr
-    assert "Traceback" not in proc.stderr
+def test_layout_validation_errors(world, overrides, message, tmp_path, monkeypatch, capsys):
+    """``train.py``'s main in this process, as rank 0 of a world of ``world``: every layout mistake
+    is one line (exit 2) before any process group exists."""
+    from seedckpt.train.trainer import main
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    argv = [
+        "--config",
+        "configs/debug.toml",
+        "--job.dump_folder",
+        str(tmp_path),
+        "--checkpoint.folder",
+        str(tmp_path / "ckpt"),
+        *overrides,
+    ]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert not dist.is_initialized()
 
 
 def test_direct_init_refuses_a_configured_seed_made_otherwise(tmp_path, debug_seed):
