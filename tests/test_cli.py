@@ -210,3 +210,10 @@ def test_help_lists_every_config_key(command, epilog):
     model_section = proc.stdout[proc.stdout.index("[model]") : proc.stdout.index("[training]")]
     assert all(re.search(rf"\b{f.name}\b", model_section) for f in dataclasses.fields(ModelArgs))
     assert 'mixed_precision_param = "float32"' in proc.stdout and '"bfloat16"' in proc.stdout  # default, choices
+
+
+@pytest.mark.parametrize("world", ["0", "-4"])
+def test_plan_refuses_a_world_without_ranks(capsys, world):
+    assert main(["plan", "--config", "configs/debug.toml", "--world-size", world]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"--world-size {world}: it must be >= 1" in err and len(err.splitlines()) == 1, err

@@ -389,3 +389,20 @@ def test_a_checkpoint_that_misses_the_model_names_what_it_has(tmp_path, debug_se
     args = tiny_config().model_args()
     with pytest.raises(SeedckptError, match=r"it has 57 model tensors this model does not use, e.g. model\."):
         build_stages(args, plan_rank_stages(args, 1, 2), "cpu", checkpoint=tmp_path / "prefixed")
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["diff", "{seed}", "{seed}", "--atol", "nan"], "--atol nan: it must be a finite number >= 0"),
+        (["diff", "{seed}", "{seed}", "--atol", "-1"], "--atol -1.0: it must be a finite number >= 0"),
+        (["convert", "{seed}", "{out}", "--to", "hf", "--max-shard-size", "0"], "less than the largest tensor"),
+        (["convert", "{seed}", "{out}", "--to", "hf", "--max-shard-size", "100KB"], "tok_embeddings.weight"),
+    ],
+)
+def test_nonsense_numbers_are_refused_in_one_line(tmp_path, debug_seed, capsys, argv, message):
+    argv = [a.format(seed=debug_seed, out=tmp_path / "out") for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()

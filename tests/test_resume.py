@@ -233,3 +233,10 @@ def test_an_incomplete_seed_is_one_line_before_any_rendezvous(tmp_path, debug_se
     err = capsys.readouterr().err
     assert "incomplete" in err and data.name in err and len(err.strip().splitlines()) == 1, err
     assert not dist.is_initialized()
+
+
+def test_interval_zero_saves_only_the_last_step(tmp_path, debug_seed):
+    """``checkpoint.interval = 0`` means "only at the end", as its help says: not "never"."""
+    proc = train(tmp_path / "run", debug_seed, "--checkpoint.interval", "0")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert sorted(p.name for p in (tmp_path / "run" / "ckpt").glob("step-*")) == ["step-4"]

@@ -96,6 +96,12 @@ def convert(
     tied = source.layout.aliases if target.TIED_STORED_ONCE else {}  # stored once, as HF and our DCP store it
     for fqn in tied:
         infos.pop(fqn, None)
+    largest = max(infos, key=lambda fqn: infos[fqn].nbytes)
+    if to == "hf" and shard_bytes < infos[largest].nbytes:
+        raise SeedckptError(
+            f"--max-shard-size {max_shard_size} is less than the largest tensor, {largest} "
+            f"({infos[largest].nbytes:,} bytes): a shard holds whole tensors; give at least that"
+        )
     out_dtype = cast or next(iter(infos.values())).dtype
     bar = Progress(sum(i.nbytes for i in infos.values()), f"convert {source.kind}->{to}", enabled=progress)
     recorded = source.manifest or {}

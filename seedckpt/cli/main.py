@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import textwrap
@@ -331,6 +332,8 @@ def _plan(opts, overrides) -> int:
 
     cfg = load_config(opts.config, overrides)
     # fine-tuning: the pretrained checkpoint's model, vocabulary grown for the tokenizer
+    if opts.world_size is not None and opts.world_size < 1:
+        raise SeedckptError(f"--world-size {opts.world_size}: it must be >= 1 (the number of ranks)")
     plan = make_plan(resolve(cfg, opts.world_size or default_world_size(cfg), local_world_size=0))
     if opts.json:
         print(json.dumps(plan, indent=1))
@@ -398,6 +401,8 @@ def _convert(opts, _rest) -> int:
 def _diff(opts, _rest) -> int:
     from seedckpt.cli.convert import diff
 
+    if not (math.isfinite(opts.atol) and opts.atol >= 0):
+        raise SeedckptError(f"--atol {opts.atol}: it must be a finite number >= 0 (0: bitwise equal)")
     equal, lines = diff(opts.a, opts.b, atol=opts.atol, verify=not opts.no_verify, **_model(opts.config))
     print("\n".join(lines))
     return 0 if equal else 1

@@ -388,7 +388,8 @@ class Trainer:
                         }
                     )
                 stopping = state.step == train.stop_after_step
-                if stopping or (ckpt.interval > 0 and (state.step % ckpt.interval == 0 or state.step == train.steps)):
+                at_interval = ckpt.interval > 0 and state.step % ckpt.interval == 0
+                if stopping or at_interval or state.step == train.steps:  # interval 0: only the last step
                     self.save()
                 if stopping:
                     self.log(f"stopping after step {state.step} (training.stop_after_step); run again to resume")
