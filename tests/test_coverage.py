@@ -169,3 +169,13 @@ def test_crafted_metadata_pickle_is_not_executed(tmp_path, monkeypatch, dotted):
     with pytest.raises(SeedckptError, match="not allowed in DCP metadata"):
         DcpCheckpoint(ckpt)
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_a_weight_that_is_not_finite_stops_the_start_naming_it(debug_seed, tmp_path, value):
+    """NaN, +Inf or -Inf in a seed (or any checkpoint loaded this way) is one error naming the tensor."""
+    state = _seed_state(debug_seed)
+    state["layers.3.feed_forward.w2.weight"][5, 7] = value
+    bad = _write_variant(tmp_path / "bad", state)
+    with pytest.raises(SeedckptError, match=r"not finite.*\['layers\.3\.feed_forward\.w2\.weight'\]"):
+        build_stages(ARGS, FULL, "cpu", checkpoint=bad)

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from seedckpt.checkpoint import DcpCheckpoint
 
@@ -240,3 +242,30 @@ def test_interval_zero_saves_only_the_last_step(tmp_path, debug_seed):
     proc = train(tmp_path / "run", debug_seed, "--checkpoint.interval", "0")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert sorted(p.name for p in (tmp_path / "run" / "ckpt").glob("step-*")) == ["step-4"]
+
+
+def test_a_diverging_run_stops_at_that_step_and_saves_nothing_non_finite(tmp_path, debug_seed):
+    """``lr 1e6`` without clipping: the run stops with one line at the first non-finite gradient norm,
+    naming the step and the newest checkpoint, and every step-N it left holds finite values."""
+    run = tmp_path / "run"
+    proc = train(
+        run,
+        debug_seed,
+        "--training.steps",
+        "8",
+        "--training.lr",
+        "1e6",
+        "--training.max_norm",
+        "0",
+        "--training.warmup_steps",
+        "0",
+    )
+    err = proc.stderr.strip()
+    assert proc.returncode == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert re.search(r"step (\d+): the (gradient norm|loss) is (nan|inf)", err), err
+    steps = sorted(run.glob("ckpt/step-*"))
+    assert steps and f"the newest checkpoint is {steps[-1]}" in err, err
+    for step in steps:
+        checkpoint = DcpCheckpoint(step)
+        for fqn in checkpoint.infos:
+            assert torch.isfinite(checkpoint.read_tensor(fqn)).all(), (step, fqn)

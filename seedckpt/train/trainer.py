@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import datetime
 import gc
+import math
 import os
 import sys
 import time
@@ -349,6 +350,7 @@ class Trainer:
                         self.tied.duplicates if self.tied is not None else (),
                         self.data_parallel.grad_norm_group,
                     )
+                    self._check_finite(state.step, "gradient norm", grad_norm.item())
                     if self.saver is not None:  # CUDA: the weights' copies for the save in flight are done
                         self.saver.wait_for_staging()
                     for optimizer, scheduler in zip(state.optimizers, state.schedulers):
@@ -365,6 +367,7 @@ class Trainer:
                 )
                 dist.all_reduce(stats[:1])  # sum of the last stages' DP-local parts (each x dp)
                 dist.all_reduce(stats[1:], op=dist.ReduceOp.MAX)  # the busiest rank's memory and collectives
+                self._check_finite(state.step, "loss", stats[0].item())
                 step_time = time.perf_counter() - t0
                 tokens_per_s = tokens_per_step / step_time
                 logging = state.step % self.cfg.metrics.log_freq == 0 or state.step == train.steps
@@ -405,6 +408,20 @@ class Trainer:
         finally:
             if metrics is not None:
                 metrics.close()
+
+    def _check_finite(self, step: int, what: str, value: float) -> None:
+        """Stop at a non-finite gradient norm (before it reaches the weights) or loss (before the
+        step is saved): both are global, so every rank stops at the same step, and nothing
+        non-finite is applied or saved."""
+        if math.isfinite(value):
+            return
+        steps = complete_steps(self.cfg.checkpoint.folder)
+        newest = f"the newest checkpoint is {steps[max(steps)]}" if steps else "no checkpoint was saved yet"
+        raise SeedckptError(
+            f"step {step}: the {what} is {value}: training diverged (or the data holds a bad value); nothing "
+            f"non-finite was applied or saved; {newest}: resume from it with a lower training.lr, more "
+            "training.warmup_steps or gradient clipping (training.max_norm)"
+        )
 
     @contextlib.contextmanager
     def _maybe_profile(self, enabled: bool):
