@@ -324,3 +324,29 @@ def test_extra_layers_of_a_checkpoint_without_manifest_are_an_error_listing_them
     four = tiny_config("--model.n_layers", "4").model_args()
     with pytest.raises(SeedckptError, match=r"it has 18 model tensors this model does not use, e.g. layers\.4\."):
         build_stages(four, plan_rank_stages(four, 0, 2), "cpu", checkpoint=tmp_path / "foreign")
+
+
+def test_an_entry_pointed_at_another_tensors_bytes_is_refused(tmp_path, debug_seed, capsys):
+    """``wq`` pointed at ``wo``'s bytes (same shape, ``.metadata``'s checksum re-recorded) is not a
+    tie the model declares: every reader and ``verify`` refuse it; a declared tie still loads."""
+    import pickle
+
+    from seedckpt.checkpoint.integrity import crc
+
+    crafted = tmp_path / "crafted"
+    shutil.copytree(debug_seed, crafted)
+    metadata = DcpCheckpoint(crafted).metadata
+    by_fqn = {index.fqn: index for index in metadata.storage_data}
+    wq, wo = by_fqn["layers.0.attention.wq.weight"], by_fqn["layers.0.attention.wo.weight"]
+    metadata.storage_data[wq] = metadata.storage_data[wo]
+    data = pickle.dumps(metadata)
+    (crafted / ".metadata").write_bytes(data)
+    manifest = json.loads((crafted / "seedckpt.json").read_text())
+    manifest["checksums"]["metadata"] = crc(data)
+    manifest.pop("raw_items")
+    (crafted / "seedckpt.json").write_text(json.dumps(manifest))
+    with pytest.raises(SeedckptError, match="a tie this model does not have") as refused:
+        open_model_checkpoint(crafted)
+    assert "attention.wq.weight" in str(refused.value) and "attention.wo.weight" in str(refused.value)
+    assert cli(["verify", str(crafted), "--quiet"]) == 2
+    assert "a tie this model does not have" in capsys.readouterr().err

@@ -294,9 +294,12 @@ def test_resume_mid_epoch_gives_identical_losses(tmp_path, chat_inputs):
     assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
 
 
-def _train_error(*argv: str) -> str:
+def _train_error(tmp_path: Path, *argv: str) -> str:
+    """``train.py`` with the SFT config, its outputs in ``tmp_path`` (never the working tree's
+    ``outputs/``, which the README's examples fill): the one-line error it stops with."""
+    outputs = ["--checkpoint.folder", str(tmp_path / "ckpt"), "--job.dump_folder", str(tmp_path / "run")]
     proc = subprocess.run(
-        [sys.executable, "train.py", "--config", "configs/sft_debug.toml", *argv],
+        [sys.executable, "train.py", "--config", "configs/sft_debug.toml", *outputs, *argv],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -317,14 +320,15 @@ def test_bad_input_fails_before_training_with_one_line(tmp_path, chat_inputs):
         "--parallelism.pipeline_parallel_degree",
         "1",
     ]
-    err = _train_error(*common, "--data.path", str(chats), "--model.dim", "128")
+    err = _train_error(tmp_path, *common, "--data.path", str(chats), "--model.dim", "128")
     assert "model.dim = 128, the checkpoint has 64" in err
-    err = _train_error(*common, "--data.path", str(chats), "--model.flavor", "1B")
+    err = _train_error(tmp_path, *common, "--data.path", str(chats), "--model.flavor", "1B")
     assert "model.flavor = '1B' has dim = 2048, the checkpoint 64" in err
     broken = tmp_path / "broken.jsonl"
     broken.write_text(chats.read_text().splitlines()[0] + "\n{not json\n")
-    assert f"{broken}:2" in _train_error(*common, "--data.path", str(broken))
+    assert f"{broken}:2" in _train_error(tmp_path, *common, "--data.path", str(broken))
     err = _train_error(
+        tmp_path,
         "--finetune.pretrained",
         str(tmp_path / "nowhere"),
         "--data.tokenizer",

@@ -95,11 +95,31 @@ class DcpCheckpoint(Checkpoint):
         self.shared = _shared_bytes(self.metadata)
         if self.checksums is not None:
             self._refuse_unchecked_items()
-        self.aliases.update({ours.get(k, k): ours.get(source, source) for k, source in self.shared.items()})
+        shared = {ours.get(k, k): ours.get(source, source) for k, source in self.shared.items()}
+        self._refuse_undeclared_ties(shared)
+        self.aliases.update(shared)
         self.alias_tied(dict(self.all_tensors))  # tied checkpoints written before .metadata recorded the alias
         for fqn, source in self.aliases.items():
             self.stored[fqn] = self.stored.get(source, source)
             self.all_tensors[fqn] = self.all_tensors[source]
+
+    def _refuse_undeclared_ties(self, shared: dict[str, str]) -> None:
+        """Two entries of ``.metadata`` at the same bytes are one tensor under two names, which only a
+        tie the model declares makes true (a tied output projection is the embedding); any other
+        (``wq`` pointed at ``wo``'s bytes) is refused. Without a model to ask (opened without the
+        caller's model knowledge) a tie cannot be judged and is read as recorded."""
+        if self.layout is None:
+            return
+        undeclared = [
+            f"{fqn} at the bytes of {source}"
+            for fqn, source in shared.items()
+            if self.layout.aliases.get(fqn) != source
+        ]
+        if undeclared:
+            raise SeedckptError(
+                f"{self.path}: .metadata records {', '.join(undeclared[:3])}, a tie this model does not have; "
+                "the checkpoint is damaged or crafted -- restore it or write it again"
+            )
 
     def _refuse_unchecked_items(self) -> None:
         """Every item ``.metadata`` points to must be one the manifest records a checksum for, with
@@ -188,10 +208,10 @@ def _shared_bytes(metadata) -> dict[str, str]:
     """``{key: source}`` for the keys of ``metadata`` whose every chunk lies at the bytes of one
     earlier key with the same tensor metadata: the alias our writer records for a tied FQN
     (``write_checkpoint``'s ``aliases``). The first key to point at some bytes stores them."""
-    owner: dict[tuple[str, int], str] = {}
+    owner: dict[tuple[str, int, int], str] = {}
     owners: dict[str, set[str]] = {}
     for index, info in metadata.storage_data.items():
-        where = (info.relative_path, info.offset)
+        where = (info.relative_path, info.offset, info.length)  # an alias is its source's file, offset and length
         owners.setdefault(index.fqn, set()).add(owner.setdefault(where, index.fqn))
     tensors = metadata.state_dict_metadata
     return {
