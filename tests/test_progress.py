@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import threading
 
+from seedckpt.utils import progress
 from seedckpt.utils.progress import Progress
 
 
@@ -13,7 +14,7 @@ class _Terminal(io.StringIO):
         return True
 
 
-def test_a_log_gets_a_few_complete_lines_ending_at_100_percent():
+def test_a_short_job_adds_one_complete_line_to_a_log():
     log = io.StringIO()
     bar = Progress(3 * 2**20, "seed debug", stream=log)
     for _ in range(3 * 1024):
@@ -21,19 +22,31 @@ def test_a_log_gets_a_few_complete_lines_ending_at_100_percent():
     bar.close()
     text = log.getvalue()
     assert "\r" not in text and text.endswith("\n")
-    lines = text.splitlines()
-    assert len(lines) == 11  # where it started, then every 10 %
-    assert lines[-1].startswith("seed debug: 100.0% 3.00MB/3.00MB")  # binary units: 3 MiB
-    assert all(line.startswith("seed debug: ") for line in lines)
+    assert text.splitlines() == [text.strip()]  # one line: the work was done in well under 30 s
+    assert text.startswith("seed debug: 100.0% 3.00MB/3.00MB")  # binary units: 3 MiB
 
 
-def test_a_jump_past_several_tenths_prints_one_line():
+def test_a_long_job_prints_a_line_per_30_seconds_and_one_at_the_end(monkeypatch):
+    clock = iter([0.0, 10.0, 31.0, 45.0, 62.0, 70.0, 80.0, 81.0])  # start, each update, close
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: next(clock))
+    log = io.StringIO()
+    bar = Progress(60, "convert", unit="x", stream=log)
+    for _ in range(6):
+        bar.update(10)
+    bar.close()
+    assert [line.split("%")[0] for line in log.getvalue().splitlines()] == [
+        "convert:  33.3",  # 31 s: the first 30 s passed
+        "convert:  66.7",  # 62 s: another 30 s
+        "convert: 100.0",  # done
+    ]
+
+
+def test_a_job_that_stops_early_says_where_when_closed():
     log = io.StringIO()
     bar = Progress(100, "convert", stream=log)
     bar.update(55)
-    bar.update(45)
     bar.close()
-    assert [line.split("%")[0] for line in log.getvalue().splitlines()] == ["convert:  55.0", "convert: 100.0"]
+    assert [line.split("%")[0] for line in log.getvalue().splitlines()] == ["convert:  55.0"]
 
 
 def test_disabled_prints_nothing():
@@ -67,4 +80,4 @@ def test_updates_from_threads_add_up():
         worker.join()
     bar.close()
     lines = log.getvalue().splitlines()
-    assert len(lines) == 11 and lines[-1].startswith("seed: 100.0% 16.0kit/16.0kit")
+    assert len(lines) == 1 and lines[-1].startswith("seed: 100.0% 16.0kit/16.0kit")  # 100 %: none lost

@@ -1,9 +1,10 @@
 """Progress of long CPU work (seeding a 70B model, converting or verifying a checkpoint takes minutes).
 
 On a terminal it is tqdm's live bar. Anywhere else (a log file, a pipe, CI) a redrawn bar would
-leave one ``\\r``-joined line per update in the log, so it prints a complete line each time another
-10 % is done instead: at most 11 lines, the last one at 100 %. Both show the same fields, formatted
-by tqdm: done/total in binary units, rate and ETA.
+leave one ``\\r``-joined line per update in the log, so it prints a complete line at most every
+``LOG_INTERVAL_S`` seconds of work and one when the work is done: a command under 30 s adds one
+line to a log, and a failing command's error is not buried under progress. Both show the same
+fields, formatted by tqdm: done/total in binary units, rate and ETA.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from tqdm import tqdm
 _STATS = "{n_fmt}{unit}/{total_fmt}{unit} [{elapsed}<{remaining}, {rate_fmt}]"
 _BAR_FORMAT = "{desc}: {percentage:5.1f}%|{bar}| " + _STATS
 _LINE_FORMAT = "{desc}: {percentage:5.1f}% " + _STATS
+LOG_INTERVAL_S = 30.0  # at most one progress line per this much work in a log
 
 
 class Progress:
@@ -58,31 +60,39 @@ class Progress:
 
 class _PlainLines:
     """The same interface as ``tqdm`` (``update``, ``close``) for a stream that is not a terminal:
-    one complete line per 10 % reached, formatted by ``tqdm.format_meter``."""
+    a complete line, formatted by ``tqdm.format_meter``, once ``LOG_INTERVAL_S`` passed since the
+    last one, and one when the work is done (or closed before that)."""
 
     def __init__(self, total: float, label: str, unit: str, divisor: int, stream):
         self.total, self.label, self.unit, self.divisor, self.stream = total, label, unit, divisor, stream
         self.done = 0.0
-        self.start = time.perf_counter()
-        self.printed_decile = -1  # the first update prints where the work starts
+        self.start = self.last_line = time.perf_counter()
+        self.finished = False
 
     def update(self, amount: float) -> None:
         self.done += amount
-        decile = min(10, int(10 * self.done / self.total)) if self.total else 10
-        if decile > self.printed_decile:
-            self.printed_decile = decile
-            line = tqdm.format_meter(
-                self.done,
-                self.total,
-                time.perf_counter() - self.start,
-                prefix=self.label,
-                unit=self.unit,
-                unit_scale=True,
-                unit_divisor=self.divisor,
-                bar_format=_LINE_FORMAT,
-            )
-            self.stream.write(line + "\n")
-            self.stream.flush()
+        now = time.perf_counter()
+        if self.done >= self.total or now - self.last_line >= LOG_INTERVAL_S:
+            self._line(now)
+
+    def _line(self, now: float) -> None:
+        if self.finished:
+            return
+        self.finished = self.done >= self.total
+        self.last_line = now
+        line = tqdm.format_meter(
+            self.done,
+            self.total,
+            now - self.start,
+            prefix=self.label,
+            unit=self.unit,
+            unit_scale=True,
+            unit_divisor=self.divisor,
+            bar_format=_LINE_FORMAT,
+        )
+        self.stream.write(line + "\n")
+        self.stream.flush()
 
     def close(self) -> None:
-        """Nothing to finish: every line is already complete (the 100 % one came with the last update)."""
+        """The last line, where the work stopped, unless the one at 100 % was printed already."""
+        self._line(time.perf_counter())
