@@ -269,3 +269,17 @@ def test_a_diverging_run_stops_at_that_step_and_saves_nothing_non_finite(tmp_pat
         checkpoint = DcpCheckpoint(step)
         for fqn in checkpoint.infos:
             assert torch.isfinite(checkpoint.read_tensor(fqn)).all(), (step, fqn)
+
+
+@pytest.mark.parametrize("where", ["the seed", "inside the seed", "around the seed"])
+def test_a_checkpoint_folder_overlapping_the_seed_is_refused(tmp_path, debug_seed, capsys, monkeypatch, where):
+    """step-N inside the seed would be deleted by the next ``seed --force``; a folder holding the
+    seed would prune or replace it."""
+    monkeypatch.chdir(REPO)
+    seed = tmp_path / "seeds" / "debug"
+    shutil.copytree(debug_seed, seed)
+    folder = {"the seed": seed, "inside the seed": seed / "ckpt", "around the seed": tmp_path / "seeds"}[where]
+    assert train_in_process(tmp_path / "run", seed, "--checkpoint.folder", str(folder)) == 2
+    err = capsys.readouterr().err
+    assert "overlap" in err and "choose a checkpoint.folder apart from it" in err and len(err.splitlines()) == 1
+    assert not list(seed.glob("step-*")) and not (seed / "ckpt").exists()

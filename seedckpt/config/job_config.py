@@ -513,7 +513,23 @@ def _type_name(typ) -> str:
 def check_output_folders(cfg: JobConfig) -> None:
     """Create ``checkpoint.folder`` and ``job.dump_folder`` and prove each is writable by writing
     and deleting a file there -- so a read-only or mistyped path fails before rendezvous with the
-    key that names it, not as an OSError at the first checkpoint after hours of training."""
+    key that names it, not as an OSError at the first checkpoint after hours of training. The
+    checkpoint folder must lie apart from the checkpoint the run starts from: a run writing its
+    ``step-N`` inside its seed (or around its pretrained step) would have them pruned or deleted
+    with it."""
+    folder = Path(cfg.checkpoint.folder).resolve()
+    key, start = (
+        ("finetune.pretrained", cfg.finetune.pretrained)
+        if cfg.finetune.mode != "none"
+        else ("checkpoint.seed_checkpoint", cfg.checkpoint.seed_checkpoint)
+    )
+    source = Path(start).resolve() if start else None
+    if source is not None and (folder == source or folder in source.parents or source in folder.parents):
+        raise SeedckptError(
+            f"checkpoint.folder = {cfg.checkpoint.folder} and {key} = {start} overlap: the run's step-N "
+            "checkpoints would live in, or around, the checkpoint it starts from; choose a checkpoint.folder "
+            "apart from it"
+        )
     for key, folder in (("checkpoint.folder", cfg.checkpoint.folder), ("job.dump_folder", cfg.job.dump_folder)):
         if Path(folder).exists() and not Path(folder).is_dir():
             raise SeedckptError(

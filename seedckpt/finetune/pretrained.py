@@ -49,7 +49,8 @@ def pretrained_args(path: str, family: str | None = None):
         raise SeedckptError(
             f"finetune.pretrained {path} holds an OSFT run's SVD factors, not dense weights; "
             f"for the next task export it first: seedckpt convert {path} DENSE_DIR --to dcp --dense "
-            "(to continue that run instead, set checkpoint.folder to its folder)"
+            "(to continue that run instead, set checkpoint.folder to its folder and finetune.pretrained to what "
+            "it started from)"
         )
     return checkpoint.require_args()
 
