@@ -160,7 +160,15 @@ def test_sft_from_hf_parity_export_and_transformers_agree(tmp_path, chat_inputs,
     index = json.loads((tmp_path / "export" / "model.safetensors.index.json").read_text())
     assert ("lm_head.weight" in index["weight_map"]) != tie
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
-    transformers.AutoTokenizer.from_pretrained(tmp_path / "export")  # the tokenizer travels with it
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")  # the tokenizer travels with it
+    # generate() stops at the end of a turn: the eos ids hold the token the template closes the
+    # assistant's part with (the one SFT taught), in config.json and generation_config.json
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
+    rendered = rendered["input_ids"] if hasattr(rendered, "keys") else rendered
+    end_of_turn = next(t for t in reversed(rendered) if t in tokenizer.all_special_ids and t != tokenizer.pad_token_id)
+    generation = transformers.GenerationConfig.from_pretrained(tmp_path / "export")
+    assert end_of_turn in generation.eos_token_id and end_of_turn in config["eos_token_id"]
+    assert exported.generation_config.eos_token_id == generation.eos_token_id
     tokens = torch.randint(0, args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     [ours] = build_stages(args, plan_rank_stages(args, 0, 1), "cpu", checkpoint=step)
     with torch.no_grad():

@@ -149,7 +149,8 @@ class WriteJob:
     """What a format's ``write(source, dst, job)`` writes: these tensors of ``source`` (our FQNs, in
     file order, each in the dtype given) with this manifest. ``shard_bytes``: the most bytes per file
     for formats that shard (HF); ``codec``: the caller's model knowledge, for formats that name the
-    model their way (HF names and ``config.json``, torchtitan's names); ``aliases``: the tied FQNs left
+    model their way (HF names and ``config.json``, torchtitan's names); ``token_ids``: HF's special
+    token ids; ``aliases``: the tied FQNs left
     out of ``infos`` (``{fqn: source}``), for formats that record them (DCP)."""
 
     infos: dict[str, TensorInfo]
@@ -159,6 +160,9 @@ class WriteJob:
     shard_bytes: int = 5 * 10**9
     codec: ModelCodec | None = None
     aliases: dict[str, str] = field(default_factory=dict)
+    # HF: the special token ids (bos, eos -- a list --, pad) the exported tokenizer gives, for
+    # config.json and generation_config.json, so that generate() stops where the model ends a turn
+    token_ids: dict = field(default_factory=dict)
 
 
 def recorded_layout(codec: ModelCodec | None, manifest: dict | None, where) -> ModelLayout | None:

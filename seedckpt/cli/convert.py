@@ -24,7 +24,10 @@ import torch
 
 from models.family import ModelFamily
 from seedckpt.checkpoint import FORMATS, Checkpoint, TensorInfo, WriteJob, dtype_name, make_manifest
+from seedckpt.checkpoint.manifest import TOKENIZER_DIR
 from seedckpt.config.job_config import DTYPES
+from seedckpt.data.chat import render_with_mask
+from seedckpt.data.tokenizer import load_tokenizer
 from seedckpt.finetune.osft import manifest_osft
 from seedckpt.materialize.model_checkpoint import codec_for, dense_view, family_to_open, open_model_checkpoint
 from seedckpt.utils.errors import SeedckptError
@@ -116,11 +119,31 @@ def convert(
         source={"format": source.kind, "path": str(src)},
         **({"finetune": recorded["finetune"]} if keeps_factors else {}),
     )
-    job = WriteJob(infos, manifest, force, bar.update, shard_bytes, codec, aliases=tied)
+    token_ids = special_token_ids(source) if to == "hf" else {}
+    job = WriteJob(infos, manifest, force, bar.update, shard_bytes, codec, aliases=tied, token_ids=token_ids)
     try:
         return target.write(source, Path(dst), job)
     finally:
         bar.close()
+
+
+def special_token_ids(source: Checkpoint) -> dict:
+    """bos, eos and pad ids of the tokenizer a fine-tuning checkpoint carries (none: ``{}``). With a
+    chat template, the eos ids also hold the token that ends an assistant turn: the last token the
+    template puts in the assistant's part, which SFT taught the model to emit."""
+    directory = source.path / TOKENIZER_DIR if source.path.is_dir() else None
+    if directory is None or not directory.is_dir():
+        return {}
+    tokenizer = load_tokenizer(directory)
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    if tokenizer.chat_template:
+        turn = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+        ids, assistant = render_with_mask(tokenizer, turn, str(directory))
+        last = max((i for i, mine in enumerate(assistant) if mine), default=None)
+        if last is not None and ids[last] in tokenizer.all_special_ids and ids[last] not in eos:
+            eos.append(ids[last])
+    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": eos or None, "pad_token_id": tokenizer.pad_token_id}
+    return {key: value for key, value in ids.items() if value is not None}
 
 
 def check_apart(src: Path, dst: Path) -> None:

@@ -191,7 +191,9 @@ def write(source: Checkpoint, dst: Path, job: WriteJob) -> Path:
             weight_map.update({hf_name_of[f]: file for f in fqns})
         index = {"metadata": {"total_size": sum(i.nbytes for i in job.infos.values())}, "weight_map": weight_map}
         write_json_synced(partial / "model.safetensors.index.json", index)
-        write_json_synced(partial / "config.json", job.codec.hf_config(source.layout, dtype))
+        write_json_synced(partial / "config.json", {**job.codec.hf_config(source.layout, dtype), **job.token_ids})
+        if job.token_ids:
+            write_json_synced(partial / "generation_config.json", job.token_ids)
         tokenizer = source.path / TOKENIZER_DIR if source.path.is_dir() else None
         if tokenizer is not None and tokenizer.is_dir():
             for file in tokenizer.iterdir():
