@@ -15,8 +15,23 @@ from dataclasses import dataclass
 from models.common.decoder import DecoderOptions
 
 
+class DictArgs:
+    """``to_dict`` / ``from_dict`` of a family's args dataclass: how a manifest records the model."""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown {cls.__name__} fields {sorted(unknown)}; valid: {sorted(names)}")
+        return cls(**d)
+
+
 @dataclass
-class DecoderArgs:
+class DecoderArgs(DictArgs):
     dim: int = 4096
     n_layers: int = 32
     n_heads: int = 32
@@ -58,17 +73,6 @@ class DecoderArgs:
     @property
     def decoder_options(self) -> DecoderOptions:
         return DecoderOptions(init="normal", init_std=self.initializer_range)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict):
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - names
-        if unknown:
-            raise ValueError(f"unknown {cls.__name__} fields {sorted(unknown)}; valid: {sorted(names)}")
-        return cls(**d)
 
 
 # The fields that decide which tensors exist and their shapes.

@@ -72,15 +72,11 @@ def from_hf_name(name: str) -> str | None:
 
 def heads_of(fqn: str, args) -> int | None:
     """How many groups (heads) the RoPE permutation reorders ``fqn``'s rows within, or None."""
-    name = fqn.rsplit(".", 2)
-    if len(name) < 3:
-        return None
-    module, kind = name[1], name[2]
-    if module == "wq" and fqn.endswith(("attention.wq.weight", "attention.wq.bias")):
+    if fqn.endswith(("attention.wq.weight", "attention.wq.bias")):
         return args.n_heads
-    if module == "wk" and fqn.endswith(("attention.wk.weight", "attention.wk.bias")):
+    if fqn.endswith(("attention.wk.weight", "attention.wk.bias")):
         return args.n_kv_heads
-    if kind == "weight" and fqn.endswith(("attention.q_norm.weight", "attention.k_norm.weight")):
+    if fqn.endswith(("attention.q_norm.weight", "attention.k_norm.weight")):
         return 1  # one head's dimensions: the same permutation as each head's rows
     return None
 

@@ -6,9 +6,9 @@ Field names follow Meta's and torchtitan's ``ModelArgs`` (``dim``, ``n_layers``,
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
+from models.common.args import DictArgs
 from models.common.decoder import DecoderOptions
 
 
@@ -23,7 +23,7 @@ class RopeScaling:
 
 
 @dataclass
-class ModelArgs:
+class ModelArgs(DictArgs):
     dim: int = 4096
     n_layers: int = 32
     n_heads: int = 32
@@ -78,17 +78,6 @@ class ModelArgs:
     def decoder_options(self) -> DecoderOptions:
         """Llama 3 is the shared decoder's plain case."""
         return DecoderOptions()
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> ModelArgs:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - names
-        if unknown:
-            raise ValueError(f"unknown ModelArgs fields {sorted(unknown)}; valid: {sorted(names)}")
-        return cls(**d)
 
 
 # ModelArgs fields that decide which tensors exist and their shapes: a config must agree with a
