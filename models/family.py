@@ -60,6 +60,11 @@ class ModelFamily:
     # (args, training.seq_len) -> why this model cannot train that long, or None (a sliding window
     # this version does not implement)
     check_seq_len: Callable[[Any, int], str | None] = lambda args, seq_len: None
+    # (stage module, TP mesh, sequence_parallel) -> None: the tensor-parallel plan, applied on ``meta``
+    # before data parallelism; None: this family does not support tensor parallelism
+    tensor_parallel: Callable[[nn.Module, Any, bool], None] | None = None
+    # args -> {what: size}: the sizes the TP degree must divide (heads, widths, vocabulary)
+    tensor_parallel_sizes: Callable[[Any], dict[str, int]] = lambda args: {}
 
     def flavor_of(self, args) -> str | None:
         """The released flavor with these tensor shapes, if any."""

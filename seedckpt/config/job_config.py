@@ -175,13 +175,19 @@ class Optimizer:
 
 @dataclass(frozen=True)
 class Parallelism:
-    """the device mesh: pipeline stages x FSDP2 shards (x replicas)"""
+    """the device mesh: pipeline stages x FSDP2 shards (x replicas) x tensor-parallel ranks"""
 
     pipeline_parallel_degree: int = option(1, "ranks along the pipeline (the mesh's pp dimension)")
     data_parallel_shard_degree: int = option(
         -1, "ranks each stage's parameters are sharded over (-1: the rest of the world size)"
     )
     data_parallel_replicate_degree: int = option(1, "replicas of the sharded model (HSDP when > 1)")
+    tensor_parallel_degree: int = option(
+        1, "ranks each block's matrices are split over (the innermost mesh dimension: keep it within a node)"
+    )
+    enable_sequence_parallel: bool = option(
+        True, "with tensor parallelism: split the norms' activations along the sequence across the TP ranks"
+    )
     pipeline_parallel_schedule: PipelineSchedule = option("1F1B", "torch.distributed.pipelining schedule")
     pipeline_parallel_microbatches: int = option(-1, "microbatches per local batch (-1: one per pipeline stage)")
     pipeline_parallel_stages_per_rank: int = option(
@@ -208,7 +214,12 @@ class Parallelism:
 
     def validate(self) -> None:
         """Each degree on its own; whether they multiply to the world size is ParallelDims' job."""
-        for key in ("pipeline_parallel_degree", "data_parallel_replicate_degree", "pipeline_parallel_stages_per_rank"):
+        for key in (
+            "pipeline_parallel_degree",
+            "data_parallel_replicate_degree",
+            "tensor_parallel_degree",
+            "pipeline_parallel_stages_per_rank",
+        ):
             _check(f"parallelism.{key}", getattr(self, key), getattr(self, key) >= 1, ">= 1")
         _check(
             "parallelism.data_parallel_shard_degree",
@@ -395,6 +406,12 @@ class JobConfig:
                     par.data_parallel_replicate_degree,
                     "1",
                     par.data_parallel_replicate_degree == 1,
+                ),
+                (
+                    "parallelism.tensor_parallel_degree",
+                    par.tensor_parallel_degree,
+                    "1",
+                    par.tensor_parallel_degree == 1,
                 ),
                 ("finetune.mode", self.finetune.mode, "'none' or 'sft'", self.finetune.mode != "osft"),
             )

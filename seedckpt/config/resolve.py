@@ -48,7 +48,12 @@ def default_world_size(cfg: JobConfig) -> int:
     """The world the config's degrees describe, ``data_parallel_shard_degree = -1`` counting as 1
     (``seedckpt plan`` without ``--world-size``, ``seedckpt seed``)."""
     par = cfg.parallelism
-    return par.pipeline_parallel_degree * par.data_parallel_replicate_degree * max(1, par.data_parallel_shard_degree)
+    return (
+        par.pipeline_parallel_degree
+        * par.data_parallel_replicate_degree
+        * max(1, par.data_parallel_shard_degree)
+        * par.tensor_parallel_degree
+    )
 
 
 def choose_device(requested: str, local_ranks: int, gpus: int) -> str:

@@ -3,18 +3,18 @@
 A stage is the full model built on ``meta`` with every block it does not own deleted (the blocks
 are an ``nn.ModuleDict``, so surviving ones keep their FQNs) and the top-level modules of the other
 end(s) of the pipeline (the embedding, the final norm and output: the family says which) set to
-``None``. Then, in order:
+``None`` (``stage_models``). The caller parallelizes them (tensor parallel, FSDP2) while they are
+still on ``meta``: nothing is allocated yet. Then ``load_stages``, in order:
 
-1. optional FSDP2 sharding (``shard_fn``), still on ``meta``: nothing is allocated yet;
-2. ``to_empty`` on the target device, and every floating tensor is poisoned with NaN;
-3. non-persistent buffers are recomputed by the modules' ``init_buffers()``;
-4. parameters and persistent buffers are loaded by FQN through DCP (each rank reads only the
+1. ``to_empty`` on the target device, and every floating tensor is poisoned with NaN;
+2. non-persistent buffers are recomputed by the modules' ``init_buffers()``;
+3. parameters and persistent buffers are loaded by FQN through DCP (each rank reads only the
    tensors it owns) -- or, for direct init, filled by ``seedckpt.materialize.init_recipe``. Fine-tuning may grow the
    vocabulary: the checkpoint's rows are loaded and every new row is set to the mean of the old
    ones (Mini Trainer's rule), computed across the FSDP shards. OSFT's target layers are
    ``OSFTLinear`` from the start (on ``meta``); their SVD factors are loaded, or computed from the
    dense weights by a distributed SVD across the ranks that hold the stage (``osft``);
-5. ``verify_initialized`` scans every local tensor: any NaN poison left means some tensor was
+4. ``verify_initialized`` scans every local tensor: any NaN poison left means some tensor was
    never written, and the run stops with the list of FQNs.
 
 Seed, resume and fine-tuning all use this one path.
@@ -140,67 +140,93 @@ def build_stages(
     stage_group=None,
     verify: bool = True,
 ) -> list[nn.Module]:
-    """Build this rank's stage modules and give every tensor a value.
+    """Build this rank's stage modules and give every tensor a value: ``stage_models``, then
+    ``shard_fn`` on each (e.g. FSDP2, still on ``meta``), then ``load_stages``.
 
-    Exactly one of ``checkpoint`` (load by FQN, the normal path: a DCP checkpoint or a Hugging Face
-    directory of the family; a path, or a ``Checkpoint`` already opened as below, as the trainer's start is)
-    or ``seed`` (direct per-rank init, bitwise equal to loading the seed made with that seed) must
-    be given. The checkpoint is checked against ``args`` before anything is
-    allocated. ``shard_fn`` (e.g. activation checkpointing + FSDP2) is applied on ``meta``.
-    ``grow_vocab``: ``args.vocab_size`` may exceed the checkpoint's; the new rows get the mean of
-    the checkpoint's rows (collective over the FSDP shards of the first and last stages).
-    ``osft``: the target linears become ``OSFTLinear`` (on ``meta``, before sharding). A checkpoint
-    that stores their factors (an OSFT run's ``step-N``) loads them like any tensor; from dense
-    weights they are computed by ``osft.fill_factors`` across ``stage_group`` (the ranks holding
-    these stages; ``None``: this rank alone). ``verify``: check the bytes read against the
-    checkpoint's checksums.
+    ``checkpoint``: a path (a DCP checkpoint or a Hugging Face directory of the family), opened
+    here, or a ``Checkpoint`` already opened; ``verify``: check the bytes read against the
+    checkpoint's checksums. The other arguments are ``load_stages``'.
+    """
+    if checkpoint is not None and not isinstance(checkpoint, Checkpoint):
+        # ``args`` describes a checkpoint that records no model (a foreign DCP one), so model tensors this
+        # model has no place for (extra layers) are refused, not silently left out. A grown vocabulary
+        # is not the checkpoint's shape: then only what the checkpoint records is checked.
+        checkpoint = open_model_checkpoint(
+            checkpoint, None if grow_vocab else args, complete=False, verify=verify, model=family_of(args).name
+        )
+    modules, targets = stage_models(args, specs, osft)
+    if shard_fn is not None:
+        for module in modules:
+            shard_fn(module)
+    load_stages(modules, args, device, checkpoint, seed, grow_vocab, osft, targets, stage_group)
+    return modules
+
+
+def stage_models(args, specs: Sequence[StageSpec], osft: OSFTSpec | None = None) -> tuple[list[nn.Module], dict]:
+    """This rank's stage modules on ``meta``, and OSFT's targets in them (``{FQN: OSFTLinear}``):
+    with ``osft``, the target linears are ``OSFTLinear`` from the start."""
+    modules = [build_stage_model(args, spec) for spec in specs]
+    targets = {}
+    if osft is not None:
+        for module in modules:
+            targets.update((f, module.get_submodule(f)) for f in convert_to_osft(module, osft.patterns, osft.ratio))
+    return modules, targets
+
+
+def load_stages(
+    modules: Sequence[nn.Module],
+    args,
+    device: torch.device | str,
+    checkpoint: Checkpoint | None = None,
+    seed: int | None = None,
+    grow_vocab: bool = False,
+    osft: OSFTSpec | None = None,
+    osft_targets: dict | None = None,
+    stage_group=None,
+) -> None:
+    """Materialize the (sharded) stage modules on ``device`` and give every tensor a value.
+
+    Exactly one of ``checkpoint`` (load by FQN, the normal path) or ``seed`` (direct per-rank init,
+    bitwise equal to loading the seed made with that seed) must be given. The checkpoint is
+    checked against ``args`` before anything is allocated. ``grow_vocab``: ``args.vocab_size`` may
+    exceed the checkpoint's; the new rows get the mean of the checkpoint's rows (collective over
+    the shards of the first and last stages). ``osft``: a checkpoint that stores the factors of the
+    targets (an OSFT run's ``step-N``) loads them like any tensor; from dense weights they are
+    computed by ``osft.fill_factors`` across ``stage_group`` (the ranks holding these stages;
+    ``None``: this rank alone).
     """
     if (checkpoint is None) == (seed is None):
         raise ValueError("give exactly one of checkpoint= or seed=")
     if osft is not None and checkpoint is None:
         raise SeedckptError("OSFT starts from pretrained weights: give a checkpoint")
-    # ``args`` describes a checkpoint that records no model (a foreign DCP one), so model tensors this
-    # model has no place for (extra layers) are refused, not silently left out. A grown vocabulary
-    # is not the checkpoint's shape: then only what the checkpoint records is checked.
-    if checkpoint is None or isinstance(checkpoint, Checkpoint):
-        reader = checkpoint
-    else:
-        reader = open_model_checkpoint(
-            checkpoint, None if grow_vocab else args, complete=False, verify=verify, model=family_of(args).name
-        )
-    if reader is not None:
-        check_args_match(reader, args, grow_vocab)
-    modules = [build_stage_model(args, spec) for spec in specs]
-    targets = {}  # OSFT: FQN -> OSFTLinear
-    if osft is not None:
-        for module in modules:
-            targets.update((f, module.get_submodule(f)) for f in convert_to_osft(module, osft.patterns, osft.ratio))
-    if shard_fn is not None:
-        for module in modules:
-            shard_fn(module)
+    if checkpoint is not None:
+        check_args_match(checkpoint, args, grow_vocab)
     materialize(modules, device)
-    if reader is not None:
-        state = {}
-        for module in modules:
-            state.update(module.state_dict())
-        stored = reader.tensors()
-        decompose = {f: layer for f, layer in targets.items() if f"{f}.U_high" not in stored}
-        for fqn in decompose:  # their factors come from the dense weights, after the load below
-            for name in FROZEN + TRAINABLE:
-                del state[f"{fqn}.{name}"]
-        vocab_fqns = family_of(args).vocab_fqns
-        old_vocab = reader.tensors()[vocab_fqns[0]].shape[0] if grow_vocab else args.vocab_size
-        grown = {fqn: state.pop(fqn) for fqn in vocab_fqns if fqn in state and old_vocab < args.vocab_size}
-        for fqn, tensor in grown.items():
-            window = _checkpoint_rows(tensor, old_vocab)
-            if window is not None:  # else this shard holds only new rows
-                state[fqn] = window
-        reader.load(state)
-        _fill_new_rows_with_mean(grown.values(), old_vocab)
-        if decompose:
-            fill_factors(decompose, lambda fqn: reader.read_tensor(f"{fqn}.weight"), osft.ratio, stage_group, device)
-    else:
+    if checkpoint is None:
         for module in modules:
             init_model(module, seed)
+    else:
+        _load(modules, args, checkpoint, grow_vocab, osft, osft_targets or {}, stage_group, device)
     verify_initialized(modules)
-    return modules
+
+
+def _load(modules, args, reader: Checkpoint, grow_vocab: bool, osft, targets: dict, stage_group, device) -> None:
+    state = {}
+    for module in modules:
+        state.update(module.state_dict())
+    stored = reader.tensors()
+    decompose = {f: layer for f, layer in targets.items() if f"{f}.U_high" not in stored}
+    for fqn in decompose:  # their factors come from the dense weights, after the load below
+        for name in FROZEN + TRAINABLE:
+            del state[f"{fqn}.{name}"]
+    vocab_fqns = family_of(args).vocab_fqns
+    old_vocab = stored[vocab_fqns[0]].shape[0] if grow_vocab else args.vocab_size
+    grown = {fqn: state.pop(fqn) for fqn in vocab_fqns if fqn in state and old_vocab < args.vocab_size}
+    for fqn, tensor in grown.items():
+        window = _checkpoint_rows(tensor, old_vocab)
+        if window is not None:  # else this shard holds only new rows
+            state[fqn] = window
+    reader.load(state)
+    _fill_new_rows_with_mean(grown.values(), old_vocab)
+    if decompose:
+        fill_factors(decompose, lambda fqn: reader.read_tensor(f"{fqn}.weight"), osft.ratio, stage_group, device)

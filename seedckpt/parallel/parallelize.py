@@ -1,9 +1,11 @@
-"""The device mesh and what is applied per stage module: activation checkpointing and FSDP2.
+"""The device mesh and what is applied per stage module: tensor parallelism, activation
+checkpointing, compile and FSDP2.
 
-Mesh dimensions are ``(pp, dp_replicate, dp_shard)``. FSDP2 shards over ``dp_shard``, or over the
+Mesh dimensions are ``(pp, dp_replicate, dp_shard, tp)``, TP innermost (neighbouring ranks: one
+node's fast links carry its per-layer collectives). FSDP2 shards over ``dp_shard``, or over the
 2-D ``(dp_replicate, dp_shard)`` sub-mesh (HSDP: replicate across, shard within) when
-``data_parallel_replicate_degree > 1``. Degrees are validated before any process group work so a
-wrong layout fails with the fix, not a hang.
+``data_parallel_replicate_degree > 1``, on top of TP's DTensors. Degrees are validated before any
+process group work so a wrong layout fails with the fix, not a hang.
 """
 
 from __future__ import annotations
@@ -34,10 +36,15 @@ class ParallelDims:
     pp: int
     dp_replicate: int
     dp_shard: int
+    tp: int = 1
 
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
 
     @classmethod
     def from_config(cls, cfg: JobConfig, world_size: int, args) -> ParallelDims:
@@ -47,27 +54,29 @@ class ParallelDims:
         the model's shape ``args`` (fine-tuning's comes from the pretrained checkpoint: ``resolve``).
         """
         par, train = cfg.parallelism, cfg.training
-        pp, rep, shard = (
+        pp, rep, shard, tp = (
             par.pipeline_parallel_degree,
             par.data_parallel_replicate_degree,
             par.data_parallel_shard_degree,
+            par.tensor_parallel_degree,
         )
+        degrees = "pipeline_parallel_degree x data_parallel_replicate_degree x tensor_parallel_degree"
         if shard == -1:
-            shard, rem = divmod(world_size, pp * rep)
+            shard, rem = divmod(world_size, pp * rep * tp)
             if rem or shard < 1:
                 raise SeedckptError(
-                    f"world size {world_size} is not divisible by pipeline_parallel_degree "
-                    f"x data_parallel_replicate_degree = {pp} x {rep}; change the degrees "
-                    "or --nproc-per-node"
+                    f"world size {world_size} is not divisible by {degrees} = {pp} x {rep} x {tp}; "
+                    "change the degrees or --nproc-per-node"
                 )
-        if pp * rep * shard != world_size:
+        if pp * rep * shard * tp != world_size:
             raise SeedckptError(
-                f"pipeline_parallel_degree x data_parallel_replicate_degree x "
-                f"data_parallel_shard_degree = {pp} x {rep} x {shard} = {pp * rep * shard}, "
-                f"but the world size is {world_size}; make them multiply to the world size "
-                "(or set data_parallel_shard_degree = -1)"
+                f"{degrees} x data_parallel_shard_degree = {pp} x {rep} x {tp} x {shard} = "
+                f"{pp * rep * shard * tp}, but the world size is {world_size}; make them multiply to the "
+                "world size (or set data_parallel_shard_degree = -1)"
             )
-        dims = cls(pp, rep, shard)
+        dims = cls(pp, rep, shard, tp)
+        if tp > 1:
+            check_tensor_parallel(cfg, args, tp)
         max_seq_len = args.max_seq_len
         problem = family_of(args).check_seq_len(args, train.seq_len)
         if problem:
@@ -134,8 +143,53 @@ class ParallelDims:
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         return init_device_mesh(
-            device_type, (self.pp, self.dp_replicate, self.dp_shard), mesh_dim_names=("pp", "dp_replicate", "dp_shard")
+            device_type,
+            (self.pp, self.dp_replicate, self.dp_shard, self.tp),
+            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"),
         )
+
+
+def check_tensor_parallel(cfg: JobConfig, args, tp: int) -> None:
+    """What tensor parallelism of degree ``tp`` needs from the model and the rest of the config."""
+    family = family_of(args)
+    if family.tensor_parallel is None:
+        raise SeedckptError(
+            f"model.name = {family.name!r} has no tensor-parallel plan; set parallelism.tensor_parallel_degree = 1"
+        )
+    for what, size in family.tensor_parallel_sizes(args).items():
+        if size % tp:
+            raise SeedckptError(
+                f"parallelism.tensor_parallel_degree = {tp} does not divide {what} = {size}: each TP rank "
+                f"needs an equal share; use a degree that divides it"
+            )
+    seq_len = cfg.training.seq_len
+    if cfg.parallelism.enable_sequence_parallel and seq_len % tp:
+        raise SeedckptError(
+            f"sequence parallelism splits each sequence over the {tp} TP ranks, but training.seq_len = {seq_len} "
+            f"is not divisible by {tp}; use a multiple of {tp}, or set parallelism.enable_sequence_parallel = false"
+        )
+    if cfg.finetune.mode == "osft":
+        raise SeedckptError(
+            "finetune.mode = 'osft' does not run under tensor parallelism in this version (each target's SVD "
+            "factors and projections need the whole matrix on its ranks); set "
+            "parallelism.tensor_parallel_degree = 1 and shard with data_parallel_shard_degree instead"
+        )
+
+
+def parallelize_stage(
+    module: nn.Module, cfg: JobConfig, dims: ParallelDims, mesh: DeviceMesh, shard_data_parallel
+) -> None:
+    """Everything applied to a stage module on ``meta``, in torchtitan's order: tensor parallelism
+    (the family's plan), activation checkpointing, compile (``training.compile``), then data
+    parallelism (``shard_data_parallel``) -- so the compiled code sits inside AC's and FSDP2's hooks,
+    and FSDP2 shards TP's DTensors over the data-parallel ranks."""
+    if dims.tp > 1:
+        family_of(module.args).tensor_parallel(module, mesh["tp"], cfg.parallelism.enable_sequence_parallel)
+    ac = cfg.activation_checkpoint
+    apply_activation_checkpointing(module, ac.mode, ac.selective_every)
+    if cfg.training.compile:
+        apply_compile(module)
+    shard_data_parallel(module)
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str, every: int) -> None:

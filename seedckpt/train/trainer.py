@@ -1,5 +1,5 @@
-"""Pretraining, SFT and OSFT: the training loop, pipeline parallel x data parallel on a
-``(pp, dp_replicate, dp_shard)`` mesh.
+"""Pretraining, SFT and OSFT: the training loop, pipeline parallel x data parallel x tensor parallel
+on a ``(pp, dp_replicate, dp_shard, tp)`` mesh.
 
 One run, end to end -- the trainer is the loop; each other concern is one module:
 
@@ -7,9 +7,10 @@ One run, end to end -- the trainer is the loop; each other concern is one module
    the layout (``ParallelDims``) and the data, all checked before touching a process group;
 2. pick the start (``start``): the newest complete ``step-N``, the pretrained weights, the seed, or
    direct init -- opened once, before any rendezvous, and handed on;
-3. build this rank's stage(s) through ``stages.build_stages`` -- the same load path for seed,
-   pretrained weights and resume -- with activation checkpointing applied on ``meta`` and data
-   parallelism (``data_parallel``: FSDP2, or manual FSDP) applied on ``meta`` or once loaded;
+3. build this rank's stage(s) on ``meta`` (``stages.stage_models``), parallelize them there
+   (``parallelize.parallelize_stage``: tensor parallel, activation checkpointing, compile, and data
+   parallelism -- ``data_parallel``: FSDP2, or manual FSDP once loaded), then materialize and load
+   them (``stages.load_stages``) -- the same load path for seed, pretrained weights and resume;
 4. the train state (``train_state``: optimizers, LR schedules, RNG, data position); for a resume it
    loads itself from the same checkpoint;
 5. each step: the global batch for that step (same for every layout), this DP rank's slice,
@@ -43,6 +44,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from seedckpt.checkpoint import complete_steps, destination_lock, prune_steps, step_dirs
 from seedckpt.checkpoint.background import BackgroundSaver, SavedInBackground
@@ -53,20 +55,16 @@ from seedckpt.data.sources import IGNORE_INDEX
 from seedckpt.finetune.osft import OSFTProjector
 from seedckpt.finetune.pretrained import osft_spec
 from seedckpt.materialize.init_recipe import RECIPE_VERSION
-from seedckpt.materialize.stages import build_stages
+from seedckpt.materialize.stages import load_stages, stage_models
 from seedckpt.materialize.start import changed_training_settings, check_resume_matches_osft, fallback_hint
 from seedckpt.parallel.data_parallel import make_data_parallel
-from seedckpt.parallel.parallelize import (
-    TiedEmbeddings,
-    apply_activation_checkpointing,
-    apply_compile,
-    check_compile_supported,
-)
+from seedckpt.parallel.parallelize import TiedEmbeddings, check_compile_supported, parallelize_stage
 from seedckpt.parallel.pipeline import plan_rank_stages, stage_ids_for_rank
 from seedckpt.train.failures import EXIT_ERROR, EXIT_INTERRUPTED, report_failure, stop_at_first_sigint
 from seedckpt.train.metrics import METRICS_FILE, MetricsLogger, peak_memory_bytes, peak_tflops, utilization
 from seedckpt.train.state import TrainState, adamw_implementation
 from seedckpt.utils.errors import SeedckptError
+from seedckpt.utils.tensors import local
 
 # How long a stopped run waits for its background save in flight to end (BackgroundSaver.drain):
 # under torchrun's 30 s grace (TORCH_ELASTIC_SHUTDOWN_TIMEOUT) between its SIGTERM and SIGKILL.
@@ -108,7 +106,7 @@ class Trainer:
         """``run``: the config resolved for this world, with its start (``resolve(cfg, world).with_start()``)."""
         cfg = self.cfg = run.cfg
         self.rank = dist.get_rank()
-        if run.start is None or run.dims.pp * run.dims.dp != dist.get_world_size():
+        if run.start is None or run.dims.world_size != dist.get_world_size():
             raise ValueError("Trainer needs a run resolved for this world size, with its start")
         self.dims = run.dims
         self.device = (
@@ -154,7 +152,8 @@ class Trainer:
         )
         self.log(
             f"{origin} {start.path or ''} (step {start.step}); mesh pp={self.dims.pp} "
-            f"dp_replicate={self.dims.dp_replicate} dp_shard={self.dims.dp_shard} on {self.device.type}"
+            f"dp_replicate={self.dims.dp_replicate} dp_shard={self.dims.dp_shard}"
+            f"{f' tp={self.dims.tp}' if self.dims.tp > 1 else ''} on {self.device.type}"
             f"{self.data_parallel.log_label}; "
             f"AdamW {adamw_implementation(cfg.optimizer.implementation, self.device.type)}"
             f"; data: {self.data.description}"
@@ -163,17 +162,19 @@ class Trainer:
             self.log(f"resuming with a changed setting, applied from step {start.step + 1}: {change}")
         self.osft = osft_spec(cfg)
         try:
-            self.modules = build_stages(
+            self.modules, osft_targets = stage_models(self.args, self.specs, self.osft)
+            for module in self.modules:
+                parallelize_stage(module, cfg, self.dims, self.mesh, self.data_parallel.shard_on_meta)
+            load_stages(
+                self.modules,
                 self.args,
-                self.specs,
                 self.device,
                 checkpoint=start.checkpoint,
                 seed=train.seed if start.checkpoint is None else None,
-                shard_fn=self._parallelize,
                 grow_vocab=start.pretrained,
                 osft=self.osft,
+                osft_targets=osft_targets,
                 stage_group=self.data_parallel.stage_group() if self.osft is not None else None,
-                verify=cfg.checkpoint.verify_checksums,
             )
             self.data_parallel.wrap_loaded(self.modules)
             self.tied = self._tie_across_stages()
@@ -206,15 +207,6 @@ class Trainer:
         )
 
     # -- setup -------------------------------------------------------------------------------
-    def _parallelize(self, module: nn.Module) -> None:
-        """Applied to each stage module on ``meta``: activation checkpointing, compile (``training.compile``),
-        then data parallelism -- torchtitan's order, so the compiled code sits inside AC's and FSDP2's hooks."""
-        ac = self.cfg.activation_checkpoint
-        apply_activation_checkpointing(module, ac.mode, ac.selective_every)
-        if self.cfg.training.compile:
-            apply_compile(module)
-        self.data_parallel.shard_on_meta(module)
-
     def _tie_across_stages(self) -> TiedEmbeddings | None:
         par = self.cfg.parallelism
         if not self.args.tie_word_embeddings or self.dims.pp == 1:
@@ -289,7 +281,13 @@ class Trainer:
             yield batch.rows(start, start + local).to(self.device)
 
     def train_step(self, batches) -> torch.Tensor:
-        """Forward/backward over the accumulation micro-steps; the local loss (0 off the last stage)."""
+        """Forward/backward over the accumulation micro-steps; the local loss (0 off the last stage).
+        Under tensor parallelism the logits are split by vocabulary, and the cross-entropy runs on the
+        splits (``loss_parallel``), forward and backward."""
+        with loss_parallel() if self.dims.tp > 1 else contextlib.nullcontext():
+            return self._forward_backward(batches)
+
+    def _forward_backward(self, batches) -> torch.Tensor:
         total = torch.zeros((), device=self.device)
         has_first = any(s.is_first for s in self.specs)
         has_last = any(s.is_last for s in self.specs)
@@ -301,7 +299,7 @@ class Trainer:
             if self.pipeline is None:
                 loss = self._loss(self.modules[0](batch.inputs, **extra), batch.labels)
                 loss.backward()
-                total += loss.detach()
+                total += local(loss.detach())
                 continue
             losses = [] if has_last else None
             self.pipeline.step(
@@ -312,7 +310,7 @@ class Trainer:
                 **extra,
             )
             if has_last:
-                total += torch.stack(losses).sum().detach()
+                total += local(torch.stack(losses).sum().detach())
         return total
 
     def run(self) -> None:
@@ -365,7 +363,7 @@ class Trainer:
                     dtype=torch.float64,
                     device=self.device,
                 )
-                dist.all_reduce(stats[:1])  # sum of the last stages' DP-local parts (each x dp)
+                dist.all_reduce(stats[:1])  # sum of the last stages' DP-local parts (each x dp, on tp ranks)
                 dist.all_reduce(stats[1:], op=dist.ReduceOp.MAX)  # the busiest rank's memory and collectives
                 self._check_finite(state.step, "loss", stats[0].item())
                 step_time = time.perf_counter() - t0
@@ -377,7 +375,7 @@ class Trainer:
                         {
                             "step": state.step,
                             "steps": train.steps,
-                            "loss": stats[0].item() / self.dims.dp,
+                            "loss": stats[0].item() / (self.dims.dp * self.dims.tp),
                             "lr": state.schedulers[0].get_last_lr()[0],
                             "grad_norm": grad_norm.item(),
                             "label_tokens": self.label_tokens,

@@ -1,0 +1,103 @@
+"""The shared decoder's tensor-parallel plan (Megatron's split, written with ``parallelize_module``).
+
+Inside a block, q/k/v and the feed-forward's gate and up projections (``w1``, ``w3``) are split by
+output features (colwise: each rank holds some heads, and some of the hidden width), ``wo`` and
+``w2`` by input features (rowwise), so each block costs one all-reduce (or, with sequence
+parallelism, one all-gather and one reduce-scatter) per projection pair and no rank holds a full
+matrix. The embedding and the output projection are split by vocabulary row, and the output's
+logits stay split along the vocabulary for a loss-parallel cross-entropy: no rank ever holds a
+token's full-vocabulary logits.
+
+Sequence parallelism (on by default with TP): between the projections, the residual stream, the
+norms and the embedding's output are split along the sequence, so their activations and the norms'
+work are divided by the TP degree instead of repeated. Off, the norms' weights are still DTensors
+(replicated), so every parameter lives on the same mesh and the gradient norm is one reduction.
+
+Qwen3's per-head q/k norms see each rank's own heads: they run as "sequence parallel" along the
+head dimension, which is exactly a per-head norm on the local heads. Qwen2's q/k/v biases are split
+with their weights by ``ColwiseParallel``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+
+class ReplicatedParameters(ParallelStyle):
+    """A module run whole on every TP rank, its parameters replicated DTensors: plain tensors in and
+    out, and each parameter's gradient summed over the mesh by DTensor's backward like every other."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(
+            module,
+            device_mesh,
+            _replicate_parameters,
+            input_fn=lambda _, inputs, mesh: tuple(
+                DTensor.from_local(x, mesh, [Replicate()], run_check=False) if isinstance(x, torch.Tensor) else x
+                for x in inputs
+            ),
+            output_fn=lambda _, output, mesh: output.to_local(),
+        )
+
+
+def _replicate_parameters(_, module: nn.Module, mesh: DeviceMesh) -> None:
+    for name, param in list(module.named_parameters(recurse=False)):
+        replicated = distribute_tensor(param, mesh, [Replicate()], src_data_rank=None)
+        module.register_parameter(name, nn.Parameter(replicated, param.requires_grad))
+
+
+def tensor_parallel_sizes(args) -> dict[str, int]:
+    """What the TP degree must divide: heads and KV heads (whole heads per rank), the feed-forward
+    width and the vocabulary (equal slices)."""
+    return {
+        "model.n_heads": args.n_heads,
+        "model.n_kv_heads": args.n_kv_heads,
+        "the feed-forward width": args.ffn_hidden_dim,
+        "model.vocab_size": args.vocab_size,
+    }
+
+
+def parallelize_decoder(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Apply the plan to a (pipeline stage of the) decoder, on ``meta`` or materialized."""
+    norm = SequenceParallel() if sequence_parallel else ReplicatedParameters()
+    between = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout
+    top = {}
+    if model.tok_embeddings is not None:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
+    if model.norm is not None:
+        top["norm"] = norm
+    if model.output is not None:  # logits split by vocabulary, for the loss-parallel cross-entropy
+        top["output"] = ColwiseParallel(input_layouts=between, output_layouts=Shard(-1), use_local_output=False)
+    parallelize_module(model, mesh, top)
+    for block in model.layers.values():
+        plan = {
+            "attention_norm": norm,
+            "attention": PrepareModuleInput(
+                input_layouts=(between, None, None), desired_input_layouts=(Replicate(), None, None)
+            ),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=between),
+            "ffn_norm": norm,
+            "feed_forward": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=between),
+        }
+        if block.attention.options.qk_norm:  # per head, on this rank's heads (dim 2 of (b, s, h, d))
+            for name in ("attention.q_norm", "attention.k_norm"):
+                plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        parallelize_module(block, mesh, plan)
+    model.tie_weights()  # the plan gave the embedding and the output each a DTensor of their own
