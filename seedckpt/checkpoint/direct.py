@@ -157,7 +157,7 @@ class DirectReads:
     ) -> None:
         units = [unit for job in jobs for unit in job.units()]
         total = sum(pool.map(_read_unit, units))
-        asked = sum(job.hi - job.lo for job in jobs)
+        asked = sum(job.asked for job in jobs)
         self.bytes_read += asked
         self.bytes_read_to_check += total - asked
         for device, device_slots in slots.items():
@@ -170,22 +170,28 @@ class DirectReads:
 class _Job:
     """One read request: the byte range of its rows, the pieces around it to check, where the bytes go.
 
-    The bytes go to ``dest``: the target itself when it is the stored rows as they are (same dtype,
-    whole rows, contiguous), else ``buffer``, the stored rows on the target's device, from which
-    ``complete`` narrows and casts into the target."""
+    The bytes go to ``dest``: the target itself when it is the stored bytes as they are (same dtype,
+    contiguous), else ``buffer``, the stored rows on the target's device, from which ``complete``
+    narrows and casts into the target. A request for a slice of the columns of each row (a
+    tensor-parallel rowwise shard: ``Shard(1)``) reads only each row's ``segment`` when no checksum
+    is to be checked; with checksums, whole rows, so each piece read can be checked."""
 
     def __init__(self, item: ReadItem, chunk: RawChunk, target: torch.Tensor, fd: int, slots: StagingSlots | None):
         self.item, self.chunk, self.target, self.fd, self.slots = item, chunk, target, fd, slots
         offsets, lengths = list(item.storage_offsets) or [0], list(item.lengths) or [1]
-        first_row, rows = offsets[0], lengths[0]
-        whole_rows = all(o == 0 and n == s for o, n, s in zip(offsets[1:], lengths[1:], chunk.shape[1:]))
-        straight = whole_rows and target.dtype == chunk.dtype and target.is_contiguous()
-        self.buffer = (
-            None if straight else torch.empty((rows, *chunk.shape[1:]), dtype=chunk.dtype, device=target.device)
-        )
+        self.first_row, rows = offsets[0], lengths[0]
+        whole = [o == 0 and n == s for o, n, s in zip(offsets[1:], lengths[1:], chunk.shape[1:])]
+        self.segment = None  # (offset in a row, bytes): the part of each row asked for
+        if not all(whole) and all(whole[1:]) and chunk.checks is None:
+            inner = math.prod(chunk.shape[2:]) * chunk.dtype.itemsize
+            self.segment = (offsets[1] * inner, lengths[1] * inner)
+        shape = (rows, *lengths[1:]) if self.segment else (rows, *chunk.shape[1:])
+        straight = (all(whole) or self.segment) and target.dtype == chunk.dtype and target.is_contiguous()
+        self.buffer = None if straight else torch.empty(shape, dtype=chunk.dtype, device=target.device)
         self.dest = target if straight else self.buffer
-        self.lo = chunk.start + first_row * chunk.row_bytes  # the bytes asked for: [lo, hi)
+        self.lo = chunk.start + self.first_row * chunk.row_bytes  # the rows asked for: [lo, hi)
         self.hi = self.lo + rows * chunk.row_bytes
+        self.asked = rows * self.segment[1] if self.segment else self.hi - self.lo
         self.pieces = range(0)
         if chunk.checks is not None:
             self.pieces = range(*chunk.checks.covering(self.lo, self.hi, chunk.start + chunk.nbytes))
@@ -193,10 +199,14 @@ class _Job:
     def dest_bytes(self) -> torch.Tensor:
         return self.dest.reshape(-1).view(torch.uint8) if self.dest.numel() else torch.empty(0, dtype=torch.uint8)
 
-    def units(self) -> list[_Unit]:
+    def units(self) -> list:
         """The reads: whole checked pieces grouped up to ``READ_BYTES`` (or plain ranges when
-        unchecked); the bytes around the request go into small side buffers."""
+        unchecked, or runs of rows' segments); the bytes around the request go into small side buffers."""
         checks = self.chunk.checks
+        if self.segment is not None:
+            rows = (self.hi - self.lo) // self.chunk.row_bytes if self.chunk.row_bytes else 0
+            step = max(1, READ_BYTES // max(1, self.segment[1]))
+            return [_Segments(self, range(r, min(rows, r + step))) for r in range(0, rows, step)]
         if checks is None:
             bounds = [*range(self.lo, self.hi, READ_BYTES), self.hi]
             return [_Unit(self, a, b, range(0), []) for a, b in zip(bounds, bounds[1:])]
@@ -218,7 +228,7 @@ class _Job:
         if self.buffer is not None:
             part = self.buffer
             for dim, (offset, length) in enumerate(zip(self.item.storage_offsets, self.item.lengths)):
-                if dim > 0:
+                if dim > (1 if self.segment else 0):
                     part = part.narrow(dim, offset, length)
             self.target.copy_(part.reshape(self.target.shape))
 
@@ -239,53 +249,79 @@ class _Unit:
         """The part of ``[lo, hi)`` the request asked for."""
         return max(self.lo, self.job.lo), min(self.hi, self.job.hi)
 
+    def dest(self) -> torch.Tensor:
+        a, b = self.asked
+        return self.job.dest_bytes()[a - self.job.lo : b - self.job.lo]
 
-def _read_unit(unit: _Unit) -> int:
-    """Read and check one unit into its destination, through a staging slot when the job has them."""
-    job = unit.job
-    a, b = unit.asked
-    dest = job.dest_bytes()[a - job.lo : b - job.lo]
-    if job.slots is None:
-        _read_into(unit, memoryview(dest.numpy()))
-    else:
-        job.slots.copy(dest, lambda slot: _read_into(unit, slot))
-    return unit.hi - unit.lo
+    def read_into(self, asked: memoryview) -> int:
+        """Read the unit's bytes: those asked for into ``asked``, the rest into its side buffers;
+        then check its pieces. Returns the bytes read."""
+        a, _ = self.asked
+        chunk = self.job.chunk
+        segments = sorted([*self.sides, (a, asked)], key=lambda segment: segment[0])
+
+        def views(lo: int, hi: int) -> list[memoryview]:
+            out = []
+            for start, mem in segments:
+                x, y = max(lo, start), min(hi, start + mem.nbytes)
+                if x < y:
+                    out.append(mem[x - start : y - start])
+            return out
+
+        position = self.lo
+        for view in views(self.lo, self.hi):
+            _pread_exact(self.job, view, position)
+            position += view.nbytes
+        checks = chunk.checks
+        for k in self.pieces:
+            value = 0
+            for view in views(checks.cuts[k], checks.cuts[k + 1]):
+                value = crc(view, value)
+            if value != checks.crcs[k]:
+                raise checks.mismatch(k, value, f"{self.job.item.storage_index.fqn} in {chunk.path.parent}")
+        return self.hi - self.lo
 
 
-def _read_into(unit: _Unit, asked: memoryview) -> None:
-    """Read the unit's bytes: those asked for into ``asked``, the rest into its side buffers; then
-    check its pieces."""
-    a, _ = unit.asked
-    chunk = unit.job.chunk
-    segments = sorted([*unit.sides, (a, asked)], key=lambda segment: segment[0])
+@dataclass
+class _Segments:
+    """The asked-for segment of each of the job's ``rows`` (relative to its first row): one
+    ``preadv`` per row, into consecutive bytes of the destination."""
 
-    def views(lo: int, hi: int) -> list[memoryview]:
-        out = []
-        for start, mem in segments:
-            x, y = max(lo, start), min(hi, start + mem.nbytes)
-            if x < y:
-                out.append(mem[x - start : y - start])
-        return out
+    job: _Job
+    rows: range
 
-    position = unit.lo
-    for view in views(unit.lo, unit.hi):
-        done = 0
-        while done < view.nbytes:
-            n = os.preadv(unit.job.fd, [view[done:]], position + done)
-            if n == 0:
-                raise SeedckptError(
-                    f"{chunk.path} is truncated: a tensor's bytes end at {position + view.nbytes}, "
-                    f"the file at {position + done}; the checkpoint is damaged -- write it again"
-                )
-            done += n
-        position += view.nbytes
-    checks = chunk.checks
-    for k in unit.pieces:
-        value = 0
-        for view in views(checks.cuts[k], checks.cuts[k + 1]):
-            value = crc(view, value)
-        if value != checks.crcs[k]:
-            raise checks.mismatch(k, value, f"{unit.job.item.storage_index.fqn} in {chunk.path.parent}")
+    def dest(self) -> torch.Tensor:
+        length = self.job.segment[1]
+        return self.job.dest_bytes()[self.rows.start * length : self.rows.stop * length]
+
+    def read_into(self, asked: memoryview) -> int:
+        offset, length = self.job.segment
+        row_bytes = self.job.chunk.row_bytes
+        for k, row in enumerate(self.rows):
+            _pread_exact(self.job, asked[k * length : (k + 1) * length], self.job.lo + row * row_bytes + offset)
+        return len(self.rows) * length
+
+
+def _pread_exact(job: _Job, view: memoryview, position: int) -> None:
+    done = 0
+    while done < view.nbytes:
+        n = os.preadv(job.fd, [view[done:]], position + done)
+        if n == 0:
+            raise SeedckptError(
+                f"{job.chunk.path} is truncated: a tensor's bytes end at {position + view.nbytes}, "
+                f"the file at {position + done}; the checkpoint is damaged -- write it again"
+            )
+        done += n
+
+
+def _read_unit(unit: _Unit | _Segments) -> int:
+    """Read (and check) one unit into its destination, through a staging slot when the job has them."""
+    dest = unit.dest()
+    if unit.job.slots is None:
+        return unit.read_into(memoryview(dest.numpy()))
+    read = []
+    unit.job.slots.copy(dest, lambda slot: read.append(unit.read_into(slot)))
+    return read[0]
 
 
 def _tensor_items(plan: LoadPlan, known) -> tuple[list[ReadItem], list[ReadItem]]:
