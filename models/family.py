@@ -43,6 +43,15 @@ class HFAdapter:
 
 
 @dataclass(frozen=True)
+class TensorParallelPlan:
+    """How a family's model is split over tensor-parallel ranks."""
+
+    apply: Callable[[nn.Module, Any, bool], None]  # (stage module, TP mesh, sequence_parallel), on ``meta``
+    sizes: Callable[[Any], dict[str, int]]  # args -> {what: size}: the sizes the TP degree must divide
+    splits: Callable[[str], bool]  # FQN -> whether TP splits it (the rest is whole on every TP rank)
+
+
+@dataclass(frozen=True)
 class ModelFamily:
     name: str
     args: type  # the configuration dataclass
@@ -60,11 +69,7 @@ class ModelFamily:
     # (args, training.seq_len) -> why this model cannot train that long, or None (a sliding window
     # this version does not implement)
     check_seq_len: Callable[[Any, int], str | None] = lambda args, seq_len: None
-    # (stage module, TP mesh, sequence_parallel) -> None: the tensor-parallel plan, applied on ``meta``
-    # before data parallelism; None: this family does not support tensor parallelism
-    tensor_parallel: Callable[[nn.Module, Any, bool], None] | None = None
-    # args -> {what: size}: the sizes the TP degree must divide (heads, widths, vocabulary)
-    tensor_parallel_sizes: Callable[[Any], dict[str, int]] = lambda args: {}
+    tensor_parallel: TensorParallelPlan | None = None  # None: no tensor parallelism for this family
 
     def flavor_of(self, args) -> str | None:
         """The released flavor with these tensor shapes, if any."""

@@ -77,6 +77,14 @@ def test_tp_layouts_load_the_seed_bitwise_reading_only_owned_bytes(tmp_path):
             assert wrong == [], f"rank {rank} {name}: {wrong}"
             if not verify:  # column slices of rows (wo, w2) read as segments, not whole rows
                 assert read <= 1.05 * owned, f"rank {rank} {name}: read {read} for {owned} owned"
+    # `seedckpt plan`'s bytes per GPU for tp2 x dp_shard2 are what the ranks hold (FSDP's uneven shards aside)
+    from seedckpt.config.resolve import resolve
+    from seedckpt.materialize.memory_plan import make_plan
+
+    plan = make_plan(resolve(tiny_config("--parallelism.pipeline_parallel_degree", "1", *TP), 4, local_world_size=0))
+    held = sum(by_layout["tp2 x dp_shard2", False][2] for by_layout in results)
+    assert plan["tensor_parallel_degree"] == 2
+    assert abs(4 * plan["ranks"][0]["param_bytes_per_dp_shard"] - held) <= 0.01 * held
 
 
 def test_tp_is_validated_before_any_rendezvous():

@@ -8,7 +8,7 @@ from __future__ import annotations
 from models.common.args import SHAPE_FIELDS
 from models.common.decoder import Transformer, tied_weights
 from models.common.hf_names import HFNames
-from models.common.tensor_parallel import parallelize_decoder, tensor_parallel_sizes
+from models.common.tensor_parallel import DECODER_TENSOR_PARALLEL
 from models.family import HFAdapter, ModelFamily, decoder_flops_per_token
 
 # The block linears OSFT trains by default: every attention and feed-forward matrix.
@@ -49,7 +49,6 @@ def decoder_family(
         osft_targets=OSFT_TARGETS,
         flops_per_token=lambda model_args, seq_len: decoder_flops_per_token(Transformer, model_args, seq_len),
         hf=HFAdapter(model_types, HFNames, config, args_from_config),
-        tensor_parallel=parallelize_decoder,
-        tensor_parallel_sizes=tensor_parallel_sizes,
+        tensor_parallel=DECODER_TENSOR_PARALLEL,
         **hooks,
     )

@@ -33,6 +33,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from models.family import TensorParallelPlan
+
 
 class ReplicatedParameters(ParallelStyle):
     """A module run whole on every TP rank, its parameters replicated DTensors: plain tensors in and
@@ -101,3 +103,15 @@ def parallelize_decoder(model: nn.Module, mesh: DeviceMesh, sequence_parallel: b
                 plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
         parallelize_module(block, mesh, plan)
     model.tie_weights()  # the plan gave the embedding and the output each a DTensor of their own
+
+
+# The modules the plan splits; every other parameter (the norms) is whole on each TP rank.
+SPLIT_MODULES = ("tok_embeddings", "output", "wq", "wk", "wv", "wo", "w1", "w2", "w3")
+
+
+def tensor_parallel_splits(fqn: str) -> bool:
+    """Whether the plan splits ``fqn`` over the TP ranks."""
+    return fqn.split(".")[-2] in SPLIT_MODULES if "." in fqn else False
+
+
+DECODER_TENSOR_PARALLEL = TensorParallelPlan(parallelize_decoder, tensor_parallel_sizes, tensor_parallel_splits)

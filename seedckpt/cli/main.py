@@ -341,7 +341,8 @@ def _plan(opts, overrides) -> int:
     print(
         f"{plan['model']} {plan['flavor']}: {plan['total_params']:,} params, {_gib(plan['total_bytes'])}; "
         f"pp={plan['pipeline_parallel_degree']} x {plan['stages_per_rank']} stage(s)/rank, "
-        f"dp_shard={plan['data_parallel_shard_degree']}, dp_replicate={plan['data_parallel_replicate_degree']}"
+        f"dp_shard={plan['data_parallel_shard_degree']}, dp_replicate={plan['data_parallel_replicate_degree']}, "
+        f"tp={plan['tensor_parallel_degree']}"
     )
     print(f"  {'stage':>5} {'pp_rank':>7}  {'layers':<12} {'extra':<12} {'params':>16} {'bytes':>12}")
     for s in plan["stages"]:
@@ -350,7 +351,7 @@ def _plan(opts, overrides) -> int:
             f"  {s['stage']:>5} {s['pp_rank']:>7}  {_span(s['layers']):<12} {extra:<12} "
             f"{s['params']:>16,} {_gib(s['param_bytes']):>12}"
         )
-    print(f"  {'pp_rank':>7} {'stages':<10} {'params':>16} {'bytes':>12} {'per dp shard':>13} {'train/GPU':>12}")
+    print(f"  {'pp_rank':>7} {'stages':<10} {'params':>16} {'bytes':>12} {'per GPU':>13} {'train/GPU':>12}")
     for r in plan["ranks"]:
         print(
             f"  {r['pp_rank']:>7} {str(r['stages']):<10} {r['params']:>16,} {_gib(r['param_bytes']):>12} "

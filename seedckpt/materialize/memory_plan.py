@@ -2,7 +2,9 @@
 
 The full model is built once on ``meta`` (free even for 405B) and each tensor is attributed to the
 stage that owns it, as the model's family says: the embedding to the first stage, the final norm
-and output to the last, block ``i`` to the stage whose layers include ``i``.
+and output to the last, block ``i`` to the stage whose layers include ``i``. Under tensor
+parallelism a rank holds ``1/tp`` of each tensor the family's plan splits and the whole of the
+others (the norms), before FSDP shards what it holds over ``dp_shard``.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class StagePlan:
     has_output: bool
     params: int
     param_bytes: int
+    params_per_tp_rank: int  # = params without tensor parallelism
 
 
 @dataclass
@@ -38,7 +41,7 @@ class RankPlan:
     stages: list[int]
     params: int
     param_bytes: int
-    param_bytes_per_dp_shard: int
+    param_bytes_per_dp_shard: int  # on each GPU: the TP rank's part, sharded over dp_shard
     train_state_bytes_per_gpu: int  # params + grads + AdamW moments per GPU (see train_state_bytes)
 
 
@@ -67,26 +70,31 @@ def make_plan(run: Run) -> dict:
     stage_of_layer = {i: s for s, ids in enumerate(layers) for i in ids}
     counts = [0] * num_stages
     nbytes = [0] * num_stages
+    per_tp_rank = [0] * num_stages
+    tp, plan = dims.tp, run.family.tensor_parallel
     for fqn, t in state_tensors(model).items():
         stage = run.family.stage_of(fqn, stage_of_layer, num_stages)
         counts[stage] += t.numel()
         nbytes[stage] += t.numel() * t.element_size()
+        per_tp_rank[stage] += t.numel() // tp if tp > 1 and plan.splits(fqn) else t.numel()
     stages = [
-        StagePlan(s, owner[s], list(layers[s]), s == 0, s == num_stages - 1, counts[s], nbytes[s])
+        StagePlan(s, owner[s], list(layers[s]), s == 0, s == num_stages - 1, counts[s], nbytes[s], per_tp_rank[s])
         for s in range(num_stages)
     ]
     ranks = []
     for r in range(pp):
         mine = [s for s in stages if s.pp_rank == r]
         params = sum(s.params for s in mine)
+        on_gpu = sum(s.params_per_tp_rank for s in mine)  # one dtype throughout: bytes scale alike
+        param_bytes = sum(s.param_bytes for s in mine)
         ranks.append(
             RankPlan(
                 r,
                 [s.stage for s in mine],
                 params,
-                sum(s.param_bytes for s in mine),
-                -(-sum(s.param_bytes for s in mine) // dp_shard),
-                train_state_bytes(cfg, params, dp_shard),
+                param_bytes,
+                -(-param_bytes * on_gpu // params // dp_shard),
+                train_state_bytes(cfg, on_gpu, dp_shard),
             )
         )
     return {
@@ -99,6 +107,7 @@ def make_plan(run: Run) -> dict:
         "stages_per_rank": per_rank,
         "data_parallel_shard_degree": dp_shard,
         "data_parallel_replicate_degree": dims.dp_replicate,
+        "tensor_parallel_degree": tp,
         "fsdp_impl": par.fsdp_impl,
         "stages": [asdict(s) for s in stages],
         "ranks": [asdict(r) for r in ranks],

@@ -156,7 +156,7 @@ def check_tensor_parallel(cfg: JobConfig, args, tp: int) -> None:
         raise SeedckptError(
             f"model.name = {family.name!r} has no tensor-parallel plan; set parallelism.tensor_parallel_degree = 1"
         )
-    for what, size in family.tensor_parallel_sizes(args).items():
+    for what, size in family.tensor_parallel.sizes(args).items():
         if size % tp:
             raise SeedckptError(
                 f"parallelism.tensor_parallel_degree = {tp} does not divide {what} = {size}: each TP rank "
@@ -184,7 +184,7 @@ def parallelize_stage(
     parallelism (``shard_data_parallel``) -- so the compiled code sits inside AC's and FSDP2's hooks,
     and FSDP2 shards TP's DTensors over the data-parallel ranks."""
     if dims.tp > 1:
-        family_of(module.args).tensor_parallel(module, mesh["tp"], cfg.parallelism.enable_sequence_parallel)
+        family_of(module.args).tensor_parallel.apply(module, mesh["tp"], cfg.parallelism.enable_sequence_parallel)
     ac = cfg.activation_checkpoint
     apply_activation_checkpointing(module, ac.mode, ac.selective_every)
     if cfg.training.compile:
