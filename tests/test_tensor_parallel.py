@@ -106,8 +106,9 @@ def test_tp_is_validated_before_any_rendezvous():
 
 @pytest.mark.slow
 def test_tp_layouts_train_like_one_process_resume_bitwise_and_reshard(tmp_path, debug_seed):
-    """One process against tp2, tp2 x dp_shard2 and pp2 x tp2 over 10 steps (losses within 1e-5); a
-    tp2 x dp_shard2 run stopped at step 5 resumes bitwise, and the same step-5 resumes on dp_shard4."""
+    """One process against tp2, tp2 x dp_shard2 and pp2 x tp2 over 10 steps, and tp2 compiled over 3
+    (losses within 1e-5); a tp2 x dp_shard2 run stopped at step 5 resumes bitwise, and the same
+    step-5 resumes on dp_shard4."""
     one = ["--parallelism.pipeline_parallel_degree", "1"]
     torchrun(tmp_path / "single", debug_seed, 1, *one)
     reference = losses(tmp_path / "single")
@@ -123,6 +124,11 @@ def test_tp_layouts_train_like_one_process_resume_bitwise_and_reshard(tmp_path, 
         assert len(got) == 10
         for step, (a, b) in enumerate(zip(got, reference), start=1):
             assert abs(a - b) <= 1e-5 * abs(b), f"{name} step {step}: {a} vs {b}"
+
+    # compiled under TP: the blocks' attention and feed-forward (tests/test_compile.py: without TP)
+    torchrun(tmp_path / "compiled", debug_seed, 2, *one, *TP, "--training.compile", "true", "--training.steps", "3")
+    for step, (a, b) in enumerate(zip(losses(tmp_path / "compiled"), reference[:3]), start=1):
+        assert abs(a - b) <= 1e-5 * abs(b), f"tp2 compiled, step {step}: {a} vs {b}"
 
     stopped = tmp_path / "stopped"
     torchrun(stopped, debug_seed, 4, *tp_dp, "--training.stop_after_step", "5")

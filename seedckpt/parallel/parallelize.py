@@ -188,7 +188,7 @@ def parallelize_stage(
     ac = cfg.activation_checkpoint
     apply_activation_checkpointing(module, ac.mode, ac.selective_every)
     if cfg.training.compile:
-        apply_compile(module)
+        apply_compile(module, whole_blocks=dims.tp == 1)
     shard_data_parallel(module)
 
 
@@ -204,7 +204,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int) -> N
             checkpoint(block)
 
 
-def apply_compile(model: nn.Module) -> None:
+def apply_compile(model: nn.Module, whole_blocks: bool = True) -> None:
     """``torch.compile`` each transformer block's ``forward`` (``training.compile``), after
     activation checkpointing and before data parallelism, as torchtitan does.
 
@@ -226,9 +226,26 @@ def apply_compile(model: nn.Module) -> None:
     The cost of the eager AC: the recomputation is not visible to the compiler's partitioner, which
     torchtitan's wrapper-based AC lets choose what to save. ``fullgraph=True``: a graph break would
     silently run pieces of the block in eager; it is an error at the first step instead.
+
+    Under tensor parallelism (``whole_blocks = False``) each block's parts that hold parameters
+    split by the plan are compiled instead (attention, feed-forward: the matmuls), and the plan's
+    hooks between them and the sequence-parallel norms stay eager. In torch 2.13 a compiled block
+    with those hooks inside fails in DTensor's backward ("'Tensor' object has no attribute
+    '_local_tensor'"), and so does a compiled norm on a sequence-sharded DTensor.
     """
-    for block in family_of(model.args).blocks(model).values():
-        block.forward = torch.compile(block.forward, fullgraph=True)
+    family = family_of(model.args)
+    for block in family.blocks(model).values():
+        for unit in [block] if whole_blocks else _split_parts(block, family.tensor_parallel.splits):
+            unit.forward = torch.compile(unit.forward, fullgraph=True)
+
+
+def _split_parts(block: nn.Module, splits) -> list[nn.Module]:
+    """The block's direct children that hold a parameter the TP plan splits."""
+    return [
+        child
+        for name, child in block.named_children()
+        if any(splits(f"{name}.{p}") for p, _ in child.named_parameters())
+    ]
 
 
 def check_compile_supported(device_type: str) -> None:

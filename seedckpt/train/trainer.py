@@ -134,8 +134,10 @@ class Trainer:
         # the global batch), so what FSDP averages over DP ranks is the global per-token mean.
         self.loss_scale = 1.0
         # Compiled apart from the scale, a Python float that changes every step: dynamo guards on
-        # such a value, so a scale inside the compiled function would recompile at each step.
-        self.cross_entropy = torch.compile(token_cross_entropy) if train.compile else token_cross_entropy
+        # such a value, so a scale inside the compiled function would recompile at each step. Not
+        # under TP: compiled, the loss-parallel cross-entropy of torch 2.13 returns 0 (measured).
+        compiled = train.compile and self.dims.tp == 1
+        self.cross_entropy = torch.compile(token_cross_entropy) if compiled else token_cross_entropy
         self.global_batch = self.dims.global_batch_size(cfg)
         self.data = data or make_dataset(cfg.data, self.args.vocab_size, train.seq_len, train.seed)
 
