@@ -12,12 +12,17 @@ environment variable works as documented -- with only the ending changed:
 * a worker killed by a signal (the kernel's out-of-memory killer sends SIGKILL) is named in one
   line, since it could not say anything itself;
 * Ctrl-C (or SIGTERM from a scheduler) stops the workers as torchrun does, and exits 128 + signal;
-* a rendezvous that fails (fewer nodes than ``--nnodes`` joined in time) is one line, exit 2.
+* a rendezvous that fails (fewer nodes than ``--nnodes`` joined in time) is one line, exit 2, and
+  so is losing it mid-run: the c10d store lives in one node's agent, so when that node stops or is
+  killed the others' agents lose it, stop their workers and end here;
+* torch's C++ warnings (``TORCH_CPP_LOG_LEVEL``, unless set) are left out: a lost store prints each
+  failed socket call with a 30-frame stack before the agent raises.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 
@@ -26,9 +31,11 @@ _SELF_REPORTED = (2, 130)
 
 
 def main(argv: list[str]) -> int:
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # read when torch loads, just below
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
     from torch.distributed.run import get_args_parser, run
 
     parser = get_args_parser()
@@ -46,6 +53,14 @@ def main(argv: list[str]) -> int:
             logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         run(args)
+    except RendezvousConnectionError:
+        print(
+            "seedckpt launch: lost the job's rendezvous store at --rdzv-endpoint (it lives in one node's agent: "
+            "that node stopped or was killed); this node's workers were stopped -- run the same command on "
+            "every node again to resume from the newest checkpoint",
+            file=sys.stderr,
+        )
+        return 2
     except RendezvousError as e:  # e.g. fewer nodes joined than --nnodes before the timeout
         print(f"seedckpt launch: rendezvous failed: {e}", file=sys.stderr)
         return 2
