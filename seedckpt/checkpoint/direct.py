@@ -31,7 +31,15 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from seedckpt.checkpoint.integrity import PIECE_BYTES, Checksums, ItemChecks, crc, data_file, verify_item
+from seedckpt.checkpoint.integrity import (
+    PIECE_BYTES,
+    Checksums,
+    ItemChecks,
+    band_mismatch,
+    crc,
+    data_file,
+    verify_item,
+)
 from seedckpt.checkpoint.safe_pickle import SafeFileSystemReader
 from seedckpt.checkpoint.safetensors_header import SAFETENSORS_DTYPES, safetensors_header
 from seedckpt.utils.errors import SeedckptError
@@ -174,17 +182,28 @@ class _Job:
     contiguous), else ``buffer``, the stored rows on the target's device, from which ``complete``
     narrows and casts into the target. A request for a slice of the columns of each row (a
     tensor-parallel rowwise shard: ``Shard(1)``) reads only each row's ``segment`` when no checksum
-    is to be checked; with checksums, whole rows, so each piece read can be checked."""
+    is to be checked, and the bands around it, to the tiles' rows, when the item's band checksums
+    are recorded (``integrity.BandChecks``); else whole rows, so each piece read can be checked."""
 
     def __init__(self, item: ReadItem, chunk: RawChunk, target: torch.Tensor, fd: int, slots: StagingSlots | None):
         self.item, self.chunk, self.target, self.fd, self.slots = item, chunk, target, fd, slots
         offsets, lengths = list(item.storage_offsets) or [0], list(item.lengths) or [1]
-        self.first_row, rows = offsets[0], lengths[0]
+        self.first_row, self.rows = offsets[0], lengths[0]
+        rows = self.rows
         whole = [o == 0 and n == s for o, n, s in zip(offsets[1:], lengths[1:], chunk.shape[1:])]
         self.segment = None  # (offset in a row, bytes): the part of each row asked for
-        if not all(whole) and all(whole[1:]) and chunk.checks is None:
+        self.bands = chunk.checks.bands if chunk.checks is not None else None
+        if not all(whole) and all(whole[1:]) and (chunk.checks is None or self.bands is not None):
             inner = math.prod(chunk.shape[2:]) * chunk.dtype.itemsize
             self.segment = (offsets[1] * inner, lengths[1] * inner)
+            if self.bands is not None and (self.bands.row_bytes, self.bands.num_rows) != (
+                chunk.row_bytes,
+                chunk.shape[0],
+            ):
+                raise SeedckptError(
+                    f"{chunk.path.parent}: the manifest's band checksums of {item.storage_index.fqn} do not fit "
+                    "its shape; the checkpoint is damaged"
+                )
         shape = (rows, *lengths[1:]) if self.segment else (rows, *chunk.shape[1:])
         straight = (all(whole) or self.segment) and target.dtype == chunk.dtype and target.is_contiguous()
         self.buffer = None if straight else torch.empty(shape, dtype=chunk.dtype, device=target.device)
@@ -203,10 +222,13 @@ class _Job:
         """The reads: whole checked pieces grouped up to ``READ_BYTES`` (or plain ranges when
         unchecked, or runs of rows' segments); the bytes around the request go into small side buffers."""
         checks = self.chunk.checks
+        if self.segment is not None and self.bands is not None:
+            rows = self.bands.rows_per_tile
+            last = self.first_row + self.rows - 1
+            return [_BandedSegments(self, group) for group in range(self.first_row // rows, last // rows + 1)]
         if self.segment is not None:
-            rows = (self.hi - self.lo) // self.chunk.row_bytes if self.chunk.row_bytes else 0
             step = max(1, READ_BYTES // max(1, self.segment[1]))
-            return [_Segments(self, range(r, min(rows, r + step))) for r in range(0, rows, step)]
+            return [_Segments(self, range(r, min(self.rows, r + step))) for r in range(0, self.rows, step)]
         if checks is None:
             bounds = [*range(self.lo, self.hi, READ_BYTES), self.hi]
             return [_Unit(self, a, b, range(0), []) for a, b in zip(bounds, bounds[1:])]
@@ -302,6 +324,57 @@ class _Segments:
         return len(self.rows) * length
 
 
+@dataclass
+class _BandedSegments:
+    """The job's rows in one group of tiles: each row's span of whole bands around the segment asked
+    for is read, every tile of the span checked, and the asked part copied out."""
+
+    job: _Job
+    group: int
+
+    def _rows(self) -> tuple[int, int]:
+        """The group's rows, and the part of them the job asks for (chunk rows)."""
+        rows = self.job.bands.rows_per_tile
+        lo, hi = self.group * rows, min(self.job.bands.num_rows, (self.group + 1) * rows)
+        return lo, hi
+
+    def _asked_rows(self) -> tuple[int, int]:
+        lo, hi = self._rows()
+        return max(lo, self.job.first_row), min(hi, self.job.first_row + self.job.rows)
+
+    def dest(self) -> torch.Tensor:
+        lo, hi = self._asked_rows()
+        length, first = self.job.segment[1], self.job.first_row
+        return self.job.dest_bytes()[(lo - first) * length : (hi - first) * length]
+
+    def read_into(self, asked: memoryview) -> int:
+        job, bands = self.job, self.job.bands
+        offset, length = job.segment
+        width = bands.band_bytes
+        first_band, end_band = offset // width, -(-(offset + length) // width)
+        span = memoryview(bytearray((end_band - first_band) * width))
+        values = [0] * (end_band - first_band)
+        lo, hi = self._rows()
+        asked_lo, asked_hi = self._asked_rows()
+        skip = offset - first_band * width
+        for row in range(lo, hi):
+            _pread_exact(job, span, job.chunk.start + row * bands.row_bytes + first_band * width)
+            for k in range(len(values)):
+                values[k] = crc(span[k * width : (k + 1) * width], values[k])
+            if asked_lo <= row < asked_hi:
+                at = (row - asked_lo) * length
+                asked[at : at + length] = span[skip : skip + length]
+        for k, value in enumerate(values):
+            if value != bands.crcs[self.group * bands.bands + first_band + k]:
+                raise band_mismatch(
+                    job.chunk.checks,
+                    self.group,
+                    first_band + k,
+                    f"{job.item.storage_index.fqn} in {job.chunk.path.parent}",
+                )
+        return (hi - lo) * span.nbytes
+
+
 def _pread_exact(job: _Job, view: memoryview, position: int) -> None:
     done = 0
     while done < view.nbytes:
@@ -314,7 +387,7 @@ def _pread_exact(job: _Job, view: memoryview, position: int) -> None:
         done += n
 
 
-def _read_unit(unit: _Unit | _Segments) -> int:
+def _read_unit(unit: _Unit | _Segments | _BandedSegments) -> int:
     """Read (and check) one unit into its destination, through a staging slot when the job has them."""
     dest = unit.dest()
     if unit.job.slots is None:

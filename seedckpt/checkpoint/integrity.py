@@ -11,6 +11,14 @@ force it to read the whole item. The cuts fall at the start of the tensor's raw 
 owns; an unaligned request reads at most one extra piece at each end. The bytes before the raw
 data (the zip and pickle records) form a head piece, checked by the rank that reads the first rows.
 
+Why bands too: a tensor-parallel rank that holds a slice of the columns of each row (a rowwise
+``Shard(1)``: ``wo``, ``w2``) asks for one short segment per row, and each 1 MiB piece it touches
+would have to be read whole (measured on Llama 3.2 1B, tp4: 1.8x the bytes owned). So each tensor
+of two or more dimensions also gets *tiles*: up to ``MAX_BANDS`` equal column bands of
+``rows_per_tile`` rows, each tile about ``TILE_BYTES``, their CRC32C recorded apart (``bands``).
+A column slice that follows the bands (TP degrees dividing their count) is checked by reading only
+its own columns, and rows to the tiles' edges.
+
 Why CRC32C (``crc32c`` package, SSE4.2): measured here on one core, 11 GB/s, against 2.2 GB/s for
 ``zlib.crc32`` and 12 GB/s for xxh3 -- as fast as the fastest, and the standard storage checksum.
 """
@@ -18,21 +26,71 @@ Why CRC32C (``crc32c`` package, SSE4.2): measured here on one core, 11 GB/s, aga
 from __future__ import annotations
 
 import bisect
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import crc32c
+import numpy as np
 
 from seedckpt.utils.errors import SeedckptError
 
 ALGORITHM = "crc32c"
 PIECE_BYTES = 1 << 20
-CHECKSUMS_KEY = "checksums"  # manifest: {"algorithm", "piece_bytes", "metadata", "files", "items"}
+TILE_BYTES = 256 << 10
+MAX_BANDS = 8
+# manifest: {"algorithm", "piece_bytes", "metadata", "files", "items", "bands"}
+CHECKSUMS_KEY = "checksums"
 
 
 def crc(data, value: int = 0) -> int:
     return crc32c.crc32c(data, value)
+
+
+@dataclass(frozen=True)
+class BandChecks:
+    """The tiles of an item's raw tensor bytes: ``num_rows`` rows of ``row_bytes``, cut into ``bands``
+    equal column bands and groups of ``rows_per_tile`` rows; tile (group g, band b) is
+    ``crcs[g * bands + b]``, the CRC32C of its row segments in order."""
+
+    rows_per_tile: int
+    bands: int
+    row_bytes: int
+    num_rows: int
+    crcs: tuple[int, ...]
+
+    def __post_init__(self):
+        groups = -(-self.num_rows // self.rows_per_tile) if self.rows_per_tile > 0 else -1
+        if (
+            self.bands < 2
+            or self.rows_per_tile < 1
+            or self.row_bytes % self.bands
+            or len(self.crcs) != groups * self.bands
+        ):
+            raise SeedckptError("the manifest's band checksums do not fit their item; the manifest is damaged")
+
+    @property
+    def band_bytes(self) -> int:
+        return self.row_bytes // self.bands
+
+
+def band_checks(raw: memoryview, shape, itemsize: int) -> BandChecks | None:
+    """The tiles of a row-major tensor's bytes ``raw`` (``None`` for fewer than two dimensions, or
+    columns that do not split into at least two equal bands)."""
+    if len(shape) < 2 or not shape[0]:
+        return None
+    bands = next((b for b in (MAX_BANDS, 4, 2) if shape[1] % b == 0), 1)
+    if bands == 1:
+        return None
+    row_bytes = math.prod(shape[1:]) * itemsize
+    rows_per_tile = max(1, TILE_BYTES * bands // row_bytes)
+    table = np.frombuffer(raw, np.uint8).reshape(shape[0], bands, row_bytes // bands)
+    crcs = []
+    for first in range(0, shape[0], rows_per_tile):
+        tiles = np.ascontiguousarray(table[first : first + rows_per_tile].transpose(1, 0, 2))
+        crcs += [crc(tile) for tile in tiles]
+    return BandChecks(rows_per_tile, bands, row_bytes, shape[0], tuple(crcs))
 
 
 @dataclass(frozen=True)
@@ -46,6 +104,7 @@ class ItemChecks:
     start: int
     crcs: tuple[int, ...]
     piece: int = PIECE_BYTES
+    bands: BandChecks | None = None  # tiles of the raw tensor bytes (from ``start``), when recorded
     cuts: list[int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -94,6 +153,7 @@ class PieceHasher:
         self.next_cut = offset + piece
         self.crcs: list[int] = []
         self.value = 0
+        self.bands: BandChecks | None = None  # set by the writer from the tensor it writes
 
     def mark_start(self) -> None:
         if self.crcs or self.pos == self.offset:  # no head (or an implausibly long one: plain pieces)
@@ -118,20 +178,29 @@ class PieceHasher:
     def finish(self) -> ItemChecks:
         if self.pos > self.closed or not self.crcs:
             self._close()
-        return ItemChecks(self.file, self.offset, self.pos - self.offset, self.start, tuple(self.crcs), self.piece)
+        return ItemChecks(
+            self.file, self.offset, self.pos - self.offset, self.start, tuple(self.crcs), self.piece, self.bands
+        )
 
 
 def checksums_record(items: list[ItemChecks], metadata_crc: int, file_sizes: dict[str, int]) -> dict:
     """The manifest's ``checksums`` entry."""
     by_file: dict[str, list] = {}
+    bands: dict[str, list] = {}
     for item in sorted(items, key=lambda i: (i.file, i.offset)):
         by_file.setdefault(item.file, []).append([item.offset, item.length, item.start, list(item.crcs)])
+        if item.bands is not None:
+            b = item.bands
+            bands.setdefault(item.file, []).append(
+                [item.offset, b.rows_per_tile, b.bands, b.row_bytes, b.num_rows, list(b.crcs)]
+            )
     return {
         "algorithm": ALGORITHM,
         "piece_bytes": PIECE_BYTES,
         "metadata": metadata_crc,
         "files": file_sizes,
         "items": by_file,
+        "bands": bands,
     }
 
 
@@ -153,11 +222,24 @@ class Checksums:
             if record["algorithm"] != ALGORITHM:
                 raise ValueError(f"unknown algorithm {record['algorithm']!r}")
             piece = int(record["piece_bytes"])
+            bands = {
+                (file, int(offset)): BandChecks(
+                    int(rows), int(count), int(row_bytes), int(num_rows), tuple(map(int, crcs))
+                )
+                for file, entries in (record.get("bands") or {}).items()
+                for offset, rows, count, row_bytes, num_rows, crcs in entries
+            }
             items = {}
             for file, entries in record["items"].items():
                 for offset, length, start, crcs in entries:
                     items[(file, int(offset))] = ItemChecks(
-                        file, int(offset), int(length), int(start), tuple(int(c) for c in crcs), piece
+                        file,
+                        int(offset),
+                        int(length),
+                        int(start),
+                        tuple(int(c) for c in crcs),
+                        piece,
+                        bands.get((file, int(offset))),
                     )
             return cls(items, int(record["metadata"]), {str(f): int(n) for f, n in record["files"].items()})
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -230,4 +312,30 @@ def verify_item(fd: int, checks: ItemChecks, what: str) -> int:
         got = crc(view)
         if got != checks.crcs[k]:
             raise checks.mismatch(k, got, what)
+    if checks.bands is not None:
+        _verify_bands(fd, checks, what)
     return checks.length
+
+
+def _verify_bands(fd: int, checks: ItemChecks, what: str) -> None:
+    """Every tile of the item's raw bytes against its recorded CRC32C, one group of rows at a time."""
+    bands = checks.bands
+    if checks.start + bands.num_rows * bands.row_bytes > checks.end:
+        raise SeedckptError(f"{what}: the manifest's band checksums do not fit the item; the manifest is damaged")
+    rows = bands.rows_per_tile
+    for group, first in enumerate(range(0, bands.num_rows, rows)):
+        count = min(rows, bands.num_rows - first)
+        raw = os.pread(fd, count * bands.row_bytes, checks.start + first * bands.row_bytes)
+        table = np.frombuffer(raw, np.uint8).reshape(count, bands.bands, bands.band_bytes)
+        for band, tile in enumerate(np.ascontiguousarray(table.transpose(1, 0, 2))):
+            if crc(tile) != bands.crcs[group * bands.bands + band]:
+                raise band_mismatch(checks, group, band, what)
+
+
+def band_mismatch(checks: ItemChecks, group: int, band: int, what: str) -> SeedckptError:
+    rows = checks.bands.rows_per_tile
+    return SeedckptError(
+        f"{what} is corrupt: rows {group * rows}..{(group + 1) * rows} x column band {band} of the tensor in "
+        f"{checks.file} do not have the CRC32C that was written; the checkpoint is damaged -- restore or write it "
+        "again (`seedckpt verify` checks all of it)"
+    )

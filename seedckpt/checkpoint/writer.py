@@ -36,6 +36,7 @@ from seedckpt.checkpoint.integrity import (
     CHECKSUMS_KEY,
     ItemChecks,
     PieceHasher,
+    band_checks,
     check_data_files,
     checksums_record,
     crc,
@@ -88,6 +89,7 @@ class _RawStream:
         ):
             self.data_start = self.pos
             self.hasher.mark_start()
+            self.hasher.bands = band_checks(view, self.watch.shape, self.watch.element_size())
         self.hasher.update(view)
         done = 0
         while done < view.nbytes:
