@@ -98,7 +98,7 @@ def test_tp_is_validated_before_any_rendezvous():
     for overrides, message in cases.items():
         with pytest.raises(SeedckptError, match=message):
             resolve(tiny_config("--parallelism.pipeline_parallel_degree", "1", *overrides), 6)
-    with pytest.raises(SeedckptError, match="x tensor_parallel_degree = 1 x 1 x 2"):
+    with pytest.raises(SeedckptError, match="x tensor_parallel_degree = 1 x 1 x 2;"):
         resolve(tiny_config("--parallelism.pipeline_parallel_degree", "1", *TP), 3)
     run = resolve(tiny_config("--parallelism.pipeline_parallel_degree", "2", *TP), 8)
     assert (run.dims.pp, run.dims.dp_shard, run.dims.tp) == (2, 2, 2)
@@ -284,7 +284,9 @@ def test_verify_checks_every_tile(tmp_path):
     from seedckpt.checkpoint.formats.dcp import DcpCheckpoint
     from seedckpt.checkpoint.manifest import MANIFEST_NAME
 
-    path = write_checkpoint(tmp_path / "ckpt", {"w": torch.randn(512, 1024)}, make_manifest("train", "llama3", None, {}))
+    path = write_checkpoint(
+        tmp_path / "ckpt", {"w": torch.randn(512, 1024)}, make_manifest("train", "llama3", None, {})
+    )
     assert DcpCheckpoint(path).verify() == []
     manifest = json.loads((path / MANIFEST_NAME).read_text())
     [entry] = [e for entries in manifest["checksums"]["bands"].values() for e in entries]

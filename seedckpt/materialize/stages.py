@@ -154,6 +154,8 @@ def build_stages(
         checkpoint = open_model_checkpoint(
             checkpoint, None if grow_vocab else args, complete=False, verify=verify, model=family_of(args).name
         )
+    if checkpoint is not None:
+        check_args_match(checkpoint, args, grow_vocab)  # before anything is built
     modules, targets = stage_models(args, specs, osft)
     if shard_fn is not None:
         for module in modules:
@@ -186,9 +188,9 @@ def load_stages(
 ) -> None:
     """Materialize the (sharded) stage modules on ``device`` and give every tensor a value.
 
-    Exactly one of ``checkpoint`` (load by FQN, the normal path) or ``seed`` (direct per-rank init,
-    bitwise equal to loading the seed made with that seed) must be given. The checkpoint is
-    checked against ``args`` before anything is allocated. ``grow_vocab``: ``args.vocab_size`` may
+    Exactly one of ``checkpoint`` (load by FQN, the normal path; checked against ``args`` by the
+    caller with ``check_args_match`` before the modules were built) or ``seed`` (direct per-rank
+    init, bitwise equal to loading the seed made with that seed) must be given. ``grow_vocab``: ``args.vocab_size`` may
     exceed the checkpoint's; the new rows get the mean of the checkpoint's rows (collective over
     the shards of the first and last stages). ``osft``: a checkpoint that stores the factors of the
     targets (an OSFT run's ``step-N``) loads them like any tensor; from dense weights they are
@@ -199,8 +201,6 @@ def load_stages(
         raise ValueError("give exactly one of checkpoint= or seed=")
     if osft is not None and checkpoint is None:
         raise SeedckptError("OSFT starts from pretrained weights: give a checkpoint")
-    if checkpoint is not None:
-        check_args_match(checkpoint, args, grow_vocab)
     materialize(modules, device)
     if checkpoint is None:
         for module in modules:

@@ -60,17 +60,19 @@ class ParallelDims:
             par.data_parallel_shard_degree,
             par.tensor_parallel_degree,
         )
-        degrees = "pipeline_parallel_degree x data_parallel_replicate_degree x tensor_parallel_degree"
+        # the degrees other than data_parallel_shard_degree, as the messages name them (TP when used)
+        names = ["pipeline_parallel_degree", "data_parallel_replicate_degree"] + ["tensor_parallel_degree"] * (tp > 1)
+        values = [pp, rep] + [tp] * (tp > 1)
+        others = f"{' x '.join(names)} = {' x '.join(map(str, values))}"
         if shard == -1:
             shard, rem = divmod(world_size, pp * rep * tp)
             if rem or shard < 1:
                 raise SeedckptError(
-                    f"world size {world_size} is not divisible by {degrees} = {pp} x {rep} x {tp}; "
-                    "change the degrees or --nproc-per-node"
+                    f"world size {world_size} is not divisible by {others}; change the degrees or --nproc-per-node"
                 )
         if pp * rep * shard * tp != world_size:
             raise SeedckptError(
-                f"{degrees} x data_parallel_shard_degree = {pp} x {rep} x {tp} x {shard} = "
+                f"{' x '.join(names)} x data_parallel_shard_degree = {' x '.join(map(str, values))} x {shard} = "
                 f"{pp * rep * shard * tp}, but the world size is {world_size}; make them multiply to the "
                 "world size (or set data_parallel_shard_degree = -1)"
             )

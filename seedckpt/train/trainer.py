@@ -55,6 +55,7 @@ from seedckpt.data.sources import IGNORE_INDEX
 from seedckpt.finetune.osft import OSFTProjector
 from seedckpt.finetune.pretrained import osft_spec
 from seedckpt.materialize.init_recipe import RECIPE_VERSION
+from seedckpt.materialize.model_checkpoint import check_args_match
 from seedckpt.materialize.stages import load_stages, stage_models
 from seedckpt.materialize.start import changed_training_settings, check_resume_matches_osft, fallback_hint
 from seedckpt.parallel.data_parallel import make_data_parallel
@@ -164,6 +165,8 @@ class Trainer:
             self.log(f"resuming with a changed setting, applied from step {start.step + 1}: {change}")
         self.osft = osft_spec(cfg)
         try:
+            if start.checkpoint is not None:
+                check_args_match(start.checkpoint, self.args, start.pretrained)
             self.modules, osft_targets = stage_models(self.args, self.specs, self.osft)
             for module in self.modules:
                 parallelize_stage(module, cfg, self.dims, self.mesh, self.data_parallel.shard_on_meta)
