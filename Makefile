@@ -50,7 +50,7 @@ demo: install
 	@echo "  OSFT export (dense)  $(DEMO)/osft_hf"
 
 test: install lint
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --durations=20 tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=20 tests
 
 # ruff's lint rules and format (pyproject.toml); `make format` rewrites the tree in that format
 lint: install

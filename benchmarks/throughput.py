@@ -25,7 +25,7 @@ Variants, each in a fresh process (its own peak memory, its own compile caches):
   made here, synthetic data, activation checkpointing none or selective, ``training.compile``
   off / on; read back from its ``metrics.jsonl``.
 * ``sft``, ``osft`` -- ``train.py`` fine-tuning that seed as the pretrained model on chat data made
-  here (``tests.tokenizers``: a tiny BPE with Llama-3's chat template, packed conversations).
+  here (``tests.tiny_tokenizers``: a tiny BPE with Llama-3's chat template, packed conversations).
 
 A config key another change adds (``training.compile``, ``optimizer.implementation``) is used when
 ``seedckpt.config.job_config`` has it; a variant that needs a missing one prints a ``skipped`` line saying so.
@@ -128,7 +128,7 @@ def probe(opts, report: str) -> None:
         for section, key in NEEDS
     }
     if opts.chat_dir:
-        from tests.tokenizers import build_tiny_tokenizer, corpus_of, make_chats
+        from tests.tiny_tokenizers import build_tiny_tokenizer, corpus_of, make_chats
 
         chats = make_chats(2000, seed=0)
         folder = Path(opts.chat_dir)

@@ -17,7 +17,7 @@ from seedckpt.data.datasets import make_dataset
 from seedckpt.data.sources import IGNORE_INDEX
 from seedckpt.data.tokenizer import load_tokenizer
 from seedckpt.utils.errors import SeedckptError
-from tests.tokenizers import build_tiny_tokenizer, corpus_of, make_chats
+from tests.tiny_tokenizers import build_tiny_tokenizer, corpus_of, make_chats
 
 CHATS = make_chats(40, seed=1)
 

@@ -19,7 +19,7 @@ from seedckpt.materialize.model_checkpoint import open_model_checkpoint
 from seedckpt.materialize.stages import build_stages
 from seedckpt.parallel.pipeline import plan_rank_stages
 from tests.dist import run_distributed
-from tests.tokenizers import build_tiny_tokenizer, make_chats
+from tests.tiny_tokenizers import build_tiny_tokenizer, make_chats
 
 transformers = pytest.importorskip("transformers")
 REPO = Path(__file__).resolve().parents[1]

@@ -13,6 +13,7 @@ import os
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 from seedckpt.utils.errors import SeedckptError
 
@@ -34,6 +35,7 @@ EXAMPLES = {
         examples:
           seedckpt verify seeds/debug
           seedckpt verify outputs/demo/checkpoints/step-100
+          seedckpt verify tokens/                        # a token directory (seedckpt tokenize)
         exit status: 0 intact (or nothing recorded to check: it says so), 2 damaged or unreadable""",
     "plan": """
         examples:
@@ -53,6 +55,11 @@ EXAMPLES = {
           seedckpt diff seeds/debug exported/               # a DCP checkpoint vs its HF export
           seedckpt diff run/step-100 run/step-200 --atol 1e-3
         exit status: 0 equal, 1 different, 2 error""",
+    "tokenize": """
+        examples:
+          seedckpt tokenize corpus/ --tokenizer ./tokenizer --output tokens/
+          seedckpt tokenize a.jsonl,b.jsonl.gz --tokenizer ./tokenizer --output tokens/ --workers 8
+          torchrun --nproc-per-node 4 train.py --config C --data.kind tokens --data.path tokens/""",
 }
 
 
@@ -146,6 +153,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     convert.add_argument("--quiet", action="store_true", help="no progress output")
 
+    tokenize = add(
+        "tokenize",
+        "Tokenize text or JSONL corpora once into a token directory (uint32 tokens.bin + tokens.json) that "
+        "training reads window by window (--data.kind tokens --data.path DIR): in parallel over the cores, "
+        "each document's ids followed by the tokenizer's eos, written under a temporary name and renamed when "
+        "complete. `seedckpt verify DIR` checks it.",
+    )
+    tokenize.add_argument(
+        "sources", help='JSONL {"text": ...} / JSONL.gz / plain text file(s), comma-separated, or a directory'
+    )
+    tokenize.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizer directory (tokenizer.json)")
+    tokenize.add_argument("--output", required=True, help="the token directory to create")
+    tokenize.add_argument("--workers", type=int, help="tokenizing processes (default: every usable core)")
+    tokenize.add_argument("--quiet", action="store_true", help="no progress output")
+
     # Listed for `seedckpt --help`; `seedckpt launch ...` is dispatched before this parser (see main).
     sub.add_parser(
         "launch",
@@ -180,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         return launch(argv[1:])
     parser = _parser()
     opts, rest = parser.parse_known_args(argv)
-    if rest and opts.command in ("inspect", "verify", "convert", "diff"):
+    if rest and opts.command in ("inspect", "verify", "convert", "diff", "tokenize"):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         commands = {
@@ -190,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             "plan": _plan,
             "convert": _convert,
             "diff": _diff,
+            "tokenize": _tokenize,
         }
         return commands[opts.command](opts, rest)
     except BrokenPipeError:  # output piped into `head` and closed: not an error
@@ -293,10 +316,29 @@ def _checksum_note(source) -> str:
     return f"no checksum: {source.kind} files carry none; contents cannot be verified"
 
 
+def _tokenize(opts, _rest) -> int:
+    from seedckpt.data.token_files import read_token_manifest, tokenize_corpus
+
+    if opts.workers is not None and opts.workers < 1:
+        raise SeedckptError(f"--workers {opts.workers}: it must be >= 1")
+    path = tokenize_corpus(opts.sources, opts.tokenizer, opts.output, opts.workers, progress=not opts.quiet)
+    made = read_token_manifest(path)
+    print(
+        f"wrote {path}: {made['tokens']:,} tokens, {made['documents']:,} documents, vocabulary {made['vocab_size']:,}; "
+        f"train on it with --data.kind tokens --data.path {path}"
+    )
+    return 0
+
+
 def _verify(opts, _rest) -> int:
     """Exit 0 when every item matches its checksum (or, with none recorded, say so), 2 otherwise."""
+    from seedckpt.data.token_files import MANIFEST_FILE, verify_tokens
     from seedckpt.materialize.model_checkpoint import open_model_checkpoint
     from seedckpt.utils.progress import Progress
+
+    if (Path(opts.checkpoint) / MANIFEST_FILE).is_file():  # a token directory
+        print(f"intact: {opts.checkpoint}: {verify_tokens(Path(opts.checkpoint)):,} tokens")
+        return 0
 
     # Checks .metadata's checksum, data file lengths, headers; not whether it is a whole model.
     source = open_model_checkpoint(opts.checkpoint, complete=False)

@@ -279,13 +279,15 @@ class Checkpoint:
 class Data:
     """the training tokens"""
 
-    kind: Literal["synthetic", "text", "chat"] = option(
-        "synthetic", "synthetic: random tokens; text: a corpus; chat: conversations, loss on assistant tokens"
+    kind: Literal["synthetic", "text", "tokens", "chat"] = option(
+        "synthetic",
+        "synthetic: random tokens; text: a corpus; tokens: a corpus tokenized once by `seedckpt tokenize`, "
+        "read window by window; chat: conversations, loss on assistant tokens",
     )
     path: str = option(
         "",
-        'text: a text or JSONL {"text": ...} file (empty: the built-in corpus); chat: JSONL '
-        '{"messages": [...]} file(s), comma-separated or a directory of *.jsonl',
+        'text: a text or JSONL {"text": ...} file (empty: the built-in corpus); tokens: the token directory '
+        '(`seedckpt tokenize`); chat: JSONL {"messages": [...]} file(s), comma-separated or a directory of *.jsonl',
     )
     tokenizer: str = option("", "a Hugging Face tokenizer directory (empty: byte-level, text only)")
     overflow: Literal["truncate", "drop"] = option(

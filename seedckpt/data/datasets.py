@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from seedckpt.data.chat import ChatData
 from seedckpt.data.sources import SyntheticData, TextData
+from seedckpt.data.token_files import TokenFileData
 from seedckpt.utils.errors import SeedckptError
 
 
@@ -21,4 +22,6 @@ def make_dataset(data, vocab_size: int, seq_len: int, seed: int):
         return TextData.bytes(data.path, vocab_size, seq_len, seed)
     if data.kind == "chat":
         return ChatData(data, vocab_size, seq_len, seed)
-    raise SeedckptError(f"data.kind = {data.kind!r}; choose synthetic, text or chat")
+    if data.kind == "tokens":
+        return TokenFileData(data.path, vocab_size, seq_len, seed)
+    raise SeedckptError(f"data.kind = {data.kind!r}; choose synthetic, text, tokens or chat")

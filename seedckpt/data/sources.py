@@ -11,6 +11,8 @@ but the step. Every dataset returns a ``Batch``.
   ``data.tokenizer`` the files (plain text, or JSONL ``{"text": ...}``) are tokenized with that
   Hugging Face tokenizer and joined with its eos token instead.
 * ``chat``: supervised fine-tuning on chat conversations (``seedckpt.data.chat``).
+* ``tokens``: random windows of a corpus tokenized once by ``seedckpt tokenize``, read from disk
+  window by window (``seedckpt.data.token_files``).
 """
 
 from __future__ import annotations
@@ -188,7 +190,7 @@ class TextData:
             raise SeedckptError("data.tokenizer needs data.path: the text or JSONL files to tokenize")
         ids = []
         for file in data_files(path, ".jsonl"):
-            for text in _documents(file):
+            for text in documents(file):
                 ids += tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         return cls(
             torch.tensor(ids, dtype=torch.int64),
@@ -203,8 +205,8 @@ class TextData:
         return Batch.from_rows(self.tokens[starts + torch.arange(self.seq_len + 1)].long())
 
 
-def _documents(file: Path):
-    """Each JSONL record's ``"text"``, or the whole file."""
+def documents(file: Path):
+    """Each JSONL record's ``"text"`` (a ``.jsonl`` or ``.jsonl.gz`` file, streamed), or the whole file."""
     if not file.name.endswith((".jsonl", ".jsonl.gz")):
         yield file.read_text(errors="replace")
         return

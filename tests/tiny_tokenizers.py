@@ -1,6 +1,6 @@
 """Tiny Hugging Face tokenizers and chat sets built offline, for tests and the shipped demo data.
 
-``python -m tests.tokenizers configs/sft_demo`` regenerates ``configs/sft_demo/{chats.jsonl,tokenizer/}``.
+``python -m tests.tiny_tokenizers configs/sft_demo`` regenerates ``configs/sft_demo/{chats.jsonl,tokenizer/}``.
 """
 
 from __future__ import annotations

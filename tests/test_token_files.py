@@ -1,0 +1,164 @@
+"""Token files (``seedckpt tokenize``, ``data.kind = "tokens"``): a corpus tokenized once in
+parallel, exactly what the tokenizer gives each document; windows read without holding the corpus,
+under an address-space cap smaller than the file; damage and bad input refused in one line."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from seedckpt.cli.main import main as seedckpt
+from seedckpt.utils.errors import SeedckptError
+from tests.test_train import REPO, losses, torchrun
+from tests.tiny_tokenizers import build_tiny_tokenizer, corpus_of, make_chats
+
+DOCS = corpus_of(make_chats(20, seed=2))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return build_tiny_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer", DOCS * 3, vocab_size=300)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """The documents as JSONL, JSONL.gz (a directory of both) and one plain text file."""
+    root = tmp_path_factory.mktemp("corpus")
+    half = len(DOCS) // 2
+    (root / "a.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS[:half]))
+    with gzip.open(root / "b.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps({"text": d}) + "\n" for d in DOCS[half:])
+    (root / "plain.txt").write_text(DOCS[0])
+    return root
+
+
+def _expected(tokenizer_dir, docs) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    return [t for d in docs for t in (*tok(d, add_special_tokens=False)["input_ids"], tok.eos_token_id)]
+
+
+def test_tokenize_in_parallel_gives_each_documents_ids_then_eos(tmp_path, tokenizer, corpus, capsys):
+    sources = f"{corpus / 'a.jsonl'},{corpus / 'b.jsonl.gz'},{corpus / 'plain.txt'}"
+    assert (
+        seedckpt(
+            [
+                "tokenize",
+                sources,
+                "--tokenizer",
+                str(tokenizer),
+                "--output",
+                str(tmp_path / "t2"),
+                "--workers",
+                "2",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
+    assert "wrote" in capsys.readouterr().out
+    got = np.fromfile(tmp_path / "t2" / "tokens.bin", dtype="<u4").tolist()
+    assert got == _expected(tokenizer, [*DOCS, DOCS[0]])
+    manifest = json.loads((tmp_path / "t2" / "tokens.json").read_text())
+    assert manifest["tokens"] == len(got) and manifest["documents"] == len(DOCS) + 1
+    # one worker writes the same bytes; `verify` checks them
+    assert (
+        seedckpt(
+            [
+                "tokenize",
+                sources,
+                "--tokenizer",
+                str(tokenizer),
+                "--output",
+                str(tmp_path / "t1"),
+                "--workers",
+                "1",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
+    assert (tmp_path / "t1" / "tokens.bin").read_bytes() == (tmp_path / "t2" / "tokens.bin").read_bytes()
+    assert seedckpt(["verify", str(tmp_path / "t1"), "--quiet"]) == 0
+    raw = bytearray((tmp_path / "t1" / "tokens.bin").read_bytes())
+    raw[100] ^= 1
+    (tmp_path / "t1" / "tokens.bin").write_bytes(bytes(raw))
+    assert seedckpt(["verify", str(tmp_path / "t1"), "--quiet"]) == 2
+    assert "is corrupt: bytes 0.." in capsys.readouterr().err
+
+
+def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, tokenizer, corpus, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "fine"}) + "\n{not json\n")
+    out = tmp_path / "tokens"
+    assert seedckpt(["tokenize", str(bad), "--tokenizer", str(tokenizer), "--output", str(out), "--quiet"]) == 2
+    assert f"{bad}:2: not valid JSON" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]  # no output, no partial, no lock
+    out.mkdir()
+    assert seedckpt(["tokenize", str(corpus / "a.jsonl"), "--tokenizer", str(tokenizer), "--output", str(out)]) == 2
+    assert "exists; choose a new output directory" in capsys.readouterr().err
+
+
+def test_training_reads_windows_of_the_token_file(tmp_path, tokenizer, corpus, debug_seed):
+    from seedckpt.data.token_files import TokenFileData
+
+    out = tmp_path / "tokens"
+    assert (
+        seedckpt(["tokenize", str(corpus / "a.jsonl"), "--tokenizer", str(tokenizer), "--output", str(out), "--quiet"])
+        == 0
+    )
+    steps = ["--training.steps", "2", "--data.kind", "tokens", "--data.path", str(out)]
+    run = torchrun(tmp_path / "run", debug_seed, 1, "--parallelism.pipeline_parallel_degree", "1", *steps)
+    assert f"data: tokens {out}" in run.stdout and len(losses(tmp_path / "run")) == 2
+    ids = torch.from_numpy(np.fromfile(out / "tokens.bin", dtype="<u4").astype(np.int64))
+    data = TokenFileData(str(out), 512, 16, seed=3)
+    batch = data.global_batch(7, 4)
+    for inputs, labels in zip(batch.inputs, batch.labels):
+        starts = [s for s in range(len(ids) - 16) if torch.equal(ids[s : s + 16], inputs)]
+        assert starts and torch.equal(ids[starts[0] + 1 : starts[0] + 17], labels)
+    assert torch.equal(data.global_batch(7, 4).inputs, batch.inputs)  # a function of (seed, step)
+    with pytest.raises(SeedckptError, match="vocabulary of 300 tokens but the model's vocab_size is 256"):
+        TokenFileData(str(out), 256, 16, seed=3)
+    with open(out / "tokens.bin", "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(SeedckptError, match="it was truncated or replaced"):
+        TokenFileData(str(out), 512, 16, seed=3)
+
+
+CAPPED = """
+import os, resource, sys
+import numpy as np
+from seedckpt.data.token_files import TokenFileData
+data = TokenFileData(sys.argv[1], 1 << 20, 2048, seed=0)
+vm = int(next(l for l in open("/proc/self/status") if l.startswith("VmSize")).split()[1]) * 1024
+cap = vm + (48 << 20)
+resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+for step in range(1, 21):
+    data.global_batch(step, 8)
+try:
+    np.fromfile(os.path.join(sys.argv[1], "tokens.bin"), dtype="<u4")
+except MemoryError:
+    print("whole file refused under the cap; 20 batches read")
+"""
+
+
+def test_a_token_file_larger_than_the_address_space_cap_trains(tmp_path):
+    """A 256 MiB token file, read by a process capped (RLIMIT_AS) at 48 MiB above what it had mapped
+    once its imports were done: batches are read, the whole file cannot be."""
+    from seedckpt.data.token_files import write_token_directory
+
+    rng = np.random.default_rng(0)
+    blocks = ((rng.integers(0, 1 << 20, 1 << 24, dtype=np.uint32), 1, 0) for _ in range(4))
+    write_token_directory(tmp_path / "big", blocks, vocab_size=1 << 20)
+    proc = subprocess.run(
+        [sys.executable, "-c", CAPPED, str(tmp_path / "big")], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "whole file refused under the cap; 20 batches read" in proc.stdout
