@@ -214,7 +214,7 @@ def test_every_runnable_schedule_is_one_torch_knows():
             "parallelism.fsdp_impl = 'fsdp3'; this version supports fsdp2, manual",
         ),
         ("", ["--parallelism.fsdp_reshard_after_forward", "sometimes"], "this version supports default, always, never"),
-        ("", ["--data.kind", "json"], "data.kind = 'json'; this version supports synthetic, text, chat"),
+        ("", ["--data.kind", "json"], "data.kind = 'json'; this version supports synthetic, text, tokens, chat"),
         ("", ["--data.overflow", "wrap"], "data.overflow = 'wrap'; this version supports truncate, drop"),
         (
             "",
