@@ -406,8 +406,8 @@ def _plan(opts, overrides) -> int:
         )
     else:
         print(
-            "  train/GPU = fp32 params + grads + AdamW moments (16 B/param) sharded over dp_shard; "
-            "activations not included"
+            "  train/GPU = fp32 params + grads + AdamW moments (16 B/param) of the TP rank's part, sharded over "
+            "dp_shard; activations not included"
         )
     return 0
 
