@@ -220,7 +220,7 @@ def test_every_family_under_tp_matches_one_process_tied_packed_and_grown(tmp_pat
 
 def _column_slices_worker(rank, world_size, path, corrupt):
     """This rank's columns (``Shard(1)`` over 4 ranks) of a 16 MiB matrix with checksums checked:
-    (bytes read, bytes owned, bitwise, the error if any)."""
+    (bytes read, bytes owned, bitwise -- read directly and through staging slots --, the error if any)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -246,7 +246,16 @@ def _column_slices_worker(rank, world_size, path, corrupt):
     finally:
         DirectReads.run = run
     mine = wanted.to_local()
-    return read["bytes"], mine.nbytes, torch.equal(mine, full[:, rank * 1024 : (rank + 1) * 1024]), None
+    same = torch.equal(mine, full[:, rank * 1024 : (rank + 1) * 1024])
+    # the path a CUDA destination takes (through staging slots), run on the CPU: the same values
+    staged = distribute_tensor(torch.zeros_like(full), mesh, [Shard(1)], src_data_rank=None)
+    defaults = DirectReads.__init__.__defaults__
+    DirectReads.__init__.__defaults__ = (defaults[0], True)
+    try:
+        DcpCheckpoint(path, verify=True).load({"w": staged})
+    finally:
+        DirectReads.__init__.__defaults__ = defaults
+    return read["bytes"], mine.nbytes, same and torch.equal(staged.to_local(), mine), None
 
 
 def test_a_column_slice_is_checked_reading_only_its_bands(tmp_path):
