@@ -146,6 +146,12 @@ def test_force_replaces_only_an_output_of_its_own_kind(tmp_path, debug_seed, cap
     assert main([*SEED, "--output", str(seed), "--seed", "1"]) == 0
     assert main([*SEED, "--output", str(seed), "--seed", "2", "--force"]) == 0
     assert open_model_checkpoint(seed).manifest["seed"] == 2
+    # a run that wrote its step-N inside the seed (an old version allowed checkpoint.folder = the seed)
+    shutil.copytree(seed, seed / "step-4")
+    assert main([*SEED, "--output", str(seed), "--seed", "3", "--force"]) == 2
+    assert "holds 1 directory (step-4), which replacing it would delete" in capsys.readouterr().err
+    assert open_model_checkpoint(seed / "step-4").manifest["seed"] == 2
+    shutil.rmtree(seed / "step-4")
     file = tmp_path / "m.safetensors"
     convert(debug_seed, file, "safetensors", progress=False)
     assert (

@@ -107,7 +107,8 @@ def _why_not_replaceable(path: Path, directory: bool) -> str | None:
 
     ``--force`` means "replace my previous output", so it must not delete a directory of other
     data, nor turn a directory into a file. A checkpoint directory is DCP (``.metadata``) or
-    Hugging Face (``config.json`` plus safetensors weights).
+    Hugging Face (``config.json`` plus safetensors weights), and holds files only: one that also
+    holds directories (a run's ``step-N`` written inside a seed) is not replaced with them.
     """
     if not directory:
         if path.is_file():
@@ -116,6 +117,12 @@ def _why_not_replaceable(path: Path, directory: bool) -> str | None:
     if not path.is_dir():
         return "is a file"
     entries = sorted(child.name for child in path.iterdir())
+    inside = sorted(child.name for child in path.iterdir() if child.is_dir() and not child.name.startswith("."))
+    if inside:
+        return (
+            f"holds {len(inside)} director{'y' if len(inside) == 1 else 'ies'} ({', '.join(inside[:3])}), which "
+            "replacing it would delete"
+        )
     weights = (path / "model.safetensors.index.json").is_file() or any(path.glob("*.safetensors"))
     if not entries or (path / ".metadata").is_file() or ((path / "config.json").is_file() and weights):
         return None
