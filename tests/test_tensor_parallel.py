@@ -108,11 +108,15 @@ def test_tp_is_validated_before_any_rendezvous():
 def test_tp_layouts_train_like_one_process_resume_bitwise_and_reshard(tmp_path, debug_seed):
     """One process against tp2 x dp_shard2 and pp2 x tp2 over 6 steps, and tp2 compiled over 3
     (losses within 1e-5); a tp2 x dp_shard2 run stopped at step 3 resumes bitwise, and the same
-    step-3 resumes on dp_shard4. (tp2 alone: every family, in process, above.)"""
+    step-3 resumes on dp_shard4; one process's step-3 resumes on tp2 x dp_shard2 (four ranks from
+    one). (tp2 alone: every family, in process, above.)"""
     one = ["--parallelism.pipeline_parallel_degree", "1"]
     steps = ["--training.steps", "6"]
-    torchrun(tmp_path / "single", debug_seed, 1, *one, *steps)
-    reference = losses(tmp_path / "single")
+    single = tmp_path / "single"
+    torchrun(single, debug_seed, 1, *one, *steps, "--training.stop_after_step", "3")
+    shutil.copytree(single, tmp_path / "grown")  # its step-3, resumed below on 4 ranks
+    torchrun(single, debug_seed, 1, *one, *steps)
+    reference = losses(single)
     tp_dp = [*one, *TP, *steps, "--training.local_batch_size", "4"]
     layouts = {
         "tp2_dp2": (4, tp_dp),
@@ -139,6 +143,12 @@ def test_tp_layouts_train_like_one_process_resume_bitwise_and_reshard(tmp_path, 
     got = losses(tmp_path / "resharded")
     for step, (a, b) in enumerate(zip(got, reference), start=1):
         assert abs(a - b) <= 1e-5 * abs(b), f"dp_shard4 from tp2 x dp_shard2, step {step}: {a} vs {b}"
+    # the other way, onto more ranks: one process's step-3 resumes on tp2 x dp_shard2 (ranks 1-3 have no
+    # saved RNG state: theirs is derived, and said)
+    grown = torchrun(tmp_path / "grown", debug_seed, 4, *tp_dp)
+    assert "holds no RNG state for this rank" in grown.stdout
+    for step, (a, b) in enumerate(zip(losses(tmp_path / "grown"), reference), start=1):
+        assert abs(a - b) <= 1e-5 * abs(b), f"tp2 x dp_shard2 from one process, step {step}: {a} vs {b}"
 
 
 def _family_worker(rank, world_size, seeds):

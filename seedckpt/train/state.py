@@ -24,6 +24,7 @@ from seedckpt.checkpoint import TOKENIZER_DIR, Checkpoint, make_manifest, step_d
 from seedckpt.checkpoint.background import BackgroundSaver
 from seedckpt.checkpoint.manifest import OPTIMIZER_PREFIX, RNG_PREFIX, TRAIN_STATE_KEY
 from seedckpt.config.job_config import JobConfig
+from seedckpt.data.sources import keyed_generator
 from seedckpt.data.tokenizer import tokenizer_files
 from seedckpt.finetune.osft import OSFTSpec, osft_record
 from seedckpt.parallel.data_parallel import DataParallel
@@ -79,6 +80,7 @@ class TrainState:
         self.modules, self.data_parallel = modules, data_parallel
         self.step, self.global_batch = step, global_batch
         self.rng_key = f"{RNG_PREFIX}rank{dist.get_rank()}"
+        self.rng_derived = False  # set by ``load``: this rank's RNG state was not in the checkpoint
         train = cfg.training
         self.optimizers = []
         for i in range(len(modules)):
@@ -114,6 +116,11 @@ class TrainState:
         ``step-N`` whose name says ``self.step``. Collective."""
         mine = self._optimizer_states()  # each stage's keys, and tensors to load into
         state = self._training_state(mine)
+        # A rank beyond those that saved (a resume on more ranks) has no RNG state to restore: its
+        # generator starts from (training.seed, rank, step) instead, the same on every such resume.
+        self.rng_derived = self.rng_key not in checkpoint.tensors()
+        if self.rng_derived:
+            del state[self.rng_key]
         checkpoint.load(state)
         for i, keys in enumerate(mine):
             self.data_parallel.load_optimizer_state_dict(
@@ -125,7 +132,12 @@ class TrainState:
             # The state restores the peak LR it was saved with; the configured one applies (a
             # change is logged). Warmup and decay are the configured schedule's already.
             scheduler.base_lrs = [self.cfg.training.lr] * len(scheduler.base_lrs)
-        torch.set_rng_state(state[self.rng_key])
+        if self.rng_derived:
+            torch.set_rng_state(
+                keyed_generator("seedckpt-rng", self.cfg.training.seed, self.rng_key, self.step).get_state()
+            )
+        else:
+            torch.set_rng_state(state[self.rng_key])
         if train_state["step"] != self.step:
             raise SeedckptError(f"{checkpoint.path} records step {train_state['step']}, its name says {self.step}")
 

@@ -190,6 +190,12 @@ class Trainer:
             )
             if start.step:
                 self.state.load(start.checkpoint)
+                if self.state.rng_derived:
+                    self.log(
+                        f"{start.path} holds no RNG state for this rank (it was saved by fewer ranks): "
+                        "derived from training.seed, the rank and the step",
+                        all_ranks=True,
+                    )
         except SeedckptError as e:  # a damaged step-N: say which checkpoint would resume instead
             if not start.step:
                 raise
