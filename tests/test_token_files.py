@@ -45,46 +45,21 @@ def _expected(tokenizer_dir, docs) -> list[int]:
     return [t for d in docs for t in (*tok(d, add_special_tokens=False)["input_ids"], tok.eos_token_id)]
 
 
+def tokenize(sources, tokenizer, output, *options: str) -> int:
+    """``seedckpt tokenize``'s exit status."""
+    return seedckpt(["tokenize", str(sources), "--tokenizer", str(tokenizer), "--output", str(output), *options])
+
+
 def test_tokenize_in_parallel_gives_each_documents_ids_then_eos(tmp_path, tokenizer, corpus, capsys):
     sources = f"{corpus / 'a.jsonl'},{corpus / 'b.jsonl.gz'},{corpus / 'plain.txt'}"
-    assert (
-        seedckpt(
-            [
-                "tokenize",
-                sources,
-                "--tokenizer",
-                str(tokenizer),
-                "--output",
-                str(tmp_path / "t2"),
-                "--workers",
-                "2",
-                "--quiet",
-            ]
-        )
-        == 0
-    )
+    assert tokenize(sources, tokenizer, tmp_path / "t2", "--workers", "2", "--quiet") == 0
     assert "wrote" in capsys.readouterr().out
     got = np.fromfile(tmp_path / "t2" / "tokens.bin", dtype="<u4").tolist()
     assert got == _expected(tokenizer, [*DOCS, DOCS[0]])
     manifest = json.loads((tmp_path / "t2" / "tokens.json").read_text())
     assert manifest["tokens"] == len(got) and manifest["documents"] == len(DOCS) + 1
     # one worker writes the same bytes; `verify` checks them
-    assert (
-        seedckpt(
-            [
-                "tokenize",
-                sources,
-                "--tokenizer",
-                str(tokenizer),
-                "--output",
-                str(tmp_path / "t1"),
-                "--workers",
-                "1",
-                "--quiet",
-            ]
-        )
-        == 0
-    )
+    assert tokenize(sources, tokenizer, tmp_path / "t1", "--workers", "1", "--quiet") == 0
     assert (tmp_path / "t1" / "tokens.bin").read_bytes() == (tmp_path / "t2" / "tokens.bin").read_bytes()
     assert seedckpt(["verify", str(tmp_path / "t1"), "--quiet"]) == 0
     raw = bytearray((tmp_path / "t1" / "tokens.bin").read_bytes())
@@ -98,11 +73,11 @@ def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, tokenizer, corpus, c
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"text": "fine"}) + "\n{not json\n")
     out = tmp_path / "tokens"
-    assert seedckpt(["tokenize", str(bad), "--tokenizer", str(tokenizer), "--output", str(out), "--quiet"]) == 2
+    assert tokenize(bad, tokenizer, out, "--quiet") == 2
     assert f"{bad}:2: not valid JSON" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]  # no output, no partial, no lock
     out.mkdir()
-    assert seedckpt(["tokenize", str(corpus / "a.jsonl"), "--tokenizer", str(tokenizer), "--output", str(out)]) == 2
+    assert tokenize(corpus / "a.jsonl", tokenizer, out) == 2
     assert "exists; choose a new output directory" in capsys.readouterr().err
 
 
@@ -110,10 +85,7 @@ def test_training_reads_windows_of_the_token_file(tmp_path, tokenizer, corpus, d
     from seedckpt.data.token_files import TokenFileData
 
     out = tmp_path / "tokens"
-    assert (
-        seedckpt(["tokenize", str(corpus / "a.jsonl"), "--tokenizer", str(tokenizer), "--output", str(out), "--quiet"])
-        == 0
-    )
+    assert tokenize(corpus / "a.jsonl", tokenizer, out, "--quiet") == 0
     steps = ["--training.steps", "2", "--data.kind", "tokens", "--data.path", str(out)]
     run = torchrun(tmp_path / "run", debug_seed, 1, "--parallelism.pipeline_parallel_degree", "1", *steps)
     assert f"data: tokens {out}" in run.stdout and len(losses(tmp_path / "run")) == 2
