@@ -160,9 +160,10 @@ def bare_loop(opts, variant: str, report: str) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
 
+    from seedckpt.config.job_config import LrScheduler
     from seedckpt.data.sources import IGNORE_INDEX, SyntheticData
     from seedckpt.train.metrics import MetricsLogger, peak_memory_bytes
-    from seedckpt.train.state import warmup_cosine
+    from seedckpt.train.optimizer import lr_factor
     from seedckpt.train.trainer import _init_process_group, clip_grad_norm_
 
     rungs = list(RUNGS)
@@ -205,7 +206,9 @@ def bare_loop(opts, variant: str, report: str) -> None:
     optimizer = torch.optim.AdamW(
         params, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, **({} if trainer_adamw else {"fused": True})
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(2, opts.steps)) if trainer_adamw else None
+    scheduler = (
+        torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(LrScheduler(), 2, opts.steps)) if trainer_adamw else None
+    )
     data = SyntheticData(args.vocab_size, opts.seq_len, 0) if "data" in on else None
     rows = torch.randint(0, args.vocab_size, (opts.batch, opts.seq_len + 1), device=device)
     inputs, labels = rows[:, :-1], rows[:, 1:]

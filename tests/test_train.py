@@ -181,7 +181,7 @@ def test_auto_adamw_on_the_cpu_computes_what_torchs_default_did():
     """``optimizer.implementation = auto`` is foreach on the CPU, where foreach falls back to per-tensor
     ops: bitwise the for-loop AdamW that torch picks for CPU tensors when not told. Fused is CUDA's
     auto, and rounds the update its own way."""
-    from seedckpt.train.state import ADAMW_KERNELS, adamw_implementation
+    from seedckpt.train.optimizer import ADAMW_KERNELS, adamw_implementation
 
     assert adamw_implementation("auto", "cpu") == "foreach" and adamw_implementation("auto", "cuda") == "fused"
     assert adamw_implementation("for-loop", "cuda") == "for-loop"

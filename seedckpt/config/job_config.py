@@ -106,7 +106,7 @@ class Model:
 
 @dataclass(frozen=True)
 class Training:
-    """the optimization loop (AdamW, linear warmup then cosine decay to 10 % of lr)"""
+    """the optimization loop (AdamW: [optimizer]; the schedule after warmup: [lr_scheduler])"""
 
     steps: int = option(10, "optimizer steps of the run; the learning-rate schedule spans them")
     local_batch_size: int = option(8, "sequences per data-parallel rank and step")
@@ -162,15 +162,52 @@ class Training:
         )
 
 
+ParameterKind = Literal["norm", "bias", "embedding"]
+
+
 @dataclass(frozen=True)
 class Optimizer:
-    """AdamW's kernels: the same update, computed per tensor, per list of tensors or in one fused kernel"""
+    """AdamW: its hyperparameters (training.lr is the peak learning rate) and kernels"""
 
+    betas: list[float] = option([0.9, 0.95], "AdamW's (beta1, beta2) (command line: 0.9,0.95)")
+    eps: float = option(1e-8, "AdamW's epsilon, added to the second moment's root")
+    weight_decay: float = option(0.1, "decoupled weight decay (fine-tuning usually takes 0)")
+    weight_decay_exclude: list[ParameterKind] = option(
+        [],
+        'parameters trained without weight decay, any of "norm" (norm weights), "bias" and "embedding" '
+        "(command line: norm,bias)",
+    )
     implementation: Literal["auto", "fused", "foreach", "for-loop"] = option(
         "auto",
         "fused: one kernel for all of a stage's tensors; foreach: batched per op; for-loop: per tensor "
         "(auto: fused on cuda, foreach on cpu, which on cpu computes what for-loop does, bitwise)",
     )
+
+    def validate(self) -> None:
+        ok = len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas)
+        _check("optimizer.betas", self.betas, ok, "two numbers in [0, 1), e.g. [0.9, 0.95]")
+        _check("optimizer.eps", self.eps, math.isfinite(self.eps) and self.eps > 0, "a finite number > 0")
+        wd = self.weight_decay
+        _check("optimizer.weight_decay", wd, math.isfinite(wd) and wd >= 0, "a finite number >= 0")
+
+
+@dataclass(frozen=True)
+class LrScheduler:
+    """the learning rate after training.warmup_steps of linear warmup"""
+
+    decay_type: Literal["cosine", "linear", "wsd", "constant"] = option(
+        "cosine",
+        "cosine or linear: decay from the peak to min_lr_factor x lr over the steps after warmup; wsd: "
+        "warmup-stable-decay, the peak held, then a linear decay over the last decay_ratio of them; "
+        "constant: the peak throughout",
+    )
+    decay_ratio: float = option(0.2, "wsd: the fraction of the steps after warmup spent decaying")
+    min_lr_factor: float = option(0.1, "the learning rate the decay ends at, as a fraction of training.lr")
+
+    def validate(self) -> None:
+        ratio, floor = self.decay_ratio, self.min_lr_factor
+        _check("lr_scheduler.decay_ratio", ratio, 0.0 < ratio <= 1.0, "in (0, 1]")  # nan fails too
+        _check("lr_scheduler.min_lr_factor", floor, 0.0 <= floor <= 1.0, "in [0, 1]")
 
 
 @dataclass(frozen=True)
@@ -356,6 +393,7 @@ class JobConfig:
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
     optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LrScheduler = field(default_factory=LrScheduler)
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
@@ -371,6 +409,8 @@ class JobConfig:
         model comes from its pretrained checkpoint)."""
         for section in (
             self.training,
+            self.optimizer,
+            self.lr_scheduler,
             self.parallelism,
             self.activation_checkpoint,
             self.checkpoint,
@@ -390,7 +430,7 @@ class JobConfig:
     def _check_manual_fsdp(self) -> None:
         """Manual FSDP shards one whole stage over a flat data-parallel group: refuse, naming each
         key, what it has no code for (pipeline stages and their schedules, HSDP's 2-D mesh,
-        OSFT's frozen factors and per-matrix projections)."""
+        OSFT's frozen factors and per-matrix projections, parameter groups in one flat vector)."""
         par = self.parallelism
         if par.fsdp_impl != "manual":
             return
@@ -416,6 +456,12 @@ class JobConfig:
                     par.tensor_parallel_degree == 1,
                 ),
                 ("finetune.mode", self.finetune.mode, "'none' or 'sft'", self.finetune.mode != "osft"),
+                (
+                    "optimizer.weight_decay_exclude",
+                    self.optimizer.weight_decay_exclude,
+                    "[]",
+                    not self.optimizer.weight_decay_exclude,
+                ),
             )
             if not ok
         ]
@@ -524,6 +570,8 @@ def _toml_literal(value) -> str:
 
 
 def _type_name(typ) -> str:
+    if typing.get_origin(typ) is list and typing.get_args(typ):
+        return f"list of {_type_name(typing.get_args(typ)[0])}"
     if typing.get_origin(typ) is Literal:
         return " | ".join(json.dumps(choice) for choice in typing.get_args(typ))
     return typ.__name__
@@ -656,6 +704,12 @@ def _coerce(name: str, typ, value, source: str, from_text: bool):
         if value is None or (from_text and value.lower() in ("none", "null")):
             return None
         typ = next(a for a in typing.get_args(typ) if a is not type(None))
+    if typing.get_origin(typ) is list and typing.get_args(typ):  # list[float], list[Literal[...]]
+        items = _parse_text(value, list) if from_text else value
+        if not isinstance(items, list):
+            raise SeedckptError(f"{source}: {name} expects a list, got {value!r}")
+        (item,) = typing.get_args(typ)
+        return [_coerce(name, item, v, source, from_text) for v in items]
     if typing.get_origin(typ) is Literal:  # a choice: TOML and command-line text alike give the name
         allowed = typing.get_args(typ)
         if value not in allowed:

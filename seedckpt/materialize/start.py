@@ -108,14 +108,23 @@ def fallback_hint(steps: dict[int, Path], broken: int) -> str:
     return "no earlier checkpoint in the folder is intact: start again from the seed in a new checkpoint.folder"
 
 
-def changed_training_settings(cfg: JobConfig, start: Start) -> list[str]:
-    """The ``[training]`` values that differ from those ``start``'s checkpoint was trained with (they
-    all apply from the next step; the log says which changed)."""
-    saved = (start.checkpoint.manifest or {}).get("training") if start.step else None
-    if not isinstance(saved, dict):
-        return []
-    now = dataclasses.asdict(cfg.training)
-    return [f"training.{k} {saved[k]!r} -> {v!r}" for k, v in now.items() if k in saved and saved[k] != v]
+# The sections whose values a resume may change: each applies from the next step, and is logged.
+RESUMABLE_SECTIONS = ("training", "optimizer", "lr_scheduler")
+
+
+def changed_settings(cfg: JobConfig, start: Start) -> list[str]:
+    """The ``[training]``, ``[optimizer]`` and ``[lr_scheduler]`` values that differ from those
+    ``start``'s checkpoint was trained with (a checkpoint of an older version records only
+    ``[training]``: the rest is not compared)."""
+    manifest = (start.checkpoint.manifest or {}) if start.step else {}
+    changes = []
+    for section in RESUMABLE_SECTIONS:
+        saved = manifest.get(section)
+        if not isinstance(saved, dict):
+            continue
+        now = dataclasses.asdict(getattr(cfg, section))
+        changes += [f"{section}.{k} {saved[k]!r} -> {v!r}" for k, v in now.items() if k in saved and saved[k] != v]
+    return changes
 
 
 def check_resume_matches_osft(cfg: JobConfig, start: Start) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import time
 from pathlib import Path
 
@@ -28,38 +27,8 @@ from seedckpt.data.sources import keyed_generator
 from seedckpt.data.tokenizer import tokenizer_files
 from seedckpt.finetune.osft import OSFTSpec, osft_record
 from seedckpt.parallel.data_parallel import DataParallel
+from seedckpt.train.optimizer import apply_settings, build_adamw, lr_factor, parameter_groups
 from seedckpt.utils.errors import SeedckptError
-
-
-def warmup_cosine(warmup: int, total: int):
-    """Linear warmup to the peak LR, then cosine decay to 10 % of it at ``total``."""
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        progress = (step - warmup) / max(1, total - warmup)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return factor
-
-
-# torch.optim.AdamW's keyword arguments for each optimizer.implementation.
-ADAMW_KERNELS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
-
-
-def adamw_implementation(implementation: str, device_type: str) -> str:
-    """``optimizer.implementation`` on ``device_type``, ``auto`` resolved.
-
-    Chosen explicitly because torch's own default depends on where the parameters live (CUDA:
-    foreach, CPU: for-loop) and never picks fused. ``auto`` takes fused on CUDA (the whole update
-    in one kernel per group of tensors instead of one per operation; torchtitan's choice) and
-    foreach on CPU, where foreach has no kernels of its own and falls back to per-tensor ops: the
-    same bits as the for-loop torch ran before this option existed. Fused rounds the update
-    differently, so changing the implementation changes the numbers; a resume with the same one is
-    bitwise."""
-    if implementation == "auto":
-        return "fused" if device_type == "cuda" else "foreach"
-    return implementation
 
 
 class TrainState:
@@ -82,17 +51,14 @@ class TrainState:
         self.rng_key = f"{RNG_PREFIX}rank{dist.get_rank()}"
         self.rng_derived = False  # set by ``load``: this rank's RNG state was not in the checkpoint
         train = cfg.training
-        self.optimizers = []
+        self.optimizers, self.groups = [], []
         for i in range(len(modules)):
             params = data_parallel.parameters(i)
-            kernels = ADAMW_KERNELS[adamw_implementation(cfg.optimizer.implementation, params[0].device.type)]
-            self.optimizers.append(
-                torch.optim.AdamW(params, lr=train.lr, betas=(0.9, 0.95), weight_decay=0.1, **kernels)
-            )
-        self.schedulers = [
-            torch.optim.lr_scheduler.LambdaLR(o, warmup_cosine(train.warmup_steps, train.steps))
-            for o in self.optimizers
-        ]
+            groups, self.groups_described = parameter_groups([modules[i]], params, cfg.optimizer)
+            self.groups.append(groups)
+            self.optimizers.append(build_adamw(groups, train.lr, cfg.optimizer, params[0].device.type))
+        factor = lr_factor(cfg.lr_scheduler, train.warmup_steps, train.steps)
+        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, factor) for o in self.optimizers]
 
     def _optimizer_states(self) -> list[dict]:
         return [self.data_parallel.optimizer_state_dict(i, o) for i, o in enumerate(self.optimizers)]
@@ -126,12 +92,11 @@ class TrainState:
             self.data_parallel.load_optimizer_state_dict(
                 i, self.optimizers[i], {k: state[OPTIMIZER_PREFIX + k] for k in keys}
             )
+            apply_settings(self.optimizers[i], self.groups[i], self.cfg.optimizer)
         train_state = state[TRAIN_STATE_KEY]
         for scheduler in self.schedulers:
             scheduler.load_state_dict(train_state["lr_scheduler"])
-            # The state restores the peak LR it was saved with; the configured one applies (a
-            # change is logged). Warmup and decay are the configured schedule's already.
-            scheduler.base_lrs = [self.cfg.training.lr] * len(scheduler.base_lrs)
+            self._apply_schedule(scheduler)
         if self.rng_derived:
             torch.set_rng_state(
                 keyed_generator("seedckpt-rng", self.cfg.training.seed, self.rng_key, self.step).get_state()
@@ -140,6 +105,16 @@ class TrainState:
             torch.set_rng_state(state[self.rng_key])
         if train_state["step"] != self.step:
             raise SeedckptError(f"{checkpoint.path} records step {train_state['step']}, its name says {self.step}")
+
+    def _apply_schedule(self, scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
+        """Set the next step's learning rate from the configured peak and schedule (a change is
+        logged): a loaded state holds the rates, and the peak, that the saved run would have used
+        next. ``_last_lr`` is what ``get_last_lr`` reports; LambdaLR sets it only in ``step``."""
+        groups = scheduler.optimizer.param_groups
+        scheduler.base_lrs = [self.cfg.training.lr] * len(groups)
+        for group, factor in zip(groups, scheduler.lr_lambdas, strict=True):
+            group["lr"] = self.cfg.training.lr * factor(scheduler.last_epoch)
+        scheduler._last_lr = [group["lr"] for group in groups]
 
     def save(self, background: BackgroundSaver | None = None) -> Path:
         """Write ``checkpoint.folder/step-<step>`` (collective) with the run's manifest and tokenizer;
@@ -164,6 +139,8 @@ class TrainState:
             seed=cfg.training.seed,
             dtype="float32",
             training=dataclasses.asdict(cfg.training),
+            optimizer=dataclasses.asdict(cfg.optimizer),
+            lr_scheduler=dataclasses.asdict(cfg.lr_scheduler),
             finetune={"mode": ft.mode, "pretrained": ft.pretrained, **(osft_record(self.osft) if self.osft else {})},
         )
         files = {f"{TOKENIZER_DIR}/{f.name}": f for f in tokenizer_files(tokenizer)} if tokenizer else {}

@@ -57,13 +57,14 @@ from seedckpt.finetune.pretrained import osft_spec
 from seedckpt.materialize.init_recipe import RECIPE_VERSION
 from seedckpt.materialize.model_checkpoint import check_args_match
 from seedckpt.materialize.stages import load_stages, stage_models
-from seedckpt.materialize.start import changed_training_settings, check_resume_matches_osft, fallback_hint
+from seedckpt.materialize.start import changed_settings, check_resume_matches_osft, fallback_hint
 from seedckpt.parallel.data_parallel import make_data_parallel
 from seedckpt.parallel.parallelize import TiedEmbeddings, check_compile_supported, parallelize_stage
 from seedckpt.parallel.pipeline import plan_rank_stages, stage_ids_for_rank
 from seedckpt.train.failures import EXIT_ERROR, EXIT_INTERRUPTED, report_failure, stop_at_first_sigint
 from seedckpt.train.metrics import METRICS_FILE, MetricsLogger, peak_memory_bytes, peak_tflops, utilization
-from seedckpt.train.state import TrainState, adamw_implementation
+from seedckpt.train.optimizer import adamw_implementation
+from seedckpt.train.state import TrainState
 from seedckpt.utils.errors import SeedckptError
 from seedckpt.utils.tensors import local
 
@@ -161,7 +162,7 @@ class Trainer:
             f"AdamW {adamw_implementation(cfg.optimizer.implementation, self.device.type)}"
             f"; data: {self.data.description}"
         )
-        for change in changed_training_settings(cfg, start):
+        for change in changed_settings(cfg, start):
             self.log(f"resuming with a changed setting, applied from step {start.step + 1}: {change}")
         self.osft = osft_spec(cfg)
         try:
@@ -187,6 +188,13 @@ class Trainer:
             self.projector = OSFTProjector(self.modules) if self.osft is not None else None
             self.state = TrainState(
                 cfg, self.args, self.modules, self.data_parallel, start.step, self.global_batch, self.osft
+            )
+            sched = cfg.lr_scheduler
+            self.log(
+                f"AdamW betas {tuple(cfg.optimizer.betas)} eps {cfg.optimizer.eps}, {self.state.groups_described}; "
+                f"lr {train.lr} after {train.warmup_steps} warmup steps: {sched.decay_type}"
+                f"{f' over the last {sched.decay_ratio:g} of the steps' if sched.decay_type == 'wsd' else ''}"
+                f"{f' to {sched.min_lr_factor:g} x lr' if sched.decay_type != 'constant' else ''}"
             )
             if start.step:
                 self.state.load(start.checkpoint)
@@ -362,6 +370,7 @@ class Trainer:
                     self._check_finite(state.step, "gradient norm", grad_norm.item())
                     if self.saver is not None:  # CUDA: the weights' copies for the save in flight are done
                         self.saver.wait_for_staging()
+                    lr = state.schedulers[0].get_last_lr()[0]  # this step's (the scheduler then moves on)
                     for optimizer, scheduler in zip(state.optimizers, state.schedulers):
                         optimizer.step()
                         optimizer.zero_grad(set_to_none=True)
@@ -387,7 +396,7 @@ class Trainer:
                             "step": state.step,
                             "steps": train.steps,
                             "loss": stats[0].item() / (self.dims.dp * self.dims.tp),
-                            "lr": state.schedulers[0].get_last_lr()[0],
+                            "lr": lr,
                             "grad_norm": grad_norm.item(),
                             "label_tokens": self.label_tokens,
                             "tokens_per_s": tokens_per_s,
