@@ -36,10 +36,12 @@ def complete_steps(folder: str | os.PathLike) -> dict[int, Path]:
     }
 
 
-def prune_steps(folder: str | os.PathLike, keep: int) -> None:
-    """Delete all but the newest ``keep`` complete step checkpoints (``keep <= 0`` keeps all)."""
+def prune_steps(folder: str | os.PathLike, keep: int, saved: int) -> None:
+    """Delete all but the newest ``keep`` complete step checkpoints up to ``saved``, the step just
+    written (``keep <= 0`` keeps all). Newer ones (left by a run resumed at an earlier
+    ``checkpoint.load_step``) are kept: they are not this run's to count, and not older than its own."""
     if keep <= 0:
         return
-    steps = complete_steps(folder)
+    steps = {n: path for n, path in complete_steps(folder).items() if n <= saved}
     for step in sorted(steps)[:-keep]:
         shutil.rmtree(steps[step], ignore_errors=True)

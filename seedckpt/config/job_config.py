@@ -163,6 +163,7 @@ class Training:
 
 
 ParameterKind = Literal["norm", "bias", "embedding"]
+TrainStatePart = Literal["optimizer", "lr_scheduler", "data", "rng"]
 
 
 @dataclass(frozen=True)
@@ -306,10 +307,28 @@ class Checkpoint:
     verify_checksums: bool = option(
         True, "check every byte loaded against the CRC32C checksums the checkpoint records (a few % of a load)"
     )
+    load_step: int = option(-1, "resume this step-N of checkpoint.folder, not the newest (-1: the newest)")
+    exclude_from_loading: list[TrainStatePart] = option(
+        [],
+        'what a resume does not load, any of "optimizer" (fresh AdamW moments), "lr_scheduler" (the schedule '
+        'starts again, warmup included), "data" (batches start again from the first), "rng" (derived from '
+        "training.seed, the rank and the step) (command line: optimizer,lr_scheduler)",
+    )
+    initial_load_path: str = option(
+        "",
+        "a new run's start (no step-N in checkpoint.folder yet), instead of seed_checkpoint: another run's "
+        "step-N, a seed or a Hugging Face directory of the same model",
+    )
+    initial_load_model_only: bool = option(
+        True,
+        "initial_load_path: load its weights only and start at step 0 (false: a step-N's whole train state, "
+        "continuing from its step in this run's folder)",
+    )
 
     def validate(self) -> None:
         _check("checkpoint.interval", self.interval, self.interval >= 0, ">= 0 (0: save only at the end)")
         _check("checkpoint.keep_latest_k", self.keep_latest_k, self.keep_latest_k >= 0, ">= 0 (0: keep all)")
+        _check("checkpoint.load_step", self.load_step, self.load_step >= 1 or self.load_step == -1, ">= 1, or -1")
 
 
 @dataclass(frozen=True)
@@ -419,6 +438,12 @@ class JobConfig:
             self.finetune,
         ):
             section.validate()
+        if self.checkpoint.initial_load_path and self.finetune.mode != "none":
+            raise SeedckptError(
+                "checkpoint.initial_load_path and finetune.mode = "
+                f"{self.finetune.mode!r} both name the weights a run starts from; fine-tuning starts from "
+                "finetune.pretrained: set one of them"
+            )
         if self.data.kind == "chat" and not self.data.tokenizer:
             raise SeedckptError(
                 "data.kind = 'chat' needs data.tokenizer: a Hugging Face tokenizer directory with a "
@@ -588,6 +613,8 @@ def check_output_folders(cfg: JobConfig) -> None:
     key, start = (
         ("finetune.pretrained", cfg.finetune.pretrained)
         if cfg.finetune.mode != "none"
+        else ("checkpoint.initial_load_path", cfg.checkpoint.initial_load_path)
+        if cfg.checkpoint.initial_load_path
         else ("checkpoint.seed_checkpoint", cfg.checkpoint.seed_checkpoint)
     )
     source = Path(start).resolve() if start else None

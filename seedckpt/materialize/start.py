@@ -53,18 +53,15 @@ def find_start(cfg: JobConfig, args) -> Start:
     """Where a run of ``cfg`` whose model is ``args`` starts (``resolve`` calls it once)."""
     steps = step_dirs(cfg.checkpoint.folder)
     if steps:
-        newest = max(steps)
-        if newest > cfg.training.steps:
-            raise SeedckptError(
-                f"{steps[newest]} is beyond training.steps = {cfg.training.steps}; raise "
-                "training.steps to continue this run, or start a new checkpoint.folder"
-            )
+        chosen = resume_step(cfg, steps)
         try:  # the manifest, .metadata, its checksum and every data file's length
-            return open_start(cfg, args, require_manifest(steps[newest]), newest)
+            return open_start(cfg, args, require_manifest(steps[chosen]), chosen)
         except SeedckptError as e:
-            raise SeedckptError(f"cannot resume: {e}; {fallback_hint(steps, newest)}") from None
+            raise SeedckptError(f"cannot resume: {e}; {fallback_hint(steps, chosen)}") from None
     if cfg.finetune.mode != "none":
         return open_start(cfg, args, cfg.finetune.pretrained, pretrained=True)
+    if cfg.checkpoint.initial_load_path:
+        return initial_start(cfg, args)
     if cfg.checkpoint.init_from == "direct":
         check_direct_init_matches_seed(cfg)
         return Start(None, 0)
@@ -80,6 +77,41 @@ def find_start(cfg: JobConfig, args) -> Start:
             f"`python create_seed_checkpoint.py --config CONFIG --output {seed}`"
         )
     return open_start(cfg, args, seed)  # damaged or incomplete: one line now, not one per rank later
+
+
+def resume_step(cfg: JobConfig, steps: dict[int, Path]) -> int:
+    """The step a run resumes: ``checkpoint.load_step``, or the newest in the folder."""
+    load_step = cfg.checkpoint.load_step
+    if load_step != -1 and load_step not in steps:
+        raise SeedckptError(
+            f"checkpoint.load_step = {load_step}: {cfg.checkpoint.folder} holds no step-{load_step} (it holds "
+            f"{', '.join(p.name for _, p in sorted(steps.items()))}); choose one of those, or -1 for the newest"
+        )
+    chosen = max(steps) if load_step == -1 else load_step
+    if chosen > cfg.training.steps:
+        raise SeedckptError(
+            f"{steps[chosen]} is beyond training.steps = {cfg.training.steps}; raise "
+            "training.steps to continue this run, or start a new checkpoint.folder"
+        )
+    return chosen
+
+
+def initial_start(cfg: JobConfig, args) -> Start:
+    """``checkpoint.initial_load_path`` as a new run's start: its weights, like a seed's; or, with
+    ``initial_load_model_only = false``, a ``step-N``'s whole train state, continued from step N."""
+    path = Path(cfg.checkpoint.initial_load_path)
+    if cfg.checkpoint.initial_load_model_only:
+        return open_start(cfg, args, path)
+    manifest = read_manifest(path) if path.is_dir() else None
+    step = (manifest or {}).get("step")
+    if (manifest or {}).get("kind") != "train" or not isinstance(step, int) or step < 1:
+        raise SeedckptError(
+            f"checkpoint.initial_load_path = {path} is not a step-N written by train.py, so it has no train "
+            "state to continue; set checkpoint.initial_load_model_only = true to start from its weights"
+        )
+    if step > cfg.training.steps:
+        raise SeedckptError(f"{path} is at step {step}, beyond training.steps = {cfg.training.steps}; raise it")
+    return open_start(cfg, args, path, step)
 
 
 def require_manifest(step: Path) -> Path:

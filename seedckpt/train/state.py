@@ -1,7 +1,7 @@
 """The train state: everything a ``step-N`` checkpoint holds, and how it saves and loads itself.
 
 That is the stage modules' weights, each stage's AdamW state, the LR schedules, this rank's RNG and
-the data position (``step``; ``samples_seen`` is recorded for readers). Weights and optimizer state
+the data position (``step`` and ``data_start``; ``samples_seen`` is recorded for readers). Weights and optimizer state
 go through the data-parallel implementation in FSDP2's keys (``data_parallel``), so a checkpoint
 does not depend on which implementation wrote it. Saving goes through the one writer
 (``write_checkpoint``: a temporary sibling, then a rename), loading through the checkpoint the run
@@ -50,6 +50,9 @@ class TrainState:
         self.step, self.global_batch = step, global_batch
         self.rng_key = f"{RNG_PREFIX}rank{dist.get_rank()}"
         self.rng_derived = False  # set by ``load``: this rank's RNG state was not in the checkpoint
+        # The step before the run's first batch: step s trains on the data's batch s - data_start
+        # (``checkpoint.exclude_from_loading = ["data"]`` starts the batches again at a resume).
+        self.data_start = 0
         train = cfg.training
         self.optimizers, self.groups = [], []
         for i in range(len(modules)):
@@ -64,39 +67,48 @@ class TrainState:
         return [self.data_parallel.optimizer_state_dict(i, o) for i, o in enumerate(self.optimizers)]
 
     def _training_state(self, optimizer_states: list[dict] | None = None) -> dict:
-        """Optimizer (``optimizer_states``: each stage's, when at hand), LR schedule, step and this
-        rank's RNG, under the checkpoint's keys."""
+        """Optimizer (``optimizer_states``: each stage's, when at hand), LR schedule, step, data
+        position and this rank's RNG, under the checkpoint's keys."""
         state = {}
-        for optim in optimizer_states or self._optimizer_states():
+        for optim in optimizer_states if optimizer_states is not None else self._optimizer_states():
             state.update({OPTIMIZER_PREFIX + k: v for k, v in optim.items()})
         state[TRAIN_STATE_KEY] = {
             "step": self.step,
             "lr_scheduler": self.schedulers[0].state_dict(),
             "samples_seen": self.step * self.global_batch,
+            "data_start": self.data_start,
         }
         state[self.rng_key] = torch.get_rng_state()
         return state
 
-    def load(self, checkpoint: Checkpoint) -> None:
+    def load(self, checkpoint: Checkpoint, exclude: frozenset[str] = frozenset()) -> None:
         """Everything but the weights (which the stage builder loaded) from ``checkpoint``, a
-        ``step-N`` whose name says ``self.step``. Collective."""
-        mine = self._optimizer_states()  # each stage's keys, and tensors to load into
+        ``step-N`` at ``self.step``, except the parts ``exclude`` names (``checkpoint.exclude_from_loading``):
+        those start afresh. Collective."""
+        # Not even built when excluded: torch fills an empty optimizer's state with a zero-gradient
+        # step to have tensors to load into, and a fresh AdamW must start at its step 0.
+        mine = [] if "optimizer" in exclude else self._optimizer_states()
         state = self._training_state(mine)
+        train_state = state[TRAIN_STATE_KEY]
+        if not checkpoint.has_entry(f"{TRAIN_STATE_KEY}.data_start"):  # written before it was recorded
+            del train_state["data_start"]
         # A rank beyond those that saved (a resume on more ranks) has no RNG state to restore: its
         # generator starts from (training.seed, rank, step) instead, the same on every such resume.
-        self.rng_derived = self.rng_key not in checkpoint.tensors()
+        self.rng_derived = "rng" in exclude or self.rng_key not in checkpoint.tensors()
         if self.rng_derived:
             del state[self.rng_key]
         checkpoint.load(state)
+        train_state = state[TRAIN_STATE_KEY]
         for i, keys in enumerate(mine):
             self.data_parallel.load_optimizer_state_dict(
                 i, self.optimizers[i], {k: state[OPTIMIZER_PREFIX + k] for k in keys}
             )
             apply_settings(self.optimizers[i], self.groups[i], self.cfg.optimizer)
-        train_state = state[TRAIN_STATE_KEY]
         for scheduler in self.schedulers:
-            scheduler.load_state_dict(train_state["lr_scheduler"])
+            if "lr_scheduler" not in exclude:  # excluded: the schedule's step 0 comes next
+                scheduler.load_state_dict(train_state["lr_scheduler"])
             self._apply_schedule(scheduler)
+        self.data_start = self.step if "data" in exclude else train_state.get("data_start", 0)
         if self.rng_derived:
             torch.set_rng_state(
                 keyed_generator("seedckpt-rng", self.cfg.training.seed, self.rng_key, self.step).get_state()

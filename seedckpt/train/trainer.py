@@ -68,6 +68,14 @@ from seedckpt.train.state import TrainState
 from seedckpt.utils.errors import SeedckptError
 from seedckpt.utils.tensors import local
 
+# What a resume does instead of loading each part checkpoint.exclude_from_loading names.
+EXCLUDED = {
+    "optimizer": "fresh AdamW moments",
+    "lr_scheduler": "the schedule starts again, warmup included",
+    "data": "batches start again from the first",
+    "rng": "derived from training.seed, the rank and the step",
+}
+
 # How long a stopped run waits for its background save in flight to end (BackgroundSaver.drain):
 # under torchrun's 30 s grace (TORCH_ELASTIC_SHUTDOWN_TIMEOUT) between its SIGTERM and SIGKILL.
 SAVE_DRAIN_S = 20.0
@@ -121,7 +129,7 @@ class Trainer:
         self.dp_rank = self.mesh.get_local_rank("dp_replicate") * self.dims.dp_shard + self.mesh.get_local_rank(
             "dp_shard"
         )
-        par, train = cfg.parallelism, cfg.training
+        par, train, ckpt = cfg.parallelism, cfg.training, cfg.checkpoint
         self.args = run.args
         self.specs = plan_rank_stages(
             self.args,
@@ -145,8 +153,13 @@ class Trainer:
 
         start = run.start
         self.data_parallel = make_data_parallel(cfg, self.dims, self.mesh)
+        initial = bool(ckpt.initial_load_path) and start.path == Path(ckpt.initial_load_path).resolve()
         origin = (
-            "resuming from"
+            "continuing the train state of"
+            if initial and start.step
+            else "starting from the weights of"
+            if initial
+            else "resuming from"
             if start.step
             else "starting from pretrained"
             if start.pretrained
@@ -197,12 +210,24 @@ class Trainer:
                 f"{f' to {sched.min_lr_factor:g} x lr' if sched.decay_type != 'constant' else ''}"
             )
             if start.step:
-                self.state.load(start.checkpoint)
-                if self.state.rng_derived:
+                excluded = frozenset(ckpt.exclude_from_loading)
+                self.state.load(start.checkpoint, excluded)
+                if excluded:
+                    self.log(
+                        f"not loaded from {start.path} (checkpoint.exclude_from_loading): "
+                        + ", ".join(f"{part} ({EXCLUDED[part]})" for part in ckpt.exclude_from_loading)
+                    )
+                elif self.state.rng_derived:
                     self.log(
                         f"{start.path} holds no RNG state for this rank (it was saved by fewer ranks): "
                         "derived from training.seed, the rank and the step",
                         all_ranks=True,
+                    )
+                newer = sorted(n for n in step_dirs(ckpt.folder) if n > start.step)
+                if newer:
+                    self.log(
+                        f"checkpoint.load_step = {start.step}: the folder also holds the newer "
+                        f"{', '.join(f'step-{n}' for n in newer)}; this run replaces each when it saves that step"
                     )
         except SeedckptError as e:  # a damaged step-N: say which checkpoint would resume instead
             if not start.step:
@@ -283,7 +308,8 @@ class Trainer:
 
     def _saved(self, path: Path, stall_s: float, background_s: float | None = None) -> None:
         if self.rank == 0:  # after the new step is published: never fewer complete steps than before
-            prune_steps(self.cfg.checkpoint.folder, self.cfg.checkpoint.keep_latest_k)
+            saved = int(path.name.removeprefix("step-"))
+            prune_steps(self.cfg.checkpoint.folder, self.cfg.checkpoint.keep_latest_k, saved)
         background = f", background {background_s:.2f} s" if background_s is not None else ""
         self.log(f"saved checkpoint {path} (stall {stall_s:.2f} s{background})")
 
@@ -291,7 +317,7 @@ class Trainer:
     def local_batches(self, step: int):
         """This DP rank's ``Batch`` for each accumulation micro-step of ``step``; sets the loss scale
         from the global batch (which every rank has), so no collective is needed for it."""
-        batch = self.data.global_batch(step, self.global_batch)
+        batch = self.data.global_batch(step - self.state.data_start, self.global_batch)
         self.label_tokens = batch.num_label_tokens
         self.loss_scale = self.dims.dp / max(1, self.label_tokens)
         local = self.cfg.training.local_batch_size

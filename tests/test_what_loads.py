@@ -1,0 +1,148 @@
+"""What a run loads: ``checkpoint.load_step``, ``exclude_from_loading`` and ``initial_load_path``.
+Each test fails if its key is ignored. One process (``python train.py``), real DCP checkpoints:
+the module's 4-step run (steps 2 and 4 saved) is the reference."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from seedckpt.checkpoint import DcpCheckpoint
+from seedckpt.data.sources import keyed_generator
+from tests.test_resume import REPO, finished, rows, train, train_in_process  # noqa: F401 (fixture)
+
+WQ = "layers.0.attention.wq.weight"
+
+
+def copied(finished, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    return run
+
+
+def saved(step, *keys: str) -> dict:
+    """Training-state items (non-tensor or tensor) of ``step``, as a resume reads them."""
+    have = DcpCheckpoint(step).tensors()
+    state = {k: torch.empty(have[k].shape, dtype=have[k].dtype) if k in have else None for k in keys}
+    DcpCheckpoint(step).load(state)
+    return state
+
+
+def test_load_step_resumes_that_step_and_replaces_the_newer_one_bitwise(finished, tmp_path, debug_seed):
+    run = copied(finished, tmp_path)
+    before = rows(run)
+    proc = train(run, debug_seed, "--checkpoint.load_step", "2", "--checkpoint.keep_latest_k", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resuming from {run / 'ckpt' / 'step-2'}" in proc.stdout, proc.stdout
+    assert "also holds the newer step-4; this run replaces each" in proc.stdout, proc.stdout
+    assert rows(run)[2]["loss"] == before[2]["loss"] and rows(run)[3]["loss"] == before[3]["loss"]
+    assert sorted(p.name for p in (run / "ckpt").iterdir()) == ["step-4"]  # pruned up to the step saved
+
+
+def test_a_load_step_that_is_not_there_is_one_line(finished, tmp_path, debug_seed):
+    run = copied(finished, tmp_path)
+    proc = train(run, debug_seed, "--checkpoint.load_step", "3")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        f"train.py: error: checkpoint.load_step = 3: {run / 'ckpt'} holds no step-3 (it holds step-2, step-4); "
+        "choose one of those, or -1 for the newest"
+    )
+
+
+@pytest.mark.parametrize("excluded", [("optimizer", "data"), ("lr_scheduler", "rng")])
+def test_exclude_from_loading_starts_those_parts_afresh_and_loads_the_rest(finished, tmp_path, debug_seed, excluded):
+    """Resumed at step 2, each part either starts afresh or continues where the reference is."""
+    run = copied(finished, tmp_path)
+    before = rows(run)
+    proc = train(
+        run, debug_seed, "--checkpoint.load_step", "2", "--checkpoint.exclude_from_loading", ",".join(excluded)
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "not loaded from" in proc.stdout and all(f"{part} (" in proc.stdout for part in excluded), proc.stdout
+    reference = saved(finished / "ckpt" / "step-4", f"optimizer.state.{WQ}.step", "train_state.data_start", "rng.rank0")
+    got = saved(run / "ckpt" / "step-4", f"optimizer.state.{WQ}.step", "train_state.data_start", "rng.rank0")
+    after = rows(run)
+
+    adam_steps = got[f"optimizer.state.{WQ}.step"].item()
+    assert adam_steps == (2 if "optimizer" in excluded else 4)  # a fresh AdamW counts from 0, not 1
+
+    warmup_start = 3e-3 / 4  # configs/debug.toml: warmup_steps 3, so the schedule's first step is lr / 4
+    assert (after[2]["lr"] == warmup_start) == ("lr_scheduler" in excluded)
+    if "lr_scheduler" not in excluded:
+        assert [r["lr"] for r in after] == [r["lr"] for r in before]
+
+    assert got["train_state.data_start"] == (2 if "data" in excluded else 0)
+    if "optimizer" not in excluded and "data" not in excluded:
+        assert [r["loss"] for r in after] != [r["loss"] for r in before]  # the schedule alone differs
+
+    derived = keyed_generator("seedckpt-rng", 0, "rng.rank0", 2).get_state()
+    assert torch.equal(got["rng.rank0"], derived if "rng" in excluded else reference["rng.rank0"])
+    assert not torch.equal(derived, reference["rng.rank0"])
+
+
+def test_initial_load_path_takes_another_runs_weights_at_step_zero(finished, tmp_path, debug_seed):
+    run = tmp_path / "new"
+    step4 = finished / "ckpt" / "step-4"
+    proc = train(
+        run,
+        debug_seed,
+        "--checkpoint.initial_load_path",
+        str(step4),
+        "--training.lr",
+        "1e-12",  # a step that barely moves: the weights saved at step 1 are the start's
+        "--training.steps",
+        "1",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"starting from the weights of {step4} (step 0)" in proc.stdout, proc.stdout
+    start, seed = DcpCheckpoint(step4).read_tensor(WQ), DcpCheckpoint(debug_seed).read_tensor(WQ)
+    trained = DcpCheckpoint(run / "ckpt" / "step-1").read_tensor(WQ)
+    torch.testing.assert_close(trained, start, rtol=0, atol=1e-6)
+    assert (trained - seed).abs().max() > 1e-3
+
+
+def test_initial_load_path_with_its_train_state_continues_another_runs_steps_bitwise(finished, tmp_path, debug_seed):
+    run = tmp_path / "new"
+    proc = train(
+        run,
+        debug_seed,
+        "--checkpoint.initial_load_path",
+        str(finished / "ckpt" / "step-2"),
+        "--checkpoint.initial_load_model_only",
+        "false",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "continuing the train state of" in proc.stdout, proc.stdout
+    assert [r["step"] for r in rows(run)] == [3, 4]
+    assert [r["loss"] for r in rows(run)] == [r["loss"] for r in rows(finished)[2:]]
+    assert sorted(p.name for p in (run / "ckpt").iterdir()) == ["step-4"]
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["--checkpoint.load_step", "0"], "checkpoint.load_step = 0; it must be >= 1, or -1"),
+        (["--checkpoint.exclude_from_loading", "weights"], "this version supports optimizer, lr_scheduler"),
+        (
+            ["--checkpoint.initial_load_path", "x", "--finetune.mode", "sft", "--finetune.pretrained", "x"],
+            "both name the weights a run starts from",
+        ),
+    ],
+)
+def test_load_settings_are_refused_before_any_rendezvous(tmp_path, debug_seed, capsys, monkeypatch, overrides, message):
+    monkeypatch.chdir(REPO)
+    assert train_in_process(tmp_path / "run", debug_seed, *overrides) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_seed_as_initial_load_path_that_is_not_a_step_cannot_continue_a_train_state(
+    tmp_path, debug_seed, capsys, monkeypatch
+):
+    monkeypatch.chdir(REPO)
+    overrides = ["--checkpoint.initial_load_path", str(debug_seed), "--checkpoint.initial_load_model_only", "false"]
+    assert train_in_process(tmp_path / "run", debug_seed, *overrides) == 2
+    err = capsys.readouterr().err
+    assert "is not a step-N written by train.py" in err and "initial_load_model_only = true" in err, err
