@@ -11,7 +11,9 @@ environment variable works as documented -- with only the ending changed:
   the report; a status other than those two (a crash with its traceback above) is named once;
 * a worker killed by a signal (the kernel's out-of-memory killer sends SIGKILL) is named in one
   line, since it could not say anything itself;
-* Ctrl-C (or SIGTERM from a scheduler) stops the workers as torchrun does, and exits 128 + signal;
+* Ctrl-C stops the workers as torchrun does, and exits 128 + signal; SIGTERM, SIGUSR1 and SIGUSR2
+  (a scheduler's warning) are passed on to the workers, which save their step and stop
+  (``checkpoint.save_on_signals``), within torchrun's grace before it kills them;
 * a rendezvous that fails (fewer nodes than ``--nnodes`` joined in time) is one line, exit 2, and
   so is losing it mid-run: the c10d store lives in one node's agent, so when that node stops or is
   killed the others' agents lose it, stop their workers and end here;
@@ -26,12 +28,17 @@ import os
 import signal
 import sys
 
-# Statuses a worker reports with its own line (``rank_failures``): nothing to add to them.
-_SELF_REPORTED = (2, 130)
+# Statuses a worker reports with its own line (``rank_failures``; a stop on one of
+# ``checkpoint.save_on_signals`` after saving): nothing to add to them.
+_SELF_REPORTED = (2, 130, *(128 + s for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)))
+# The signals the agent passes on to its workers: torchrun's, and the user signals schedulers send
+# ahead of a preemption (Slurm's --signal=USR1@90), which would otherwise end the agent alone.
+_FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
 
 
 def main(argv: list[str]) -> int:
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # read when torch loads, just below
+    os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", _FORWARDED_SIGNALS)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError

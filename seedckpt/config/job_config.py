@@ -19,6 +19,7 @@ import dataclasses
 import difflib
 import json
 import math
+import signal
 import sys
 import tempfile
 import textwrap
@@ -307,6 +308,11 @@ class Checkpoint:
     verify_checksums: bool = option(
         True, "check every byte loaded against the CRC32C checksums the checkpoint records (a few % of a load)"
     )
+    save_on_signals: list[str] = option(
+        ["SIGTERM", "SIGUSR1"],
+        "signals that make every rank finish its step, save step-N and exit with 128 + the signal "
+        "(a scheduler's warning before preemption, e.g. Slurm's --signal=USR1@90; [] to leave them alone)",
+    )
     load_step: int = option(-1, "resume this step-N of checkpoint.folder, not the newest (-1: the newest)")
     exclude_from_loading: list[TrainStatePart] = option(
         [],
@@ -329,6 +335,10 @@ class Checkpoint:
         _check("checkpoint.interval", self.interval, self.interval >= 0, ">= 0 (0: save only at the end)")
         _check("checkpoint.keep_latest_k", self.keep_latest_k, self.keep_latest_k >= 0, ">= 0 (0: keep all)")
         _check("checkpoint.load_step", self.load_step, self.load_step >= 1 or self.load_step == -1, ">= 1, or -1")
+        # SIGKILL and SIGSTOP cannot be caught; Ctrl-C's SIGINT has its own handling (stop at once)
+        catchable = set(signal.Signals.__members__) - {"SIGKILL", "SIGSTOP", "SIGINT"}
+        bad = [name for name in self.save_on_signals if name not in catchable]
+        _check("checkpoint.save_on_signals", bad, not bad, "signals a run can catch, e.g. SIGTERM, SIGUSR1, SIGUSR2")
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from seedckpt.checkpoint import complete_steps, destination_lock, prune_steps, step_dirs
+from seedckpt.checkpoint import complete_steps, destination_lock, prune_steps, step_dir, step_dirs
 from seedckpt.checkpoint.background import BackgroundSaver, SavedInBackground
 from seedckpt.config.job_config import check_output_folders, config_reference, load_config
 from seedckpt.config.resolve import Run, resolve
@@ -64,6 +64,7 @@ from seedckpt.parallel.pipeline import plan_rank_stages, stage_ids_for_rank
 from seedckpt.train.failures import EXIT_ERROR, EXIT_INTERRUPTED, report_failure, stop_at_first_sigint
 from seedckpt.train.metrics import METRICS_FILE, MetricsLogger, peak_memory_bytes, peak_tflops, utilization
 from seedckpt.train.optimizer import adamw_implementation
+from seedckpt.train.preemption import SaveOnSignals
 from seedckpt.train.state import TrainState
 from seedckpt.utils.errors import SeedckptError
 from seedckpt.utils.tensors import local
@@ -358,8 +359,11 @@ class Trainer:
                 total += local(torch.stack(losses).sum().detach())
         return total
 
-    def run(self) -> None:
+    def run(self, signals: SaveOnSignals | None = None) -> int:
+        """Train to ``training.steps`` (or ``stop_after_step``); 0, or 128 + the signal number when
+        one of ``signals`` (``checkpoint.save_on_signals``) stopped the run after saving its step."""
         train, ckpt, state = self.cfg.training, self.cfg.checkpoint, self.state
+        stopped_by = 0
         metrics = (
             MetricsLogger(self.cfg.job.dump_folder, self.cfg.metrics.enable_tensorboard, after_step=state.step)
             if self.rank == 0
@@ -404,13 +408,16 @@ class Trainer:
                     if self.projector is not None:  # AdamW's per-element scaling leaves the complement
                         self.projector.project_parameters()
                 comm = dataclasses.asdict(collectives) if collectives is not None else {}
+                signum = float(signals.signum) if signals is not None else 0.0
                 stats = torch.tensor(
-                    [local_loss.item(), float(peak_memory_bytes(self.device)), *comm.values()],
+                    [local_loss.item(), float(peak_memory_bytes(self.device)), signum, *comm.values()],
                     dtype=torch.float64,
                     device=self.device,
                 )
                 dist.all_reduce(stats[:1])  # sum of the last stages' DP-local parts (each x dp, on tp ranks)
-                dist.all_reduce(stats[1:], op=dist.ReduceOp.MAX)  # the busiest rank's memory and collectives
+                # the busiest rank's memory and collectives, and a signal any rank received
+                dist.all_reduce(stats[1:], op=dist.ReduceOp.MAX)
+                stopped_by = int(stats[2].item())
                 self._check_finite(state.step, "loss", stats[0].item())
                 step_time = time.perf_counter() - t0
                 tokens_per_s = tokens_per_step / step_time
@@ -430,16 +437,18 @@ class Trainer:
                             **utilization(self.flops_per_token, tokens_per_s, dist.get_world_size(), self.peak_tflops),
                             "data_wait_s": data_wait,
                             "peak_mem_bytes": int(stats[1].item()),
-                            **{k: (int if k.endswith("calls") else float)(v) for k, v in zip(comm, stats[2:].tolist())},
+                            **{k: (int if k.endswith("calls") else float)(v) for k, v in zip(comm, stats[3:].tolist())},
                             **extra,
                         }
                     )
                 stopping = state.step == train.stop_after_step
                 at_interval = ckpt.interval > 0 and state.step % ckpt.interval == 0
-                if stopping or at_interval or state.step == train.steps:  # interval 0: only the last step
+                if stopping or at_interval or state.step == train.steps or stopped_by:  # interval 0: the last only
                     self.save()
                 if stopping:
                     self.log(f"stopping after step {state.step} (training.stop_after_step); run again to resume")
+                    break
+                if stopped_by:
                     break
             if self.saver is not None:
                 self._published(self.saver.wait())
@@ -452,6 +461,14 @@ class Trainer:
         finally:
             if metrics is not None:
                 metrics.close()
+        if stopped_by and self.rank == 0:
+            print(
+                f"train.py: stopped by {SaveOnSignals.name(stopped_by)} (checkpoint.save_on_signals) after step "
+                f"{state.step}: saved {step_dir(ckpt.folder, state.step)}; the same command resumes from it",
+                file=sys.stderr,
+                flush=True,
+            )
+        return 128 + stopped_by if stopped_by else 0
 
     def _check_finite(self, step: int, what: str, value: float) -> None:
         """Stop at a non-finite gradient norm (before it reaches the weights) or loss (before the
@@ -576,9 +593,10 @@ def _interrupted_line(folder: str) -> str:
 
 def _train(run: Run, data, rank: int) -> int:
     stop_at_first_sigint()
+    signals = SaveOnSignals(run.cfg.checkpoint.save_on_signals)
     _init_process_group(run.device)
     try:
-        Trainer(run, data).run()
+        return Trainer(run, data).run(signals)
     except BaseException as e:  # one report per failure, whichever ranks it reaches (rank_failures)
         return report_failure(e, rank, _interrupted_line(run.cfg.checkpoint.folder))
     finally:
@@ -587,4 +605,3 @@ def _train(run: Run, data, rank: int) -> int:
         # exception", seen about once in six ZBV runs). Free them while the group still exists.
         gc.collect()
         dist.destroy_process_group()
-    return 0
