@@ -10,13 +10,13 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from seedckpt.checkpoint import DcpCheckpoint
+from tests.dist import run_main
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = [
@@ -38,10 +38,9 @@ BASE = [
 
 
 def train(run: Path, seed: Path, *overrides: str, base: list[str] = BASE) -> subprocess.CompletedProcess:
-    """``python train.py`` from ``seed`` into ``run`` (checkpoints in ``run/ckpt``) with ``base`` then ``overrides``."""
-    cmd = [
-        sys.executable,
-        "train.py",
+    """One process of train.py (``tests.dist.run_main``) from ``seed`` into ``run`` (checkpoints in
+    ``run/ckpt``) with ``base`` then ``overrides``."""
+    argv = [
         "--config",
         "configs/debug.toml",
         "--checkpoint.seed_checkpoint",
@@ -53,9 +52,7 @@ def train(run: Path, seed: Path, *overrides: str, base: list[str] = BASE) -> sub
         *base,
         *overrides,
     ]
-    return subprocess.run(
-        cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300
-    )
+    return run_main(argv, 1, {**os.environ, "OMP_NUM_THREADS": "1"}, REPO)
 
 
 def rows(run: Path) -> list[dict]:

@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ from seedckpt.cli.convert import convert
 from seedckpt.materialize.model_checkpoint import open_model_checkpoint
 from seedckpt.materialize.stages import build_stages
 from seedckpt.parallel.pipeline import plan_rank_stages
-from tests.dist import run_distributed
+from tests.dist import run_distributed, run_main
 from tests.tiny_tokenizers import build_tiny_tokenizer, make_chats
 
 transformers = pytest.importorskip("transformers")
@@ -63,13 +62,7 @@ def chat_inputs(tmp_path_factory):
 def sft(
     run_dir: Path, pretrained: Path, tokenizer: Path, chats: Path, nproc: int, *overrides: str, check: bool = True
 ) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "train.py",
+    argv = [
         "--config",
         "configs/sft_debug.toml",
         "--finetune.pretrained",
@@ -94,9 +87,7 @@ def sft(
         "10",
         *overrides,
     ]
-    proc = subprocess.run(
-        cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300
-    )
+    proc = run_main(argv, nproc, {**os.environ, "OMP_NUM_THREADS": "1"}, REPO)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
@@ -306,13 +297,7 @@ def _train_error(tmp_path: Path, *argv: str) -> str:
     """``train.py`` with the SFT config, its outputs in ``tmp_path`` (never the working tree's
     ``outputs/``, which the README's examples fill): the one-line error it stops with."""
     outputs = ["--checkpoint.folder", str(tmp_path / "ckpt"), "--job.dump_folder", str(tmp_path / "run")]
-    proc = subprocess.run(
-        [sys.executable, "train.py", "--config", "configs/sft_debug.toml", *outputs, *argv],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_main(["--config", "configs/sft_debug.toml", *outputs, *argv], 1, dict(os.environ), REPO)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     return proc.stderr
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from seedckpt.checkpoint import DcpCheckpoint, complete_steps
 from seedckpt.utils.errors import SeedckptError
-from tests.dist import run_distributed
+from tests.dist import run_distributed, run_main
 
 REPO = Path(__file__).resolve().parents[1]
 COMMON = [
@@ -41,13 +41,8 @@ def _env() -> dict:
 
 
 def torchrun(run_dir: Path, seed: Path, nproc: int, *overrides: str) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "train.py",
+    """train.py on ``nproc`` ranks, as torchrun starts them (``tests.dist.run_main``)."""
+    argv = [
         "--config",
         "configs/debug.toml",
         "--checkpoint.seed_checkpoint",
@@ -59,7 +54,7 @@ def torchrun(run_dir: Path, seed: Path, nproc: int, *overrides: str) -> subproce
         *COMMON,
         *overrides,
     ]
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    proc = run_main(argv, nproc, _env(), REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 

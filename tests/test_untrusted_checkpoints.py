@@ -13,8 +13,6 @@ import json
 import os
 import pickle
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +23,7 @@ from seedckpt.checkpoint import MANIFEST_NAME, DcpCheckpoint
 from seedckpt.checkpoint.integrity import crc
 from seedckpt.cli.main import main as cli
 from seedckpt.utils.errors import SeedckptError
+from tests.dist import run_main
 from tests.test_resume import REPO, train
 
 # One entry of each non-tensor kind a step-N holds, and the RNG state (a tensor read the stock way
@@ -128,29 +127,21 @@ def test_resume_from_a_crafted_step_stops_in_one_line_without_running(step, tmp_
 
 def test_sft_from_a_crafted_step_stops_in_one_line_without_running(step, tmp_path, marker):
     evil = craft(step, tmp_path / "evil", "optimizer.param_groups.norm.weight.betas", forge_checksums=False)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "train.py",
-            "--config",
-            "configs/sft_debug.toml",
-            "--finetune.pretrained",
-            str(evil),
-            "--checkpoint.folder",
-            str(tmp_path / "sft"),
-            "--job.dump_folder",
-            str(tmp_path / "sft"),
-            "--parallelism.pipeline_parallel_degree",
-            "1",
-            "--training.steps",
-            "2",
-        ],
-        cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    argv = [
+        "--config",
+        "configs/sft_debug.toml",
+        "--finetune.pretrained",
+        str(evil),
+        "--checkpoint.folder",
+        str(tmp_path / "sft"),
+        "--job.dump_folder",
+        str(tmp_path / "sft"),
+        "--parallelism.pipeline_parallel_degree",
+        "1",
+        "--training.steps",
+        "2",
+    ]
+    proc = run_main(argv, 1, {**os.environ, "OMP_NUM_THREADS": "1"}, REPO)
     err = proc.stderr.strip()
     assert proc.returncode == 2 and "no checksum recorded" in err and "Traceback" not in err, err
     assert not marker.exists()

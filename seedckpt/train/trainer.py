@@ -505,10 +505,13 @@ class Trainer:
 
 
 def quiet_library_logs() -> None:
-    """Silence Python warnings and transformers' logging (read when transformers is imported,
-    which happens later, with the tokenizer): what a rank > 0 would print, rank 0 prints too."""
+    """Silence Python warnings and transformers' logging: what a rank > 0 would print, rank 0 prints
+    too. transformers reads the variable when it is imported (later, with the tokenizer, in a fresh
+    rank); a process that imported it already has its logger set directly."""
     warnings.simplefilter("ignore")
     os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+    if "transformers" in sys.modules:
+        sys.modules["transformers"].logging.set_verbosity_error()
 
 
 def _init_process_group(device: str) -> None:
