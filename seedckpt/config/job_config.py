@@ -313,6 +313,12 @@ class Checkpoint:
         "signals that make every rank finish its step, save step-N and exit with 128 + the signal "
         "(a scheduler's warning before preemption, e.g. Slurm's --signal=USR1@90; [] to leave them alone)",
     )
+    export_at_end: Literal["none", "hf"] = option(
+        "none",
+        "hf: once the last step is saved, also write it as a Hugging Face directory (model, config and, for "
+        "fine-tuning, the tokenizer) at checkpoint.folder/step-N-hf, as `seedckpt convert --to hf` does",
+    )
+    export_dtype: DTypeName = option("bfloat16", "the dtype of the exported weights (export_at_end)")
     load_step: int = option(-1, "resume this step-N of checkpoint.folder, not the newest (-1: the newest)")
     exclude_from_loading: list[TrainStatePart] = option(
         [],

@@ -48,7 +48,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from seedckpt.checkpoint import complete_steps, destination_lock, prune_steps, step_dir, step_dirs
 from seedckpt.checkpoint.background import BackgroundSaver, SavedInBackground
-from seedckpt.config.job_config import check_output_folders, config_reference, load_config
+from seedckpt.cli.convert import convert
+from seedckpt.config.job_config import JobConfig, check_output_folders, config_reference, load_config
 from seedckpt.config.resolve import Run, resolve
 from seedckpt.data.datasets import make_dataset
 from seedckpt.data.sources import IGNORE_INDEX
@@ -599,7 +600,9 @@ def _train(run: Run, data, rank: int) -> int:
     signals = SaveOnSignals(run.cfg.checkpoint.save_on_signals)
     _init_process_group(run.device)
     try:
-        return Trainer(run, data).run(signals)
+        trainer = Trainer(run, data)
+        status = trainer.run(signals)
+        finished = trainer.state.step == run.cfg.training.steps
     except BaseException as e:  # one report per failure, whichever ranks it reaches (rank_failures)
         return report_failure(e, rank, _interrupted_line(run.cfg.checkpoint.folder))
     finally:
@@ -608,3 +611,26 @@ def _train(run: Run, data, rank: int) -> int:
         # exception", seen about once in six ZBV runs). Free them while the group still exists.
         gc.collect()
         dist.destroy_process_group()
+    if status == 0 and finished and rank == 0 and run.cfg.checkpoint.export_at_end != "none":
+        export_last_step(run.cfg)
+    return status
+
+
+def export_last_step(cfg: JobConfig) -> Path:
+    """``checkpoint.export_at_end``: the last ``step-N`` as a Hugging Face directory beside it,
+    written as ``seedckpt convert`` writes one (to a temporary name, renamed when complete). Run by
+    rank 0 after the process group is gone: a large model's export takes longer than a collective
+    may wait, and the other ranks have nothing to add."""
+    ckpt = cfg.checkpoint
+    last = step_dir(ckpt.folder, cfg.training.steps)
+    out = last.with_name(f"{last.name}-{ckpt.export_at_end}")
+    print(f"[rank0] exporting {last} to {out} ({ckpt.export_dtype}, checkpoint.export_at_end)", flush=True)
+    try:
+        convert(last, out, ckpt.export_at_end, dtype=ckpt.export_dtype, force=True, progress=False, dense=True)
+    except KeyboardInterrupt:
+        raise SeedckptError(
+            f"interrupted while exporting {last}: nothing was left half-written; it is complete, and "
+            f"`seedckpt convert {last} {out} --to {ckpt.export_at_end} --dtype {ckpt.export_dtype}` exports it"
+        ) from None
+    print(f"[rank0] exported {out}", flush=True)
+    return out

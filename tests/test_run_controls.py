@@ -1,6 +1,7 @@
-"""What a run loads: ``checkpoint.load_step``, ``exclude_from_loading`` and ``initial_load_path``.
-Each test fails if its key is ignored. One process (``python train.py``), real DCP checkpoints:
-the module's 4-step run (steps 2 and 4 saved) is the reference."""
+"""What a run loads and leaves: ``checkpoint.load_step``, ``exclude_from_loading``,
+``initial_load_path`` and ``export_at_end``. Each test fails if its key is ignored. One process
+(``python train.py``), real DCP checkpoints: the module's 4-step run (steps 2 and 4 saved) is the
+reference."""
 
 from __future__ import annotations
 
@@ -146,3 +147,21 @@ def test_a_seed_as_initial_load_path_that_is_not_a_step_cannot_continue_a_train_
     assert train_in_process(tmp_path / "run", debug_seed, *overrides) == 2
     err = capsys.readouterr().err
     assert "is not a step-N written by train.py" in err and "initial_load_model_only = true" in err, err
+
+
+def test_export_at_end_writes_the_last_step_as_hugging_face_beside_it(finished, tmp_path, debug_seed):
+    from safetensors import safe_open
+
+    from seedckpt.cli.convert import diff
+
+    run = copied(finished, tmp_path)
+    proc = train(run, debug_seed, "--training.steps", "5", "--checkpoint.export_at_end", "hf")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    exported = run / "ckpt" / "step-5-hf"
+    assert f"exported {exported}" in proc.stdout, proc.stdout
+    assert sorted(p.name for p in (run / "ckpt").iterdir()) == ["step-2", "step-4", "step-5", "step-5-hf"]
+    assert (exported / "config.json").is_file()
+    with safe_open(str(exported / "model-00001-of-00001.safetensors"), "pt") as f:
+        assert f.get_tensor("model.norm.weight").dtype == torch.bfloat16  # checkpoint.export_dtype's default
+    equal, report = diff(run / "ckpt" / "step-5", exported, atol=1e-2)  # bf16 rounding only
+    assert equal, report
