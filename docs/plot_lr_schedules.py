@@ -1,7 +1,7 @@
 """Draw docs/images/lr_schedules.png: each ``lr_scheduler.decay_type`` over a 1000-step run with
 100 warmup steps, computed by the trainer's own schedule function (``seedckpt.train.optimizer``).
 
-    pip install matplotlib && python docs/plot_lr_schedules.py
+    pip install -e '.[bench]' && python docs/plot_lr_schedules.py   # matplotlib
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ reference."""
 
 from __future__ import annotations
 
+import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -165,3 +167,46 @@ def test_export_at_end_writes_the_last_step_as_hugging_face_beside_it(finished, 
         assert f.get_tensor("model.norm.weight").dtype == torch.bfloat16  # checkpoint.export_dtype's default
     equal, report = diff(run / "ckpt" / "step-5", exported, atol=1e-2)  # bf16 rounding only
     assert equal, report
+
+
+def wandb_history(run_dir: Path) -> tuple[str, list[dict]]:
+    """The run id and logged rows of an offline W&B run, read from its ``run-<id>.wandb`` file:
+    a 7-byte header, then LevelDB-log records (checksum, length, type) in 32 KiB blocks, each a
+    protobuf ``Record``."""
+    from wandb.proto import wandb_internal_pb2
+
+    [path] = run_dir.glob("run-*.wandb")
+    data, pos, block, chunk, rows = path.read_bytes(), 7, 32768, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a record header is padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        if kind == 0:
+            break
+        chunk += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a whole record, or the last piece of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(chunk)
+            chunk = b""
+            if record.WhichOneof("record_type") == "history":
+                rows.append(
+                    {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+                )
+    return path.stem.removeprefix("run-"), rows
+
+
+def test_wandb_logs_every_step_offline_and_a_resume_continues_the_same_run(tmp_path, debug_seed, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = tmp_path / "run"
+    wandb = ["--metrics.wandb", "true", "--metrics.wandb_project", "tests", "--metrics.wandb_run_name", "first"]
+    assert train(run, debug_seed, *wandb, "--training.stop_after_step", "2").returncode == 0
+    assert train(run, debug_seed, *wandb).returncode == 0
+    runs = sorted((run / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2
+    (first_id, first), (second_id, second) = (wandb_history(r) for r in runs)
+    assert first_id == second_id == (run / "wandb_run_id").read_text().strip()
+    assert [r["_step"] for r in first + second] == [1, 2, 3, 4]
+    assert [r["loss"] for r in first + second] == [r["loss"] for r in rows(run)]

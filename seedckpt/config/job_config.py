@@ -374,6 +374,13 @@ class Metrics:
 
     enable_tensorboard: bool = option(False, "also write TensorBoard events to job.dump_folder/tensorboard")
     log_freq: int = option(1, "log every log_freq-th step (and the last one)")
+    wandb: bool = option(
+        False,
+        "also log each step to Weights & Biases (pip install 'seedckpt[wandb]'; WANDB_MODE=offline works); "
+        "a resumed run continues the same W&B run",
+    )
+    wandb_project: str = option("seedckpt", "metrics.wandb: the W&B project")
+    wandb_run_name: str = option("", "metrics.wandb: the run's name in W&B (empty: job.dump_folder's name)")
     collective_timing: Literal["auto", "on", "off"] = option(
         "auto",
         "per-step data-parallel all-gather / reduce-scatter calls and seconds; auto: on for manual FSDP "
@@ -513,6 +520,16 @@ class JobConfig:
                 f"parallelism.fsdp_impl = 'manual' (one flat shard over plain data parallelism) "
                 f"does not support {found}; set {fixes}, or use parallelism.fsdp_impl = 'fsdp2'"
             )
+
+    def to_dict(self) -> dict:
+        """Every section's keys and values as a TOML file would set them, ``[model]``'s args
+        overrides among its keys: plain data, for a tracker's run config."""
+        out = {
+            section: {k: getattr(getattr(self, section), k) for k in _toml_keys(cls)}
+            for section, cls in _sections().items()
+        }
+        out["model"].update(self.model.overrides)
+        return out
 
     def model_args(self):
         """The flavor's args with the ``[model]`` overrides applied: the model this config

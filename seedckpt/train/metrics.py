@@ -1,4 +1,5 @@
-"""Per-step telemetry: a readable progress line, ``metrics.jsonl`` and optional TensorBoard.
+"""Per-step telemetry: a readable progress line, ``metrics.jsonl``, and optionally TensorBoard and
+Weights & Biases.
 
 On a GPU the rows also carry model FLOPs utilization, torchtitan's way: ``tflops`` is the model's
 FLOPs per token (its family's ``flops_per_token``) times the global tokens per second, divided by the number
@@ -14,6 +15,7 @@ import json
 import math
 import os
 import resource
+import secrets
 from pathlib import Path
 
 import torch
@@ -70,6 +72,7 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 METRICS_FILE = "metrics.jsonl"  # in job.dump_folder
+WANDB_RUN_ID = "wandb_run_id"  # in job.dump_folder: the W&B run a resumed run continues
 
 
 class MetricsLogger:
@@ -77,7 +80,14 @@ class MetricsLogger:
     steps after ``after_step`` (logged by the interrupted run past its last checkpoint, now replayed)
     are dropped first, so the file keeps one row per step."""
 
-    def __init__(self, dump_folder: str | Path, enable_tensorboard: bool = False, after_step: int = 0):
+    def __init__(
+        self,
+        dump_folder: str | Path,
+        enable_tensorboard: bool = False,
+        after_step: int = 0,
+        wandb: dict | None = None,
+    ):
+        """``wandb``: ``wandb.init``'s project, name and config, to log to Weights & Biases too."""
         self.folder = Path(dump_folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.path = self.folder / METRICS_FILE
@@ -86,6 +96,28 @@ class MetricsLogger:
         self._tb = None
         if enable_tensorboard:
             self._tb = self.check_tensorboard()(str(self.folder / "tensorboard"))
+        self._wandb = self._start_wandb(**wandb) if wandb is not None else None
+
+    def _start_wandb(self, project: str, name: str, config: dict):
+        """A W&B run in ``dump_folder/wandb``: the one this folder's earlier runs logged to (its id
+        is kept in ``dump_folder/wandb_run_id``), so a resumed run continues it."""
+        wandb = self.check_wandb()
+        id_file = self.folder / WANDB_RUN_ID
+        run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)  # W&B's id shape
+        if not id_file.is_file():
+            partial = id_file.with_name(f".{id_file.name}.partial")
+            partial.write_text(run_id + "\n")
+            os.replace(partial, id_file)
+        return wandb.init(project=project, name=name, id=run_id, resume="allow", dir=str(self.folder), config=config)
+
+    @staticmethod
+    def check_wandb():
+        """The wandb package, or a clear error (checked before any rendezvous)."""
+        try:
+            import wandb
+        except ImportError:
+            raise SeedckptError("metrics.wandb needs the wandb package: pip install 'seedckpt[wandb]'") from None
+        return wandb
 
     def _drop_rows_after(self, step: int) -> None:
         if not self.path.is_file():
@@ -113,12 +145,16 @@ class MetricsLogger:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):
                     self._tb.add_scalar(key, value, record["step"])
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
         print(format_step(record), flush=True)
 
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
 
 
 def _step_of(line: str) -> float:

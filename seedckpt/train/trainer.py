@@ -366,7 +366,12 @@ class Trainer:
         train, ckpt, state = self.cfg.training, self.cfg.checkpoint, self.state
         stopped_by = 0
         metrics = (
-            MetricsLogger(self.cfg.job.dump_folder, self.cfg.metrics.enable_tensorboard, after_step=state.step)
+            MetricsLogger(
+                self.cfg.job.dump_folder,
+                self.cfg.metrics.enable_tensorboard,
+                after_step=state.step,
+                wandb=self._wandb_run() if self.cfg.metrics.wandb else None,
+            )
             if self.rank == 0
             else None
         )
@@ -500,6 +505,15 @@ class Trainer:
         prof.export_chrome_trace(str(trace))
         self.log(f"wrote Chrome trace {trace}", all_ranks=True)
 
+    def _wandb_run(self) -> dict:
+        """The W&B run's project, name and config: every section's values."""
+        folder = Path(self.cfg.job.dump_folder).resolve()
+        return {
+            "project": self.cfg.metrics.wandb_project,
+            "name": self.cfg.metrics.wandb_run_name or folder.name,
+            "config": self.cfg.to_dict(),
+        }
+
     def log(self, message: str, all_ranks: bool = False) -> None:
         if all_ranks or self.rank == 0:
             print(f"[rank{self.rank}] {message}", flush=True)
@@ -556,6 +570,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[rank0] {note}", flush=True)
         if cfg.metrics.enable_tensorboard:
             MetricsLogger.check_tensorboard()
+        if cfg.metrics.wandb:
+            MetricsLogger.check_wandb()
         check_output_folders(cfg)
         if cfg.training.compile:
             check_compile_supported(run.device)
