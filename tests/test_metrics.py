@@ -76,3 +76,16 @@ def test_the_step_line_shows_utilization_only_when_the_row_has_it():
     }
     assert "TFLOP/s" not in format_step(row) and "mfu" not in format_step(row)
     assert "329 TFLOP/s  mfu 33.2 %" in format_step({**row, "tflops": 328.8, "mfu_pct": 33.23})
+
+
+def test_wandb_without_the_package_is_one_line_naming_the_extra(monkeypatch):
+    import sys
+
+    import pytest
+
+    from seedckpt.train.metrics import MetricsLogger
+    from seedckpt.utils.errors import SeedckptError
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed: import raises ImportError
+    with pytest.raises(SeedckptError, match=r"pip install 'seedckpt\[wandb\]'"):
+        MetricsLogger.check_wandb()
