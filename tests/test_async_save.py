@@ -208,3 +208,38 @@ def test_cuda_staging_reuses_pinned_buffers():
     assert [s[0] for s in seen] == [[1.0], [2.0]]
     assert all(pinned for _, pinned, _ in seen)
     assert seen[0][2] == seen[1][2]  # the same pinned buffer at the second save
+
+
+def _ctrl_c_while_waiting_worker(rank, world_size, folder):
+    """A Ctrl-C (SIGINT, turned into KeyboardInterrupt as train.py does) while the run waits for its
+    last background save: it must reach the caller, and the drained write must still publish."""
+    import signal
+
+    from seedckpt.checkpoint import write_checkpoint
+    from seedckpt.checkpoint.background import BackgroundSaver
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    saver = BackgroundSaver(torch.device("cpu"))
+    path = Path(folder) / "step-4"
+
+    def slow_write(state, group):
+        time.sleep(1.0)
+        return write_checkpoint(path, state, manifest={"kind": "test"}, group=group)
+
+    saver.save(path, {"w": torch.arange(8.0)}, slow_write)
+    threading.Timer(0.2, signal.raise_signal, args=(signal.SIGINT,)).start()
+    try:
+        saver.wait()
+    except KeyboardInterrupt:
+        interrupted = True
+    else:
+        interrupted = False
+    saver.drain(30.0)
+    return interrupted, sorted(p.name for p in Path(folder).iterdir())
+
+
+def test_ctrl_c_while_waiting_for_the_last_save_is_raised_and_the_drained_save_publishes(tmp_path):
+    [(interrupted, left)] = run_distributed(_ctrl_c_while_waiting_worker, 1, str(tmp_path))
+    assert interrupted  # was: swallowed, the run went on to exit 0 with the save unpublished
+    assert left == ["step-4"]  # published whole; no partial directory, no lock
+    assert torch.equal(DcpCheckpoint(tmp_path / "step-4").read_tensor("w"), torch.arange(8.0))

@@ -119,10 +119,9 @@ class BackgroundSaver:
         if self.staging is None:
             return
         start = time.perf_counter()
-        try:
-            self.staging.result()
-        except BaseException:  # noqa: BLE001 -- the write reports it, at the next poll or wait
-            pass
+        # Waited for, not ``result()``-ed: a failed copy is the write's to report (at the next poll or
+        # wait), and a Ctrl-C while waiting must reach the caller.
+        futures.wait([self.staging])
         self.staging = None
         if self.in_flight is not None:
             self.in_flight.stall_s += time.perf_counter() - start
@@ -153,10 +152,9 @@ class BackgroundSaver:
         if block:
             start = time.perf_counter()
             self.wait_for_staging()
-            try:
-                job.done.result()
-            except BaseException:  # noqa: BLE001 -- agreed on and reported below
-                pass
+            # The write's own failure is agreed on and reported below; a Ctrl-C while waiting
+            # propagates, and the caller drains the write (``drain``), which then publishes it.
+            futures.wait([job.done])
             job.stall_s += time.perf_counter() - start
         failed = job.done.done() and job.done.exception() is not None
         flags = torch.tensor([float(failed), float(not job.done.done())], device=self.device)
