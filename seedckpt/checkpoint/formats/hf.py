@@ -68,16 +68,18 @@ class HFCheckpoint(Checkpoint):
             files = sorted(p.name for p in path.glob("*.safetensors"))
             weight_map = None
         self.location: dict[str, tuple[Path, str]] = {}  # our fqn -> (file, hf name)
+        self.spans: dict[str, tuple[int, int]] = {}  # our fqn -> its bytes in its file
         infos = {}
         for file in files:
             if not isinstance(file, str) or Path(file).name != file or not (path / file).is_file():
                 raise SeedckptError(f"{index} lists {file!r}, which is not a file in {path}")
-            header, _, _ = safetensors_header(path / file)
+            header, _, data_start = safetensors_header(path / file)
             for name, entry in header.items():
                 fqn = self._ours(name, path / file)
                 if fqn is None:
                     continue
                 self.location[fqn] = (path / file, name)
+                self.spans[fqn] = (data_start + entry["data_offsets"][0], data_start + entry["data_offsets"][1])
                 infos[fqn] = TensorInfo(tuple(entry["shape"]), SAFETENSORS_DTYPES[entry["dtype"]])
         if weight_map is not None:
             absent = [
@@ -88,9 +90,31 @@ class HFCheckpoint(Checkpoint):
             if absent:
                 raise SeedckptError(f"{index} lists tensors that its files do not contain: {absent[:5]}")
         super().__init__(path, infos, None, layout)  # config.json records the model
+        self._check_tied_heads(infos)
         self.alias_tied(dict(infos))
         for fqn, source in self.aliases.items():
             self.location[fqn] = self.location[source]
+
+    def _check_tied_heads(self, stored: dict[str, TensorInfo]) -> None:
+        """A config that ties the output to the embedding, over files that also store a different
+        output head: tying would drop that head silently (transformers keeps it). A stored copy of
+        the embedding is fine; the first MiB of each is compared, so the check reads 2 MiB at most."""
+        for fqn, source in (self.layout.aliases if self.layout is not None else {}).items():
+            if fqn not in stored or source not in stored:
+                continue
+            samples = []
+            for name in (fqn, source):
+                begin, end = self.spans[name]
+                with open(self.location[name][0], "rb") as f:
+                    f.seek(begin)
+                    samples.append(f.read(min(end - begin, 2**20)))
+            if stored[fqn] != stored[source] or samples[0] != samples[1]:
+                head, embedding = self.location[fqn][1], self.location[source][1]
+                raise SeedckptError(
+                    f"{self.path}/config.json sets tie_word_embeddings = true, but the files store a {head} that "
+                    f'is not {embedding}: tying would drop it. Set "tie_word_embeddings": false in config.json '
+                    f"to load it as an untied model (what transformers does), or remove {head} to tie"
+                )
 
     def _ours(self, name: str, where: Path) -> str | None:
         try:
