@@ -245,6 +245,7 @@ def _safetensors(path: Path, header: bytes, declared: int | None = None, data: b
         ("offsets_disagree", "do not hold shape"),
         ("beyond_the_file", "truncated"),
         ("bad_dtype", "entry"),
+        ("overlapping", "entries 'v' and 'w' overlap at byte 8"),
     ],
 )
 def test_crafted_safetensors_headers_are_refused(tmp_path, capsys, case, message):
@@ -257,8 +258,15 @@ def test_crafted_safetensors_headers_are_refused(tmp_path, capsys, case, message
         ),
         "beyond_the_file": lambda p: _safetensors(p, json.dumps({"w": entry}).encode(), data=bytes(8)),
         "bad_dtype": lambda p: _safetensors(p, json.dumps({"w": {**entry, "dtype": "F128"}}).encode(), data=bytes(16)),
+        "overlapping": lambda p: _safetensors(
+            p, json.dumps({"v": entry, "w": {**entry, "data_offsets": [8, 24]}}).encode(), data=bytes(24)
+        ),
     }
     path = files[case](tmp_path / "x.safetensors")
+    for command in ("inspect", "verify"):  # the header is checked before either trusts it
+        assert cli([command, str(path)]) == 2, command
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and message in err, err
     assert cli(["inspect", str(path)]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and message in err, err

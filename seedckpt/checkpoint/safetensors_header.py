@@ -27,7 +27,8 @@ SAFETENSORS_DTYPES = {
 
 def safetensors_header(path: Path) -> tuple[dict, dict, int]:
     """(tensor entries, ``__metadata__``, data start) of a safetensors file, checked before it is
-    trusted: a bounded header, known dtypes, offsets that match shape x dtype, data all present."""
+    trusted: a bounded header, known dtypes, offsets that match shape x dtype and do not overlap,
+    data all present."""
 
     def bad(why: str) -> SeedckptError:
         return SeedckptError(f"{path} is not a valid safetensors file ({why})")
@@ -57,6 +58,16 @@ def safetensors_header(path: Path) -> tuple[dict, dict, int]:
                 raise ValueError(f"offsets {begin}..{end} do not hold shape {shape} of {entry['dtype']}")
         except (KeyError, TypeError, ValueError) as e:
             raise bad(f"entry {name!r}: {e!r}") from None
+    # Entries sharing bytes would read as one tensor under two names (the safetensors library
+    # refuses them too); empty tensors take no bytes and cannot overlap.
+    spans = sorted(
+        (e["data_offsets"][0], e["data_offsets"][1], n)
+        for n, e in header.items()
+        if e["data_offsets"][1] > e["data_offsets"][0]
+    )
+    for (_, first_end, first), (second_begin, _, second) in zip(spans, spans[1:]):
+        if second_begin < first_end:
+            raise bad(f"entries {first!r} and {second!r} overlap at byte {second_begin} of the data")
     end = max((e["data_offsets"][1] for e in header.values()), default=0)
     if size_on_disk < 8 + size + end:
         raise SeedckptError(f"{path} is truncated: {size_on_disk} bytes, its header needs {8 + size + end}")
