@@ -12,6 +12,7 @@ files a fine-tuning checkpoint carries are copied along.
 from __future__ import annotations
 
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -89,17 +90,26 @@ class HFCheckpoint(Checkpoint):
             ]
             if absent:
                 raise SeedckptError(f"{index} lists tensors that its files do not contain: {absent[:5]}")
+        if self._stores_a_distinct_head(layout, infos):
+            # transformers keeps such a head (its tying skips a head the files provide): so do we.
+            head = self.location[next(iter(layout.aliases))][1]
+            warnings.warn(
+                f"{path}/config.json sets tie_word_embeddings = true, but its files store a distinct {head}: "
+                "loaded untied, as transformers does",
+                stacklevel=2,
+            )
+            self.config = {**self.config, "tie_word_embeddings": False}
+            layout = codec.hf_layout(self.config)
         super().__init__(path, infos, None, layout)  # config.json records the model
-        self._check_tied_heads(infos)
         self.alias_tied(dict(infos))
         for fqn, source in self.aliases.items():
             self.location[fqn] = self.location[source]
 
-    def _check_tied_heads(self, stored: dict[str, TensorInfo]) -> None:
-        """A config that ties the output to the embedding, over files that also store a different
-        output head: tying would drop that head silently (transformers keeps it). A stored copy of
-        the embedding is fine; the first MiB of each is compared, so the check reads 2 MiB at most."""
-        for fqn, source in (self.layout.aliases if self.layout is not None else {}).items():
+    def _stores_a_distinct_head(self, layout, stored: dict[str, TensorInfo]) -> bool:
+        """Whether a config that ties the output to the embedding sits over files that also store a
+        different output head. A stored copy of the embedding is a tie; the first MiB of each is
+        compared, so the check reads 2 MiB at most."""
+        for fqn, source in layout.aliases.items():
             if fqn not in stored or source not in stored:
                 continue
             samples = []
@@ -109,12 +119,8 @@ class HFCheckpoint(Checkpoint):
                     f.seek(begin)
                     samples.append(f.read(min(end - begin, 2**20)))
             if stored[fqn] != stored[source] or samples[0] != samples[1]:
-                head, embedding = self.location[fqn][1], self.location[source][1]
-                raise SeedckptError(
-                    f"{self.path}/config.json sets tie_word_embeddings = true, but the files store a {head} that "
-                    f'is not {embedding}: tying would drop it. Set "tie_word_embeddings": false in config.json '
-                    f"to load it as an untied model (what transformers does), or remove {head} to tie"
-                )
+                return True
+        return False
 
     def _ours(self, name: str, where: Path) -> str | None:
         try:
