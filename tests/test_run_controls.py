@@ -210,3 +210,26 @@ def test_wandb_logs_every_step_offline_and_a_resume_continues_the_same_run(tmp_p
     assert first_id == second_id == (run / "wandb_run_id").read_text().strip()
     assert [r["_step"] for r in first + second] == [1, 2, 3, 4]
     assert [r["loss"] for r in first + second] == [r["loss"] for r in rows(run)]
+
+
+def test_a_folder_holding_another_jobs_steps_is_refused_in_one_line(tmp_path, debug_seed, finished):
+    """An SFT job's folder, reused by an SFT of another pretrained model and by an OSFT of the same
+    one: each refuses, naming the difference, rather than resuming those weights (or, at its step
+    count, reporting nothing to train)."""
+    run = tmp_path / "sft"
+    sft = ["--finetune.mode", "sft", "--training.steps", "2", "--training.stop_after_step", "1"]
+    first = train(run, debug_seed, *sft, "--finetune.pretrained", str(finished / "ckpt" / "step-2"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    for other, difference in (
+        (["--finetune.pretrained", str(debug_seed)], f"this run from {debug_seed}"),
+        (["--finetune.mode", "osft", "--finetune.pretrained", str(finished / "ckpt" / "step-2")], "this run's 'osft'"),
+    ):
+        proc = train(run, debug_seed, *sft, *other, "--training.steps", "1")  # at its step: "nothing to train"?
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        err = proc.stderr.strip()
+        assert err.startswith(f"train.py: error: checkpoint.folder = {run / 'ckpt'} holds step-1 of another job")
+        assert difference in err and "a checkpoint.folder of its own" in err and len(err.splitlines()) == 1, err
+    moved = tmp_path / "moved"  # the same pretrained source, moved: the same job
+    shutil.copytree(finished / "ckpt" / "step-2", moved)
+    again = train(run, debug_seed, *sft[:-2], "--finetune.pretrained", str(moved))
+    assert again.returncode == 0 and "resuming from" in again.stdout, again.stdout + again.stderr

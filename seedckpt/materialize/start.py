@@ -15,11 +15,13 @@ resume reads and validates ``step-N``'s metadata once instead of three times.
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 from seedckpt.checkpoint import Checkpoint, DcpCheckpoint, step_dirs
 from seedckpt.checkpoint.manifest import MANIFEST_NAME, read_manifest
+from seedckpt.checkpoint.untrusted import MAX_JSON_BYTES, read_bounded
 from seedckpt.config.job_config import JobConfig
 from seedckpt.finetune.osft import manifest_osft
 from seedckpt.finetune.pretrained import osft_spec
@@ -55,9 +57,11 @@ def find_start(cfg: JobConfig, args) -> Start:
     if steps:
         chosen = resume_step(cfg, steps)
         try:  # the manifest, .metadata, its checksum and every data file's length
-            return open_start(cfg, args, require_manifest(steps[chosen]), chosen)
+            start = open_start(cfg, args, require_manifest(steps[chosen]), chosen)
         except SeedckptError as e:
             raise SeedckptError(f"cannot resume: {e}; {fallback_hint(steps, chosen)}") from None
+        check_same_job(cfg, start)
+        return start
     if cfg.finetune.mode != "none":
         return open_start(cfg, args, cfg.finetune.pretrained, pretrained=True)
     if cfg.checkpoint.initial_load_path:
@@ -112,6 +116,47 @@ def initial_start(cfg: JobConfig, args) -> Start:
     if step > cfg.training.steps:
         raise SeedckptError(f"{path} is at step {step}, beyond training.steps = {cfg.training.steps}; raise it")
     return open_start(cfg, args, path, step)
+
+
+def source_fingerprint(path: str | Path) -> str | None:
+    """A fingerprint of the checkpoint at ``path``: the CRC32 of how it describes itself (our
+    manifest, or a Hugging Face ``config.json``), so a moved copy still matches; None for a file."""
+    for name in (MANIFEST_NAME, "config.json"):
+        file = Path(path) / name
+        if file.is_file():
+            return f"{zlib.crc32(read_bounded(file, MAX_JSON_BYTES)):08x}"
+    return None
+
+
+def check_same_job(cfg: JobConfig, start: Start) -> None:
+    """A ``step-N`` in ``checkpoint.folder`` is resumed only by the job that wrote it: the same model
+    family, fine-tuning mode and pretrained source (by fingerprint, else by path). Another job's
+    steps would be resumed as this one's weights -- or reported as nothing to train."""
+    manifest = start.checkpoint.manifest or {}
+    saved = manifest.get("finetune")
+    if not isinstance(saved, dict):
+        return  # written before jobs were recorded
+    ft = cfg.finetune
+    family = (manifest.get("model") or {}).get("name")
+    if ft.mode == "none" and family not in (None, cfg.model.name):
+        other = f"model.name {family!r}, this run's {cfg.model.name!r}"
+    elif saved.get("mode", "none") != ft.mode:
+        other = f"finetune.mode {saved.get('mode')!r}, this run's {ft.mode!r}"
+    elif ft.mode != "none" and not _same_source(saved, ft.pretrained):
+        other = f"fine-tuned from {saved.get('pretrained')}, this run from {ft.pretrained}"
+    else:
+        return
+    raise SeedckptError(
+        f"checkpoint.folder = {cfg.checkpoint.folder} holds {start.path.name} of another job ({other}); give "
+        "this run a checkpoint.folder of its own (or move those steps away to start this job there)"
+    )
+
+
+def _same_source(saved: dict, pretrained: str) -> bool:
+    recorded = saved.get("pretrained_fingerprint")
+    if recorded is not None:
+        return recorded == source_fingerprint(pretrained)
+    return Path(str(saved.get("pretrained"))).resolve() == Path(pretrained).resolve()
 
 
 def require_manifest(step: Path) -> Path:

@@ -26,6 +26,7 @@ from seedckpt.config.job_config import JobConfig
 from seedckpt.data.sources import keyed_generator
 from seedckpt.data.tokenizer import tokenizer_files
 from seedckpt.finetune.osft import OSFTSpec, osft_record
+from seedckpt.materialize.start import source_fingerprint
 from seedckpt.parallel.data_parallel import DataParallel
 from seedckpt.train.optimizer import apply_settings, build_adamw, lr_factor, parameter_groups
 from seedckpt.utils.errors import SeedckptError
@@ -50,6 +51,8 @@ class TrainState:
         self.step, self.global_batch = step, global_batch
         self.rng_key = f"{RNG_PREFIX}rank{dist.get_rank()}"
         self.rng_derived = False  # set by ``load``: this rank's RNG state was not in the checkpoint
+        ft = cfg.finetune  # recorded in every step-N: which job wrote it (``start.check_same_job``)
+        self.pretrained_fingerprint = source_fingerprint(ft.pretrained) if ft.mode != "none" else None
         # The step before the run's first batch: step s trains on the data's batch s - data_start
         # (``checkpoint.exclude_from_loading = ["data"]`` starts the batches again at a resume).
         self.data_start = 0
@@ -153,7 +156,13 @@ class TrainState:
             training=dataclasses.asdict(cfg.training),
             optimizer=dataclasses.asdict(cfg.optimizer),
             lr_scheduler=dataclasses.asdict(cfg.lr_scheduler),
-            finetune={"mode": ft.mode, "pretrained": ft.pretrained, **(osft_record(self.osft) if self.osft else {})},
+            finetune={
+                "mode": ft.mode,
+                "pretrained": ft.pretrained,
+                "pretrained_fingerprint": self.pretrained_fingerprint,
+                **(osft_record(self.osft) if self.osft else {}),
+            },
+            data={"kind": cfg.data.kind, "path": cfg.data.path},
         )
         files = {f"{TOKENIZER_DIR}/{f.name}": f for f in tokenizer_files(tokenizer)} if tokenizer else {}
         path = step_dir(cfg.checkpoint.folder, self.step)
