@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install demo test lint format bench clean
+.PHONY: install demo test lint format bench bench-gpu bench-gpu-prepare clean
 
 install: $(STAMP)
 
@@ -67,3 +67,19 @@ bench: install
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache
+
+# Every GPU figure in one command (benchmarks/gpu_suite.py; on a machine without CUDA it says what it
+# would measure and exits 0). On a lent GPU machine without network or venv it runs with the
+# image's python3 and installs the wheels bench-gpu-prepare fetched into GPU_WHEELS.
+GPU_WHEELS ?= .gpu-wheels
+GPU_PYTHON ?= $(shell test -x $(BIN)/python && echo $(BIN)/python || echo python3)
+GPU_PYTHON_VERSION ?= 3.12
+bench-gpu:
+	OMP_NUM_THREADS=1 $(GPU_PYTHON) benchmarks/gpu_suite.py --wheels $(GPU_WHEELS)
+
+# On a machine with network: the wheels the GPU image lacks (crc32c; pytest and its dependencies),
+# for its Python (GPU_PYTHON_VERSION), into GPU_WHEELS (git-ignored) to travel with the tree.
+bench-gpu-prepare:
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version $(GPU_PYTHON_VERSION) \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		-d $(GPU_WHEELS) crc32c pytest pluggy iniconfig pygments packaging

@@ -1,0 +1,249 @@
+"""Every GPU figure the project claims, in one command, within the minutes a lent GPU machine allows.
+
+    make bench-gpu                                    # or: python benchmarks/gpu_suite.py
+    python benchmarks/gpu_suite.py --parts throughput,load --json /tmp/gpu.json
+
+Each part is one benchmark script (or ``pytest -m cuda``) in its own process with its own time cap,
+so one slow or failing part cannot take the others down: a part that fails or runs out of time is
+recorded with its last line of output, and the suite goes on. The parts' JSON lines -- each script
+measures its own baseline in the same run (stock DCP, the bare training loop, the disk's bandwidth)
+-- go into one file, ``benchmarks/results/gpu-<date>.json``, with the device, the torch and CUDA
+versions, the core count and the date; a table of every figure beside its target follows.
+
+On a machine without CUDA every part prints ``skipped: no CUDA device`` and the command exits 0.
+
+A lent GPU machine has no network and no project venv, only its image's torch: the suite runs with
+the Python that starts it (``make bench-gpu`` picks the image's ``python3`` when there is no venv).
+The one wheel the project needs beyond the image (``crc32c``) -- and pytest, for the ``cuda`` tests --
+are fetched beforehand on a machine with network by ``make bench-gpu-prepare`` into ``.gpu-wheels/``
+(git-ignored), which travels with a copy of the working tree; ``--wheels`` installs them from there
+into a temporary directory on the children's ``PYTHONPATH`` when they are not importable already.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+# The label of a JSON line: the first of these fields it has.
+LABEL_FIELDS = ("variant", "method", "mode", "measure", "name", "kind")
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    argv: list[str]  # after the Python interpreter
+    cap_s: int  # the part's wall-clock limit
+    target: str  # what the figures should show, as the docs claim it
+    needs: tuple[str, ...] = ()  # modules the part imports beyond torch
+
+
+# The caps sum to under 9 minutes (tests/test_gpu_suite.py checks): a lent machine allows 10 per
+# command. The throughput variants run as two parts (eager, compiled); throughput.py measures its
+# baseline, the bare eager loop, first in each.
+THROUGHPUT = ["benchmarks/throughput.py", "--dtype", "bfloat16", "--steps", "12", "--warmup", "4", "--variants"]
+PARTS = [
+    Part(
+        "cuda_tests", ["-m", "pytest", "-q", "-m", "cuda", "tests"], 100, "every cuda-marked test passes", ("pytest",)
+    ),
+    Part(
+        "throughput_eager",
+        [*THROUGHPUT, "bare_eager,hf,train_eager,train_eager_selective,sft,osft"],
+        100,
+        "train.py eager within 10 % of the bare eager loop's tokens/s (1B, 4 x 2048, bf16); HF beside it; MFU",
+        ("transformers",),
+    ),
+    Part(
+        "throughput_compiled",
+        [*THROUGHPUT, "bare_compiled,train_compiled,train_compiled_selective"],
+        110,
+        "train.py compiled within 10 % of the bare compiled loop's tokens/s; MFU",
+    ),
+    Part(
+        "save",
+        ["benchmarks/save.py", "--mib", "4096", "--saves", "2"],
+        40,
+        "the async stall a small fraction of the sync save (4 GiB of train state)",
+    ),
+    Part(
+        "load",
+        ["benchmarks/load.py", "--device", "cuda", "--ranks", "1", "--skip-cold", "--methods", "seedckpt,stock_dcp"],
+        60,
+        "seedckpt at least stock dcp.load's GB/s onto the GPU (1B)",
+    ),
+    Part("seed", ["benchmarks/seed.py", "--skip-baseline"], 50, "the 1B seed near the disk's write bandwidth"),
+    Part("osft", ["benchmarks/osft.py", "--skip-train", "--ranks", "1"], 40, "time to OSFT-ready: the SVD in seconds"),
+    Part(
+        "attention",
+        ["benchmarks/attention.py", "--device", "cuda", "--batch", "4", "--dtype", "bfloat16"],
+        40,
+        "SDPA's enable_gqa faster and smaller than the K/V copies",
+    ),
+]
+
+
+@dataclass
+class Result:
+    name: str
+    status: str  # ok, failed, timed out, skipped: <why>
+    seconds: float = 0.0
+    lines: list[dict] = field(default_factory=list)  # the part's JSON lines
+    last_line: str = ""  # of its output, when it did not succeed
+
+
+def run_part(part: Part, env: dict, python: str) -> Result:
+    """Run one part within its cap; its JSON lines, or why it did not succeed."""
+    missing = [m for m in part.needs if importlib.util.find_spec(m) is None and not _on_path(m, env)]
+    if missing:
+        return Result(part.name, f"skipped: {', '.join(missing)} not installed")
+    start = time.perf_counter()
+    with tempfile.TemporaryFile("w+") as out:
+        # Its own session: a part over its cap is stopped with every process it started (torchrun
+        # workers included), so none holds the GPU while the next part runs.
+        proc = subprocess.Popen(
+            [python, *part.argv],
+            cwd=ROOT,
+            env={**env, "PYTHONUNBUFFERED": "1"},  # stdout and stderr in the order they were written
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            code = proc.wait(timeout=part.cap_s)
+            status = "ok" if code == 0 else f"failed (exit {code})"
+        except subprocess.TimeoutExpired:
+            # SIGTERM first: a torchrun agent passes it to its workers, which run in sessions of their own
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            status = f"timed out after {part.cap_s} s"
+        out.seek(0)
+        text = out.read()
+    lines, other = [], []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        (lines if isinstance(record, dict) else other).append(record if isinstance(record, dict) else line)
+    last = next((line for line in reversed(other) if line.strip()), "")
+    return Result(part.name, status, time.perf_counter() - start, lines, "" if status == "ok" else last)
+
+
+def _on_path(module: str, env: dict) -> bool:
+    return any((Path(p) / module).exists() for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)
+
+
+def install_wheels(wheels: Path, env: dict, python: str) -> str:
+    """``wheels/*.whl`` installed (no index, no dependencies) into a temporary directory put first on
+    the children's ``PYTHONPATH``; a line saying what was done."""
+    files = sorted(wheels.glob("*.whl")) if wheels.is_dir() else []
+    if not files:
+        return f"no wheels in {wheels} (make bench-gpu-prepare fetches them): using what is installed"
+    target = Path(tempfile.mkdtemp(prefix="seedckpt-gpu-site-"))
+    subprocess.run(
+        [python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(target), *map(str, files)],
+        check=True,
+    )
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(target), env.get("PYTHONPATH", "")) if p)
+    return f"installed {', '.join(f.name.split('-')[0] for f in files)} from {wheels} into {target}"
+
+
+def label(line: dict) -> str:
+    return next((str(line[f]) for f in LABEL_FIELDS if isinstance(line.get(f), str)), "-")
+
+
+def figures(line: dict, limit: int = 4) -> str:
+    """A line's numbers, ``key=value``, at most ``limit`` of them."""
+    numbers = [(k, v) for k, v in line.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return "  ".join(f"{k}={v:.4g}" for k, v in numbers[:limit])
+
+
+def table(report: dict) -> str:
+    """Every part's status and every figure beside the part's target."""
+    rows = [
+        f"{report['device']} | torch {report['torch']} | CUDA {report['cuda']} | {report['cores']} cores | "
+        f"{report['date']}"
+    ]
+    for part in report["parts"]:
+        rows.append(f"\n{part['name']}: {part['status']} ({part['seconds']:.0f} s) -- target: {part['target']}")
+        if part["last_line"]:
+            rows.append(f"  last line: {part['last_line'][-200:]}")
+        rows += [f"  {label(line):<28} {figures(line)}" for line in part["lines"]]
+    return "\n".join(rows)
+
+
+def write_report(report: dict, path: Path) -> Path:
+    """``report`` as JSON at ``path``, written to a temporary name and renamed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(json.dumps(report, indent=1) + "\n")
+    os.replace(partial, path)
+    return path
+
+
+def device_report(torch) -> dict:
+    cuda = torch.cuda.is_available()
+    return {
+        "device": torch.cuda.get_device_name(0) if cuda else "no CUDA device",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", default=",".join(part.name for part in PARTS), help="comma list (default: all)")
+    p.add_argument("--wheels", default=str(ROOT / ".gpu-wheels"), help="wheels to install first (default .gpu-wheels)")
+    p.add_argument("--json", help="where the results go (default: benchmarks/results/gpu-<date>.json)")
+    opts = p.parse_args(argv)
+    wanted = opts.parts.split(",")
+    unknown = sorted(set(wanted) - {part.name for part in PARTS})
+    if unknown:
+        p.error(f"unknown parts {unknown}; choose from {', '.join(part.name for part in PARTS)}")
+    parts = [part for part in PARTS if part.name in wanted]
+    import torch
+
+    report = {**device_report(torch), "parts": []}
+    if not torch.cuda.is_available():
+        for part in parts:
+            print(f"{part.name}: skipped: no CUDA device (would measure: {part.target})")
+        return 0
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    print(install_wheels(Path(opts.wheels), env, sys.executable), flush=True)
+    for part in parts:
+        print(f"{part.name}: running (cap {part.cap_s} s)", flush=True)
+        result = run_part(part, env, sys.executable)
+        report["parts"].append({**result.__dict__, "target": part.target})
+        print(f"{part.name}: {result.status} in {result.seconds:.0f} s", flush=True)
+    path = Path(opts.json) if opts.json else RESULTS / f"gpu-{report['date'][:10]}.json"
+    write_report(report, path)
+    print(table(report))
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""``make bench-gpu`` (``benchmarks/gpu_suite.py``): on a machine without CUDA it says what it would
+measure and exits 0; each part runs within its own cap, a failing or slow part is recorded with its
+last line while the others go on; the JSON file and the table carry every figure."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import gpu_suite  # noqa: E402 -- a script of benchmarks/, imported as its test would
+
+
+def test_without_cuda_every_part_says_skipped_and_the_suite_exits_0():
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/gpu_suite.py"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == [part.name for part in gpu_suite.PARTS]
+    assert all(": skipped: no CUDA device (would measure: " in line for line in lines), lines
+    assert time.perf_counter() - start < 30
+
+
+def test_the_caps_fit_one_command_on_a_lent_machine():
+    assert sum(part.cap_s for part in gpu_suite.PARTS) <= 9 * 60
+
+
+def test_a_part_that_fails_or_overruns_is_recorded_and_the_rest_still_run(tmp_path):
+    env = {"PATH": "/usr/bin:/bin"}
+    figures = 'import json; print(json.dumps({"method": "ours", "gb_per_s": 2.5})); print("done")'
+    parts = {
+        "ok": gpu_suite.Part("ok", ["-c", figures], 30, "fast"),
+        "failed": gpu_suite.Part("failed", ["-c", "print('reading...'); raise SystemExit('disk gone')"], 30, "-"),
+        "slow": gpu_suite.Part("slow", ["-c", "import time; print('started', flush=True); time.sleep(30)"], 1, "-"),
+        "absent": gpu_suite.Part("absent", ["-c", "pass"], 30, "-", ("no_such_module_here",)),
+    }
+    results = {name: gpu_suite.run_part(part, env, sys.executable) for name, part in parts.items()}
+    assert results["ok"].status == "ok" and results["ok"].lines == [{"method": "ours", "gb_per_s": 2.5}]
+    assert results["failed"].status == "failed (exit 1)" and results["failed"].last_line == "disk gone"
+    assert results["slow"].status == "timed out after 1 s" and results["slow"].last_line == "started"
+    assert results["absent"].status == "skipped: no_such_module_here not installed"
+
+    report = {
+        "device": "NVIDIA H100 80GB HBM3",
+        "torch": "2.11.0",
+        "cuda": "12.8",
+        "cores": 16,
+        "python": "3.12.3",
+        "date": "2026-11-25T07:00:00+00:00",
+        "parts": [{**r.__dict__, "target": parts[name].target} for name, r in results.items()],
+    }
+    path = gpu_suite.write_report(report, tmp_path / "results" / "gpu-2026-11-25.json")
+    assert json.loads(path.read_text()) == report and not list(path.parent.glob(".*partial"))
+    table = gpu_suite.table(report)
+    assert (
+        table.splitlines()[0]
+        == "NVIDIA H100 80GB HBM3 | torch 2.11.0 | CUDA 12.8 | 16 cores | 2026-11-25T07:00:00+00:00"
+    )
+    assert "ok: ok (0 s) -- target: fast" in table and "ours" in table and "gb_per_s=2.5" in table
+    assert "failed: failed (exit 1)" in table and "last line: disk gone" in table
+    assert "slow: timed out after 1 s" in table
