@@ -6,6 +6,7 @@ reference."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -233,3 +234,23 @@ def test_a_folder_holding_another_jobs_steps_is_refused_in_one_line(tmp_path, de
     shutil.copytree(finished / "ckpt" / "step-2", moved)
     again = train(run, debug_seed, *sft[:-2], "--finetune.pretrained", str(moved))
     assert again.returncode == 0 and "resuming from" in again.stdout, again.stdout + again.stderr
+
+
+def test_a_resume_on_more_data_parallel_ranks_keeps_the_checkpoints_global_batch(finished, tmp_path, debug_seed):
+    """One process's step-2 (global batch 2) resumed on 2 ranks with the same config: the global
+    batch stays 2 (local batch 1), not 2 x 2, so steps 3-4 are the uninterrupted run's."""
+    from tests.dist import run_main
+    from tests.test_resume import BASE
+
+    run = copied(finished, tmp_path)
+    shutil.rmtree(run / "ckpt" / "step-4")
+    argv = ["--config", "configs/debug.toml", "--checkpoint.seed_checkpoint", str(debug_seed)]
+    argv += ["--checkpoint.folder", str(run / "ckpt"), "--job.dump_folder", str(run), *BASE]
+    proc = run_main(argv, 2, {**os.environ, "OMP_NUM_THREADS": "1"}, REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (
+        "keeping step-2's global batch of 2 sequences on 2 data-parallel rank(s): local_batch_size 1 x 1 "
+        "accumulation step(s)" in proc.stdout
+    ), proc.stdout
+    for got, want in zip(rows(run)[2:], rows(finished)[2:]):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)

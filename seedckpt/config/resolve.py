@@ -40,8 +40,39 @@ class Run:
     def with_start(self) -> Run:
         """This run with where it starts: the checkpoint folder's newest ``step-N``, the pretrained
         weights or the seed, opened once (``start.find_start``). A training run calls it under the
-        folder's lock, after the config's own checks have passed."""
-        return replace(self, start=find_start(self.cfg, self.args))
+        folder's lock, after the config's own checks have passed. A resume keeps its checkpoint's
+        global batch (``keep_global_batch``)."""
+        start = find_start(self.cfg, self.args)
+        cfg, note = keep_global_batch(self.cfg, self.dims, start)
+        return replace(self, cfg=cfg, start=start, notes=self.notes + ((note,) if note else ()))
+
+
+def keep_global_batch(cfg: JobConfig, dims: ParallelDims, start: Start) -> tuple[JobConfig, str | None]:
+    """A resume on another data-parallel degree, whose config leaves ``training.global_batch_size``
+    at -1, would change the global batch (local batch x DP ranks), and with it the run. It keeps the
+    one its ``step-N`` records instead: the local batch, or gradient accumulation, is derived. The
+    config and a line for the log; the config unchanged when there is nothing to keep."""
+    recorded = (start.checkpoint.manifest or {}).get("global_batch") if start.step else None
+    train = cfg.training
+    per_step = train.local_batch_size * dims.dp
+    if not isinstance(recorded, int) or train.global_batch_size != -1 or recorded == per_step:
+        return cfg, None
+    if recorded % per_step == 0:
+        local = train.local_batch_size
+    elif recorded % dims.dp == 0:
+        local = recorded // dims.dp
+    else:
+        raise SeedckptError(
+            f"{start.path} was trained with a global batch of {recorded} sequences, which {dims.dp} data-parallel "
+            "ranks cannot split evenly; resume on a data-parallel degree that divides it, or set "
+            "training.global_batch_size (which changes the run)"
+        )
+    kept = replace(cfg, training=replace(train, global_batch_size=recorded, local_batch_size=local))
+    return kept, (
+        f"keeping {start.path.name}'s global batch of {recorded} sequences on {dims.dp} data-parallel rank(s): "
+        f"local_batch_size {local} x {recorded // (local * dims.dp)} accumulation step(s) "
+        "(set training.global_batch_size to change it)"
+    )
 
 
 def default_world_size(cfg: JobConfig) -> int:

@@ -151,6 +151,7 @@ class TrainState:
             cfg.model.flavor,
             self.args.to_dict(),
             step=self.step,
+            global_batch=self.global_batch,  # a resume on another DP degree keeps it (``resolve.keep_global_batch``)
             seed=cfg.training.seed,
             dtype="float32",
             training=dataclasses.asdict(cfg.training),

@@ -565,9 +565,6 @@ def main(argv: list[str] | None = None) -> int:
     try:  # every rank validates the same config, so rank 0 speaks for all
         cfg = load_config(opts.config, overrides)
         run = resolve(cfg, int(os.environ.get("WORLD_SIZE", 1)))  # fail before any rendezvous
-        if rank == 0:
-            for note in run.notes:
-                print(f"[rank0] {note}", flush=True)
         if cfg.metrics.enable_tensorboard:
             MetricsLogger.check_tensorboard()
         if cfg.metrics.wandb:
@@ -580,6 +577,9 @@ def main(argv: list[str] | None = None) -> int:
                 run_lock.enter_context(destination_lock(cfg.checkpoint.folder))
                 run_lock.enter_context(destination_lock(Path(cfg.job.dump_folder) / METRICS_FILE))
             run = run.with_start()
+            if rank == 0:
+                for note in run.notes:
+                    print(f"[rank0] {note}", flush=True)
             check_resume_matches_osft(cfg, run.start)
             if run.start.step == cfg.training.steps:
                 if rank == 0:
