@@ -134,3 +134,66 @@ def test_a_token_file_larger_than_the_address_space_cap_trains(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "whole file refused under the cap; 20 batches read" in proc.stdout
+
+
+@pytest.fixture(scope="module")
+def three_sources(tmp_path_factory, tokenizer, corpus):
+    """Three token directories (web, code, math: the same corpus, each its own directory)."""
+    root = tmp_path_factory.mktemp("sources")
+    for name in ("web", "code", "math"):
+        assert tokenize(corpus / "a.jsonl", tokenizer, root / name, "--quiet", "--workers", "1") == 0
+    return root
+
+
+def test_a_mixture_draws_each_source_at_its_weight_as_a_function_of_the_step(three_sources):
+    from seedckpt.data.mixture import MixedData
+
+    entries = [f"{three_sources / 'web'}:7", f"{three_sources / 'code'}:2", f"{three_sources / 'math'}:1"]
+    data = MixedData(entries, 512, 16, seed=0)
+    assert data.description == "mixture of web 70%, code 20%, math 10%"
+    counts = {"web": 0, "code": 0, "math": 0}
+    for step in range(1, 301):
+        batch = data.global_batch(step, 8)
+        assert sum(data.consumption.values()) == 8 and batch.inputs.shape == (8, 16)
+        for name, rows in data.consumption.items():
+            counts[name] += rows
+    realized = {name: n / 2400 for name, n in counts.items()}
+    assert realized == pytest.approx({"web": 0.7, "code": 0.2, "math": 0.1}, abs=0.03), realized
+    again = MixedData(entries, 512, 16, seed=0)  # a fresh process resuming at step 123 draws the same rows
+    assert torch.equal(again.global_batch(123, 8).inputs, data.global_batch(123, 8).inputs)
+    assert not torch.equal(
+        MixedData(entries, 512, 16, seed=1).global_batch(123, 8).inputs, again.global_batch(123, 8).inputs
+    )
+    for entry, message in (("web", "DIRECTORY:WEIGHT"), (f"{three_sources / 'web'}:0", "a weight > 0")):
+        with pytest.raises(SeedckptError, match=message):
+            MixedData([entry], 512, 16, seed=0)
+
+
+def test_a_mixed_run_logs_each_sources_rows_and_resumes_to_the_same_losses(tmp_path, three_sources, debug_seed):
+    mix = [
+        "--parallelism.pipeline_parallel_degree",
+        "1",
+        "--training.steps",
+        "4",
+        "--checkpoint.interval",
+        "2",
+        "--data.kind",
+        "tokens",
+        "--data.sources",
+        ",".join(f"{three_sources / name}:{w}" for name, w in (("web", 0.5), ("code", 0.3), ("math", 0.2))),
+    ]
+    torchrun(tmp_path / "straight", debug_seed, 1, *mix)
+    torchrun(tmp_path / "resumed", debug_seed, 1, *mix, "--training.stop_after_step", "2")
+    torchrun(tmp_path / "resumed", debug_seed, 1, *mix)
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
+    rows = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["rows_web"] + r["rows_code"] + r["rows_math"] == 8 for r in rows), rows
+
+
+def test_data_sources_without_token_data_is_refused_by_the_config():
+    from seedckpt.config.job_config import load_config
+
+    with pytest.raises(SeedckptError, match="data.sources mixes token directories: set data.kind = 'tokens'"):
+        load_config(None, ["--data.sources", "tokens/web:1"])
+    with pytest.raises(SeedckptError, match="write it as DIRECTORY:WEIGHT"):
+        load_config(None, ["--data.kind", "tokens", "--data.sources", "tokens/web:lots"])

@@ -34,6 +34,7 @@ import torch
 
 from models.family import ModelFamily
 from models.registry import DEFAULT_FAMILY, FAMILIES, get_family
+from seedckpt.data.mixture import parse_sources
 from seedckpt.utils.errors import SeedckptError
 
 if sys.version_info >= (3, 11):
@@ -361,6 +362,12 @@ class Data:
         'text: a text or JSONL {"text": ...} file (empty: the built-in corpus); tokens: the token directory '
         '(`seedckpt tokenize`); chat: JSONL {"messages": [...]} file(s), comma-separated or a directory of *.jsonl',
     )
+    sources: list[str] = option(
+        [],
+        'tokens: a weighted mixture of token directories instead of data.path, e.g. ["tokens/web:0.7", '
+        '"tokens/code:0.2", "tokens/math:0.1"] (command line: tokens/web:0.7,tokens/code:0.3); each row '
+        "draws its source with these weights",
+    )
     tokenizer: str = option("", "a Hugging Face tokenizer directory (empty: byte-level, text only)")
     overflow: Literal["truncate", "drop"] = option(
         "truncate", "chat: what happens to a conversation longer than seq_len + 1 tokens"
@@ -467,6 +474,13 @@ class JobConfig:
                 f"{self.finetune.mode!r} both name the weights a run starts from; fine-tuning starts from "
                 "finetune.pretrained: set one of them"
             )
+        if self.data.sources:
+            if self.data.kind != "tokens" or self.data.path:
+                raise SeedckptError(
+                    "data.sources mixes token directories: set data.kind = 'tokens' and leave data.path empty "
+                    f"(got data.kind = {self.data.kind!r}, data.path = {self.data.path!r})"
+                )
+            parse_sources(self.data.sources)
         if self.data.kind == "chat" and not self.data.tokenizer:
             raise SeedckptError(
                 "data.kind = 'chat' needs data.tokenizer: a Hugging Face tokenizer directory with a "

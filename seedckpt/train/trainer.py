@@ -442,6 +442,8 @@ class Trainer:
                             "step_time_s": step_time,
                             **utilization(self.flops_per_token, tokens_per_s, dist.get_world_size(), self.peak_tflops),
                             "data_wait_s": data_wait,
+                            # data.sources: the rows each source gave this step's global batch
+                            **{f"rows_{name}": n for name, n in getattr(self.data, "consumption", {}).items()},
                             "peak_mem_bytes": int(stats[1].item()),
                             **{k: (int if k.endswith("calls") else float)(v) for k, v in zip(comm, stats[3:].tolist())},
                             **extra,
