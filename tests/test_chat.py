@@ -4,6 +4,7 @@ determinism across epochs and resumes, overflow handling, and bad input with its
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -218,3 +219,64 @@ def test_tokenized_text_windows_and_vocab_check(tmp_path, tokenizer_dir):
     assert torch.equal(batch.inputs[:, 1:], batch.labels[:, :-1])
     with pytest.raises(SeedckptError, match="has 300 tokens but the model's vocab_size is 256"):
         make_dataset(Data(kind="text", path=path, tokenizer=str(tokenizer_dir)), 256, 16, 0)
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_mini_trainers_pretokenized_format_gives_the_batches_of_the_same_chats(tmp_path, tokenizer_dir, packing):
+    """The chats written as Mini Trainer writes them (input_ids, and labels with -100 off the
+    assistant's tokens) train on exactly the rows, labels, positions and documents of the chats."""
+    from seedckpt.data.chat import PretokenizedData
+
+    tokenizer = load_tokenizer(str(tokenizer_dir))
+    records = []
+    for i, chat in enumerate(CHATS):
+        ids, mask = render_with_mask(tokenizer, chat["messages"], f"chat {i}")
+        records.append({"input_ids": ids, "labels": [t if m else -100 for t, m in zip(ids, mask)]})
+    path = _write(tmp_path / "pretokenized.jsonl", records)
+    pretokenized = PretokenizedData(Data(kind="pretokenized", path=path, packing=packing), 304, 48, 0)
+    chats = _data(tmp_path, tokenizer_dir, seq_len=48, packing=packing)
+    assert pretokenized.description.startswith(f"pretokenized {path}: 40 samples, ")
+    for step in (1, 2, 9):
+        got, want = pretokenized.global_batch(step, 4), chats.global_batch(step, 4)
+        for name in ("labels", "positions", "document_ids"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+        real = want.document_ids < want.document_ids.max(dim=1, keepdim=True).values  # padding ids differ
+        assert torch.equal(got.inputs[real], want.inputs[real])
+
+
+@pytest.mark.parametrize(
+    "record,message",
+    [
+        ({"input_ids": [1, 2, 3], "labels": [1, 2]}, "of one length"),
+        ({"input_ids": [1, 2, 999], "labels": [-100, 2, 999]}, "token ids in [0, 304)"),
+        ({"input_ids": [1, 2, 3], "labels": [-100, -5, 3]}, "labels must be token ids or -100"),
+        ({"text": "hello"}, 'expected {"input_ids": [...], "labels": [...]}'),
+    ],
+)
+def test_bad_pretokenized_records_are_one_line_naming_the_line(tmp_path, record, message):
+    path = _write(tmp_path / "bad.jsonl", [{"input_ids": [1, 2], "labels": [-100, 2]}, record])
+    with pytest.raises(SeedckptError, match=rf"bad.jsonl:2: .*{re.escape(message)}"):
+        make_dataset(Data(kind="pretokenized", path=path), 304, 16, 0)
+
+
+def test_sft_trains_on_a_pretokenized_file(tmp_path, debug_seed):
+    from tests.test_train import losses, torchrun
+
+    g = torch.Generator().manual_seed(0)
+    records = []
+    for _ in range(24):
+        ids = torch.randint(0, 512, (int(torch.randint(8, 40, (1,), generator=g)),), generator=g).tolist()
+        records.append({"input_ids": ids, "labels": [-100] * (len(ids) // 2) + ids[len(ids) // 2 :]})
+    path = _write(tmp_path / "train.jsonl", records)
+    data = ["--data.kind", "pretokenized", "--data.path", path, "--training.steps", "3"]
+    sft = [
+        "--finetune.mode",
+        "sft",
+        "--finetune.pretrained",
+        str(debug_seed),
+        "--parallelism.pipeline_parallel_degree",
+        "1",
+    ]
+    run = torchrun(tmp_path / "run", debug_seed, 1, *sft, *data)
+    assert f"data: pretokenized {path}: 24 samples, 24 kept" in run.stdout, run.stdout
+    assert len(losses(tmp_path / "run")) == 3

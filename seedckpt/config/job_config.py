@@ -352,15 +352,16 @@ class Checkpoint:
 class Data:
     """the training tokens"""
 
-    kind: Literal["synthetic", "text", "tokens", "chat"] = option(
+    kind: Literal["synthetic", "text", "tokens", "chat", "pretokenized"] = option(
         "synthetic",
         "synthetic: random tokens; text: a corpus; tokens: a corpus tokenized once by `seedckpt tokenize`, "
-        "read window by window; chat: conversations, loss on assistant tokens",
+        "read window by window; chat: conversations, loss on assistant tokens; pretokenized: Mini Trainer's "
+        'JSONL {"input_ids", "labels"} (-100: no loss), packed as chat is',
     )
     path: str = option(
         "",
         'text: a text or JSONL {"text": ...} file (empty: the built-in corpus); tokens: the token directory '
-        '(`seedckpt tokenize`); chat: JSONL {"messages": [...]} file(s), comma-separated or a directory of *.jsonl',
+        "(`seedckpt tokenize`); chat, pretokenized: JSONL file(s), comma-separated or a directory of *.jsonl",
     )
     sources: list[str] = option(
         [],
@@ -370,9 +371,11 @@ class Data:
     )
     tokenizer: str = option("", "a Hugging Face tokenizer directory (empty: byte-level, text only)")
     overflow: Literal["truncate", "drop"] = option(
-        "truncate", "chat: what happens to a conversation longer than seq_len + 1 tokens"
+        "truncate", "chat, pretokenized: what happens to a sample longer than seq_len + 1 tokens"
     )
-    packing: bool = option(True, "chat: several conversations per row, attention masked per conversation")
+    packing: bool = option(
+        True, "chat, pretokenized: several samples per row, attention masked per sample (its own document)"
+    )
 
 
 @dataclass(frozen=True)

@@ -86,41 +86,34 @@ def render_with_mask(tokenizer, messages: list[dict], where: str) -> tuple[list[
     return encoded["input_ids"], mask
 
 
-class ChatData:
-    def __init__(self, data, vocab_size: int, seq_len: int, seed: int):
-        tokenizer = load_tokenizer(data.tokenizer)
-        if tokenizer.chat_template is None:
-            raise SeedckptError(
-                f"the tokenizer in {data.tokenizer} has no chat template; add one to its "
-                'tokenizer_config.json ("chat_template") or chat_template.jinja'
-            )
-        if len(tokenizer) > vocab_size:
-            raise SeedckptError(
-                f"the tokenizer in {data.tokenizer} has {len(tokenizer)} tokens but the model's "
-                f"vocab_size is {vocab_size}"
-            )
-        self.pad_id, pad_note = pad_token_id(tokenizer)
-        self.seq_len, self.seed, self.packing = seq_len, seed, data.packing
-        self.samples: list[tuple[torch.Tensor, torch.Tensor]] = []  # (inputs, labels) per conversation
-        truncated = dropped = 0
-        conversations = read_conversations(data.path)
-        for where, messages in conversations:
-            ids, mask = render_with_mask(tokenizer, messages, where)
+class PackedSamples:
+    """Samples -- token ids with per-token labels, Hugging Face style (``labels[i]`` is the target at
+    position ``i``, ``IGNORE_INDEX`` for none) -- fitted to ``seq_len + 1`` tokens as ``overflow``
+    says, then packed into rows, epoch by epoch (the module docstring)."""
+
+    def __init__(self, records, data, seq_len: int, seed: int, pad_id: int, what: tuple[str, str], note: str = ""):
+        """``records``: ``(ids, labels)`` lists per sample; ``what``: the data and what a sample is, for
+        the log (``("chat", "conversations")``)."""
+        self.pad_id, self.seq_len, self.seed, self.packing = pad_id, seq_len, seed, data.packing
+        self.samples: list[tuple[torch.Tensor, torch.Tensor]] = []  # (inputs, labels) per sample
+        truncated = dropped = count = 0
+        for ids, labels in records:
+            count += 1
             overflows = len(ids) > seq_len + 1
-            if overflows and data.overflow == "drop" or not any(mask[1 : seq_len + 1]):
-                dropped += 1  # too long, or truncation left no assistant token
+            targets = labels[1 : seq_len + 1]
+            if overflows and data.overflow == "drop" or all(t == IGNORE_INDEX for t in targets):
+                dropped += 1  # too long, or truncation left no labelled token
                 continue
             truncated += overflows
-            ids = torch.tensor(ids[: seq_len + 1], dtype=torch.int64)
-            labels = torch.where(torch.tensor(mask[1 : seq_len + 1]), ids[1:], IGNORE_INDEX)
-            self.samples.append((ids[:-1], labels))
+            inputs = ids[: min(len(ids), seq_len + 1) - 1]  # each input predicts the next token's label
+            self.samples.append((torch.tensor(inputs, dtype=torch.int64), torch.tensor(targets, dtype=torch.int64)))
         if not self.samples:
             fixes = "raise training.seq_len" + (
                 "" if data.overflow == "truncate" else " or use data.overflow = truncate"
             )
             raise SeedckptError(
-                f"no conversation of {data.path} fits seq_len = {seq_len} with an assistant "
-                f"token left (data.overflow = {data.overflow}); {fixes}"
+                f"no {what[1][:-1]} of {data.path} fits seq_len = {seq_len} with a labelled token left "
+                f"(data.overflow = {data.overflow}); {fixes}"
             )
         self._epochs: list[list[list[int]]] = []  # packed rows (sample indices) per epoch
         self._starts = [0]  # first global row of each epoch, then the end of the last one
@@ -128,10 +121,10 @@ class ChatData:
         used = sum(len(self.samples[i][0]) for row in rows for i in row)
         self.padding_fraction = 1 - used / (len(rows) * seq_len)
         self.description = (
-            f"chat {data.path}: {len(conversations)} conversations, {len(self.samples)} kept "
+            f"{what[0]} {data.path}: {count} {what[1]}, {len(self.samples)} kept "
             f"({truncated} truncated, {dropped} dropped, overflow={data.overflow}); "
             f"{len(rows)} rows per epoch, {'packed' if self.packing else 'one per row'}, "
-            f"{self.padding_fraction:.1%} padding" + (f"; {pad_note}" if pad_note else "")
+            f"{self.padding_fraction:.1%} padding" + (f"; {note}" if note else "")
         )
 
     def _epoch(self, epoch: int) -> list[list[int]]:
@@ -187,3 +180,57 @@ class ChatData:
             positions[b, at:] = torch.arange(self.seq_len - at)
             documents[b, at:] = len(row)  # padding is a document of its own
         return Batch(inputs, labels, positions, documents)
+
+
+class ChatData(PackedSamples):
+    """``{"messages": [...]}`` conversations, rendered with the tokenizer's chat template; labels on
+    the assistant's tokens."""
+
+    def __init__(self, data, vocab_size: int, seq_len: int, seed: int):
+        tokenizer = load_tokenizer(data.tokenizer)
+        if tokenizer.chat_template is None:
+            raise SeedckptError(
+                f"the tokenizer in {data.tokenizer} has no chat template; add one to its "
+                'tokenizer_config.json ("chat_template") or chat_template.jinja'
+            )
+        if len(tokenizer) > vocab_size:
+            raise SeedckptError(
+                f"the tokenizer in {data.tokenizer} has {len(tokenizer)} tokens but the model's "
+                f"vocab_size is {vocab_size}"
+            )
+        pad_id, pad_note = pad_token_id(tokenizer)
+
+        def records():
+            for where, messages in read_conversations(data.path):
+                ids, mask = render_with_mask(tokenizer, messages, where)
+                yield ids, [t if m else IGNORE_INDEX for t, m in zip(ids, mask)]
+
+        super().__init__(records(), data, seq_len, seed, pad_id, ("chat", "conversations"), pad_note)
+
+
+class PretokenizedData(PackedSamples):
+    """Mini Trainer's pre-tokenized SFT format: JSONL ``{"input_ids": [...], "labels": [...]}``, the
+    labels aligned with the ids and ``-100`` where there is no loss. No tokenizer is needed; padding
+    (its own document, without labels) uses id 0."""
+
+    def __init__(self, data, vocab_size: int, seq_len: int, seed: int):
+        def records():
+            for file in data_files(data.path, ".jsonl"):
+                for number, record in jsonl_records(file):
+                    yield _pretokenized(record, vocab_size, f"{file}:{number}")
+
+        super().__init__(records(), data, seq_len, seed, 0, ("pretokenized", "samples"))
+
+
+def _pretokenized(record, vocab_size: int, where: str) -> tuple[list[int], list[int]]:
+    """One record's ``(input_ids, labels)``, each checked: ids in the vocabulary, labels the same
+    length, each a token id or -100."""
+    ids = record.get("input_ids") if isinstance(record, dict) else None
+    labels = record.get("labels") if isinstance(record, dict) else None
+    if not (isinstance(ids, list) and isinstance(labels, list) and ids and len(ids) == len(labels)):
+        raise SeedckptError(f'{where}: expected {{"input_ids": [...], "labels": [...]}} of one length')
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids):
+        raise SeedckptError(f"{where}: input_ids must be token ids in [0, {vocab_size}) (the model's vocab_size)")
+    if not all(isinstance(t, int) and (t == IGNORE_INDEX or 0 <= t < vocab_size) for t in labels):
+        raise SeedckptError(f"{where}: labels must be token ids or {IGNORE_INDEX} (no loss)")
+    return ids, labels

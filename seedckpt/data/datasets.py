@@ -6,7 +6,7 @@ on ``data``'s batches and file readers) never import each other in a circle.
 
 from __future__ import annotations
 
-from seedckpt.data.chat import ChatData
+from seedckpt.data.chat import ChatData, PretokenizedData
 from seedckpt.data.mixture import MixedData
 from seedckpt.data.sources import SyntheticData, TextData
 from seedckpt.data.token_files import TokenFileData
@@ -23,8 +23,10 @@ def make_dataset(data, vocab_size: int, seq_len: int, seed: int):
         return TextData.bytes(data.path, vocab_size, seq_len, seed)
     if data.kind == "chat":
         return ChatData(data, vocab_size, seq_len, seed)
+    if data.kind == "pretokenized":
+        return PretokenizedData(data, vocab_size, seq_len, seed)
     if data.kind == "tokens" and data.sources:
         return MixedData(data.sources, vocab_size, seq_len, seed)
     if data.kind == "tokens":
         return TokenFileData(data.path, vocab_size, seq_len, seed)
-    raise SeedckptError(f"data.kind = {data.kind!r}; choose synthetic, text, tokens or chat")
+    raise SeedckptError(f"data.kind = {data.kind!r}; choose synthetic, text, tokens, chat or pretokenized")
