@@ -217,3 +217,9 @@ def test_plan_refuses_a_world_without_ranks(capsys, world):
     assert main(["plan", "--config", "configs/debug.toml", "--world-size", world]) == 2
     err = capsys.readouterr().err.strip()
     assert f"--world-size {world}: it must be >= 1" in err and len(err.splitlines()) == 1, err
+
+
+def test_a_bad_launch_option_is_one_line():
+    proc = _run("launch", "--nproc-per-node", "two", "train.py")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == "seedckpt launch: Unsupported nproc_per_node value: two; see seedckpt launch --help"

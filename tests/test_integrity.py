@@ -244,8 +244,9 @@ def _safetensors(path: Path, header: bytes, declared: int | None = None, data: b
         ("nested", "header is not JSON"),
         ("offsets_disagree", "do not hold shape"),
         ("beyond_the_file", "truncated"),
-        ("bad_dtype", "entry"),
+        ("bad_dtype", "entry 'w' has dtype F128: not a safetensors dtype"),
         ("overlapping", "entries 'v' and 'w' overlap at byte 8"),
+        ("fp8", "entry 'w' has dtype F8_E4M3: a safetensors dtype this version does not read (it reads F64, F32"),
     ],
 )
 def test_crafted_safetensors_headers_are_refused(tmp_path, capsys, case, message):
@@ -258,6 +259,7 @@ def test_crafted_safetensors_headers_are_refused(tmp_path, capsys, case, message
         ),
         "beyond_the_file": lambda p: _safetensors(p, json.dumps({"w": entry}).encode(), data=bytes(8)),
         "bad_dtype": lambda p: _safetensors(p, json.dumps({"w": {**entry, "dtype": "F128"}}).encode(), data=bytes(16)),
+        "fp8": lambda p: _safetensors(p, json.dumps({"w": {**entry, "dtype": "F8_E4M3"}}).encode(), data=bytes(16)),
         "overlapping": lambda p: _safetensors(
             p, json.dumps({"v": entry, "w": {**entry, "data_offsets": [8, 24]}}).encode(), data=bytes(24)
         ),

@@ -23,6 +23,8 @@ SAFETENSORS_DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+# The rest of the format's dtypes (safetensors 0.4+): named as such when a file holds them.
+UNREAD_DTYPES = ("F8_E4M3", "F8_E5M2", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4", "C64", "U16", "U32", "U64")
 
 
 def safetensors_header(path: Path) -> tuple[dict, dict, int]:
@@ -48,6 +50,12 @@ def safetensors_header(path: Path) -> tuple[dict, dict, int]:
         raise bad("header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
     for name, entry in header.items():
+        kind = entry.get("dtype") if isinstance(entry, dict) else None
+        if isinstance(kind, str) and kind not in SAFETENSORS_DTYPES:
+            known = (
+                "a safetensors dtype this version does not read" if kind in UNREAD_DTYPES else "not a safetensors dtype"
+            )
+            raise bad(f"entry {name!r} has dtype {kind}: {known} (it reads {', '.join(SAFETENSORS_DTYPES)})")
         try:
             dtype = SAFETENSORS_DTYPES[entry["dtype"]]
             shape, (begin, end) = [int(d) for d in entry["shape"]], entry["data_offsets"]

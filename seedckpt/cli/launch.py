@@ -60,6 +60,9 @@ def main(argv: list[str]) -> int:
             logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         run(args)
+    except ValueError as e:  # torchrun's own option checks (e.g. --nproc-per-node two), before any worker
+        print(f"seedckpt launch: {e}; see seedckpt launch --help", file=sys.stderr)
+        return 2
     except RendezvousConnectionError:
         print(
             "seedckpt launch: lost the job's rendezvous store at --rdzv-endpoint (it lives in one node's agent: "
