@@ -208,6 +208,12 @@ def test_stale_partials_are_never_read_and_the_next_write_removes_them(tmp_path,
         shutil.copytree(debug_seed, partial)  # even a complete-looking one stays unread
         with pytest.raises(SeedckptError, match="incomplete output of an interrupted write"):
             open_model_checkpoint(partial)
+    # one whose destination a live writer holds: wait for it, not delete it (verify and every reader)
+    with destination_lock(tmp_path / "out"):
+        for partial in stale:
+            with pytest.raises(SeedckptError, match=rf"still in progress, by pid {os.getpid()} .*wait for it"):
+                open_model_checkpoint(partial)
+        assert main(["verify", str(stale[1]), "--quiet"]) == 2
     (tmp_path / ".out.safetensors.123.partial").write_text("")  # another destination's: not ours to remove
     convert(debug_seed, tmp_path / "out", "dcp", progress=False)
     assert sorted(os.listdir(tmp_path)) == [".out.safetensors.123.partial", "out"]

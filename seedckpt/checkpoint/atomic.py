@@ -61,6 +61,40 @@ def destination_lock(path: str | os.PathLike):
         os.close(fd)
 
 
+def refuse_partial(path: Path) -> None:
+    """A reader given ``.NAME[.<pid>].partial`` -- a writer's output before its rename -- stops here,
+    saying whether a live writer still holds NAME's lock (then wait) or the write was interrupted
+    (then delete it)."""
+    if not path.name.endswith(PARTIAL_SUFFIX):
+        return
+    name = path.name.removeprefix(".").removesuffix(PARTIAL_SUFFIX)
+    head, _, pid = name.rpartition(".")
+    lock = path.parent / f".{head if pid.isdigit() else name}{LOCK_SUFFIX}"
+    holder = _live_holder(lock)
+    if holder is not None:
+        raise SeedckptError(
+            f"{path} is the output of a write still in progress, by {holder}: wait for it to finish and read "
+            f"{lock.parent / lock.name.removeprefix('.').removesuffix(LOCK_SUFFIX)}"
+        )
+    raise SeedckptError(f"{path} is an incomplete output of an interrupted write; delete it and write it again")
+
+
+def _live_holder(lock: Path) -> str | None:
+    """Who holds ``lock`` (its first line), or None when nobody does: a ``flock`` test, released at once."""
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lines = os.pread(fd, 65536, 0).decode(errors="replace").splitlines()
+        return lines[0].strip() if lines and lines[0].strip() else "another process"
+    finally:
+        os.close(fd)  # closing drops the test lock
+    return None
+
+
 def _lock(lock: Path, path: Path) -> int:
     """Open and ``flock`` the lock file ``lock`` of ``path``; return its descriptor."""
     while True:

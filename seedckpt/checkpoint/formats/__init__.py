@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from seedckpt.checkpoint.atomic import PARTIAL_SUFFIX
+from seedckpt.checkpoint.atomic import refuse_partial
 from seedckpt.checkpoint.base import Checkpoint
 from seedckpt.checkpoint.formats import dcp, hf, safetensors_file, torch_file, torchtitan
 from seedckpt.checkpoint.model import ModelCodec, ModelLayout
@@ -39,8 +39,7 @@ def open_checkpoint(
     checkpoint may lack tensors (a stage loads only some; its load names what is missing).
     ``verify``: check the bytes read against the checksums the checkpoint records (ours do)."""
     path = Path(path)
-    if path.name.endswith(PARTIAL_SUFFIX):
-        raise SeedckptError(f"{path} is an incomplete output of an interrupted write; delete it and write it again")
+    refuse_partial(path)
     found = next((module for module in FORMATS.values() if module.detect(path)), None)
     if found is not None:
         checkpoint = found.reader(path, codec, layout, verify)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from seedckpt.checkpoint.atomic import PARTIAL_SUFFIX
+from seedckpt.checkpoint.atomic import refuse_partial
 from seedckpt.checkpoint.base import Checkpoint, WriteJob, recorded_layout
 from seedckpt.checkpoint.direct import READ_THREADS, DirectFileSystemReader
 from seedckpt.checkpoint.integrity import Checksums, ItemChecks, check_data_files, data_file, verify_item
@@ -56,11 +56,7 @@ class DcpCheckpoint(Checkpoint):
         manifest records (on by default; checkpoints from before checksums, and foreign ones, have
         none to check)."""
         path = Path(path)
-        if path.name.endswith(PARTIAL_SUFFIX):
-            raise SeedckptError(
-                f"{path} is an incomplete checkpoint left by an interrupted write; "
-                "delete it and write the checkpoint again"
-            )
+        refuse_partial(path)
         if not path.is_dir():
             raise SeedckptError(
                 f"no checkpoint directory at {path}; create one with `seedckpt seed --config CONFIG --output DIR`"
