@@ -360,3 +360,26 @@ def test_an_entry_pointed_at_another_tensors_bytes_is_refused(tmp_path, debug_se
     assert "attention.wq.weight" in str(refused.value) and "attention.wo.weight" in str(refused.value)
     assert cli(["verify", str(crafted), "--quiet"]) == 2
     assert "a tie this model does not have" in capsys.readouterr().err
+
+
+def test_verify_warns_about_tensors_holding_nan_or_inf(tmp_path, capsys):
+    from seedckpt.checkpoint import make_manifest, write_checkpoint
+
+    weights = {
+        "layers.0.attention.wq.weight": torch.ones(128, 128),  # finite
+        "layers.0.attention.wk.weight": torch.ones(tiny_config().model_args().n_kv_heads * 16, 128),
+        "layers.0.attention_norm.weight": torch.ones(128, dtype=torch.bfloat16),
+        "train_state": {"step": 7},
+    }
+    weights["layers.0.attention.wk.weight"][5, 7] = float("inf")
+    weights["layers.0.attention_norm.weight"][1] = float("nan")
+    manifest = make_manifest("train", "llama3", "debug", tiny_config().model_args().to_dict())
+    path = write_checkpoint(tmp_path / "ckpt", weights, manifest)
+    assert cli(["verify", str(path), "--quiet"]) == 0  # the bytes are intact: a warning, not damage
+    out = capsys.readouterr().out
+    warnings = [line for line in out.splitlines() if line.startswith("warning:")]
+    assert warnings == [
+        f"warning: layers.0.{name} holds NaN or Inf values (its bytes are intact; training from it stops at load)"
+        for name in ("attention.wk.weight", "attention_norm.weight")
+    ], out
+    assert "intact:" in out

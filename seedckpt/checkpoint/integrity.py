@@ -296,8 +296,10 @@ def file_sizes(items: list[ItemChecks]) -> dict[str, int]:
     return sizes
 
 
-def verify_item(fd: int, checks: ItemChecks, what: str) -> int:
-    """Read all of an item from ``fd`` and check every piece; returns the bytes read."""
+def verify_item(fd: int, checks: ItemChecks, what: str, on_tensor_bytes=None) -> int:
+    """Read all of an item from ``fd`` and check every piece; returns the bytes read.
+    ``on_tensor_bytes(view, at)``: each checked piece from the raw tensor bytes on (they start at an
+    element), and its offset in the file."""
     buffer = memoryview(bytearray(max(b - a for a, b in zip(checks.cuts, checks.cuts[1:]))))
     for k, (lo, hi) in enumerate(zip(checks.cuts, checks.cuts[1:])):
         view, done = buffer[: hi - lo], 0
@@ -312,6 +314,8 @@ def verify_item(fd: int, checks: ItemChecks, what: str) -> int:
         got = crc(view)
         if got != checks.crcs[k]:
             raise checks.mismatch(k, got, what)
+        if on_tensor_bytes is not None and lo >= checks.start:
+            on_tensor_bytes(view, lo)
     if checks.bands is not None:
         _verify_bands(fd, checks, what)
     return checks.length

@@ -355,6 +355,8 @@ def _verify(opts, _rest) -> int:
         bar.close()
     for problem in problems:
         print(problem)
+    for fqn in sorted(getattr(source, "nonfinite", ())):
+        print(f"warning: {fqn} holds NaN or Inf values (its bytes are intact; training from it stops at load)")
     if problems:
         print(f"damaged: {len(problems)} of {len(checksums.items)} items of {source.path} fail their checks")
         return 2

@@ -7,6 +7,7 @@ any checkpoint into a DCP one through the one writer, optionally in another tool
 
 from __future__ import annotations
 
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -170,7 +171,9 @@ class DcpCheckpoint(Checkpoint):
 
     def verify(self, on_bytes=lambda n: None) -> list[str]:
         """Read every item whole and check each piece against the checksums written with it; the
-        problems found, each naming the tensor (or entry) and the file. ``on_bytes``: progress."""
+        problems found, each naming the tensor (or entry) and the file. ``on_bytes``: progress. The
+        floating-point tensors holding NaN or Inf are left in ``nonfinite``: intact bytes, but a
+        model no run should start from."""
         if self.checksums is None:
             return []
         names = {
@@ -179,12 +182,28 @@ class DcpCheckpoint(Checkpoint):
             if index.fqn not in self.shared
         }
         fds = {file: os.open(data_file(self.path, file), os.O_RDONLY) for file in self.checksums.files}
+        self.nonfinite = set()
 
         def check(item: ItemChecks) -> str | None:
+            index = names.get((item.file, item.offset))
+            stored = self.metadata.state_dict_metadata.get(index.fqn) if index is not None else None
+            dtype = getattr(getattr(stored, "properties", None), "dtype", None)
+            chunk = next((c for c in getattr(stored, "chunks", ()) if tuple(c.offsets) == tuple(index.offset)), None)
+            if chunk is not None:  # the raw tensor bytes end here; what follows belongs to the format
+                end = item.start + math.prod(chunk.sizes) * dtype.itemsize
+
+            def look_for_nonfinite(view, at) -> None:
+                values = torch.frombuffer(view[: max(0, end - at)], dtype=dtype) if end > at else None
+                if values is not None and index.fqn not in self.nonfinite and not values.isfinite().all():
+                    self.nonfinite.add(index.fqn)
+
             try:
                 on_bytes(
                     verify_item(
-                        fds[item.file], item, f"{_describe(names.get((item.file, item.offset)))} in {self.path}"
+                        fds[item.file],
+                        item,
+                        f"{_describe(index)} in {self.path}",
+                        look_for_nonfinite if chunk is not None and dtype.is_floating_point else None,
                     )
                 )
             except SeedckptError as e:
