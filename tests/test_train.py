@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -668,3 +669,24 @@ def test_launch_names_a_rank_killed_by_a_signal(tmp_path, debug_seed):
         re.MULTILINE,
     ), err
     assert "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("after_s", [0.3, 2.5])
+def test_ctrl_c_while_starting_is_one_line_and_exit_130(tmp_path, debug_seed, after_s):
+    """Ctrl-C while torch loads (0.3 s in) or while the config and checkpoint are read: one line."""
+    proc = subprocess.Popen(
+        [sys.executable, "train.py", "--config", "configs/debug.toml", "--checkpoint.seed_checkpoint", str(debug_seed)]
+        + ["--checkpoint.folder", str(tmp_path / "ckpt"), "--job.dump_folder", str(tmp_path), *COMMON]
+        + ["--training.steps", "100000"],  # never done before the signal, however fast the machine
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(after_s)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("train.py: interrupted"), err
+    assert not list(tmp_path.glob("ckpt/step-*"))

@@ -564,6 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", 0))
     if rank != 0:
         quiet_library_logs()  # every rank sees the same data and config: rank 0 warns for all
+    cfg = None
     try:  # every rank validates the same config, so rank 0 speaks for all
         cfg = load_config(opts.config, overrides)
         run = resolve(cfg, int(os.environ.get("WORLD_SIZE", 1)))  # fail before any rendezvous
@@ -597,9 +598,10 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"train.py: error: {e}", file=sys.stderr)
         return EXIT_ERROR
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # before the process group, or while tearing it down after the run
         if rank == 0:
-            print("train.py: interrupted before training started; nothing was written", file=sys.stderr)
+            line = _interrupted_line(cfg.checkpoint.folder) if cfg is not None else "interrupted; nothing was written"
+            print(f"train.py: {line}", file=sys.stderr)
         return EXIT_INTERRUPTED
 
 
