@@ -159,3 +159,19 @@ def test_a_tied_checkpoint_from_before_metadata_recorded_the_output_still_loads(
     old.load(state)
     assert torch.equal(state["output.weight"], state["tok_embeddings.weight"])
     assert torch.equal(state["output.weight"], open_model_checkpoint(tied_seed).read_tensor("output.weight"))
+
+
+def test_a_seed_larger_than_the_free_space_is_refused_before_writing(tmp_path, monkeypatch, capsys):
+    from collections import namedtuple
+
+    from seedckpt.cli.main import main
+    from seedckpt.materialize import seed
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(seed.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 10**6, 10**6))
+    out = tmp_path / "deep" / "seed"  # its parents do not exist yet: the nearest one's free space counts
+    assert main(["seed", "--config", "configs/debug.toml", "--output", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"the seed needs 4.7 MiB at {out}, but {tmp_path} has 1.0 MiB free" in err, err
+    assert "--dtype bfloat16" in err and len(err.splitlines()) == 1
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) in ([], ["deep"])

@@ -23,6 +23,7 @@ from __future__ import annotations
 import gc
 import math
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -77,6 +78,22 @@ def block_rows(shape: torch.Size, target: int = BLOCK_NUMEL) -> int:
     return max(1, target // width)
 
 
+def check_free_space(output: Path, nbytes: int) -> None:
+    """Refuse, before any byte is written, a seed larger than the free space where it goes (hours
+    of a 405B seed would otherwise end in a full disk)."""
+    where = next(p for p in (output, *output.parents) if p.exists())
+    free = shutil.disk_usage(where).free
+    if nbytes > free:
+        raise SeedckptError(
+            f"the seed needs {_size(nbytes)} at {output}, but {where} has {_size(free)} free; "
+            "free space, choose another --output, or write --dtype bfloat16 (half the bytes)"
+        )
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:,.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:,.1f} MiB"
+
+
 def create_seed_checkpoint(
     cfg: JobConfig,
     output: str | os.PathLike,
@@ -102,6 +119,8 @@ def create_seed_checkpoint(
         model = run.family.model(run.args)
     specs = init_model(model, seed, materialize=False)
     state = {fqn: torch.empty(t.shape, dtype=torch_dtype, device="meta") for fqn, t in state_tensors(model).items()}
+    tied = run.family.tied_weights(run.args)
+    check_free_space(output, sum(t.numel() * t.element_size() for fqn, t in state.items() if fqn not in tied))
     bar = Progress(
         sum(t.numel() for t in state.values()) * torch_dtype.itemsize, f"seed {cfg.model.flavor}", enabled=progress
     )
@@ -146,7 +165,7 @@ def create_seed_checkpoint(
             lookahead=1,
             parallel_files=workers,
             resolvers=1,
-            aliases=run.family.tied_weights(run.args),
+            aliases=tied,
         )
     finally:
         if collecting:
