@@ -133,6 +133,12 @@ def test_initial_load_path_with_its_train_state_continues_another_runs_steps_bit
             ["--checkpoint.initial_load_path", "x", "--finetune.mode", "sft", "--finetune.pretrained", "x"],
             "both name the weights a run starts from",
         ),
+        (
+            ["--validation.enable", "true", "--parallelism.pipeline_parallel_degree", "2"]
+            + ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"],
+            "torch 2.13 cannot run that schedule forward only",
+        ),
+        (["--validation.enable", "true", "--data.kind", "text"], "validation.enable needs validation.path"),
     ],
 )
 def test_load_settings_are_refused_before_any_rendezvous(tmp_path, debug_seed, capsys, monkeypatch, overrides, message):
@@ -254,3 +260,24 @@ def test_a_resume_on_more_data_parallel_ranks_keeps_the_checkpoints_global_batch
     ), proc.stdout
     for got, want in zip(rows(run)[2:], rows(finished)[2:]):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+
+
+def test_validation_loss_is_logged_at_its_frequency_and_agrees_across_layouts(tmp_path, debug_seed):
+    """Held-out synthetic batches, forward only: every 2 steps and at the last, the same value (to
+    1e-5) on one process and on pp 2 x dp_shard 2, where the last stages' sums are reduced."""
+    from tests.test_train import torchrun
+
+    validation = ["--validation.enable", "true", "--validation.freq", "2", "--validation.steps", "2"]
+    runs = {
+        "one": (1, ["--parallelism.pipeline_parallel_degree", "1"]),
+        "pp2_dp2": (4, ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4"]),
+    }
+    logged = {}
+    for name, (nproc, layout) in runs.items():
+        proc = torchrun(tmp_path / name, debug_seed, nproc, *layout, *validation, "--training.steps", "5")
+        assert "val_loss" in proc.stdout, proc.stdout
+        logged[name] = {r["step"]: r["val_loss"] for r in rows(tmp_path / name) if "val_loss" in r}
+    assert sorted(logged["one"]) == [2, 4, 5]
+    for step, value in logged["one"].items():
+        assert logged["pp2_dp2"][step] == pytest.approx(value, rel=1e-5)
+    assert logged["one"][5] < logged["one"][2]  # the model learns the held-out motifs too

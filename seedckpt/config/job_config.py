@@ -53,6 +53,11 @@ PipelineSchedule = Literal[
 ]
 
 
+# The V-shaped schedules fail forward only (``eval``) in torch 2.13 (measured: an assertion in the
+# schedule's runtime), so validation refuses them.
+FORWARD_ONLY_FAILS = ("ZBVZeroBubble", "DualPipeV")
+
+
 def _check(key: str, value, ok: bool, rule: str) -> None:
     """One range rule of one key: ``training.lr = -1.0; it must be a finite number > 0``."""
     if not ok:
@@ -402,6 +407,24 @@ class Metrics:
 
 
 @dataclass(frozen=True)
+class Validation:
+    """a held-out loss during training"""
+
+    enable: bool = option(False, "compute the validation loss every freq steps and at the last step")
+    freq: int = option(100, "steps between validations")
+    steps: int = option(4, "global batches per validation: the same batches every time, so the losses compare")
+    path: str = option(
+        "",
+        "the held-out data, in data.kind's format (data.path's syntax); synthetic data needs none: it draws "
+        "batches of its own",
+    )
+
+    def validate(self) -> None:
+        _check("validation.freq", self.freq, self.freq >= 1, ">= 1")
+        _check("validation.steps", self.steps, self.steps >= 1, ">= 1")
+
+
+@dataclass(frozen=True)
 class Profiling:
     """torch profiler traces"""
 
@@ -452,6 +475,7 @@ class JobConfig:
     data: Data = field(default_factory=Data)
     finetune: Finetune = field(default_factory=Finetune)
     metrics: Metrics = field(default_factory=Metrics)
+    validation: Validation = field(default_factory=Validation)
     profiling: Profiling = field(default_factory=Profiling)
 
     def validate(self) -> None:
@@ -467,6 +491,7 @@ class JobConfig:
             self.activation_checkpoint,
             self.checkpoint,
             self.metrics,
+            self.validation,
             self.profiling,
             self.finetune,
         ):
@@ -484,6 +509,17 @@ class JobConfig:
                     f"(got data.kind = {self.data.kind!r}, data.path = {self.data.path!r})"
                 )
             parse_sources(self.data.sources)
+        schedule = self.parallelism.pipeline_parallel_schedule
+        if self.validation.enable and self.parallelism.pipeline_parallel_degree > 1 and schedule in FORWARD_ONLY_FAILS:
+            raise SeedckptError(
+                f"validation.enable with parallelism.pipeline_parallel_schedule = {schedule!r}: torch 2.13 cannot "
+                "run that schedule forward only; choose another schedule (1F1B, Interleaved1F1B, "
+                "InterleavedZeroBubble, ...) or leave validation off"
+            )
+        if self.validation.enable and not self.validation.path and self.data.kind != "synthetic":
+            raise SeedckptError(
+                f"validation.enable needs validation.path: held-out data in data.kind = {self.data.kind!r}'s format"
+            )
         if self.data.kind == "chat" and not self.data.tokenizer:
             raise SeedckptError(
                 "data.kind = 'chat' needs data.tokenizer: a Hugging Face tokenizer directory with a "

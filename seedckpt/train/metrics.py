@@ -178,4 +178,5 @@ def format_step(r: dict) -> str:
         )
         + (f"  {r['tflops']:.0f} TFLOP/s  mfu {r['mfu_pct']:.1f} %" if "tflops" in r else "")
         + (f"  osft_leak {r['osft_leak']:.1e}" if "osft_leak" in r else "")
+        + (f"  val_loss {r['val_loss']:.4f}" if "val_loss" in r else "")
     )

@@ -52,7 +52,7 @@ from seedckpt.cli.convert import convert
 from seedckpt.config.job_config import JobConfig, check_output_folders, config_reference, load_config
 from seedckpt.config.resolve import Run, resolve
 from seedckpt.data.datasets import make_dataset
-from seedckpt.data.sources import IGNORE_INDEX
+from seedckpt.data.sources import IGNORE_INDEX, keyed_generator
 from seedckpt.finetune.osft import OSFTProjector
 from seedckpt.finetune.pretrained import osft_spec
 from seedckpt.materialize.init_recipe import RECIPE_VERSION
@@ -152,6 +152,13 @@ class Trainer:
         self.cross_entropy = torch.compile(token_cross_entropy) if compiled else token_cross_entropy
         self.global_batch = self.dims.global_batch_size(cfg)
         self.data = data or make_dataset(cfg.data, self.args.vocab_size, train.seq_len, train.seed)
+        held_out = dataclasses.replace(cfg.data, path=cfg.validation.path, sources=[])
+        validation_seed = keyed_generator("seedckpt-validation", train.seed).initial_seed()  # draws of its own
+        self.validation_data = (
+            make_dataset(held_out, self.args.vocab_size, train.seq_len, validation_seed)
+            if cfg.validation.enable
+            else None
+        )
 
         start = run.start
         self.data_parallel = make_data_parallel(cfg, self.dims, self.mesh)
@@ -322,6 +329,10 @@ class Trainer:
         batch = self.data.global_batch(step - self.state.data_start, self.global_batch)
         self.label_tokens = batch.num_label_tokens
         self.loss_scale = self.dims.dp / max(1, self.label_tokens)
+        return self._local_rows(batch)
+
+    def _local_rows(self, batch):
+        """This DP rank's rows of a global batch, one ``Batch`` per accumulation micro-step."""
         local = self.cfg.training.local_batch_size
         for k in range(self.accum):
             start = (k * self.dims.dp + self.dp_rank) * local
@@ -334,7 +345,24 @@ class Trainer:
         with loss_parallel() if self.dims.tp > 1 else contextlib.nullcontext():
             return self._forward_backward(batches)
 
-    def _forward_backward(self, batches) -> torch.Tensor:
+    def validate(self) -> float:
+        """The mean per-token loss over ``validation.steps`` global batches of the held-out data --
+        the same batches at every validation, split over the ranks as a training step is, forward
+        only. Collective."""
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        tokens, scale, self.loss_scale = 0, self.loss_scale, 1.0  # summed cross-entropy per micro-batch
+        try:
+            with torch.no_grad(), loss_parallel() if self.dims.tp > 1 else contextlib.nullcontext():
+                for index in range(1, self.cfg.validation.steps + 1):
+                    batch = self.validation_data.global_batch(index, self.global_batch)
+                    tokens += batch.num_label_tokens
+                    total += self._forward_backward(self._local_rows(batch), backward=False)
+        finally:
+            self.loss_scale = scale
+        dist.all_reduce(total)  # the last stages' DP-local sums, each on every TP rank
+        return total.item() / (self.dims.tp * max(1, tokens))
+
+    def _forward_backward(self, batches, backward: bool = True) -> torch.Tensor:
         total = torch.zeros((), device=self.device)
         has_first = any(s.is_first for s in self.specs)
         has_last = any(s.is_last for s in self.specs)
@@ -345,15 +373,16 @@ class Trainer:
             }
             if self.pipeline is None:
                 loss = self._loss(self.modules[0](batch.inputs, **extra), batch.labels)
-                loss.backward()
+                if backward:
+                    loss.backward()
                 total += local(loss.detach())
                 continue
             losses = [] if has_last else None
-            self.pipeline.step(
+            (self.pipeline.step if backward else self.pipeline.eval)(
                 *([batch.inputs] if has_first else []),
                 target=batch.labels if has_last else None,
                 losses=losses,
-                return_outputs=False,
+                **({"return_outputs": False} if backward else {}),
                 **extra,
             )
             if has_last:
@@ -427,8 +456,12 @@ class Trainer:
                 self._check_finite(state.step, "loss", stats[0].item())
                 step_time = time.perf_counter() - t0
                 tokens_per_s = tokens_per_step / step_time
-                logging = state.step % self.cfg.metrics.log_freq == 0 or state.step == train.steps
+                val = self.cfg.validation
+                validating = val.enable and (state.step % val.freq == 0 or state.step == train.steps)
+                logging = state.step % self.cfg.metrics.log_freq == 0 or state.step == train.steps or validating
                 extra = {"osft_leak": self._osft_leak()} if logging and self.projector is not None else {}
+                if validating:
+                    extra["val_loss"] = self.validate()
                 if metrics is not None and logging:
                     metrics.log(
                         {
