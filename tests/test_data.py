@@ -50,7 +50,7 @@ def test_builtin_corpus_is_real_text():
     [
         ("text", "", 128, "vocab_size >= 256"),
         ("text", "/nonexistent.txt", 512, "is not a file"),
-        ("video", "", 512, "choose synthetic, text, tokens or chat"),
+        ("video", "", 512, "choose synthetic, text, tokens, chat or pretokenized"),
     ],
 )
 def test_bad_data_settings(kind, path, vocab, message):

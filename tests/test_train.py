@@ -677,9 +677,11 @@ def test_ctrl_c_while_starting_is_one_line_and_exit_130(tmp_path, debug_seed, af
     proc = subprocess.Popen(
         [sys.executable, "train.py", "--config", "configs/debug.toml", "--checkpoint.seed_checkpoint", str(debug_seed)]
         + ["--checkpoint.folder", str(tmp_path / "ckpt"), "--job.dump_folder", str(tmp_path), *COMMON]
-        + ["--training.steps", "100000"],  # never done before the signal, however fast the machine
+        + ["--training.steps", "100000", "--parallelism.pipeline_parallel_degree", "1"],  # not done by then
         cwd=REPO,
         env=_env(),
+        # as from a terminal: pytest-xdist's workers ignore SIGINT, and an ignored SIGINT is inherited
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
