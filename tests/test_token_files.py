@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import shutil
 import subprocess
 import sys
 
@@ -138,10 +139,11 @@ def test_a_token_file_larger_than_the_address_space_cap_trains(tmp_path):
 
 @pytest.fixture(scope="module")
 def three_sources(tmp_path_factory, tokenizer, corpus):
-    """Three token directories (web, code, math: the same corpus, each its own directory)."""
+    """Three token directories (web, code, math: one corpus tokenized once, each its own copy)."""
     root = tmp_path_factory.mktemp("sources")
-    for name in ("web", "code", "math"):
-        assert tokenize(corpus / "a.jsonl", tokenizer, root / name, "--quiet", "--workers", "1") == 0
+    assert tokenize(corpus / "a.jsonl", tokenizer, root / "web", "--quiet", "--workers", "1") == 0
+    for name in ("code", "math"):
+        shutil.copytree(root / "web", root / name)
     return root
 
 
