@@ -280,3 +280,16 @@ def test_a_checkpoint_folder_overlapping_the_seed_is_refused(tmp_path, debug_see
     err = capsys.readouterr().err
     assert "overlap" in err and "choose a checkpoint.folder apart from it" in err and len(err.splitlines()) == 1
     assert not list(seed.glob("step-*")) and not (seed / "ckpt").exists()
+
+
+def test_a_resume_with_another_model_shape_names_the_cause_not_a_fallback(finished, tmp_path, debug_seed):
+    """A config that does not match the step is no damage: the message says what differs, and never
+    advises starting again from the seed (which would throw the run away)."""
+    run = _copy(finished, tmp_path)
+    proc = train(run, debug_seed, "--training.steps", "6", "--model.n_layers", "4")
+    err = proc.stderr.strip()
+    assert proc.returncode == 2 and len(err.splitlines()) == 1, err
+    assert err == (
+        f"train.py: error: config does not match checkpoint {run / 'ckpt' / 'step-4'} (n_layers: checkpoint 6, "
+        "config 4); use the config it was made with (model.flavor='debug') or start a new checkpoint.folder"
+    )

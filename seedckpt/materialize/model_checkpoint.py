@@ -137,7 +137,13 @@ def check_args_match(checkpoint: Checkpoint, args, grow_vocab: bool = False) -> 
     if diffs:
         flavor = manifest_flavor(checkpoint.manifest)
         made_with = f" (model.flavor={flavor!r})" if flavor else ""
+        # a run's step-N: the model was trained, not seeded -- the other way out is a new run
+        other = (
+            "start a new checkpoint.folder"
+            if (checkpoint.manifest or {}).get("kind") == "train"
+            else ("create a new seed for this config")
+        )
         raise SeedckptError(
             f"config does not match checkpoint {checkpoint.path} ({'; '.join(diffs)}); use the "
-            f"config it was made with{made_with} or create a new seed for this config"
+            f"config it was made with{made_with} or {other}"
         )

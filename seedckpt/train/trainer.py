@@ -187,9 +187,9 @@ class Trainer:
         for change in changed_settings(cfg, start):
             self.log(f"resuming with a changed setting, applied from step {start.step + 1}: {change}")
         self.osft = osft_spec(cfg)
+        if start.checkpoint is not None:  # a config that does not match is no damage: no fallback advice
+            check_args_match(start.checkpoint, self.args, start.pretrained)
         try:
-            if start.checkpoint is not None:
-                check_args_match(start.checkpoint, self.args, start.pretrained)
             self.modules, osft_targets = stage_models(self.args, self.specs, self.osft)
             for module in self.modules:
                 parallelize_stage(module, cfg, self.dims, self.mesh, self.data_parallel.shard_on_meta)
