@@ -383,3 +383,17 @@ def test_verify_warns_about_tensors_holding_nan_or_inf(tmp_path, capsys):
         for name in ("attention.wk.weight", "attention_norm.weight")
     ], out
     assert "intact:" in out
+
+
+def test_a_checkpoint_deleted_while_it_is_read_says_so(tmp_path, debug_seed):
+    """Opened, then pruned away (a run's keep_latest_k) before its bytes are read."""
+    import shutil
+
+    from seedckpt.checkpoint import DcpCheckpoint
+
+    step = tmp_path / "step-2"
+    shutil.copytree(debug_seed, step)
+    checkpoint = DcpCheckpoint(step)
+    shutil.rmtree(step)
+    with pytest.raises(SeedckptError, match=rf"{step} was deleted while it was being read .*keep_latest_k"):
+        checkpoint.read_tensor("norm.weight")

@@ -11,6 +11,7 @@ import contextlib
 import io
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -156,7 +157,20 @@ def root_cause(error: CheckpointException, doing: str, writing: bool = False) ->
     if interrupted(cause):
         return KeyboardInterrupt()
     failure = write_failure(cause, f"{doing} (rank {rank})" if dist.is_initialized() else doing) if writing else None
-    return failure or SeedckptError(f"{doing} failed on rank {rank}: {type(cause).__name__}: {cause}")
+    gone = _removed_while_read(cause) if not writing else None
+    return failure or gone or SeedckptError(f"{doing} failed on rank {rank}: {type(cause).__name__}: {cause}")
+
+
+def _removed_while_read(cause: BaseException) -> SeedckptError | None:
+    """A data file whose checkpoint directory vanished after it was opened: deleted under the
+    reader, as a training run's ``keep_latest_k`` prunes its older steps."""
+    if isinstance(cause, FileNotFoundError) and cause.filename and not Path(cause.filename).parent.exists():
+        folder = Path(cause.filename).parent
+        return SeedckptError(
+            f"{folder} was deleted while it was being read (a training run prunes its older step-N with "
+            "checkpoint.keep_latest_k); read a step the run keeps, or copy it first"
+        )
+    return None
 
 
 @contextlib.contextmanager
