@@ -4,18 +4,23 @@ torchrun --nproc-per-node 4 train.py --config configs/debug.toml [--section.key 
 """
 
 import os
+import signal
 import sys
 
 # Transparent huge pages for torch's large CPU allocations (read before torch first allocates): a
 # CPU rank materializing a 1B stage faults its shards in 2 MiB pages instead of 4 KiB ones.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
-try:
-    from seedckpt.train.trainer import main  # noqa: E402
-except KeyboardInterrupt:  # Ctrl-C while torch loads: one line (from rank 0), not a traceback per rank
-    if os.environ.get("RANK", "0") == "0":
-        print("train.py: interrupted while starting; nothing was written", file=sys.stderr)
-    sys.exit(130)
-
 if __name__ == "__main__":
+    # Ctrl-C while torch loads is only noted, then answered with one line (from rank 0): raised as
+    # an exception inside an import, it can be caught there and lost, and the run would go on.
+    interrupted: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: interrupted.append(signum))
+    from seedckpt.train.trainer import main
+
+    if interrupted:
+        if os.environ.get("RANK", "0") == "0":
+            print("train.py: interrupted while starting; nothing was written", file=sys.stderr)
+        sys.exit(130)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.exit(main())
