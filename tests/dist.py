@@ -52,6 +52,10 @@ def _worker(fn, rank, world_size, init_file, results, args):
             world_size=world_size,
             timeout=datetime.timedelta(seconds=120),
         )
+        # Every rank connected before any runs ``fn``: a rank that fails at once and leaves would
+        # otherwise close its end of a pair another rank is still setting up (gloo: "Connection
+        # closed by peer" inside that rank's init_process_group).
+        dist.barrier()
         # Plain pickle: torch's queue pickler would share tensors through memory that dies with us.
         results.put((rank, None, pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:
