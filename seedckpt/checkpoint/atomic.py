@@ -69,18 +69,18 @@ def refuse_partial(path: Path) -> None:
         return
     name = path.name.removeprefix(".").removesuffix(PARTIAL_SUFFIX)
     head, _, pid = name.rpartition(".")
-    lock = path.parent / f".{head if pid.isdigit() else name}{LOCK_SUFFIX}"
-    holder = _live_holder(lock)
+    destination = path.parent / (head if pid.isdigit() else name)
+    holder = _live_holder(destination.parent / f".{destination.name}{LOCK_SUFFIX}")
     if holder is not None:
         raise SeedckptError(
             f"{path} is the output of a write still in progress, by {holder}: wait for it to finish and read "
-            f"{lock.parent / lock.name.removeprefix('.').removesuffix(LOCK_SUFFIX)}"
+            f"{destination}"
         )
     raise SeedckptError(f"{path} is an incomplete output of an interrupted write; delete it and write it again")
 
 
 def _live_holder(lock: Path) -> str | None:
-    """Who holds ``lock`` (its first line), or None when nobody does: a ``flock`` test, released at once."""
+    """Who holds ``lock``, or None when nobody does: a ``flock`` test, released at once."""
     try:
         fd = os.open(lock, os.O_RDONLY)
     except FileNotFoundError:
@@ -88,11 +88,16 @@ def _live_holder(lock: Path) -> str | None:
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
-        lines = os.pread(fd, 65536, 0).decode(errors="replace").splitlines()
-        return lines[0].strip() if lines and lines[0].strip() else "another process"
+        return _holder(fd)
     finally:
         os.close(fd)  # closing drops the test lock
     return None
+
+
+def _holder(fd: int) -> str:
+    """The first line of a held lock file: who holds it (empty: its holder has just started)."""
+    lines = os.pread(fd, 65536, 0).decode(errors="replace").splitlines()
+    return lines[0].strip() if lines and lines[0].strip() else "another process"
 
 
 def _lock(lock: Path, path: Path) -> int:
@@ -102,9 +107,8 @@ def _lock(lock: Path, path: Path) -> int:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            lines = os.pread(fd, 65536, 0).decode(errors="replace").splitlines()
+            holder = _holder(fd)
             os.close(fd)
-            holder = lines[0].strip() if lines and lines[0].strip() else "another process"  # empty: just started
             raise SeedckptError(
                 f"{path} is being written by {holder}; wait for it to finish or choose another destination"
             ) from None

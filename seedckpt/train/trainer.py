@@ -665,7 +665,16 @@ def _train(run: Run, data, rank: int) -> int:
         gc.collect()
         dist.destroy_process_group()
     if status == 0 and finished and rank == 0 and run.cfg.checkpoint.export_at_end != "none":
-        export_last_step(run.cfg)
+        try:
+            export_last_step(run.cfg)
+        except KeyboardInterrupt:  # the run itself is complete and saved: say how to export it
+            last = step_dir(run.cfg.checkpoint.folder, run.cfg.training.steps)
+            print(
+                f"train.py: interrupted while exporting {last}, which is complete; nothing was left half-written: "
+                f"`seedckpt convert {last} {last}-hf --to hf --dtype {run.cfg.checkpoint.export_dtype}` exports it",
+                file=sys.stderr,
+            )
+            return EXIT_INTERRUPTED
     return status
 
 
@@ -678,12 +687,6 @@ def export_last_step(cfg: JobConfig) -> Path:
     last = step_dir(ckpt.folder, cfg.training.steps)
     out = last.with_name(f"{last.name}-{ckpt.export_at_end}")
     print(f"[rank0] exporting {last} to {out} ({ckpt.export_dtype}, checkpoint.export_at_end)", flush=True)
-    try:
-        convert(last, out, ckpt.export_at_end, dtype=ckpt.export_dtype, force=True, progress=False, dense=True)
-    except KeyboardInterrupt:
-        raise SeedckptError(
-            f"interrupted while exporting {last}: nothing was left half-written; it is complete, and "
-            f"`seedckpt convert {last} {out} --to {ckpt.export_at_end} --dtype {ckpt.export_dtype}` exports it"
-        ) from None
+    convert(last, out, ckpt.export_at_end, dtype=ckpt.export_dtype, force=True, progress=False, dense=True)
     print(f"[rank0] exported {out}", flush=True)
     return out

@@ -189,23 +189,16 @@ class DcpCheckpoint(Checkpoint):
             stored = self.metadata.state_dict_metadata.get(index.fqn) if index is not None else None
             dtype = getattr(getattr(stored, "properties", None), "dtype", None)
             chunk = next((c for c in getattr(stored, "chunks", ()) if tuple(c.offsets) == tuple(index.offset)), None)
-            if chunk is not None:  # the raw tensor bytes end here; what follows belongs to the format
-                end = item.start + math.prod(chunk.sizes) * dtype.itemsize
+            look_for_nonfinite = None
+            if chunk is not None and dtype.is_floating_point:
+                end = item.start + math.prod(chunk.sizes) * dtype.itemsize  # then bytes of the format
 
-            def look_for_nonfinite(view, at) -> None:
-                values = torch.frombuffer(view[: max(0, end - at)], dtype=dtype) if end > at else None
-                if values is not None and index.fqn not in self.nonfinite and not values.isfinite().all():
-                    self.nonfinite.add(index.fqn)
+                def look_for_nonfinite(view, at) -> None:
+                    if at < end and not torch.frombuffer(view[: end - at], dtype=dtype).isfinite().all():
+                        self.nonfinite.add(index.fqn)
 
             try:
-                on_bytes(
-                    verify_item(
-                        fds[item.file],
-                        item,
-                        f"{_describe(index)} in {self.path}",
-                        look_for_nonfinite if chunk is not None and dtype.is_floating_point else None,
-                    )
-                )
+                on_bytes(verify_item(fds[item.file], item, f"{_describe(index)} in {self.path}", look_for_nonfinite))
             except SeedckptError as e:
                 return str(e)
             return None
