@@ -75,7 +75,7 @@ GPU_WHEELS ?= .gpu-wheels
 GPU_PYTHON ?= $(shell test -x $(BIN)/python && echo $(BIN)/python || echo python3)
 GPU_PYTHON_VERSION ?= 3.12
 bench-gpu:
-	OMP_NUM_THREADS=1 $(GPU_PYTHON) benchmarks/gpu_suite.py --wheels $(GPU_WHEELS)
+	$(GPU_PYTHON) benchmarks/gpu_suite.py --wheels $(GPU_WHEELS) $(GPU_SUITE_ARGS)
 
 # On a machine with network: the wheels the GPU image lacks (crc32c; pytest and its dependencies),
 # for its Python (GPU_PYTHON_VERSION), into GPU_WHEELS (git-ignored) to travel with the tree.

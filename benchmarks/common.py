@@ -37,12 +37,12 @@ def parser(doc: str) -> argparse.ArgumentParser:
 
 @contextlib.contextmanager
 def output_dir(given: str | None, prefix: str):
-    """``given`` (created, kept) or a temporary directory under /tmp (removed at the end)."""
+    """``given`` (created, kept) or a temporary directory under ``$TMPDIR`` (default /tmp), removed at the end."""
     if given:
         Path(given).mkdir(parents=True, exist_ok=True)
         yield Path(given)
         return
-    with tempfile.TemporaryDirectory(prefix=prefix, dir="/tmp") as tmp:
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         yield Path(tmp)
 
 

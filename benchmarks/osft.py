@@ -67,6 +67,7 @@ def svd_worker(opts: argparse.Namespace) -> None:
     import seedckpt.materialize.stages as stages
     from seedckpt.materialize.model_checkpoint import open_model_checkpoint
     from seedckpt.parallel.parallelize import apply_fsdp
+    from seedckpt.parallel.pipeline import plan_rank_stages
 
     dist.init_process_group("gloo")
     world = dist.get_world_size()
@@ -88,7 +89,7 @@ def svd_worker(opts: argparse.Namespace) -> None:
     shard = (lambda m: apply_fsdp(m, mesh, torch.float32, torch.float32, True)) if mesh else None
     stages.build_stages(
         args,
-        stages.plan_rank_stages(args, 0, 1),
+        plan_rank_stages(args, 0, 1),
         "cpu",
         checkpoint=opts.seed,
         shard_fn=shard,
@@ -305,6 +306,8 @@ def run_all(opts: argparse.Namespace, work: Path) -> None:
             str(opts.n_layers),
             "--model.vocab_size",
             "1024",
+            "--parallelism.pipeline_parallel_degree",
+            "1",
             "--output",
             str(seed),
             "--force",

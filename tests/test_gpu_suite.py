@@ -33,20 +33,29 @@ def test_without_cuda_every_part_says_skipped_and_the_suite_exits_0():
     assert time.perf_counter() - start < 30
 
 
-def test_the_caps_fit_one_command_on_a_lent_machine():
-    assert sum(part.cap_s for part in gpu_suite.PARTS) <= 9 * 60
+def test_each_groups_caps_fit_one_command_on_a_lent_machine():
+    assert {part.group for part in gpu_suite.PARTS} == set(gpu_suite.GROUPS)
+    for group in gpu_suite.GROUPS:
+        assert sum(part.cap_s for part in gpu_suite.PARTS if part.group == group) <= 9 * 60, group
 
 
 def test_a_part_that_fails_or_overruns_is_recorded_and_the_rest_still_run(tmp_path):
     env = {"PATH": "/usr/bin:/bin"}
     figures = 'import json; print(json.dumps({"method": "ours", "gb_per_s": 2.5})); print("done")'
     parts = {
-        "ok": gpu_suite.Part("ok", ["-c", figures], 30, "fast"),
-        "failed": gpu_suite.Part("failed", ["-c", "print('reading...'); raise SystemExit('disk gone')"], 30, "-"),
-        "slow": gpu_suite.Part("slow", ["-c", "import time; print('started', flush=True); time.sleep(30)"], 1, "-"),
-        "absent": gpu_suite.Part("absent", ["-c", "pass"], 30, "-", ("no_such_module_here",)),
+        "ok": gpu_suite.Part("ok", "io", ["-c", figures], 30, "fast"),
+        "failed": gpu_suite.Part("failed", "io", ["-c", "print('reading...'); raise SystemExit('disk gone')"], 30, "-"),
+        "slow": gpu_suite.Part(
+            "slow", "io", ["-c", "import time; print('started', flush=True); time.sleep(30)"], 1, "-"
+        ),
+        "absent": gpu_suite.Part("absent", "io", ["-c", "pass"], 30, "-", ("no_such_module_here",)),
     }
-    results = {name: gpu_suite.run_part(part, env, sys.executable) for name, part in parts.items()}
+    logs = tmp_path / "logs"
+    results = {
+        name: gpu_suite.run_part(part, env, sys.executable, logs / f"{name}.log") for name, part in parts.items()
+    }
+    failed_log = (logs / "failed.log").read_text()
+    assert "reading..." in failed_log and "disk gone" in failed_log  # the whole output, not only the last line
     assert results["ok"].status == "ok" and results["ok"].lines == [{"method": "ours", "gb_per_s": 2.5}]
     assert results["failed"].status == "failed (exit 1)" and results["failed"].last_line == "disk gone"
     assert results["slow"].status == "timed out after 1 s" and results["slow"].last_line == "started"

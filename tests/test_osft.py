@@ -192,3 +192,18 @@ def test_factors_computed_on_cuda_agree_with_the_cpus():
         assert getattr(gpu, name).is_cuda and (a - b).abs().max() <= 1e-4 * a.abs().max(), name
     dense = (gpu.U_high * gpu.S_high) @ gpu.V_high.T + (gpu.U_low * gpu.S_low) @ gpu.V_low.T
     assert (dense.cpu() - w).abs().max() <= 1e-5 * w.abs().max()
+
+
+def test_the_cuda_svd_check_accepts_an_exact_svd_and_refuses_a_wrong_one():
+    """The check that sends a CUDA ``gesvda`` result to ``gesvd``: an SVD to fp32 precision passes; a
+    singular value off by 0.1 %, a column that is not orthonormal, or a NaN fails."""
+    from seedckpt.finetune.osft import CUDA_SVD_RTOL, _svd_error
+
+    w = torch.randn(512, 128, generator=torch.Generator().manual_seed(0))
+    u, s, vh = torch.linalg.svd(w, full_matrices=False)
+    assert _svd_error(w, u, s, vh) <= CUDA_SVD_RTOL
+    assert _svd_error(w, u, s * 1.001, vh) > CUDA_SVD_RTOL
+    skewed = u.clone()
+    skewed[:, 0] += 1e-3 * u[:, 1]
+    assert _svd_error(w, skewed, s, vh) > CUDA_SVD_RTOL
+    assert _svd_error(w, u, s.index_fill(0, torch.tensor([3]), float("nan")), vh) == float("inf")

@@ -281,3 +281,22 @@ def test_validation_loss_is_logged_at_its_frequency_and_agrees_across_layouts(tm
     for step, value in logged["one"].items():
         assert logged["pp2_dp2"][step] == pytest.approx(value, rel=1e-5)
     assert logged["one"][5] < logged["one"][2]  # the model learns the held-out motifs too
+
+
+def test_checkpoint_enable_false_trains_and_saves_nothing(tmp_path, debug_seed):
+    run = tmp_path / "run"
+    proc = train(run, debug_seed, "--training.steps", "3", "--checkpoint.enable", "false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["step"] for r in rows(run)] == [1, 2, 3]
+    assert not (run / "ckpt").exists() or not any((run / "ckpt").iterdir())
+
+
+def test_checkpoint_enable_false_with_an_export_is_refused(tmp_path, debug_seed, capsys):
+    code = train_in_process(
+        tmp_path / "run", debug_seed, "--checkpoint.enable", "false", "--checkpoint.export_at_end", "hf"
+    )
+    assert code == 2
+    assert (
+        "checkpoint.export_at_end = 'hf'; it must be \"none\" while checkpoint.enable = false"
+        in capsys.readouterr().err
+    )

@@ -40,6 +40,11 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from seedckpt.utils.errors import SeedckptError
 
+# torch 2.11 and 2.12's DefaultStager releases its buffers at the end of every stage and cannot stage
+# again (a second stage fails with "KeyError: <class 'type'>"); there each save gets a new stager, whose
+# buffers are allocated (and on CUDA pinned) anew. From 2.13 one stager reuses its buffers.
+STAGER_REUSABLE = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 13)
+
 # write(staged_state_dict, group=...) -> the published path: ``write_checkpoint`` with everything
 # else bound.
 Write = Callable[..., Path]
@@ -70,11 +75,11 @@ class BackgroundSaver:
         self.group = dist.new_group(backend="gloo")  # all ranks; CPU tensors only (what is staged)
         self.device = device
         cuda = device.type == "cuda"
-        self.stager = DefaultStager(
-            StagingOptions(
-                use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=cuda, use_non_blocking_copy=cuda
-            )
+        self.staging_options = StagingOptions(
+            use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=cuda, use_non_blocking_copy=cuda
         )
+        self.stager = DefaultStager(self.staging_options)
+        self.staged_before = False
         self.in_flight: _InFlight | None = None
         self.staging: Future | None = None
 
@@ -89,7 +94,11 @@ class BackgroundSaver:
             # The side stream does not order itself after the compute stream: the step's last
             # kernels (optimizer) must be done before its copies start.
             torch.cuda.current_stream(self.device).synchronize()
+        if self.staged_before and not STAGER_REUSABLE:
+            self.stager.close()  # the previous copy is complete: wait() waited for it
+            self.stager = DefaultStager(self.staging_options)
         staged = self.stager.stage(state_dict)
+        self.staged_before = True
         self.staging = staged if isinstance(staged, Future) else None
         done: Future = Future()
         thread = threading.Thread(

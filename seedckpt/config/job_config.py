@@ -303,6 +303,9 @@ class Checkpoint:
         "shards from training.seed (bitwise what the seed made with it would hold)",
     )
     seed_checkpoint: str = option("", "the seed checkpoint directory a new run loads")
+    enable: bool = option(
+        True, "false: the run saves no step-N (a benchmark or smoke run; it cannot be resumed or exported)"
+    )
     folder: str = option("./checkpoints", "the run's step-N checkpoints; a run resumes from the latest complete one")
     interval: int = option(100, "save every this many steps (0: only at the end and at training.stop_after_step)")
     keep_latest_k: int = option(3, "step checkpoints kept, the older ones deleted (0: keep all)")
@@ -345,6 +348,12 @@ class Checkpoint:
 
     def validate(self) -> None:
         _check("checkpoint.interval", self.interval, self.interval >= 0, ">= 0 (0: save only at the end)")
+        _check(
+            "checkpoint.export_at_end",
+            self.export_at_end,
+            self.enable or self.export_at_end == "none",
+            '"none" while checkpoint.enable = false (the export is of the last saved step)',
+        )
         _check("checkpoint.keep_latest_k", self.keep_latest_k, self.keep_latest_k >= 0, ">= 0 (0: keep all)")
         _check("checkpoint.load_step", self.load_step, self.load_step >= 1 or self.load_step == -1, ">= 1, or -1")
         # SIGKILL and SIGSTOP cannot be caught; Ctrl-C's SIGINT has its own handling (stop at once)

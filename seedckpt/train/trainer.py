@@ -484,7 +484,8 @@ class Trainer:
                     )
                 stopping = state.step == train.stop_after_step
                 at_interval = ckpt.interval > 0 and state.step % ckpt.interval == 0
-                if stopping or at_interval or state.step == train.steps or stopped_by:  # interval 0: the last only
+                ends = stopping or state.step == train.steps or stopped_by
+                if ckpt.enable and (at_interval or ends):  # interval 0: the last only
                     self.save()
                 if stopping:
                     self.log(f"stopping after step {state.step} (training.stop_after_step); run again to resume")
@@ -505,7 +506,12 @@ class Trainer:
         if stopped_by and self.rank == 0:
             print(
                 f"train.py: stopped by {SaveOnSignals.name(stopped_by)} (checkpoint.save_on_signals) after step "
-                f"{state.step}: saved {step_dir(ckpt.folder, state.step)}; the same command resumes from it",
+                f"{state.step}: "
+                + (
+                    f"saved {step_dir(ckpt.folder, state.step)}; the same command resumes from it"
+                    if ckpt.enable
+                    else "nothing saved (checkpoint.enable = false)"
+                ),
                 file=sys.stderr,
                 flush=True,
             )
