@@ -68,7 +68,8 @@ bench: install
 clean:
 	rm -rf $(VENV) outputs .pytest_cache
 
-# Every GPU figure in one command (benchmarks/gpu_suite.py; on a machine without CUDA it says what it
+# Every GPU figure (benchmarks/gpu_suite.py; GPU_SUITE_ARGS="--group training" or "--group io" for one
+# command of under 9 minutes each; on a machine without CUDA it says what it
 # would measure and exits 0). On a lent GPU machine without network or venv it runs with the
 # image's python3 and installs the wheels bench-gpu-prepare fetched into GPU_WHEELS.
 GPU_WHEELS ?= .gpu-wheels
