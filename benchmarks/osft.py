@@ -93,7 +93,7 @@ def svd_worker(opts: argparse.Namespace) -> None:
         "cpu",
         checkpoint=opts.seed,
         shard_fn=shard,
-        osft=osft.OSFTSpec(RATIO),
+        osft=osft.OSFTSettings(RATIO),
         stage_group=mesh.get_group() if mesh else None,
     )
     write_rank_report(opts.report, dist.get_rank(), timed)

@@ -8,7 +8,7 @@ Run from the repository root:
 
 Each rank builds the model on ``meta``, applies the family's TP plan (and FSDP2 over the
 data-parallel ranks), materializes and loads the seed through ``build_stages``; the bytes come
-from the reader's own counters (``DirectReads.bytes_read`` + ``bytes_read_to_check``), the owned
+from the reader's own counters (``OwnedReads.bytes_read`` + ``bytes_read_to_check``), the owned
 bytes from the local shards. Layouts on 4 ranks (pp, dp_shard, tp): ``dp4`` (1, 4, 1), ``tp2``
 (1, 1, 2, each of 2 replicas), ``tp2 x dp2`` (1, 2, 2), ``pp2 x tp2`` (2, 1, 2), ``tp4`` (1, 1, 4).
 One JSON line per layout and checksum setting: the worst rank's read/owned ratio and load seconds.
@@ -37,7 +37,7 @@ def _rank(rank: int, world: int, init_file: str, seed: str, flavor: str, results
     from torch.distributed.fsdp import fully_shard
 
     from models.registry import get_family
-    from seedckpt.checkpoint.direct import DirectReads
+    from seedckpt.checkpoint.owned_reads import OwnedReads
     from seedckpt.materialize.stages import build_stages
     from seedckpt.parallel.pipeline import plan_rank_stages
     from seedckpt.utils.tensors import local
@@ -50,13 +50,13 @@ def _rank(rank: int, world: int, init_file: str, seed: str, flavor: str, results
         family = get_family("llama3")
         args = family.flavors[flavor]
         counted = {"bytes": 0}
-        run = DirectReads.run
+        run = OwnedReads.run
 
         def counting(self, items, locate, planner):
             run(self, items, locate, planner)
             counted["bytes"] += self.bytes_read + self.bytes_read_to_check
 
-        DirectReads.run = counting
+        OwnedReads.run = counting
         for name, (pp, dp, tp) in LAYOUTS.items():
             mesh = init_device_mesh(
                 "cpu", (pp, world // (pp * dp * tp), dp, tp), mesh_dim_names=("pp", "r", "dp", "tp")

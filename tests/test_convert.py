@@ -194,10 +194,10 @@ def _osft_checkpoint(seed: Path, dst: Path, patterns: tuple[str, ...] = ()) -> P
     """What an OSFT run's ``step-N`` holds (the targets as SVD factors, the OSFT settings in the
     manifest), made from ``seed`` by its SVDs alone: no training needed to compare it with exports."""
     from seedckpt.checkpoint import make_manifest, write_checkpoint
-    from seedckpt.finetune.osft import FROZEN, TRAINABLE, OSFTSpec, decompose, osft_record
+    from seedckpt.finetune.osft import FROZEN, TRAINABLE, OSFTSettings, decompose, osft_record
 
     source = open_model_checkpoint(seed)
-    spec = OSFTSpec(0.25, patterns)
+    spec = OSFTSettings(0.25, patterns)
     state = {}
     for fqn in codec_for().layout(source.args, spec).shapes:
         base, _, name = fqn.rpartition(".")

@@ -32,7 +32,7 @@ def _pp_by_fsdp_worker(rank, world_size, seed_path):
     from torch.distributed.tensor import DTensor
 
     from seedckpt.checkpoint import DcpCheckpoint
-    from seedckpt.checkpoint.direct import DirectFileSystemReader
+    from seedckpt.checkpoint.owned_reads import OwnedFileSystemReader
     from seedckpt.materialize.stages import build_stages
     from seedckpt.parallel.pipeline import plan_rank_stages
     from tests.conftest import tiny_config
@@ -42,15 +42,15 @@ def _pp_by_fsdp_worker(rank, world_size, seed_path):
     specs = plan_rank_stages(args, mesh.get_local_rank("pp"), 2)
 
     read = []
-    original = DirectFileSystemReader.read_data
+    original = OwnedFileSystemReader.read_data
 
     def recording(self, plan, planner):
         read.extend(item.storage_index.fqn for item in plan.items)
         return original(self, plan, planner)
 
-    DirectFileSystemReader.read_data = recording
+    OwnedFileSystemReader.read_data = recording
     [sharded] = build_stages(args, specs, "cpu", checkpoint=seed_path, shard_fn=_fsdp(mesh["dp_shard"]))
-    DirectFileSystemReader.read_data = original
+    OwnedFileSystemReader.read_data = original
     [direct_sharded] = build_stages(args, specs, "cpu", seed=SEED, shard_fn=_fsdp(mesh["dp_shard"]))
     [unsharded] = build_stages(args, specs, "cpu", checkpoint=seed_path)
     [direct_unsharded] = build_stages(args, specs, "cpu", seed=SEED)

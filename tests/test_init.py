@@ -12,7 +12,7 @@ from models.common.decoder import Transformer
 from seedckpt.materialize.init_recipe import (
     CHUNK_NUMEL,
     Initializer,
-    InitSpec,
+    TensorInit,
     chunk_generator,
     generate,
     generate_flat,
@@ -75,7 +75,7 @@ def test_values_depend_on_seed_fqn_recipe_not_order_or_layout():
 
 
 def test_chunked_generation_is_independent_per_chunk():
-    spec = InitSpec("trunc_normal", std=0.02, cutoff=2.0)
+    spec = TensorInit("trunc_normal", std=0.02, cutoff=2.0)
     numel = 2 * CHUNK_NUMEL + 123
     whole = generate(spec, (numel,), seed=0, fqn="x")
     # Each chunk regenerated alone equals the corresponding slice (basis for parallel/sharded init).
@@ -92,24 +92,24 @@ def test_chunked_generation_is_independent_per_chunk():
 
 @pytest.mark.parametrize("std,cutoff", [(0.02, 2.0), (1.0, 3.0), (0.5, 1.0)])
 def test_trunc_normal_is_exact_bounds_and_std(std, cutoff):
-    x = generate(InitSpec("trunc_normal", std=std, cutoff=cutoff), (1 << 21,), seed=1, fqn="t")
+    x = generate(TensorInit("trunc_normal", std=std, cutoff=cutoff), (1 << 21,), seed=1, fqn="t")
     assert x.abs().max().item() <= cutoff * std
     assert x.abs().max().item() > 0.99 * cutoff * std  # the tails are actually reached
     assert abs(x.std().item() / _truncated_std(std, cutoff) - 1) < 0.02
     assert abs(x.mean().item()) < 0.01 * std
 
 
-def _expected(fqn: str, args) -> InitSpec:
+def _expected(fqn: str, args) -> TensorInit:
     """The documented recipe (models/llama.py docstring), written independently of the model."""
     parts = fqn.split(".")
     if fqn == "tok_embeddings.weight":
-        return InitSpec("normal", std=1.0)
+        return TensorInit("normal", std=1.0)
     if fqn == "output.weight":
-        return InitSpec("trunc_normal", std=args.dim**-0.5, cutoff=3.0)
+        return TensorInit("trunc_normal", std=args.dim**-0.5, cutoff=3.0)
     if parts[-2].endswith("norm"):
-        return InitSpec("ones")
+        return TensorInit("ones")
     std = 0.02 / math.sqrt(2 * (int(parts[1]) + 1)) if parts[-2] in ("wo", "w2", "w3") else 0.02
-    return InitSpec("trunc_normal", std=std, cutoff=2.0 / std)  # nn.init.trunc_normal_'s absolute +-2
+    return TensorInit("trunc_normal", std=std, cutoff=2.0 / std)  # nn.init.trunc_normal_'s absolute +-2
 
 
 def test_every_parameter_initialized_exactly_once_with_recipe_std():
@@ -139,7 +139,7 @@ def test_realized_std_matches_torchtitans_init_calls(std, bounds):
     a, b = (-bounds * std, bounds * std) if bounds else (-2.0, 2.0)
     torch.manual_seed(0)
     theirs = torch.nn.init.trunc_normal_(torch.empty(shape), std=std, a=a, b=b)
-    ours = generate(InitSpec("trunc_normal", std=std, cutoff=b / std), shape, seed=0, fqn="w")
+    ours = generate(TensorInit("trunc_normal", std=std, cutoff=b / std), shape, seed=0, fqn="w")
     assert abs(ours.std().item() / theirs.std().item() - 1) < 0.01
     assert ours.abs().max().item() <= b
 

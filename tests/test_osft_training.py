@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from seedckpt.cli.convert import convert
-from seedckpt.finetune.osft import FROZEN, TRAINABLE, OSFTSpec, assign_by_cost, decompose
+from seedckpt.finetune.osft import FROZEN, TRAINABLE, OSFTSettings, assign_by_cost, decompose
 from seedckpt.finetune.pretrained import pretrained_args
 from seedckpt.materialize.model_checkpoint import open_model_checkpoint
 from seedckpt.utils.errors import SeedckptError
@@ -18,7 +18,7 @@ from tests.dist import run_distributed
 from tests.test_sft import _hf_llama, chat_inputs, losses, sft  # noqa: F401 (chat_inputs: a fixture)
 from tests.test_train import model_state
 
-SPEC = OSFTSpec(0.25)
+SPEC = OSFTSettings(0.25)
 
 
 def test_cost_balanced_assignment_beats_contiguous_blocks():

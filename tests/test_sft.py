@@ -171,11 +171,11 @@ def _read_recording_worker(rank, world_size, hf_dir, dcp_dir):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from seedckpt.checkpoint.direct import DirectFileSystemReader, DirectHFReader
+    from seedckpt.checkpoint.owned_reads import OwnedFileSystemReader, OwnedHFReader
     from seedckpt.utils.tensors import local_rows
 
     reads = []
-    for cls in (DirectHFReader, DirectFileSystemReader):
+    for cls in (OwnedHFReader, OwnedFileSystemReader):
         original = cls.read_data
 
         def recording(self, plan, planner, original=original):

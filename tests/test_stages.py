@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from models.common.decoder import Transformer
-from seedckpt.checkpoint.direct import DirectFileSystemReader
+from seedckpt.checkpoint.owned_reads import OwnedFileSystemReader
 from seedckpt.materialize.seed import create_seed_checkpoint
 from seedckpt.materialize.stages import build_stages
 from seedckpt.parallel.pipeline import plan_rank_stages, split_layers, stage_ids_for_rank
@@ -118,13 +118,13 @@ def test_stages_equal_slices_of_full_model_and_chain_to_its_logits(layout, tied,
 def test_each_stage_reads_only_its_own_tensors(seeds, monkeypatch):
     args, seed_path = seeds[6, False]
     read = []
-    original = DirectFileSystemReader.read_data
+    original = OwnedFileSystemReader.read_data
 
     def recording(self, plan, planner):
         read.extend(item.storage_index.fqn for item in plan.items)
         return original(self, plan, planner)
 
-    monkeypatch.setattr(DirectFileSystemReader, "read_data", recording)
+    monkeypatch.setattr(OwnedFileSystemReader, "read_data", recording)
     [stage] = build_stages(args, plan_rank_stages(args, 1, 2), "cpu", checkpoint=seed_path)
     assert sorted(read) == sorted(stage.state_dict())
     assert all(fqn.startswith(("layers.3.", "layers.4.", "layers.5.", "norm.", "output.")) for fqn in read)

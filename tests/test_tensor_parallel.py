@@ -12,7 +12,7 @@ import torch
 from seedckpt.utils.errors import SeedckptError
 from tests.conftest import tiny_config
 from tests.dist import run_distributed
-from tests.test_direct_read import stock_tensors
+from tests.test_owned_reads import stock_tensors
 from tests.test_train import losses, torchrun
 
 TP = ["--parallelism.tensor_parallel_degree", "2"]
@@ -25,7 +25,7 @@ def _tp_load_worker(rank, world_size, seed_path):
     from torch.distributed.fsdp import fully_shard
 
     from models.common.tensor_parallel import parallelize_decoder
-    from seedckpt.checkpoint.direct import DirectReads
+    from seedckpt.checkpoint.owned_reads import OwnedReads
     from seedckpt.materialize.stages import build_stages
     from seedckpt.parallel.pipeline import plan_rank_stages
     from seedckpt.utils.tensors import local
@@ -33,14 +33,14 @@ def _tp_load_worker(rank, world_size, seed_path):
     args = tiny_config().model_args()
     expected = stock_tensors(seed_path)
     read = {"bytes": 0, "to_check": 0}
-    run = DirectReads.run
+    run = OwnedReads.run
 
     def counting_run(self, items, locate, planner):
         run(self, items, locate, planner)
         read["bytes"] += self.bytes_read
         read["to_check"] += self.bytes_read_to_check
 
-    DirectReads.run = counting_run
+    OwnedReads.run = counting_run
     layouts = {"tp2": (1, 2, 2), "tp2 x dp_shard2": (1, 2, 2), "pp2 x tp2": (2, 1, 2)}  # (pp, dp, tp)
     results = {}
     for name, (pp, dp, tp) in layouts.items():
@@ -235,36 +235,36 @@ def _column_slices_worker(rank, world_size, path, corrupt):
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from seedckpt.checkpoint import DcpCheckpoint
-    from seedckpt.checkpoint.direct import DirectReads
+    from seedckpt.checkpoint.owned_reads import OwnedReads
     from seedckpt.utils.errors import SeedckptError
 
     mesh = init_device_mesh("cpu", (world_size,))
     full = torch.arange(1024 * 4096, dtype=torch.float32).reshape(1024, 4096)
     wanted = distribute_tensor(torch.zeros_like(full), mesh, [Shard(1)], src_data_rank=None)
     read = {}
-    run = DirectReads.run
+    run = OwnedReads.run
 
     def counting_run(self, items, locate, planner):
         run(self, items, locate, planner)
         read["bytes"] = self.bytes_read + self.bytes_read_to_check
 
-    DirectReads.run = counting_run
+    OwnedReads.run = counting_run
     try:
         DcpCheckpoint(path, verify=True).load({"w": wanted})
     except SeedckptError as e:
         return None, None, None, str(e)
     finally:
-        DirectReads.run = run
+        OwnedReads.run = run
     mine = wanted.to_local()
     same = torch.equal(mine, full[:, rank * 1024 : (rank + 1) * 1024])
     # the path a CUDA destination takes (through staging slots), run on the CPU: the same values
     staged = distribute_tensor(torch.zeros_like(full), mesh, [Shard(1)], src_data_rank=None)
-    defaults = DirectReads.__init__.__defaults__
-    DirectReads.__init__.__defaults__ = (defaults[0], True)
+    defaults = OwnedReads.__init__.__defaults__
+    OwnedReads.__init__.__defaults__ = (defaults[0], True)
     try:
         DcpCheckpoint(path, verify=True).load({"w": staged})
     finally:
-        DirectReads.__init__.__defaults__ = defaults
+        OwnedReads.__init__.__defaults__ = defaults
     return read["bytes"], mine.nbytes, same and torch.equal(staged.to_local(), mine), None
 
 

@@ -103,7 +103,7 @@ def test_an_item_without_a_recorded_checksum_is_refused_when_opened(step, tmp_pa
 
 @pytest.mark.parametrize("key", ITEMS)
 def test_a_forged_item_is_refused_by_the_resume_read_path_without_running(step, tmp_path, marker, key):
-    """The read the resume makes (``Checkpoint.load`` of the training state), item by item."""
+    """The read the resume makes (``OpenedCheckpoint.load`` of the training state), item by item."""
     evil = DcpCheckpoint(craft(step, tmp_path / "evil", key, forge_checksums=True))
     wanted = torch.get_rng_state() if key.startswith("rng.") else None
     with pytest.raises(SeedckptError, match="is not plain data") as refused:

@@ -7,9 +7,9 @@ from its caller (``model``: expected shapes, tied FQNs, name adapters). By respo
 
 * ``formats`` -- one module per format (DCP, torchtitan names over DCP, HF directory, one
   safetensors file, torch.save file), each with a reader and ``write``; ``open_checkpoint``.
-* ``base`` -- ``Checkpoint``, what every reader offers; ``WriteJob``, what every writer takes.
+* ``base`` -- ``OpenedCheckpoint``, what every reader offers; ``WriteJob``, what every writer takes.
 * ``model`` -- ``ModelLayout`` and the codec / name-adapter protocols a caller implements.
-* ``direct`` -- reading only the bytes a rank owns, straight into its tensors.
+* ``owned_reads`` -- reading only the bytes a rank owns, straight into its tensors.
 * ``load`` -- DCP load with checks, ``RowWindow`` (some rows of a checkpoint tensor).
 * ``writer`` -- the streaming DCP writer (raw positions recorded), the lazy save planner.
 * ``background`` -- asynchronous saves: staging, the write in a background thread, one in flight.
@@ -27,7 +27,7 @@ from seedckpt.checkpoint.atomic import (
     destination_lock,
     write_json_synced,
 )
-from seedckpt.checkpoint.base import Checkpoint, WriteJob
+from seedckpt.checkpoint.base import OpenedCheckpoint, WriteJob
 from seedckpt.checkpoint.formats import FORMATS, open_checkpoint
 from seedckpt.checkpoint.formats.dcp import DcpCheckpoint
 from seedckpt.checkpoint.load import RowWindow
@@ -50,7 +50,7 @@ __all__ = [
     "check_destination",
     "destination_lock",
     "write_json_synced",
-    "Checkpoint",
+    "OpenedCheckpoint",
     "WriteJob",
     "FORMATS",
     "open_checkpoint",

@@ -1,4 +1,4 @@
-"""``Checkpoint``: what every reader offers, whatever the format.
+"""``OpenedCheckpoint``: what every reader offers, whatever the format.
 
 One protocol for every command and the stage builder: the tensor table (our FQNs), the manifest
 and the model it records, ``read_tensor`` (one whole tensor, for convert/diff) and ``load`` (a
@@ -25,7 +25,7 @@ from seedckpt.utils.tensors import copy_full_into
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-class Checkpoint:
+class OpenedCheckpoint:
     """An opened checkpoint. ``infos``: its model tensors by our FQNs; ``layout``: the model it
     records (through the caller's ``codec``), else the one the caller described, else None."""
 

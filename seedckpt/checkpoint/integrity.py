@@ -5,7 +5,7 @@ directory has no checksum of its own, so a flipped bit would load silently. Inst
 (one ``torch.save`` record or bytes blob in a ``.distcp`` file) is cut into *pieces* and the
 CRC32C of each piece goes into the manifest (``checksums``).
 
-Why pieces, not whole items: a rank reads only the rows it owns (``direct``), and a check must not
+Why pieces, not whole items: a rank reads only the rows it owns (``owned_reads``), and a check must not
 force it to read the whole item. The cuts fall at the start of the tensor's raw bytes and every
 ``PIECE_BYTES`` after it, so an FSDP shard of a power-of-two split reads no byte more than it
 owns; an unaligned request reads at most one extra piece at each end. The bytes before the raw

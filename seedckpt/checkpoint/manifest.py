@@ -3,7 +3,7 @@
 The manifest records: format version, kind (seed | train | converted), model name, flavor and full
 model arguments (as the caller's model spec spells them), seed, dtype, parameter count, per-tensor
 shape/dtype, torch and seedckpt versions, and the byte position of every item's raw data
-(``raw_items``, see ``direct``). It is parsed here and nowhere else.
+(``raw_items``, see ``owned_reads``). It is parsed here and nowhere else.
 """
 
 from __future__ import annotations

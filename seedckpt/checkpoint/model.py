@@ -20,7 +20,7 @@ import torch
 @dataclass(frozen=True)
 class ModelLayout:
     """One model's tensors. ``args`` is the model's own configuration object, opaque here and
-    handed back to callers (``Checkpoint.args``); ``record`` is the same as a manifest stores it."""
+    handed back to callers (``OpenedCheckpoint.args``); ``record`` is the same as a manifest stores it."""
 
     args: Any
     record: dict

@@ -3,7 +3,7 @@
 DCP's ``.metadata`` is a raw pickle, and stock ``FileSystemReader.read_metadata`` would run
 arbitrary code from a crafted file. ``SafeFileSystemReader`` unpickles it with an exact allow-list
 of the classes DCP metadata consists of. Tensor payloads are read either raw by
-``direct.DirectFileSystemReader`` or by DCP with ``torch.load(weights_only=True)``; the non-tensor
+``owned_reads.OwnedFileSystemReader`` or by DCP with ``torch.load(weights_only=True)``; the non-tensor
 entries of a training checkpoint (step, LR schedule, optimizer scalars), which stock DCP unpickles
 with every class allowed, go through ``load_plain_values`` instead.
 """

@@ -4,7 +4,7 @@ with the position of every tensor's raw bytes recorded so that readers can skip 
 Every item is an ordinary ``torch.save`` zip record, as ``FileSystemWriter`` writes it. A zip
 stores its members uncompressed and ``torch.save`` aligns a tensor's bytes to 64, so the tensor's
 raw row-major bytes sit contiguously inside the item. The writer notes where (``raw_items`` in the
-manifest); ``direct.DirectFileSystemReader`` then reads exactly the rows a rank owns from that
+manifest); ``owned_reads.OwnedFileSystemReader`` then reads exactly the rows a rank owns from that
 position, straight into its tensors, while stock ``dcp.load`` still sees a normal checkpoint.
 """
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from models.family import ModelFamily
-from seedckpt.checkpoint import FORMATS, Checkpoint, TensorInfo, WriteJob, dtype_name, make_manifest
+from seedckpt.checkpoint import FORMATS, OpenedCheckpoint, TensorInfo, WriteJob, dtype_name, make_manifest
 from seedckpt.checkpoint.manifest import TOKENIZER_DIR
 from seedckpt.config.job_config import DTYPES
 from seedckpt.data.chat import render_with_mask
@@ -127,7 +127,7 @@ def convert(
         bar.close()
 
 
-def special_token_ids(source: Checkpoint) -> dict:
+def special_token_ids(source: OpenedCheckpoint) -> dict:
     """bos, eos and pad ids of the tokenizer a fine-tuning checkpoint carries (none: ``{}``). With a
     chat template, the eos ids also hold the token that ends an assistant turn: the last token the
     template puts in the assistant's part, which SFT taught the model to emit."""
@@ -163,7 +163,7 @@ def check_apart(src: Path, dst: Path) -> None:
         )
 
 
-def _comparable(sides: list[Checkpoint], paths) -> tuple[list[Checkpoint], list[str]]:
+def _comparable(sides: list[OpenedCheckpoint], paths) -> tuple[list[OpenedCheckpoint], list[str]]:
     """An OSFT run's checkpoint stores its targets as SVD factors, its dense export as weights.
     Unless both sides hold the same factors (same OSFT settings), each side with factors is seen as
     the dense model it computes, so that the targets meet under their ``.weight`` names; a report

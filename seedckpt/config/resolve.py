@@ -24,7 +24,7 @@ from seedckpt.utils.errors import SeedckptError
 
 
 @dataclass(frozen=True)
-class Run:
+class ResolvedRun:
     """A config resolved: the model (family and args), the parallel layout, the device type every rank
     trains on and, for a training run, where it starts. ``notes``: lines for the run log (the
     fine-tuned model's shape)."""
@@ -37,7 +37,7 @@ class Run:
     start: Start | None = None
     notes: tuple[str, ...] = ()
 
-    def with_start(self) -> Run:
+    def with_start(self) -> ResolvedRun:
         """This run with where it starts: the checkpoint folder's newest ``step-N``, the pretrained
         weights or the seed, opened once (``start.find_start``). A training run calls it under the
         folder's lock, after the config's own checks have passed. A resume keeps its checkpoint's
@@ -109,8 +109,8 @@ def choose_device(requested: str, local_ranks: int, gpus: int) -> str:
     return device
 
 
-def resolve(cfg: JobConfig, world_size: int, local_world_size: int | None = None) -> Run:
-    """Model args, parallel dims and device (a training run adds its start: ``Run.with_start``), each
+def resolve(cfg: JobConfig, world_size: int, local_world_size: int | None = None) -> ResolvedRun:
+    """Model args, parallel dims and device (a training run adds its start: ``ResolvedRun.with_start``), each
     checked; every failure is one ``SeedckptError`` naming the key to change. Reads only metadata.
 
     ``local_world_size``: the ranks on this machine (default: torchrun's ``LOCAL_WORLD_SIZE``, 1 for
@@ -121,4 +121,4 @@ def resolve(cfg: JobConfig, world_size: int, local_world_size: int | None = None
     if local_world_size is None:
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     device = choose_device(cfg.job.device, local_world_size, torch.cuda.device_count())
-    return Run(cfg, cfg.model_family(), args, dims, device, notes=notes)
+    return ResolvedRun(cfg, cfg.model_family(), args, dims, device, notes=notes)

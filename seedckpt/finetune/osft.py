@@ -49,7 +49,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from models.family import BLOCKS
 from models.registry import family_of
-from seedckpt.checkpoint import Checkpoint, ModelLayout, TensorInfo
+from seedckpt.checkpoint import ModelLayout, OpenedCheckpoint, TensorInfo
 from seedckpt.utils.errors import SeedckptError
 from seedckpt.utils.tensors import copy_full_into
 
@@ -58,7 +58,7 @@ TRAINABLE = ("U_low", "S_low", "V_low")
 
 
 @dataclass(frozen=True)
-class OSFTSpec:
+class OSFTSettings:
     """``[finetune]``'s OSFT settings: the trainable fraction of each target's rank and the targets
     (empty: the model family's default targets)."""
 
@@ -66,18 +66,18 @@ class OSFTSpec:
     patterns: tuple[str, ...] = ()
 
 
-def osft_record(spec: OSFTSpec) -> dict:
+def osft_record(spec: OSFTSettings) -> dict:
     """The OSFT settings as a manifest's ``finetune`` entry records them (read by ``manifest_osft``)."""
     return {"osft_unfreeze_rank_ratio": spec.ratio, "osft_target_patterns": list(spec.patterns)}
 
 
-def manifest_osft(manifest: dict | None) -> OSFTSpec | None:
+def manifest_osft(manifest: dict | None) -> OSFTSettings | None:
     """The OSFT settings an OSFT run's checkpoint was trained with (its factors' shapes follow)."""
     finetune = (manifest or {}).get("finetune")
     if not isinstance(finetune, dict) or finetune.get("mode") != "osft":
         return None
     try:
-        return OSFTSpec(float(finetune["osft_unfreeze_rank_ratio"]), tuple(finetune["osft_target_patterns"]))
+        return OSFTSettings(float(finetune["osft_unfreeze_rank_ratio"]), tuple(finetune["osft_target_patterns"]))
     except (KeyError, TypeError, ValueError) as e:
         raise SeedckptError(f"the manifest's OSFT settings are damaged ({e!r})") from None
 
@@ -393,12 +393,12 @@ class OSFTProjector:
         return worst
 
 
-class DenseOSFT(Checkpoint):
+class DenseOSFT(OpenedCheckpoint):
     """An OSFT run's checkpoint seen as the dense model it computes: each target's ``weight`` is
     U_high diag(S_high) V_high^T + U_low diag(S_low) V_low^T, rebuilt (in fp32, then stored in the
     factors' dtype) only when read -- one matrix at a time, as the converters stream."""
 
-    def __init__(self, source: Checkpoint, dense: ModelLayout | None):
+    def __init__(self, source: OpenedCheckpoint, dense: ModelLayout | None):
         """``dense``: the model's layout without factors (what the rebuilt checkpoint holds)."""
         self.source, self.kind = source, source.kind
         self.targets = {fqn.removesuffix(".U_high") for fqn in source.infos if fqn.endswith(".U_high")}

@@ -22,7 +22,7 @@ import torch
 
 from seedckpt.config.job_config import JobConfig
 from seedckpt.data.tokenizer import load_tokenizer
-from seedckpt.finetune.osft import OSFTSpec, describe_targets, manifest_osft, pattern_matches, target_fqns
+from seedckpt.finetune.osft import OSFTSettings, describe_targets, manifest_osft, pattern_matches, target_fqns
 from seedckpt.materialize.model_checkpoint import open_model_checkpoint
 from seedckpt.utils.errors import SeedckptError
 
@@ -87,13 +87,13 @@ def check_model_section(cfg: JobConfig, args, where: str) -> None:
         )
 
 
-def osft_spec(cfg: JobConfig) -> OSFTSpec | None:
+def osft_spec(cfg: JobConfig) -> OSFTSettings | None:
     """The run's OSFT settings, with the default targets spelled out (checkpoints record them, so a
     later change of the defaults cannot change what an existing checkpoint holds)."""
     ft = cfg.finetune
     if ft.mode != "osft":
         return None
-    return OSFTSpec(ft.osft_unfreeze_rank_ratio, tuple(ft.osft_target_patterns) or cfg.model_family().osft_targets)
+    return OSFTSettings(ft.osft_unfreeze_rank_ratio, tuple(ft.osft_target_patterns) or cfg.model_family().osft_targets)
 
 
 def check_osft_settings(cfg: JobConfig, args) -> str:

@@ -67,7 +67,7 @@ def chunk_generator(seed: int, fqn: str, chunk: int) -> torch.Generator:
 
 
 @dataclass(frozen=True)
-class InitSpec:
+class TensorInit:
     """One tensor's recipe: ``normal`` / ``trunc_normal`` (N(0, std^2), cut at +-cutoff*std) / ``ones``
     / ``zeros``.
 
@@ -99,14 +99,14 @@ class InitSpec:
             raise ValueError(f"unknown init kind {self.kind!r}")
 
 
-def generate(spec: InitSpec, shape: torch.Size | tuple, seed: int, fqn: str) -> torch.Tensor:
+def generate(spec: TensorInit, shape: torch.Size | tuple, seed: int, fqn: str) -> torch.Tensor:
     """The full fp32 tensor for ``fqn``, on CPU."""
     numel = math.prod(shape)
     return generate_flat(spec, seed, fqn, numel, 0, numel).view(shape)
 
 
 def generate_flat(
-    spec: InitSpec, seed: int, fqn: str, numel: int, start: int, stop: int, allocate=torch.empty
+    spec: TensorInit, seed: int, fqn: str, numel: int, start: int, stop: int, allocate=torch.empty
 ) -> torch.Tensor:
     """Elements ``[start, stop)`` of the flattened fp32 tensor ``fqn`` of ``numel`` elements.
 
@@ -141,21 +141,21 @@ class Initializer:
         self.seed = seed
         self.materialize = materialize
         self.fqn_of = {id(t): fqn for fqn, t in state_tensors(module).items()}
-        self.specs: dict[str, InitSpec] = {}
+        self.specs: dict[str, TensorInit] = {}
 
     def normal_(self, tensor: torch.Tensor, std: float, key: str | None = None) -> None:
-        self._apply(tensor, InitSpec("normal", std=std, key=key))
+        self._apply(tensor, TensorInit("normal", std=std, key=key))
 
     def trunc_normal_(self, tensor: torch.Tensor, std: float, cutoff: float = 2.0, key: str | None = None) -> None:
-        self._apply(tensor, InitSpec("trunc_normal", std=std, cutoff=cutoff, key=key))
+        self._apply(tensor, TensorInit("trunc_normal", std=std, cutoff=cutoff, key=key))
 
     def ones_(self, tensor: torch.Tensor) -> None:
-        self._apply(tensor, InitSpec("ones"))
+        self._apply(tensor, TensorInit("ones"))
 
     def zeros_(self, tensor: torch.Tensor) -> None:
-        self._apply(tensor, InitSpec("zeros"))
+        self._apply(tensor, TensorInit("zeros"))
 
-    def _apply(self, tensor: torch.Tensor, spec: InitSpec) -> None:
+    def _apply(self, tensor: torch.Tensor, spec: TensorInit) -> None:
         fqn = self.fqn_of.get(id(tensor))
         if fqn is None:
             raise RuntimeError(
@@ -180,7 +180,7 @@ class Initializer:
                     local(tensor).copy_(block.view(rows[1] - rows[0], *tensor.shape[1:]))
 
 
-def init_model(module: nn.Module, seed: int, materialize: bool = True) -> dict[str, InitSpec]:
+def init_model(module: nn.Module, seed: int, materialize: bool = True) -> dict[str, TensorInit]:
     """Run every ``init_weights`` once; return the recipe by FQN.
 
     Raises if any parameter or persistent buffer was left without a recipe, so a module whose

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from seedckpt.config.job_config import DTYPES, JobConfig
-from seedckpt.config.resolve import Run
+from seedckpt.config.resolve import ResolvedRun
 from seedckpt.parallel.pipeline import split_layers, stage_ids_for_rank
 from seedckpt.utils.tensors import state_tensors
 
@@ -57,7 +57,7 @@ def train_state_bytes(cfg: JobConfig, params: int, dp_shard: int) -> int:
     return -(-params * TRAIN_BYTES_PER_PARAM // dp_shard)
 
 
-def make_plan(run: Run) -> dict:
+def make_plan(run: ResolvedRun) -> dict:
     """Parameters and bytes per stage and per rank of a resolved run (validated like a training run)."""
     cfg, args, dims = run.cfg, run.args, run.dims
     par = cfg.parallelism

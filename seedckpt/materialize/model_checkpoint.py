@@ -15,10 +15,10 @@ import torch
 
 from models.family import ModelFamily
 from models.registry import DEFAULT_FAMILY, FAMILIES, family_of, family_of_model_type, get_family
-from seedckpt.checkpoint import Checkpoint, ModelLayout, open_checkpoint
+from seedckpt.checkpoint import ModelLayout, OpenedCheckpoint, open_checkpoint
 from seedckpt.checkpoint.manifest import MANIFEST_NAME, manifest_flavor, manifest_model, read_manifest
 from seedckpt.checkpoint.untrusted import read_json
-from seedckpt.finetune.osft import DenseOSFT, OSFTSpec, convert_to_osft, manifest_osft
+from seedckpt.finetune.osft import DenseOSFT, OSFTSettings, convert_to_osft, manifest_osft
 from seedckpt.utils.errors import SeedckptError
 
 
@@ -29,7 +29,7 @@ class FamilyCodec:
         self.family = family
         self.renamings = family.renamings
 
-    def layout(self, args, osft: OSFTSpec | None = None) -> ModelLayout:
+    def layout(self, args, osft: OSFTSettings | None = None) -> ModelLayout:
         """The tensors ``args`` describes (built on ``meta``: nothing allocated); with ``osft``, its
         targets hold SVD factors instead of a weight."""
         with torch.device("meta"):
@@ -97,7 +97,7 @@ def detect_family(path: str | Path) -> str:
     return DEFAULT_FAMILY
 
 
-def dense_view(source: Checkpoint) -> DenseOSFT:
+def dense_view(source: OpenedCheckpoint) -> DenseOSFT:
     """An OSFT run's checkpoint as the dense model it computes, each target rebuilt only when read
     (one matrix in memory at a time): what a dense export of it holds."""
     args = source.require_args()
@@ -112,7 +112,7 @@ def family_to_open(path: str | Path, args=None, model: str | None = None) -> str
 
 def open_model_checkpoint(
     path: str | Path, args=None, complete: bool = True, verify: bool = True, model: str | None = None
-) -> Checkpoint:
+) -> OpenedCheckpoint:
     """``open_checkpoint`` for a ``model`` checkpoint (None: the family of ``args``, else the one the
     checkpoint names): the model it records is read, and ``args`` describes the model where it
     records none (a foreign DCP checkpoint, a torch.save file)."""
@@ -120,7 +120,7 @@ def open_model_checkpoint(
     return open_checkpoint(path, codec, codec.layout(args) if args is not None else None, complete, verify)
 
 
-def check_args_match(checkpoint: Checkpoint, args, grow_vocab: bool = False) -> None:
+def check_args_match(checkpoint: OpenedCheckpoint, args, grow_vocab: bool = False) -> None:
     """Fail (before any allocation) if ``args`` (from a config) does not describe the model the
     checkpoint records: the fields that decide tensor shapes must agree (with ``grow_vocab``,
     ``args`` may have more vocabulary rows). A checkpoint that records no model is checked tensor

@@ -31,8 +31,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from models.registry import family_of
-from seedckpt.checkpoint import Checkpoint, RowWindow
-from seedckpt.finetune.osft import FROZEN, TRAINABLE, OSFTSpec, convert_to_osft, fill_factors
+from seedckpt.checkpoint import OpenedCheckpoint, RowWindow
+from seedckpt.finetune.osft import FROZEN, TRAINABLE, OSFTSettings, convert_to_osft, fill_factors
 from seedckpt.materialize.init_recipe import init_model
 from seedckpt.materialize.model_checkpoint import check_args_match, open_model_checkpoint
 from seedckpt.parallel.pipeline import StageSpec
@@ -132,11 +132,11 @@ def build_stages(
     args,
     specs: Sequence[StageSpec],
     device: torch.device | str,
-    checkpoint: str | Path | Checkpoint | None = None,
+    checkpoint: str | Path | OpenedCheckpoint | None = None,
     seed: int | None = None,
     shard_fn: Callable[[nn.Module], None] | None = None,
     grow_vocab: bool = False,
-    osft: OSFTSpec | None = None,
+    osft: OSFTSettings | None = None,
     stage_group=None,
     verify: bool = True,
 ) -> list[nn.Module]:
@@ -144,10 +144,10 @@ def build_stages(
     ``shard_fn`` on each (e.g. FSDP2, still on ``meta``), then ``load_stages``.
 
     ``checkpoint``: a path (a DCP checkpoint or a Hugging Face directory of the family), opened
-    here, or a ``Checkpoint`` already opened; ``verify``: check the bytes read against the
+    here, or a ``OpenedCheckpoint`` already opened; ``verify``: check the bytes read against the
     checkpoint's checksums. The other arguments are ``load_stages``'.
     """
-    if checkpoint is not None and not isinstance(checkpoint, Checkpoint):
+    if checkpoint is not None and not isinstance(checkpoint, OpenedCheckpoint):
         # ``args`` describes a checkpoint that records no model (a foreign DCP one), so model tensors this
         # model has no place for (extra layers) are refused, not silently left out. A grown vocabulary
         # is not the checkpoint's shape: then only what the checkpoint records is checked.
@@ -164,7 +164,7 @@ def build_stages(
     return modules
 
 
-def stage_models(args, specs: Sequence[StageSpec], osft: OSFTSpec | None = None) -> tuple[list[nn.Module], dict]:
+def stage_models(args, specs: Sequence[StageSpec], osft: OSFTSettings | None = None) -> tuple[list[nn.Module], dict]:
     """This rank's stage modules on ``meta``, and OSFT's targets in them (``{FQN: OSFTLinear}``):
     with ``osft``, the target linears are ``OSFTLinear`` from the start."""
     modules = [build_stage_model(args, spec) for spec in specs]
@@ -179,10 +179,10 @@ def load_stages(
     modules: Sequence[nn.Module],
     args,
     device: torch.device | str,
-    checkpoint: Checkpoint | None = None,
+    checkpoint: OpenedCheckpoint | None = None,
     seed: int | None = None,
     grow_vocab: bool = False,
-    osft: OSFTSpec | None = None,
+    osft: OSFTSettings | None = None,
     osft_targets: dict | None = None,
     stage_group=None,
 ) -> None:
@@ -210,7 +210,7 @@ def load_stages(
     verify_initialized(modules)
 
 
-def _load(modules, args, reader: Checkpoint, grow_vocab: bool, osft, targets: dict, stage_group, device) -> None:
+def _load(modules, args, reader: OpenedCheckpoint, grow_vocab: bool, osft, targets: dict, stage_group, device) -> None:
     state = {}
     for module in modules:
         state.update(module.state_dict())

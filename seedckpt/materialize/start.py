@@ -8,7 +8,7 @@ per-tensor init from ``training.seed`` (bitwise the seed file that seed would ma
 
 The chosen checkpoint is opened here, once: its ``.metadata``, checksums and data-file lengths are
 checked before any process group exists (a damaged checkpoint is one line, not one per rank), and
-the same ``Checkpoint`` object is handed to the stage builder and the train-state load, so a
+the same ``OpenedCheckpoint`` object is handed to the stage builder and the train-state load, so a
 resume reads and validates ``step-N``'s metadata once instead of three times.
 """
 
@@ -19,7 +19,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from seedckpt.checkpoint import Checkpoint, DcpCheckpoint, step_dirs
+from seedckpt.checkpoint import DcpCheckpoint, OpenedCheckpoint, step_dirs
 from seedckpt.checkpoint.manifest import MANIFEST_NAME, read_manifest
 from seedckpt.checkpoint.untrusted import MAX_JSON_BYTES, read_bounded
 from seedckpt.config.job_config import JobConfig
@@ -32,7 +32,7 @@ from seedckpt.utils.errors import SeedckptError
 
 @dataclass(frozen=True)
 class Start:
-    checkpoint: Checkpoint | None  # None: initialize directly from training.seed
+    checkpoint: OpenedCheckpoint | None  # None: initialize directly from training.seed
     step: int  # 0 when starting from the seed or the pretrained weights
     pretrained: bool = False  # fine-tuning's first start: the vocabulary may grow
 

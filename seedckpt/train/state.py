@@ -19,13 +19,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from seedckpt.checkpoint import TOKENIZER_DIR, Checkpoint, make_manifest, step_dir, write_checkpoint
+from seedckpt.checkpoint import TOKENIZER_DIR, OpenedCheckpoint, make_manifest, step_dir, write_checkpoint
 from seedckpt.checkpoint.background import BackgroundSaver
 from seedckpt.checkpoint.manifest import OPTIMIZER_PREFIX, RNG_PREFIX, TRAIN_STATE_KEY
 from seedckpt.config.job_config import JobConfig
 from seedckpt.data.sources import keyed_generator
 from seedckpt.data.tokenizer import tokenizer_files
-from seedckpt.finetune.osft import OSFTSpec, osft_record
+from seedckpt.finetune.osft import OSFTSettings, osft_record
 from seedckpt.materialize.start import source_fingerprint
 from seedckpt.parallel.data_parallel import DataParallel
 from seedckpt.train.optimizer import apply_settings, build_adamw, lr_factor, parameter_groups
@@ -44,7 +44,7 @@ class TrainState:
         data_parallel: DataParallel,
         step: int,
         global_batch: int,
-        osft: OSFTSpec | None = None,
+        osft: OSFTSettings | None = None,
     ):
         self.cfg, self.args, self.osft = cfg, args, osft
         self.modules, self.data_parallel = modules, data_parallel
@@ -84,7 +84,7 @@ class TrainState:
         state[self.rng_key] = torch.get_rng_state()
         return state
 
-    def load(self, checkpoint: Checkpoint, exclude: frozenset[str] = frozenset()) -> None:
+    def load(self, checkpoint: OpenedCheckpoint, exclude: frozenset[str] = frozenset()) -> None:
         """Everything but the weights (which the stage builder loaded) from ``checkpoint``, a
         ``step-N`` at ``self.step``, except the parts ``exclude`` names (``checkpoint.exclude_from_loading``):
         those start afresh. Collective."""

@@ -50,7 +50,7 @@ from seedckpt.checkpoint import complete_steps, destination_lock, prune_steps, s
 from seedckpt.checkpoint.background import BackgroundSaver, SavedInBackground
 from seedckpt.cli.convert import convert
 from seedckpt.config.job_config import JobConfig, check_output_folders, config_reference, load_config
-from seedckpt.config.resolve import Run, resolve
+from seedckpt.config.resolve import ResolvedRun, resolve
 from seedckpt.data.datasets import make_dataset
 from seedckpt.data.sources import IGNORE_INDEX, keyed_generator
 from seedckpt.finetune.osft import OSFTProjector
@@ -114,7 +114,7 @@ class Trainer:
     """The training loop over this rank's stages, built from a start (``start``), a data-parallel
     implementation (``data_parallel``) and a train state (``train_state``)."""
 
-    def __init__(self, run: Run, data=None):
+    def __init__(self, run: ResolvedRun, data=None):
         """``run``: the config resolved for this world, with its start (``resolve(cfg, world).with_start()``)."""
         cfg = self.cfg = run.cfg
         self.rank = dist.get_rank()
@@ -573,7 +573,7 @@ def quiet_library_logs() -> None:
 def _init_process_group(device: str) -> None:
     """torchrun's env:// rendezvous; a plain ``python train.py`` runs as a world of one.
 
-    The backend follows ``device`` (``Run.device``), not what the machine has: a CPU run on a GPU
+    The backend follows ``device`` (``ResolvedRun.device``), not what the machine has: a CPU run on a GPU
     machine stays on gloo. A CUDA run keeps gloo beside nccl for what lives on the CPU (a
     checkpoint's bytes, the RNG state)."""
     backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
@@ -654,7 +654,7 @@ def _interrupted_line(folder: str) -> str:
     return "interrupted; no checkpoint is left half-written (a save in progress is finished or removed); " + newest
 
 
-def _train(run: Run, data, rank: int) -> int:
+def _train(run: ResolvedRun, data, rank: int) -> int:
     stop_at_first_sigint()
     signals = SaveOnSignals(run.cfg.checkpoint.save_on_signals)
     _init_process_group(run.device)

@@ -6,7 +6,7 @@
 * ``safetensors_file`` -- one ``.safetensors`` file with our FQNs;
 * ``torch_file`` -- a ``torch.save`` file.
 
-Each module has ``detect(path)``, ``reader(path, codec, layout, verify)`` (its ``Checkpoint``) and
+Each module has ``detect(path)``, ``reader(path, codec, layout, verify)`` (its ``OpenedCheckpoint``) and
 ``write(source, dst, job)``. ``FORMATS`` maps each ``convert --to`` target to its module and
 ``open_checkpoint``, the one way into a checkpoint, asks each in turn. Each module also says whether
 it stores any tensor under our FQNs (``OUR_NAMES``: OSFT factors fit) and whether it stores a tied
@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from seedckpt.checkpoint.atomic import refuse_partial
-from seedckpt.checkpoint.base import Checkpoint
+from seedckpt.checkpoint.base import OpenedCheckpoint
 from seedckpt.checkpoint.formats import dcp, hf, safetensors_file, torch_file, torchtitan
 from seedckpt.checkpoint.model import ModelCodec, ModelLayout
 from seedckpt.utils.errors import SeedckptError
@@ -32,7 +32,7 @@ def open_checkpoint(
     layout: ModelLayout | None = None,
     complete: bool = True,
     verify: bool = True,
-) -> Checkpoint:
+) -> OpenedCheckpoint:
     """Detect the format of ``path`` (DCP directory, HF directory, ``.safetensors`` file,
     ``torch.save`` file) and check its tensors against the model it records (read with the caller's
     ``codec``); ``layout`` describes the model when the checkpoint does not. ``complete=False``: a

@@ -15,12 +15,12 @@ from pathlib import Path
 import torch
 
 from seedckpt.checkpoint.atomic import refuse_partial
-from seedckpt.checkpoint.base import Checkpoint, WriteJob, recorded_layout
-from seedckpt.checkpoint.direct import READ_THREADS, DirectFileSystemReader
+from seedckpt.checkpoint.base import OpenedCheckpoint, WriteJob, recorded_layout
 from seedckpt.checkpoint.integrity import Checksums, ItemChecks, check_data_files, data_file, verify_item
 from seedckpt.checkpoint.load import copy_shared, load_state, one_destination_per_source
 from seedckpt.checkpoint.manifest import RAW_ITEMS_KEY, TensorInfo, is_model_key, read_manifest
 from seedckpt.checkpoint.model import ModelCodec, ModelLayout, NameAdapter
+from seedckpt.checkpoint.owned_reads import READ_THREADS, OwnedFileSystemReader
 from seedckpt.checkpoint.safe_pickle import parse_dcp_metadata, tensor_infos
 from seedckpt.checkpoint.untrusted import MAX_METADATA_BYTES, read_bounded
 from seedckpt.checkpoint.writer import LazySavePlanner, write_checkpoint
@@ -40,7 +40,7 @@ def reader(
     return DcpCheckpoint(path, codec, layout, verify)
 
 
-class DcpCheckpoint(Checkpoint):
+class DcpCheckpoint(OpenedCheckpoint):
     """A DCP directory (``.metadata`` + ``*.distcp``), with or without our manifest."""
 
     kind = "dcp"
@@ -143,8 +143,8 @@ class DcpCheckpoint(Checkpoint):
         keys = self.metadata.state_dict_metadata  # DCP stores nested containers as "key.sub..." entries
         return key in keys or any(k.startswith(key + ".") for k in keys)
 
-    def reader(self) -> DirectFileSystemReader:
-        return DirectFileSystemReader(
+    def reader(self) -> OwnedFileSystemReader:
+        return OwnedFileSystemReader(
             self.path, self.raw_items, self.metadata, self.checksums if self.check_reads else None
         )
 
@@ -241,7 +241,7 @@ def _renamed(keys, renamings) -> dict[str, str]:
     return stored
 
 
-def write(source: Checkpoint, dst: Path, job: WriteJob, names: NameAdapter | None = None) -> Path:
+def write(source: OpenedCheckpoint, dst: Path, job: WriteJob, names: NameAdapter | None = None) -> Path:
     """``source``'s tensors as a DCP checkpoint with ``job.manifest``, each read when the writer asks
     for it (one tensor in memory at a time); ``names``: another tool's names instead of ours."""
     fqn_of = {names.to_stored(f) if names else f: f for f in job.infos}

@@ -3,7 +3,7 @@
 The model's HF names and row order come from the caller's codec (``codec.hf_names``): names are
 mapped to ours and permuted rows (e.g. q/k RoPE heads) put back in our order. A tied model (no
 separate output head in the files) gives the tied FQN its source's tensor. ``load`` goes through DCP's
-``HuggingFaceStorageReader`` (reading rows with ``direct.DirectHFReader``), so each rank reads
+``HuggingFaceStorageReader`` (reading rows with ``owned_reads.OwnedHFReader``), so each rank reads
 only its tensors and rows. ``write`` streams ``model-0000k-of-0000n.safetensors`` shards of at
 most ``shard_bytes``, the index and a ``config.json`` that ``transformers`` loads; the tokenizer
 files a fine-tuning checkpoint carries are copied along.
@@ -18,12 +18,12 @@ from pathlib import Path
 import torch
 
 from seedckpt.checkpoint.atomic import atomic_output, write_json_synced
-from seedckpt.checkpoint.base import Checkpoint, WriteJob
-from seedckpt.checkpoint.direct import DirectHFReader
+from seedckpt.checkpoint.base import OpenedCheckpoint, WriteJob
 from seedckpt.checkpoint.formats.safetensors_file import read_safetensor, write_safetensors
 from seedckpt.checkpoint.load import RowWindow, copy_shared, load_state, one_destination_per_source, tensor_problems
 from seedckpt.checkpoint.manifest import TOKENIZER_DIR, TensorInfo
 from seedckpt.checkpoint.model import ModelCodec, ModelLayout
+from seedckpt.checkpoint.owned_reads import OwnedHFReader
 from seedckpt.checkpoint.safetensors_header import SAFETENSORS_DTYPES, safetensors_header
 from seedckpt.checkpoint.untrusted import read_json
 from seedckpt.utils.errors import SeedckptError
@@ -44,7 +44,7 @@ def reader(
     return HFCheckpoint(path, codec)
 
 
-class HFCheckpoint(Checkpoint):
+class HFCheckpoint(OpenedCheckpoint):
     kind = "hf"
 
     def __init__(self, path: Path, codec: ModelCodec | None):
@@ -160,7 +160,7 @@ class HFCheckpoint(Checkpoint):
                     permuted.append((wanted, window, groups))
             else:
                 by_name[name] = wanted
-        load_state(by_name, DirectHFReader(self.path), self.path)
+        load_state(by_name, OwnedHFReader(self.path), self.path)
         with torch.no_grad():
             for wanted, window, groups in permuted:
                 group_rows = wanted.shape[0] // groups
@@ -182,7 +182,7 @@ def _whole_groups(wanted: torch.Tensor, groups: int) -> RowWindow | None:
     return RowWindow(buffer, first * group_rows)
 
 
-def write(source: Checkpoint, dst: Path, job: WriteJob) -> Path:
+def write(source: OpenedCheckpoint, dst: Path, job: WriteJob) -> Path:
     """Shards of at most ``job.shard_bytes`` in HF's names and row order, the index, ``config.json``
     and the source's tokenizer files; published once the directory reads back as an HF model."""
     if job.codec is None or source.layout is None:

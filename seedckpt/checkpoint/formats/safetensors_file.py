@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from seedckpt.checkpoint.atomic import atomic_output
-from seedckpt.checkpoint.base import Checkpoint, WriteJob, recorded_layout
+from seedckpt.checkpoint.base import OpenedCheckpoint, WriteJob, recorded_layout
 from seedckpt.checkpoint.manifest import TensorInfo, parse_manifest
 from seedckpt.checkpoint.model import ModelCodec, ModelLayout
 from seedckpt.checkpoint.safetensors_header import SAFETENSORS_DTYPES, safetensors_header
@@ -53,7 +53,7 @@ def reader(
     return SafetensorsFile(path, codec, layout)
 
 
-class SafetensorsFile(Checkpoint):
+class SafetensorsFile(OpenedCheckpoint):
     kind = "safetensors"
 
     def __init__(self, path: Path, codec: ModelCodec | None = None, layout: ModelLayout | None = None):
@@ -104,7 +104,7 @@ def write_safetensors(
         os.fsync(f.fileno())
 
 
-def write(source: Checkpoint, dst: Path, job: WriteJob) -> Path:
+def write(source: OpenedCheckpoint, dst: Path, job: WriteJob) -> Path:
     """One file, published once its header reads back."""
     with atomic_output(
         dst, job.force, directory=False, check=safetensors_header, replaces=safetensors_header

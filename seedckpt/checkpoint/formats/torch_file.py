@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from seedckpt.checkpoint.atomic import atomic_output
-from seedckpt.checkpoint.base import Checkpoint, WriteJob, recorded_layout
+from seedckpt.checkpoint.base import OpenedCheckpoint, WriteJob, recorded_layout
 from seedckpt.checkpoint.formats.safetensors_file import MANIFEST_KEY, embedded_manifest
 from seedckpt.checkpoint.manifest import TensorInfo
 from seedckpt.checkpoint.model import ModelCodec, ModelLayout
@@ -36,7 +36,7 @@ def reader(
     return TorchFile(path, codec, layout)
 
 
-class TorchFile(Checkpoint):
+class TorchFile(OpenedCheckpoint):
     kind = "torch"
 
     def __init__(self, path: Path, codec: ModelCodec | None = None, layout: ModelLayout | None = None):
@@ -67,7 +67,7 @@ def _torch_file(path: Path) -> None:
     TorchFile(path)
 
 
-def write(source: Checkpoint, dst: Path, job: WriteJob) -> Path:
+def write(source: OpenedCheckpoint, dst: Path, job: WriteJob) -> Path:
     """One pickle of the whole model; published once it reads back as one."""
     with atomic_output(dst, job.force, directory=False, check=TorchFile, replaces=_torch_file) as partial:
         state = {f: source.read_tensor(f).to(i.dtype) for f, i in job.infos.items()}

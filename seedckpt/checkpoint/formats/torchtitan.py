@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from seedckpt.checkpoint.base import Checkpoint, WriteJob
+from seedckpt.checkpoint.base import OpenedCheckpoint, WriteJob
 from seedckpt.checkpoint.formats import dcp
 from seedckpt.utils.errors import SeedckptError
 
@@ -22,7 +22,7 @@ def detect(path: Path) -> bool:
     return False
 
 
-def write(source: Checkpoint, dst: Path, job: WriteJob) -> Path:
+def write(source: OpenedCheckpoint, dst: Path, job: WriteJob) -> Path:
     names = (job.codec.renamings if job.codec is not None else {}).get("torchtitan")
     if names is None:
         raise SeedckptError("this model has no torchtitan names; convert --to dcp instead")

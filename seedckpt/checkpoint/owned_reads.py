@@ -118,7 +118,7 @@ class StagingSlots:
             torch.cuda.current_stream(device).wait_stream(self.stream)
 
 
-class DirectReads:
+class OwnedReads:
     """Runs a rank's read requests as ``preadv`` calls, checking the pieces they cover against the
     recorded checksums; counts the bytes asked for (``bytes_read``) and those read only to check the
     pieces around them (``bytes_read_to_check``).
@@ -410,7 +410,7 @@ def _done() -> Future:
     return fut
 
 
-class DirectFileSystemReader(SafeFileSystemReader):
+class OwnedFileSystemReader(SafeFileSystemReader):
     """A DCP storage reader for our checkpoints: reads the owned rows of every tensor item at the
     positions the manifest records (``raw_items``), the rest the stock way."""
 
@@ -426,7 +426,7 @@ class DirectFileSystemReader(SafeFileSystemReader):
         super().__init__(path, metadata)
         self.raw = {(file, entry[0]): entry for file, entries in raw_items.items() for entry in entries}
         self.checksums = checksums
-        self.reads = DirectReads(threads)
+        self.reads = OwnedReads(threads)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
@@ -483,14 +483,14 @@ class DirectFileSystemReader(SafeFileSystemReader):
         )
 
 
-class DirectHFReader(HuggingFaceStorageReader):
+class OwnedHFReader(HuggingFaceStorageReader):
     """DCP's reader of HF safetensors directories, reading each request's rows with ``preadv``
     at the offsets of the safetensors header (stock: ``safe_open`` + ``get_slice`` over ``mmap``,
     whose pages count in the rank's RSS)."""
 
     def __init__(self, path, threads: int = READ_THREADS):
         super().__init__(str(path))
-        self.reads = DirectReads(threads)
+        self.reads = OwnedReads(threads)
         self.headers: dict[str, tuple[int, dict]] = {}
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:

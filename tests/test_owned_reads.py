@@ -1,4 +1,4 @@
-"""Reading only owned bytes (``seedckpt.checkpoint.direct``): the same values as stock ``dcp.load``,
+"""Reading only owned bytes (``seedckpt.checkpoint.owned_reads``): the same values as stock ``dcp.load``,
 and no more bytes than the rank owns.
 
 Real gloo process groups, real FSDP2 shards, real DCP files. The model has uneven first dimensions
@@ -63,14 +63,14 @@ def _layout_worker(rank, world_size, seed_path, resume_path):
     from torch.distributed.device_mesh import init_device_mesh
 
     from seedckpt.checkpoint import make_manifest, write_checkpoint
-    from seedckpt.checkpoint.direct import DirectReads
+    from seedckpt.checkpoint.owned_reads import OwnedReads
     from seedckpt.materialize.stages import build_stages
     from seedckpt.parallel.pipeline import plan_rank_stages
     from seedckpt.utils.tensors import local, local_rows
 
     args = tiny_config(*UNEVEN).model_args()
     counts = {"direct": 0, "stock_items": 0}
-    run, stock_read = DirectReads.run, FileSystemReader.read_data
+    run, stock_read = OwnedReads.run, FileSystemReader.read_data
 
     def counting_run(self, items, locate, planner):
         run(self, items, locate, planner)
@@ -80,7 +80,7 @@ def _layout_worker(rank, world_size, seed_path, resume_path):
         counts["stock_items"] += len(plan.items)
         return stock_read(self, plan, planner)
 
-    DirectReads.run, FileSystemReader.read_data = counting_run, counting_stock
+    OwnedReads.run, FileSystemReader.read_data = counting_run, counting_stock
     failures, volumes = [], []
 
     def check(name, modules, path):
@@ -150,19 +150,19 @@ def test_reads_through_staging_slots_are_bitwise_stock(uneven_seeds, monkeypatch
     (pinned slots, a side stream), on the CPU through pageable slots. Slots far smaller than a read
     (reused many times) and reads larger than a slot (their own buffer), straight and cast
     destinations, with and without checksums."""
-    from seedckpt.checkpoint import direct
+    from seedckpt.checkpoint import owned_reads
     from seedckpt.checkpoint.load import load_state
     from seedckpt.materialize.model_checkpoint import open_model_checkpoint
 
-    monkeypatch.setattr(direct, "READ_BYTES", 64)
-    monkeypatch.setattr(direct, "PIECE_BYTES", 0)  # slots of 64 bytes; a checked unit spans a 1 MiB piece
+    monkeypatch.setattr(owned_reads, "READ_BYTES", 64)
+    monkeypatch.setattr(owned_reads, "PIECE_BYTES", 0)  # slots of 64 bytes; a checked unit spans a 1 MiB piece
     for stored in ("float32", "bfloat16"):
         expected = stock_tensors(uneven_seeds[stored])
         checkpoint = open_model_checkpoint(uneven_seeds[stored], verify=verify)
         for dtype in {torch.float32, getattr(torch, stored)}:  # as stored, and widened (a cast)
             state = {f: torch.full(t.shape, float("nan"), dtype=dtype, device=device) for f, t in expected.items()}
             reader = checkpoint.reader()
-            reader.reads = direct.DirectReads(threads=3, stage_all=True)
+            reader.reads = owned_reads.OwnedReads(threads=3, stage_all=True)
             load_state(state, reader, checkpoint.path, no_dist=True)
             for fqn, t in state.items():
                 assert t.device.type == device and torch.equal(t.cpu(), expected[fqn].to(dtype)), (stored, dtype, fqn)
@@ -248,20 +248,20 @@ def test_damaged_positions_and_truncated_files_are_errors(tmp_path, debug_seed):
 def test_a_tied_matrix_is_read_once_for_both_destinations(tied_seed, monkeypatch):
     """A rank holding the embedding and a separate output copy (a V schedule's first and last stage)
     reads the matrix once, through the name that stores it, though ``.metadata`` has both names."""
-    from seedckpt.checkpoint.direct import DirectReads
+    from seedckpt.checkpoint.owned_reads import OwnedReads
     from seedckpt.materialize.model_checkpoint import open_model_checkpoint
 
     checkpoint = open_model_checkpoint(tied_seed)
     assert "output.weight" in checkpoint.metadata.state_dict_metadata
     info = checkpoint.infos["tok_embeddings.weight"]
     state = {fqn: torch.zeros(info.shape) for fqn in ("tok_embeddings.weight", "output.weight")}
-    read, run = [], DirectReads.run
+    read, run = [], OwnedReads.run
 
     def counting(self, items, locate, planner):
         run(self, items, locate, planner)
         read.append(self.bytes_read)
 
-    monkeypatch.setattr(DirectReads, "run", counting)
+    monkeypatch.setattr(OwnedReads, "run", counting)
     checkpoint.load(state)
     assert sum(read) == info.nbytes
     assert torch.equal(state["output.weight"], state["tok_embeddings.weight"]) and state["output.weight"].any()
