@@ -11,7 +11,7 @@ import torch
 
 from seedckpt.cli.convert import convert
 from seedckpt.finetune.osft import FROZEN, TRAINABLE, OSFTSettings, assign_by_cost, decompose
-from seedckpt.finetune.pretrained import pretrained_args
+from seedckpt.finetune.pretrained import open_pretrained
 from seedckpt.materialize.model_checkpoint import open_model_checkpoint
 from seedckpt.utils.errors import SeedckptError
 from tests.dist import run_distributed
@@ -212,7 +212,7 @@ def test_resume_gives_identical_losses_and_runs_no_svd(tmp_path, chat_inputs, hf
     assert changed.returncode != 0 and "train.py: error:" in changed.stderr
     assert "resume with the same [finetune] settings" in changed.stderr
     with pytest.raises(SeedckptError, match="--to dcp --dense"):
-        pretrained_args(str(step))
+        open_pretrained(str(step))
     with pytest.raises(SeedckptError, match="casting them would break their orthonormality"):
         convert(step, tmp_path / "cast", "dcp", dtype="bfloat16", progress=False)
     assert not (tmp_path / "cast").exists()

@@ -330,3 +330,26 @@ def test_bad_input_fails_before_training_with_one_line(tmp_path, chat_inputs):
         str(chats),
     )
     assert "does not exist" in err
+
+
+def test_a_fine_tuning_start_opens_the_pretrained_checkpoint_once(tmp_path, chat_inputs, monkeypatch):
+    """``resolve`` opens ``finetune.pretrained`` for its args; the start (and so the stage builder)
+    uses that same object instead of opening it again."""
+    from seedckpt.config.job_config import load_config
+    from seedckpt.config.resolve import resolve
+    from seedckpt.materialize import model_checkpoint
+
+    tokenizer, chats, vocab = chat_inputs
+    hf = _hf_llama(tmp_path / "hf", vocab, tie=False)
+    opened = []
+    real = model_checkpoint.open_checkpoint
+    monkeypatch.setattr(model_checkpoint, "open_checkpoint", lambda *a, **k: opened.append(a[0]) or real(*a, **k))
+    monkeypatch.chdir(REPO)
+    cfg = load_config(
+        "configs/sft_debug.toml",
+        ["--finetune.pretrained", str(hf), "--data.tokenizer", str(tokenizer), "--data.path", str(chats)]
+        + ["--checkpoint.folder", str(tmp_path / "ckpt"), "--parallelism.pipeline_parallel_degree", "1"],
+    )
+    run = resolve(cfg, 1).with_start()
+    assert opened == [str(hf)]
+    assert run.start.checkpoint is run.pretrained and run.start.pretrained

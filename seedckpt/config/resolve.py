@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from models.family import ModelFamily
+from seedckpt.checkpoint import OpenedCheckpoint
 from seedckpt.config.job_config import JobConfig
 from seedckpt.finetune.pretrained import finetune_model
 from seedckpt.materialize.start import Start, find_start
@@ -36,13 +37,14 @@ class ResolvedRun:
     device: str  # "cuda" (rank i of a machine on cuda:i, nccl) or "cpu" (gloo)
     start: Start | None = None
     notes: tuple[str, ...] = ()
+    pretrained: OpenedCheckpoint | None = None  # fine-tuning: finetune.pretrained, opened once
 
     def with_start(self) -> ResolvedRun:
         """This run with where it starts: the checkpoint folder's newest ``step-N``, the pretrained
         weights or the seed, opened once (``start.find_start``). A training run calls it under the
         folder's lock, after the config's own checks have passed. A resume keeps its checkpoint's
         global batch (``keep_global_batch``)."""
-        start = find_start(self.cfg, self.args)
+        start = find_start(self.cfg, self.args, self.pretrained)
         cfg, note = keep_global_batch(self.cfg, self.dims, start)
         return replace(self, cfg=cfg, start=start, notes=self.notes + ((note,) if note else ()))
 
@@ -116,9 +118,9 @@ def resolve(cfg: JobConfig, world_size: int, local_world_size: int | None = None
     ``local_world_size``: the ranks on this machine (default: torchrun's ``LOCAL_WORLD_SIZE``, 1 for
     a plain ``python train.py``); 0 for a command that places no rank (see ``choose_device``)."""
     finetune = finetune_model(cfg)
-    args, notes = finetune if finetune else (cfg.model_args(), ())
+    args, notes, pretrained = finetune if finetune else (cfg.model_args(), (), None)
     dims = ParallelDims.from_config(cfg, world_size, args)
     if local_world_size is None:
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     device = choose_device(cfg.job.device, local_world_size, torch.cuda.device_count())
-    return ResolvedRun(cfg, cfg.model_family(), args, dims, device, notes=notes)
+    return ResolvedRun(cfg, cfg.model_family(), args, dims, device, notes=notes, pretrained=pretrained)

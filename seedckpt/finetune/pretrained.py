@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from seedckpt.checkpoint import OpenedCheckpoint
 from seedckpt.config.job_config import JobConfig
 from seedckpt.data.tokenizer import load_tokenizer
 from seedckpt.finetune.osft import OSFTSettings, describe_targets, manifest_osft, pattern_matches, target_fqns
@@ -36,15 +37,16 @@ def aligned_vocab_size(checkpoint_vocab: int, tokenizer_vocab: int) -> int:
     return -(-tokenizer_vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 
-def pretrained_args(path: str, family: str | None = None):
-    """The model args of the pretrained checkpoint at ``path``, a ``family`` model (None: the one
-    the checkpoint records or its ``config.json`` names)."""
+def open_pretrained(path: str, family: str | None = None, verify: bool = True) -> OpenedCheckpoint:
+    """The pretrained checkpoint at ``path``, a ``family`` model (None: the one the checkpoint records
+    or its ``config.json`` names), opened once for the whole start: its args shape the run, and the
+    stage builder loads from the same object. ``verify``: check the bytes read against its checksums."""
     if not Path(path).exists():
         raise SeedckptError(
             f"finetune.pretrained {path} does not exist; give a DCP checkpoint directory or a "
             "Hugging Face directory (config.json + *.safetensors)"
         )
-    checkpoint = open_model_checkpoint(path, model=family)
+    checkpoint = open_model_checkpoint(path, model=family, verify=verify)
     if manifest_osft(checkpoint.manifest) is not None:
         raise SeedckptError(
             f"finetune.pretrained {path} holds an OSFT run's SVD factors, not dense weights; "
@@ -52,7 +54,8 @@ def pretrained_args(path: str, family: str | None = None):
             "(to continue that run instead, set checkpoint.folder to its folder and finetune.pretrained to what "
             "it started from)"
         )
-    return checkpoint.require_args()
+    checkpoint.require_args()
+    return checkpoint
 
 
 def check_model_section(cfg: JobConfig, args, where: str) -> None:
@@ -122,10 +125,11 @@ def check_osft_settings(cfg: JobConfig, args) -> str:
     return describe_targets(model, target_fqns(model, patterns), ft.osft_unfreeze_rank_ratio)  # checks the ratio
 
 
-def finetune_model(cfg: JobConfig) -> tuple[object, tuple[str, ...]] | None:
+def finetune_model(cfg: JobConfig) -> tuple[object, tuple[str, ...], OpenedCheckpoint] | None:
     """Validate ``[finetune]``; the pretrained model's args, its vocabulary grown to fit
-    ``data.tokenizer``, and lines for the run log (None for pretraining). Reads only metadata, so
-    it runs before any process group: a bad set-up fails at once, with one line."""
+    ``data.tokenizer``, lines for the run log and the opened pretrained checkpoint (None for
+    pretraining). Reads only metadata, so it runs before any process group: a bad set-up fails at
+    once, with one line."""
     ft = cfg.finetune
     if ft.mode == "none":
         if ft.pretrained:
@@ -138,7 +142,8 @@ def finetune_model(cfg: JobConfig) -> tuple[object, tuple[str, ...]] | None:
             f"finetune.mode = {ft.mode!r} needs finetune.pretrained (a DCP checkpoint or an HF "
             "directory), e.g. --finetune.pretrained path/to/Llama-3.2-1B"
         )
-    args = pretrained_args(ft.pretrained, cfg.model.name)
+    pretrained = open_pretrained(ft.pretrained, cfg.model.name, cfg.checkpoint.verify_checksums)
+    args = pretrained.require_args()
     check_model_section(cfg, args, ft.pretrained)
     targets = check_osft_settings(cfg, args) if ft.mode == "osft" else None
     vocab = f"vocabulary {args.vocab_size}"
@@ -155,4 +160,4 @@ def finetune_model(cfg: JobConfig) -> tuple[object, tuple[str, ...]] | None:
         f"{ft.mode} from {ft.pretrained}: dim {args.dim}, {args.n_layers} layers, {vocab}, "
         f"{'tied' if args.tie_word_embeddings else 'untied'} embeddings"
     )
-    return args, (start, targets) if targets else (start,)
+    return args, (start, targets) if targets else (start,), pretrained

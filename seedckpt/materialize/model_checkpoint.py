@@ -9,6 +9,8 @@ instead of a weight). Every command and the stage builder open checkpoints throu
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 
 import torch
@@ -28,15 +30,20 @@ class FamilyCodec:
     def __init__(self, family: ModelFamily):
         self.family = family
         self.renamings = family.renamings
+        self._shapes: dict[str, dict[str, tuple[int, ...]]] = {}  # by the model's description (``_key``)
 
     def layout(self, args, osft: OSFTSettings | None = None) -> ModelLayout:
         """The tensors ``args`` describes (built on ``meta``: nothing allocated); with ``osft``, its
-        targets hold SVD factors instead of a weight."""
-        with torch.device("meta"):
-            model = self.family.model(args)
-            if osft is not None:
-                convert_to_osft(model, osft.patterns, osft.ratio)
-            shapes = {fqn: tuple(t.shape) for fqn, t in model.state_dict().items()}
+        targets hold SVD factors instead of a weight. A start asks for the same model several times
+        (the config's, the checkpoint's record, the resume's): it is built once per description."""
+        key = json.dumps([args.to_dict(), dataclasses.asdict(osft) if osft else None], sort_keys=True, default=str)
+        if key not in self._shapes:
+            with torch.device("meta"):
+                model = self.family.model(args)
+                if osft is not None:
+                    convert_to_osft(model, osft.patterns, osft.ratio)
+                self._shapes[key] = {fqn: tuple(t.shape) for fqn, t in model.state_dict().items()}
+        shapes = dict(self._shapes[key])
         return ModelLayout(args, args.to_dict(), shapes, self.family.tied_weights(args), self.family.flavor_of(args))
 
     def recorded_layout(self, manifest: dict) -> ModelLayout | None:

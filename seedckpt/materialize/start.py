@@ -51,8 +51,9 @@ def open_start(cfg: JobConfig, args, path: str | Path, step: int = 0, pretrained
     return Start(checkpoint, step, pretrained)
 
 
-def find_start(cfg: JobConfig, args) -> Start:
-    """Where a run of ``cfg`` whose model is ``args`` starts (``resolve`` calls it once)."""
+def find_start(cfg: JobConfig, args, pretrained: OpenedCheckpoint | None = None) -> Start:
+    """Where a run of ``cfg`` whose model is ``args`` starts (``resolve`` calls it once).
+    ``pretrained``: fine-tuning's checkpoint, already opened by ``resolve`` (not opened again)."""
     steps = step_dirs(cfg.checkpoint.folder)
     if steps:
         chosen = resume_step(cfg, steps)
@@ -63,6 +64,8 @@ def find_start(cfg: JobConfig, args) -> Start:
         check_same_job(cfg, start)
         return start
     if cfg.finetune.mode != "none":
+        if pretrained is not None:
+            return Start(pretrained, 0, True)
         return open_start(cfg, args, cfg.finetune.pretrained, pretrained=True)
     if cfg.checkpoint.initial_load_path:
         return initial_start(cfg, args)
