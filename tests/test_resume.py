@@ -97,6 +97,7 @@ def test_a_newest_step_missing_a_file_stops_the_resume_instead_of_being_skipped(
     err = proc.stderr.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert "cannot resume" in err and "step-4" in err and "resume from step 2" in err, err
+    assert "that opens is" in err and "seedckpt verify" in err and "intact" not in err, err  # opens, not checked
     assert (run / "metrics.jsonl").read_bytes() == metrics
 
 

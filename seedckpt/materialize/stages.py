@@ -87,7 +87,8 @@ def verify_initialized(modules: Sequence[nn.Module]) -> None:
     if bad:
         raise SeedckptError(
             f"tensors left uninitialized, or not finite (NaN or Inf) in the checkpoint: {bad}; training from "
-            "non-finite weights gives a NaN loss: start from an intact checkpoint"
+            "non-finite weights gives a NaN loss: start from an earlier step-N or the seed (`seedckpt verify` "
+            "names the non-finite tensors of a checkpoint)"
         )
 
 

@@ -182,10 +182,10 @@ def fallback_hint(steps: dict[int, Path], broken: int) -> str:
         except SeedckptError:
             continue
         return (
-            f"the newest intact checkpoint before it is {steps[step]}: move {steps[broken]} out of the folder "
-            f"to resume from step {step}"
+            f"the newest earlier checkpoint that opens is {steps[step]} (`seedckpt verify {steps[step]}` checks "
+            f"every byte and names any NaN or Inf): move {steps[broken]} out of the folder to resume from step {step}"
         )
-    return "no earlier checkpoint in the folder is intact: start again from the seed in a new checkpoint.folder"
+    return "no earlier checkpoint in the folder opens: start again from the seed in a new checkpoint.folder"
 
 
 # The sections whose values a resume may change: each applies from the next step, and is logged.
