@@ -300,3 +300,48 @@ def test_checkpoint_enable_false_with_an_export_is_refused(tmp_path, debug_seed,
         "checkpoint.export_at_end = 'hf'; it must be \"none\" while checkpoint.enable = false"
         in capsys.readouterr().err
     )
+
+
+def test_keep_best_records_each_validated_steps_loss_and_keeps_the_lowest(tmp_path, debug_seed):
+    run = tmp_path / "run"
+    keep_best = ["--checkpoint.keep_best", "true", "--checkpoint.keep_latest_k", "1"]
+    validation = ["--validation.enable", "true", "--validation.freq", "2", "--validation.steps", "1"]
+    proc = train(run, debug_seed, "--training.steps", "6", *keep_best, *validation)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    logged = {r["step"]: r["val_loss"] for r in rows(run) if "val_loss" in r}
+    best = min(logged, key=lambda step: (logged[step], step))
+    assert sorted(p.name for p in (run / "ckpt").iterdir()) == sorted({"step-6", f"step-{best}"})
+    for step in {6, best}:  # each kept step records the loss logged for it
+        manifest = json.loads((run / "ckpt" / f"step-{step}" / "seedckpt.json").read_text())
+        assert manifest["val_loss"] == pytest.approx(logged[step])
+    assert f"lowest validation loss: step-{best}, kept (checkpoint.keep_best)" in proc.stdout
+
+
+def _fake_step(folder: Path, step: int, val_loss) -> None:
+    path = folder / f"step-{step}"
+    path.mkdir(parents=True)
+    (path / ".metadata").write_bytes(b"")
+    (path / "seedckpt.json").write_text(
+        json.dumps({"format": "seedckpt", **({"val_loss": val_loss} if val_loss else {})})
+    )
+
+
+def test_pruning_spares_the_step_with_the_lowest_recorded_validation_loss(tmp_path):
+    from seedckpt.checkpoint import prune_steps
+
+    for step, loss in {2: 3.0, 4: 1.5, 6: "NaN", 8: 2.5, 10: None}.items():
+        _fake_step(tmp_path, step, float(loss) if loss else None)
+    (tmp_path / "step-12").mkdir()  # unfinished: neither counted nor deleted
+    (tmp_path / "step-12" / "seedckpt.json").write_text("{not json")
+    prune_steps(tmp_path, 2, 10, keep_best=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-10", "step-12", "step-4", "step-8"]
+    prune_steps(tmp_path, 1, 10)  # without keep_best the best goes like any other
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-10", "step-12"]
+
+
+def test_keep_best_without_a_validation_at_every_save_is_refused(tmp_path, debug_seed, capsys):
+    code = train_in_process(tmp_path / "run", debug_seed, "--checkpoint.keep_best", "true")
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "checkpoint.keep_best keeps the saved step with the lowest validation loss" in err, err
+    assert len(err.strip().splitlines()) == 1

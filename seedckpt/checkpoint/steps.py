@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 from pathlib import Path
 
-from seedckpt.checkpoint.manifest import MANIFEST_NAME
+from seedckpt.checkpoint.manifest import MANIFEST_NAME, read_manifest
+from seedckpt.utils.errors import SeedckptError
 
 
 def step_dir(folder: str | os.PathLike, step: int) -> Path:
@@ -36,12 +38,29 @@ def complete_steps(folder: str | os.PathLike) -> dict[int, Path]:
     }
 
 
-def prune_steps(folder: str | os.PathLike, keep: int, saved: int) -> None:
+def prune_steps(folder: str | os.PathLike, keep: int, saved: int, keep_best: bool = False) -> None:
     """Delete all but the newest ``keep`` complete step checkpoints up to ``saved``, the step just
     written (``keep <= 0`` keeps all). Newer ones (left by a run resumed at an earlier
-    ``checkpoint.load_step``) are kept: they are not this run's to count, and not older than its own."""
+    ``checkpoint.load_step``) are kept: they are not this run's to count, and not older than its own.
+    ``keep_best``: the step whose manifest records the lowest ``val_loss`` is kept too."""
     if keep <= 0:
         return
     steps = {n: path for n, path in complete_steps(folder).items() if n <= saved}
+    best = best_step(steps) if keep_best else None
     for step in sorted(steps)[:-keep]:
-        shutil.rmtree(steps[step], ignore_errors=True)
+        if step != best:
+            shutil.rmtree(steps[step], ignore_errors=True)
+
+
+def best_step(steps: dict[int, Path]) -> int | None:
+    """Of ``steps``, the one whose manifest records the lowest finite ``val_loss`` (the earliest of
+    equals); None when none records one."""
+    losses = {}
+    for n, path in steps.items():
+        try:
+            value = (read_manifest(path) or {}).get("val_loss")
+        except SeedckptError:  # a damaged manifest records nothing to compare; pruning goes on
+            continue
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            losses[n] = value
+    return min(losses, key=lambda n: (losses[n], n)) if losses else None

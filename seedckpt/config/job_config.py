@@ -309,6 +309,11 @@ class Checkpoint:
     folder: str = option("./checkpoints", "the run's step-N checkpoints; a run resumes from the latest complete one")
     interval: int = option(100, "save every this many steps (0: only at the end and at training.stop_after_step)")
     keep_latest_k: int = option(3, "step checkpoints kept, the older ones deleted (0: keep all)")
+    keep_best: bool = option(
+        False,
+        "also keep the step-N with the lowest validation loss, whatever keep_latest_k (needs validation.enable, "
+        "and validation.freq a multiple of checkpoint.interval so that every validated step is saved)",
+    )
     async_mode: Literal["disabled", "async"] = option(
         "disabled",
         "async: the step's state is copied in memory and written, checksummed and published by a "
@@ -528,6 +533,14 @@ class JobConfig:
         if self.validation.enable and not self.validation.path and self.data.kind != "synthetic":
             raise SeedckptError(
                 f"validation.enable needs validation.path: held-out data in data.kind = {self.data.kind!r}'s format"
+            )
+        ckpt, val = self.checkpoint, self.validation
+        if ckpt.keep_best and not (val.enable and ckpt.enable and ckpt.interval and val.freq % ckpt.interval == 0):
+            raise SeedckptError(
+                "checkpoint.keep_best keeps the saved step with the lowest validation loss: it needs "
+                "validation.enable = true and validation.freq a multiple of checkpoint.interval (got "
+                f"validation.enable = {val.enable}, validation.freq = {val.freq}, checkpoint.interval = "
+                f"{ckpt.interval}, checkpoint.enable = {ckpt.enable})"
             )
         if self.data.kind == "chat" and not self.data.tokenizer:
             raise SeedckptError(

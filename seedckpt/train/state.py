@@ -131,9 +131,10 @@ class TrainState:
             group["lr"] = self.cfg.training.lr * factor(scheduler.last_epoch)
         scheduler._last_lr = [group["lr"] for group in groups]
 
-    def save(self, background: BackgroundSaver | None = None) -> Path:
+    def save(self, background: BackgroundSaver | None = None, val_loss: float | None = None) -> Path:
         """Write ``checkpoint.folder/step-<step>`` (collective) with the run's manifest and tokenizer;
-        with ``background``, only stage it there: the write goes on while training does."""
+        with ``background``, only stage it there: the write goes on while training does. ``val_loss``:
+        the step's validation loss, recorded for ``checkpoint.keep_best``."""
         start = time.perf_counter()
         state = {}
         for i in range(len(self.modules)):
@@ -164,6 +165,7 @@ class TrainState:
                 **(osft_record(self.osft) if self.osft else {}),
             },
             data={"kind": cfg.data.kind, "path": cfg.data.path},
+            **({"val_loss": val_loss} if val_loss is not None else {}),
         )
         files = {f"{TOKENIZER_DIR}/{f.name}": f for f in tokenizer_files(tokenizer)} if tokenizer else {}
         path = step_dir(cfg.checkpoint.folder, self.step)

@@ -46,7 +46,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from seedckpt.checkpoint import complete_steps, destination_lock, prune_steps, step_dir, step_dirs
+from seedckpt.checkpoint import best_step, complete_steps, destination_lock, prune_steps, step_dir, step_dirs
 from seedckpt.checkpoint.background import BackgroundSaver, SavedInBackground
 from seedckpt.cli.convert import convert
 from seedckpt.config.job_config import JobConfig, check_output_folders, config_reference, load_config
@@ -299,16 +299,17 @@ class Trainer:
         dist.all_reduce(leak, op=dist.ReduceOp.MAX)
         return leak.item()
 
-    def save(self) -> None:
+    def save(self, val_loss: float | None = None) -> None:
         """Synchronous: write ``step-N``, then prune. Asynchronous: wait for the save in flight, then
-        stage this one; it is pruned after and logged once every rank has published it."""
+        stage this one; it is pruned after and logged once every rank has published it. ``val_loss``:
+        the step's, when it was validated (``checkpoint.keep_best`` keeps the lowest)."""
         if self.saver is None:
             start = time.perf_counter()
-            path = self.state.save()
+            path = self.state.save(val_loss=val_loss)
             self._saved(path, time.perf_counter() - start)
             return
         self._published(self.saver.wait())
-        self.state.save(self.saver)
+        self.state.save(self.saver, val_loss)
 
     def _published(self, saved: SavedInBackground | None) -> None:
         """Prune and log a background save that every rank has published (``None``: none has)."""
@@ -316,11 +317,14 @@ class Trainer:
             self._saved(saved.path, saved.stall_s, saved.background_s)
 
     def _saved(self, path: Path, stall_s: float, background_s: float | None = None) -> None:
+        ckpt, best = self.cfg.checkpoint, ""
         if self.rank == 0:  # after the new step is published: never fewer complete steps than before
             saved = int(path.name.removeprefix("step-"))
-            prune_steps(self.cfg.checkpoint.folder, self.cfg.checkpoint.keep_latest_k, saved)
+            prune_steps(ckpt.folder, ckpt.keep_latest_k, saved, ckpt.keep_best)
+            kept = best_step(complete_steps(ckpt.folder)) if ckpt.keep_best else None
+            best = f"; lowest validation loss: step-{kept}, kept (checkpoint.keep_best)" if kept is not None else ""
         background = f", background {background_s:.2f} s" if background_s is not None else ""
-        self.log(f"saved checkpoint {path} (stall {stall_s:.2f} s{background})")
+        self.log(f"saved checkpoint {path} (stall {stall_s:.2f} s{background}){best}")
 
     # -- the loop -------------------------------------------------------------------------------
     def local_batches(self, step: int):
@@ -486,7 +490,7 @@ class Trainer:
                 at_interval = ckpt.interval > 0 and state.step % ckpt.interval == 0
                 ends = stopping or state.step == train.steps or stopped_by
                 if ckpt.enable and (at_interval or ends):  # interval 0: the last only
-                    self.save()
+                    self.save(extra.get("val_loss"))
                 if stopping:
                     self.log(f"stopping after step {state.step} (training.stop_after_step); run again to resume")
                     break
