@@ -176,7 +176,8 @@ def test_loss_parity_across_layouts(tmp_path, debug_seed):
 def test_auto_adamw_on_the_cpu_computes_what_torchs_default_did():
     """``optimizer.implementation = auto`` is foreach on the CPU, where foreach falls back to per-tensor
     ops: bitwise the for-loop AdamW that torch picks for CPU tensors when not told. Fused is CUDA's
-    auto, and rounds the update its own way."""
+    auto; on a CPU its vectorized kernel may round the update its own way (bitwise equal or not
+    depends on the CPU's vector width: both were seen on this project's machines), within 1e-6."""
     from seedckpt.train.optimizer import ADAMW_KERNELS, adamw_implementation
 
     assert adamw_implementation("auto", "cpu") == "foreach" and adamw_implementation("auto", "cuda") == "fused"
@@ -196,9 +197,10 @@ def test_auto_adamw_on_the_cpu_computes_what_torchs_default_did():
         return params
 
     default = train()
-    for implementation, same_bits in (("auto", True), ("for-loop", True), ("fused", False)):
+    for implementation in ("auto", "for-loop", "fused"):
         got = train(**ADAMW_KERNELS[adamw_implementation(implementation, "cpu")])
-        assert all(torch.equal(a, b) for a, b in zip(got, default)) == same_bits, implementation
+        if implementation != "fused":
+            assert all(torch.equal(a, b) for a, b in zip(got, default)), implementation
         assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(got, default)), implementation
 
 
