@@ -107,6 +107,13 @@ PARTS = [
         "time to OSFT-ready: the SVDs of two 1B blocks in seconds, on the GPU against the CPU",
     ),
     Part(
+        "loss",
+        "io",
+        ["benchmarks/loss.py", "--device", "cuda", "--tokens", "16384", "--dim", "2048", "--dtype", "bfloat16"],
+        40,
+        "the chunked loss's peak memory a fraction of the whole logits' (1B head, 16k tokens), the same loss",
+    ),
+    Part(
         "attention",
         "io",
         ["benchmarks/attention.py", "--device", "cuda", "--batch", "4", "--dtype", "bfloat16"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -137,3 +138,29 @@ def test_freqs_cis_is_recomputed_and_not_checkpointed():
 def test_invalid_model_args_are_rejected():
     with pytest.raises(ValueError, match="n_kv_heads"):
         ModelArgs(dim=64, n_heads=4, n_kv_heads=3)
+
+
+@pytest.mark.parametrize("family", ["llama3", "granite"])  # granite: the logits scaled in each chunk
+def test_chunked_loss_equals_the_whole_logits_loss_and_holds_one_chunk_of_logits(family):
+    from models.registry import get_family
+
+    args = dataclasses.replace(get_family(family).flavors["debug"], vocab_size=512)
+    model = _model(args)
+    tokens = torch.randint(0, args.vocab_size, (2, 37), generator=torch.Generator().manual_seed(1))
+    labels = tokens.roll(-1, 1)
+    labels[0, :5] = -100  # no loss there
+    whole = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1).float(), labels.flatten(), reduction="sum")
+    whole.backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+
+    model.loss_chunk_tokens = 16
+    rows = []
+    model.output.register_forward_hook(lambda module, args, out: rows.append(out.shape[0]))
+    chunked = model(tokens, labels=labels)
+    assert rows == [16, 16, 16, 16, 10]  # 2 x 37 tokens; never all 74 at once
+    chunked.backward()
+    assert sorted(rows) == sorted([16, 16, 16, 16, 10] * 2)  # backward recomputed each chunk, one at a time
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-5)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], rtol=1e-5, atol=1e-5, msg=name)

@@ -139,6 +139,11 @@ def test_initial_load_path_with_its_train_state_continues_another_runs_steps_bit
             "torch 2.13 cannot run that schedule forward only",
         ),
         (["--validation.enable", "true", "--data.kind", "text"], "validation.enable needs validation.path"),
+        (
+            ["--training.loss_chunk_tokens", "64", "--parallelism.tensor_parallel_degree", "2"],
+            "training.loss_chunk_tokens with parallelism.tensor_parallel_degree > 1",
+        ),
+        (["--training.loss_chunk_tokens", "-1"], "training.loss_chunk_tokens = -1; it must be >= 0"),
     ],
 )
 def test_load_settings_are_refused_before_any_rendezvous(tmp_path, debug_seed, capsys, monkeypatch, overrides, message):
@@ -345,3 +350,22 @@ def test_keep_best_without_a_validation_at_every_save_is_refused(tmp_path, debug
     err = capsys.readouterr().err
     assert "checkpoint.keep_best keeps the saved step with the lowest validation loss" in err, err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_a_chunked_loss_trains_and_validates_like_the_whole_logits_on_pp2_x_dp_shard2(tmp_path, debug_seed):
+    """``training.loss_chunk_tokens``: the last pipeline stage returns its loss computed 24 tokens at a
+    time (FSDP2-sharded output projection, 1F1B schedule), training and validation, within 1e-5."""
+    from tests.test_train import torchrun
+
+    common = ["--training.steps", "4", "--checkpoint.enable", "false", "--training.local_batch_size", "4"]
+    common += ["--validation.enable", "true", "--validation.freq", "2", "--validation.steps", "1"]
+    torchrun(tmp_path / "whole", debug_seed, 4, *common)
+    torchrun(tmp_path / "chunked", debug_seed, 4, *common, "--training.loss_chunk_tokens", "24")
+    whole, chunked = rows(tmp_path / "whole"), rows(tmp_path / "chunked")
+    assert [r["step"] for r in chunked] == [1, 2, 3, 4]
+    for a, b in zip(chunked, whole):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(
+            b["grad_norm"], rel=1e-4
+        )
+        assert ("val_loss" in a) == ("val_loss" in b) == (a["step"] in (2, 4))
+        assert a.get("val_loss", 0.0) == pytest.approx(b.get("val_loss", 0.0), rel=1e-5)

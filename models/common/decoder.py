@@ -63,12 +63,14 @@ exactly the buffers of the full model.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 # Absolute bound of ``nn.init.trunc_normal_``'s defaults (a=-2, b=2), which torchtitan keeps.
 TRUNC_BOUND = 2.0
@@ -265,6 +267,7 @@ class Transformer(nn.Module):
         self.tie_weights()
         # On `meta` this allocates nothing; after `to_empty` call `init_buffers()`.
         self.register_buffer("freqs_cis", precompute_freqs_cis(args), persistent=False)
+        self.loss_chunk_tokens = 0  # tokens per chunk of forward(labels=...)'s loss; a training setting
 
     def tie_weights(self) -> None:
         """With ``tie_word_embeddings``, make ``output`` use the embedding's parameter when this
@@ -307,12 +310,19 @@ class Transformer(nn.Module):
             init.trunc_normal_(weight, std=output_std, cutoff=3.0, key=key)
 
     def forward(
-        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, document_ids: torch.Tensor | None = None
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Token ids (or, on a later pipeline stage, hidden states) -> logits (or hidden states).
 
         ``positions`` (bsz, seq): RoPE position of each token (default ``0..seq-1`` in every row).
         ``document_ids`` (bsz, seq): tokens attend only within their document (default: one per row).
+        ``labels`` (bsz, seq): on the stage holding ``output``, return the summed cross-entropy of the
+        label tokens (-100: none) instead of the logits, ``loss_chunk_tokens`` tokens at a time
+        (``chunked_cross_entropy``); other stages ignore them.
         """
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(tokens)
@@ -328,5 +338,31 @@ class Transformer(nn.Module):
             h = self.norm(h)
         if self.output is None:
             return h
+        if labels is not None:
+            return chunked_cross_entropy(h, labels, self.project, self.loss_chunk_tokens)
+        return self.project(h)
+
+    def project(self, h: torch.Tensor) -> torch.Tensor:
+        """Final hidden states -> logits."""
         logits = self.output(h)
         return logits / self.options.logits_scaling if self.options.logits_scaling != 1.0 else logits
+
+
+def chunked_cross_entropy(
+    h: torch.Tensor, labels: torch.Tensor, project: Callable[[torch.Tensor], torch.Tensor], chunk_tokens: int
+) -> torch.Tensor:
+    """The summed float32 cross-entropy of ``project(h)`` against ``labels`` (-100: no loss), computed
+    ``chunk_tokens`` tokens at a time (0: all at once). Each chunk's logits are recomputed in backward
+    instead of kept (``torch.utils.checkpoint``), so at most one chunk's logits exist at any time --
+    at a 128k vocabulary the whole micro-batch's would be 0.5 MB per token in float32."""
+    h, labels = h.flatten(0, 1), labels.flatten()
+    size = chunk_tokens if chunk_tokens > 0 else h.shape[0]
+    total = torch.zeros((), dtype=torch.float32, device=h.device)
+    for start in range(0, h.shape[0], size):
+        part = (h[start : start + size], labels[start : start + size])
+        total = total + checkpoint(_summed_cross_entropy, project, *part, use_reentrant=False)
+    return total
+
+
+def _summed_cross_entropy(project, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(project(h).float(), labels, reduction="sum")  # ignore_index: -100, the default

@@ -142,6 +142,11 @@ class Training:
         "torch.compile each transformer block (one graph shared by all of them) and the "
         "loss; checkpoints are unchanged, so compiled and eager runs resume each other",
     )
+    loss_chunk_tokens: int = option(
+        0,
+        "run the output projection and the cross-entropy this many tokens at a time, each chunk's logits "
+        "recomputed in backward, so at most one chunk's logits exist (0: the micro-batch's all at once)",
+    )
 
     def validate(self) -> None:
         for key in ("steps", "local_batch_size", "seq_len"):
@@ -161,6 +166,7 @@ class Training:
             "a finite number >= 0 (0: no clipping)",
         )
         _check("training.warmup_steps", self.warmup_steps, self.warmup_steps >= 0, ">= 0")
+        _check("training.loss_chunk_tokens", self.loss_chunk_tokens, self.loss_chunk_tokens >= 0, ">= 0 (0: no chunks)")
         _check(
             "training.stop_after_step",
             self.stop_after_step,
@@ -533,6 +539,12 @@ class JobConfig:
         if self.validation.enable and not self.validation.path and self.data.kind != "synthetic":
             raise SeedckptError(
                 f"validation.enable needs validation.path: held-out data in data.kind = {self.data.kind!r}'s format"
+            )
+        if self.training.loss_chunk_tokens and self.parallelism.tensor_parallel_degree > 1:
+            raise SeedckptError(
+                "training.loss_chunk_tokens with parallelism.tensor_parallel_degree > 1: the chunked loss needs "
+                "whole-vocabulary logits, and tensor parallelism splits them by vocabulary; set "
+                "training.loss_chunk_tokens = 0 (or tensor_parallel_degree = 1)"
             )
         ckpt, val = self.checkpoint, self.validation
         if ckpt.keep_best and not (val.enable and ckpt.enable and ckpt.interval and val.freq % ckpt.interval == 0):

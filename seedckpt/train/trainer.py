@@ -150,6 +150,9 @@ class Trainer:
         # under TP: compiled, the loss-parallel cross-entropy of torch 2.13 returns 0 (measured).
         compiled = train.compile and self.dims.tp == 1
         self.cross_entropy = torch.compile(token_cross_entropy) if compiled else token_cross_entropy
+        # training.loss_chunk_tokens: the last stage returns its summed loss, computed chunk by chunk
+        # from its labels (``Transformer.forward(labels=...)``), instead of the logits.
+        self.chunked_loss = train.loss_chunk_tokens > 0
         self.global_batch = self.dims.global_batch_size(cfg)
         self.data = data or make_dataset(cfg.data, self.args.vocab_size, train.seq_len, train.seed)
         held_out = dataclasses.replace(cfg.data, path=cfg.validation.path, sources=[])
@@ -192,6 +195,7 @@ class Trainer:
         try:
             self.modules, osft_targets = stage_models(self.args, self.specs, self.osft)
             for module in self.modules:
+                module.loss_chunk_tokens = train.loss_chunk_tokens
                 parallelize_stage(module, cfg, self.dims, self.mesh, self.data_parallel.shard_on_meta)
             load_stages(
                 self.modules,
@@ -288,10 +292,11 @@ class Trainer:
             return schedule(stages[0], n_microbatches=n_micro, loss_fn=self._loss, scale_grads=False)
         return schedule(stages, n_microbatches=n_micro, loss_fn=self._loss, scale_grads=False)
 
-    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Summed token cross-entropy of one micro-batch, scaled so the gradients add up to the
-        global batch's per-token mean (micro-batches hold different numbers of label tokens)."""
-        return self.cross_entropy(logits, labels) * self.loss_scale
+        global batch's per-token mean (micro-batches hold different numbers of label tokens).
+        ``output``: the logits, or with ``training.loss_chunk_tokens`` the summed loss itself."""
+        return (output if self.chunked_loss else self.cross_entropy(output, labels)) * self.loss_scale
 
     def _osft_leak(self) -> float:
         """The worst ||U_high^T U_low|| / ||V_high^T V_low|| over every stage (collective)."""
@@ -375,6 +380,8 @@ class Trainer:
             extra = {
                 k: v for k, v in (("positions", batch.positions), ("document_ids", batch.document_ids)) if v is not None
             }
+            if self.chunked_loss:  # every stage is given them; the one holding the output uses them
+                extra["labels"] = batch.labels
             if self.pipeline is None:
                 loss = self._loss(self.modules[0](batch.inputs, **extra), batch.labels)
                 if backward:
@@ -386,7 +393,7 @@ class Trainer:
                 *([batch.inputs] if has_first else []),
                 target=batch.labels if has_last else None,
                 losses=losses,
-                **({"return_outputs": False} if backward else {}),
+                return_outputs=False,  # the losses are what is used (a chunked loss is 0-dimensional: not mergeable)
                 **extra,
             )
             if has_last:

@@ -1,0 +1,123 @@
+"""Benchmark the loss's memory: the whole micro-batch's logits (``training.loss_chunk_tokens = 0``)
+against the chunked loss, which projects and scores a chunk of tokens at a time and recomputes each
+chunk's logits in backward (``models.common.decoder.chunked_cross_entropy``).
+
+An output projection of ``--flavor``'s vocabulary (default 1B: 128 256) from ``--dim`` (default 256;
+the chunks pay off where the micro-batch's tokens outnumber the model's width, whose weight gradient
+both variants hold) on ``--tokens`` tokens, forward and backward of the summed cross-entropy in
+float32. Each variant runs in its own process, so its peak (CUDA: max allocated; CPU: peak RSS
+growth over the weights and inputs) is its own; the losses of the two are compared too. Prints one
+JSON line per variant and one comparing them.
+
+  python benchmarks/loss.py                                  # CPU: 4096 tokens, dim 256, chunks of 512
+  python benchmarks/loss.py --device cuda --tokens 32768 --dim 2048 --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from common import ROOT, emit, parser
+
+
+def measure(opts) -> dict:
+    """One variant in this process: median forward+backward seconds, peak memory, the loss."""
+    import resource
+    import statistics
+    import time
+
+    import torch
+    import torch.nn.functional as F
+
+    sys.path.insert(0, str(ROOT))
+    from models.common.decoder import chunked_cross_entropy
+    from models.llama3.args import LLAMA3_FLAVORS
+
+    device, dtype = torch.device(opts.device), getattr(torch, opts.dtype)
+    args = LLAMA3_FLAVORS[opts.flavor]
+    torch.manual_seed(0)  # the head's init: the same weights in both processes
+    g = torch.Generator(device=device).manual_seed(0)
+    head = torch.nn.Linear(opts.dim, args.vocab_size, bias=False, device=device, dtype=dtype)
+    h = torch.randn(opts.tokens, opts.dim, device=device, dtype=dtype, generator=g, requires_grad=True)
+    labels = torch.randint(0, args.vocab_size, (opts.tokens,), device=device, generator=g)
+
+    def loss() -> torch.Tensor:
+        if opts.chunk_tokens == 0:
+            return F.cross_entropy(head(h).float(), labels, reduction="sum")
+        return chunked_cross_entropy(h[None], labels[None], head, opts.chunk_tokens)
+
+    def step() -> float:
+        value = loss()
+        value.backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return value.item()
+
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    step()  # warm-up
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times, value = [], None
+    for _ in range(opts.repeats):
+        start = time.perf_counter()
+        value = step()
+        times.append(time.perf_counter() - start)
+    cuda = device.type == "cuda"
+    peak = (
+        torch.cuda.max_memory_allocated()
+        if cuda
+        else (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) * 1024
+    )
+    return {
+        "variant": "chunked" if opts.chunk_tokens else "whole_logits",
+        "flavor": opts.flavor,
+        "device": opts.device,
+        "dtype": opts.dtype,
+        "tokens": opts.tokens,
+        "dim": opts.dim,
+        "vocab_size": args.vocab_size,
+        "chunk_tokens": opts.chunk_tokens,
+        "fwd_bwd_s": statistics.median(times),
+        "loss": value,
+        ("peak_alloc_bytes" if cuda else "peak_rss_growth_bytes"): peak,
+        "logits_bytes_fp32": opts.tokens * args.vocab_size * 4,
+    }
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--tokens", type=int, default=4096, help="tokens in the micro-batch (default 4096)")
+    p.add_argument("--dim", type=int, default=256, help="the hidden size projected (default 256)")
+    p.add_argument("--chunk-tokens", type=int, default=512, help="the chunked variant's chunk (default 512)")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--variant", action="store_true", help="run one variant in this process (used by the driver)")
+    opts = p.parse_args()
+    if opts.variant:
+        print(json.dumps(measure(opts)))
+        return
+    shared = ["--device", opts.device, "--dtype", opts.dtype, "--tokens", str(opts.tokens), "--dim", str(opts.dim)]
+    shared += ["--repeats", str(opts.repeats), "--flavor", opts.flavor]
+    results = []
+    for chunk in (0, opts.chunk_tokens):
+        cmd = [sys.executable, __file__, "--variant", *shared, "--chunk-tokens", str(chunk)]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        results.append(json.loads(out.strip().splitlines()[-1]))
+        emit(results[-1])
+    whole, chunked = results
+    memory = next(k for k in whole if k.startswith("peak_"))
+    emit(
+        {
+            "comparison": "chunked vs whole_logits",
+            "peak_ratio": chunked[memory] / whole[memory],
+            "time_ratio": chunked["fwd_bwd_s"] / whole["fwd_bwd_s"],
+            "loss_rel_diff": abs(chunked["loss"] - whole["loss"]) / abs(whole["loss"]),
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()
