@@ -70,6 +70,39 @@ def test_tokenize_in_parallel_gives_each_documents_ids_then_eos(tmp_path, tokeni
     assert "is corrupt: bytes 0.." in capsys.readouterr().err
 
 
+def test_a_parquet_corpus_tokenizes_to_the_ids_of_the_same_jsonl(tmp_path, tokenizer, corpus, capsys, monkeypatch):
+    """A "text" column read a record batch at a time (batches smaller than the file: 3 rows), alone and
+    in a directory beside JSONL; a file without the column, a null row or a damaged file is one line."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from seedckpt.data import sources
+
+    monkeypatch.setattr(sources, "PARQUET_BATCH_ROWS", 3)
+    mixed = tmp_path / "mixed"
+    shutil.copytree(corpus, mixed, ignore=shutil.ignore_patterns("*.txt", "b.jsonl.gz"))
+    half = len(DOCS) // 2
+    pq.write_table(pa.table({"id": list(range(len(DOCS) - half)), "text": DOCS[half:]}), mixed / "b.parquet")
+    assert tokenize(mixed / "b.parquet", tokenizer, tmp_path / "alone", "--quiet") == 0
+    assert np.fromfile(tmp_path / "alone" / "tokens.bin", dtype="<u4").tolist() == _expected(tokenizer, DOCS[half:])
+    assert tokenize(mixed, tokenizer, tmp_path / "dir", "--quiet") == 0  # a.jsonl then b.parquet
+    assert np.fromfile(tmp_path / "dir" / "tokens.bin", dtype="<u4").tolist() == _expected(tokenizer, DOCS)
+
+    pq.write_table(pa.table({"content": ["x"]}), tmp_path / "no_text.parquet")
+    pq.write_table(pa.table({"text": ["fine", None]}), tmp_path / "null.parquet")
+    (tmp_path / "damaged.parquet").write_bytes((mixed / "b.parquet").read_bytes()[:-40])
+    capsys.readouterr()
+    for name, message in (
+        ("no_text.parquet", 'no "text" column (columns: content)'),
+        ("null.parquet", 'row 2: "text" is NoneType, not a string'),
+        ("damaged.parquet", "not a readable parquet file"),
+    ):
+        assert tokenize(tmp_path / name, tokenizer, tmp_path / f"out-{name}", "--quiet") == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
+        assert not (tmp_path / f"out-{name}").exists()
+
+
 def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, tokenizer, corpus, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"text": "fine"}) + "\n{not json\n")

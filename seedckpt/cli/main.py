@@ -58,7 +58,7 @@ EXAMPLES = {
     "tokenize": """
         examples:
           seedckpt tokenize corpus/ --tokenizer ./tokenizer --output tokens/
-          seedckpt tokenize a.jsonl,b.jsonl.gz --tokenizer ./tokenizer --output tokens/ --workers 8
+          seedckpt tokenize a.jsonl,b.jsonl.gz,c.parquet --tokenizer ./tokenizer --output tokens/ --workers 8
           torchrun --nproc-per-node 4 train.py --config C --data.kind tokens --data.path tokens/""",
 }
 
@@ -155,13 +155,15 @@ def _parser() -> argparse.ArgumentParser:
 
     tokenize = add(
         "tokenize",
-        "Tokenize text or JSONL corpora once into a token directory (uint32 tokens.bin + tokens.json) that "
+        "Tokenize text, JSONL or parquet corpora once into a token directory (uint32 tokens.bin + tokens.json) that "
         "training reads window by window (--data.kind tokens --data.path DIR): in parallel over the cores, "
         "each document's ids followed by the tokenizer's eos, written under a temporary name and renamed when "
         "complete. `seedckpt verify DIR` checks it.",
     )
     tokenize.add_argument(
-        "sources", help='JSONL {"text": ...} / JSONL.gz / plain text file(s), comma-separated, or a directory'
+        "sources",
+        help='JSONL {"text": ...} / JSONL.gz / parquet (a "text" column) / plain text file(s), comma-separated, '
+        "or a directory",
     )
     tokenize.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizer directory (tokenizer.json)")
     tokenize.add_argument("--output", required=True, help="the token directory to create")

@@ -385,7 +385,7 @@ class Data:
     )
     path: str = option(
         "",
-        'text: a text or JSONL {"text": ...} file (empty: the built-in corpus); tokens: the token directory '
+        'text: text, JSONL {"text": ...} or parquet file(s) (empty: the built-in corpus); tokens: the token directory '
         "(`seedckpt tokenize`); chat, pretokenized: JSONL file(s), comma-separated or a directory of *.jsonl",
     )
     sources: list[str] = option(

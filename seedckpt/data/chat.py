@@ -31,7 +31,7 @@ import bisect
 
 import torch
 
-from seedckpt.data.sources import IGNORE_INDEX, Batch, data_files, jsonl_records, keyed_generator
+from seedckpt.data.sources import IGNORE_INDEX, JSONL_SUFFIXES, Batch, data_files, jsonl_records, keyed_generator
 from seedckpt.data.tokenizer import load_tokenizer, pad_token_id
 from seedckpt.utils.errors import SeedckptError
 
@@ -42,7 +42,7 @@ OPEN_ROWS = 64  # rows first-fit packing keeps open: more wastes less padding, c
 def read_conversations(path: str) -> list[tuple[str, list[dict]]]:
     """``(where, messages)`` for every conversation of the JSONL file(s), validated."""
     out = []
-    for file in data_files(path, ".jsonl"):
+    for file in data_files(path, JSONL_SUFFIXES):
         for number, record in jsonl_records(file):
             where = f"{file}:{number}"
             messages = record.get("messages") if isinstance(record, dict) else None
@@ -215,7 +215,7 @@ class PretokenizedData(PackedSamples):
 
     def __init__(self, data, vocab_size: int, seq_len: int, seed: int):
         def records():
-            for file in data_files(data.path, ".jsonl"):
+            for file in data_files(data.path, JSONL_SUFFIXES):
                 for number, record in jsonl_records(file):
                     yield _pretokenized(record, vocab_size, f"{file}:{number}")
 

@@ -91,15 +91,22 @@ def keyed_generator(*key) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
 
 
-def data_files(path: str, suffix: str) -> list[Path]:
-    """``path``: one file, several comma-separated, or a directory (its ``*suffix`` files, sorted)."""
+# The files a directory of documents is read for (``documents``); chat data is JSONL only.
+TEXT_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
+
+
+def data_files(path: str, suffixes: tuple[str, ...]) -> list[Path]:
+    """``path``: one file, several comma-separated, or a directory (its files ending in one of
+    ``suffixes``, sorted)."""
     files = []
     for part in (p.strip() for p in path.split(",") if p.strip()):
         p = Path(part)
         if p.is_dir():
-            found = sorted([*p.glob(f"*{suffix}"), *p.glob(f"*{suffix}.gz")])
+            found = sorted(f for suffix in suffixes for f in p.glob(f"*{suffix}"))
             if not found:
-                raise SeedckptError(f"data.path {p} is a directory without *{suffix} or *{suffix}.gz files")
+                names = ", ".join(f"*{suffix}" for suffix in suffixes)
+                raise SeedckptError(f"data.path {p} is a directory without {names} files")
             files += found
         elif p.is_file():
             files.append(p)
@@ -189,7 +196,7 @@ class TextData:
         if not path:
             raise SeedckptError("data.tokenizer needs data.path: the text or JSONL files to tokenize")
         ids = []
-        for file in data_files(path, ".jsonl"):
+        for file in data_files(path, TEXT_SUFFIXES):
             for text in documents(file):
                 ids += tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         return cls(
@@ -206,14 +213,46 @@ class TextData:
 
 
 def documents(file: Path):
-    """Each JSONL record's ``"text"`` (a ``.jsonl`` or ``.jsonl.gz`` file, streamed), or the whole file."""
-    if not file.name.endswith((".jsonl", ".jsonl.gz")):
+    """Each JSONL record's ``"text"`` (a ``.jsonl`` or ``.jsonl.gz`` file, streamed), each row's
+    ``text`` column of a ``.parquet`` file (streamed by record batch), or the whole file."""
+    if file.name.endswith(".parquet"):
+        yield from parquet_texts(file)
+        return
+    if not file.name.endswith(JSONL_SUFFIXES):
         yield file.read_text(errors="replace")
         return
     for number, record in jsonl_records(file):
         if not isinstance(record, dict) or not isinstance(record.get("text"), str):
             raise SeedckptError(f'{file}:{number}: expected an object with a string "text"')
         yield record["text"]
+
+
+PARQUET_BATCH_ROWS = 1024  # rows read at a time: a file's row groups may be far larger
+
+
+def parquet_texts(file: Path):
+    """The ``text`` column of a parquet file (as Hugging Face datasets store corpora), a batch of rows
+    at a time; a missing column, a row that is not a string, or a file pyarrow cannot read is one
+    error naming the file."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise SeedckptError(f"{file}: reading parquet needs pyarrow: pip install 'seedckpt[parquet]'") from None
+    import pyarrow
+
+    row = 0
+    try:
+        reader = pq.ParquetFile(file)
+        if "text" not in reader.schema_arrow.names:
+            raise SeedckptError(f'{file}: no "text" column (columns: {", ".join(reader.schema_arrow.names)})')
+        for batch in reader.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=["text"]):
+            for text in batch.column(0).to_pylist():
+                row += 1
+                if not isinstance(text, str):
+                    raise SeedckptError(f'{file}: row {row}: "text" is {type(text).__name__}, not a string')
+                yield text
+    except (pyarrow.ArrowException, OSError) as e:
+        raise SeedckptError(f"{file}: not a readable parquet file ({' '.join(str(e).split())[:200]})") from None
 
 
 def builtin_corpus() -> bytes:

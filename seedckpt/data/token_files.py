@@ -31,7 +31,7 @@ import torch
 from seedckpt.checkpoint.atomic import destination_lock
 from seedckpt.checkpoint.integrity import PieceHasher, crc
 from seedckpt.checkpoint.untrusted import read_json
-from seedckpt.data.sources import Batch, _step_generator, data_files, documents
+from seedckpt.data.sources import TEXT_SUFFIXES, Batch, _step_generator, data_files, documents
 from seedckpt.utils.errors import SeedckptError
 from seedckpt.utils.progress import Progress
 
@@ -46,13 +46,14 @@ def tokenize_corpus(
     sources: str, tokenizer_dir: str, output: str | Path, workers: int | None = None, progress: bool = True
 ) -> Path:
     """Tokenize ``sources`` (``data.path``'s syntax: files, comma-separated, or a directory of
-    ``*.jsonl`` / ``*.jsonl.gz``; a plain text file is one document) into the token directory ``output``."""
+    ``*.jsonl`` / ``*.jsonl.gz`` / ``*.parquet``; a plain text file is one document) into the token
+    directory ``output``."""
     from seedckpt.data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_dir)
     if tokenizer.eos_token_id is None:
         raise SeedckptError(f"the tokenizer in {tokenizer_dir} has no eos token to separate documents")
-    files = data_files(sources, ".jsonl")
+    files = data_files(sources, TEXT_SUFFIXES)
     meta = {
         "tokenizer": str(Path(tokenizer_dir).resolve()),
         "tokenizer_sha256": _sha256(Path(tokenizer_dir) / "tokenizer.json"),
