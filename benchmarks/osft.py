@@ -337,7 +337,7 @@ def run_svds(opts: argparse.Namespace, seed: Path, work: Path, labels: dict) -> 
     serial = json.loads(run_checked_output([sys.executable, SCRIPT, "--serial", str(seed)]))
     total = sum(serial.values())
     emit({"benchmark": "svd_serial", **labels, "sum_s": total, "seconds": serial})
-    for ranks in map(int, opts.ranks.split(",")):
+    for ranks in (int(r) for r in opts.ranks.split(",") if r):  # --ranks "": no distributed SVD
         for split in ("cost_balanced", "contiguous"):
             records, _ = common.torchrun(
                 SCRIPT, ranks, work / f"svd-{ranks}-{split}", "--svd-worker", "--split", split, "--seed", str(seed)
@@ -376,7 +376,7 @@ def main() -> None:
     parser = common.parser(__doc__)
     parser.set_defaults(flavor="8B")
     parser.add_argument("--n-layers", type=int, default=1, help="transformer blocks of the flavor (default 1)")
-    parser.add_argument("--ranks", default="1,2,4", help="rank counts for the distributed SVD")
+    parser.add_argument("--ranks", default="1,2,4", help='rank counts for the distributed SVD ("": none)')
     parser.add_argument("--train-ranks", type=int, default=2, help="FSDP2 ranks for OSFT vs SFT")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=6)
