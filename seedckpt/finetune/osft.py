@@ -196,7 +196,9 @@ def _svd(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 def _svd_error(w: torch.Tensor, u: torch.Tensor, s: torch.Tensor, vh: torch.Tensor) -> float:
     """The worst of the rebuild error (relative to ``w``'s largest entry) and the departure of ``u``'s
-    and ``vh``'s rows from orthonormal; inf when anything is not finite."""
+    and ``vh``'s rows from orthonormal; inf when anything is not finite. In float64, so that a run
+    allowing TF32 matmuls does not blur the check."""
+    w, u, s, vh = (t.double() for t in (w, u, s, vh))
     eye = torch.eye(s.numel(), device=w.device, dtype=w.dtype)
     errors = torch.stack(
         [
