@@ -694,3 +694,31 @@ def test_ctrl_c_while_starting_is_one_line_and_exit_130(tmp_path, debug_seed, af
     assert proc.returncode == 130, err
     assert len(err.strip().splitlines()) == 1 and err.startswith("train.py: interrupted"), err
     assert not list(tmp_path.glob("ckpt/step-*"))
+
+
+def test_ctrl_c_while_tearing_down_after_the_run_is_one_line_and_exit_130(tmp_path, debug_seed):
+    """A Ctrl-C that lands while the process group is torn down, after the last step was saved: one
+    line naming that step, exit 130 (was: silent). Injected where it lands, to be deterministic."""
+    script = (
+        "import sys\n"
+        "import torch.distributed as dist\n"
+        "from seedckpt.train.trainer import main\n"
+        "destroy = dist.destroy_process_group\n"
+        "def interrupted_teardown(*args, **kwargs):\n"
+        "    destroy(*args, **kwargs)\n"
+        "    raise KeyboardInterrupt\n"
+        "dist.destroy_process_group = interrupted_teardown\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    argv = ["--config", "configs/debug.toml", "--checkpoint.seed_checkpoint", str(debug_seed)]
+    argv += ["--checkpoint.folder", str(tmp_path / "ckpt"), "--job.dump_folder", str(tmp_path), *COMMON]
+    argv += ["--training.steps", "2", "--parallelism.pipeline_parallel_degree", "1"]
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *argv], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr.strip() == (
+        "train.py: interrupted; no checkpoint is left half-written (a save in progress is finished or removed); "
+        f"the newest checkpoint is {tmp_path / 'ckpt' / 'step-2'}: the same command resumes from it"
+    ), proc.stderr
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-2"]
