@@ -63,7 +63,8 @@ class ModelFamily:
     last_stage: tuple[str, ...]  # top-level modules after the blocks (final norm, output projection)
     vocab_fqns: tuple[str, ...]  # tensors with one row per vocabulary entry (embedding first)
     osft_targets: tuple[str, ...]  # the block linears OSFT trains by default, as name suffixes
-    flops_per_token: Callable[[Any, int], int]  # (args, seq_len) -> training FLOPs per token
+    # (args, seq_len, parameters or None: count them) -> training FLOPs per token
+    flops_per_token: Callable[[Any, int, int | None], int]
     hf: HFAdapter
     renamings: Mapping[str, Any] = field(default_factory=dict)  # {tool: name adapter}: other tools' names
     # (args, training.seq_len) -> why this model cannot train that long, or None (a sliding window
@@ -112,12 +113,15 @@ def matching_flavor(flavors: Mapping[str, Any], shape_fields: tuple[str, ...], a
     )
 
 
-def decoder_flops_per_token(model: Callable[[Any], nn.Module], args, seq_len: int) -> int:
+def decoder_flops_per_token(
+    model: Callable[[Any], nn.Module], args, seq_len: int, num_params: int | None = None
+) -> int:
     """Training FLOPs per token of a decoder-only transformer, torchtitan's formula: 6·N for the
     weight matmuls forward and backward (N: the parameters, counted on ``meta``, so a tied matrix
     once), plus 12·L·H·Q·T for attention's two T-long matmuls per head (L layers, H heads of
     dimension Q, sequence length T). An untied embedding is a lookup, not a matmul, so counting it
     overcounts (about 6 % for Llama-3.1-8B at T = 2048); published MFU figures share the convention."""
-    with torch.device("meta"):
-        num_params = sum(p.numel() for p in model(args).parameters())  # parameters() yields a shared one once
+    if num_params is None:  # the caller may know it already (a layout it built): no model built here
+        with torch.device("meta"):
+            num_params = sum(p.numel() for p in model(args).parameters())  # a shared parameter once
     return 6 * num_params + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len

@@ -12,7 +12,7 @@ import torch
 from models.registry import FAMILIES, get_family
 from seedckpt import load_model
 from seedckpt.cli.convert import convert
-from seedckpt.materialize.model_checkpoint import open_model_checkpoint
+from seedckpt.materialize.model_checkpoint import open_model_checkpoint, parameter_count
 from seedckpt.utils.errors import SeedckptError
 from tests.test_convert import our_logits
 from tests.test_sft import chat_inputs  # noqa: F401 (a fixture)
@@ -61,6 +61,8 @@ def test_flavors_have_the_released_parameter_counts_and_transformers_agrees(name
         ours, theirs = family.model(args), transformers.AutoModelForCausalLM.from_config(config)
     assert type(theirs).__name__ == CLASSES[name]
     assert _count(ours) == _count(theirs) == RELEASED[name, flavor]
+    # the count the FLOPs per token (MFU) take, read off the layout rather than a model built again
+    assert parameter_count(family, args) == RELEASED[name, flavor]
 
 
 def test_every_family_has_a_debug_flavor_and_a_released_one():

@@ -47,7 +47,9 @@ def decoder_family(
         last_stage=("norm", "output"),
         vocab_fqns=("tok_embeddings.weight", "output.weight"),
         osft_targets=OSFT_TARGETS,
-        flops_per_token=lambda model_args, seq_len: decoder_flops_per_token(Transformer, model_args, seq_len),
+        flops_per_token=lambda model_args, seq_len, num_params=None: decoder_flops_per_token(
+            Transformer, model_args, seq_len, num_params
+        ),
         hf=HFAdapter(model_types, HFNames, config, args_from_config),
         tensor_parallel=DECODER_TENSOR_PARALLEL,
         **hooks,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -76,6 +77,13 @@ class FamilyCodec:
 
 
 CODECS = {name: FamilyCodec(family) for name, family in FAMILIES.items()}
+
+
+def parameter_count(family: ModelFamily, args) -> int:
+    """The parameters of ``args``'s model, a tied matrix once, from its layout (built on ``meta``
+    once per description: the start that opened its checkpoint has usually built it already)."""
+    layout = codec_for(family.name).layout(args)
+    return sum(math.prod(shape) for fqn, shape in layout.shapes.items() if fqn not in layout.aliases)
 
 
 def codec_for(name: str = DEFAULT_FAMILY) -> FamilyCodec:

@@ -56,7 +56,7 @@ from seedckpt.data.sources import IGNORE_INDEX, keyed_generator
 from seedckpt.finetune.osft import OSFTProjector
 from seedckpt.finetune.pretrained import osft_spec
 from seedckpt.materialize.init_recipe import RECIPE_VERSION
-from seedckpt.materialize.model_checkpoint import check_args_match
+from seedckpt.materialize.model_checkpoint import check_args_match, parameter_count
 from seedckpt.materialize.stages import load_stages, stage_models
 from seedckpt.materialize.start import changed_settings, check_resume_matches_osft, fallback_hint
 from seedckpt.parallel.data_parallel import make_data_parallel
@@ -252,7 +252,9 @@ class Trainer:
         # Clipped: the gradients of what the optimizers step (frozen parameters have none).
         self.params = [p for i in range(len(self.modules)) for p in self.data_parallel.parameters(i)]
         # MFU (metrics): the model's FLOPs per token, against this GPU's peak; no peak on a CPU.
-        self.flops_per_token = run.family.flops_per_token(self.args, train.seq_len)
+        self.flops_per_token = run.family.flops_per_token(
+            self.args, train.seq_len, parameter_count(run.family, self.args)
+        )
         self.peak_tflops = (
             peak_tflops(
                 torch.cuda.get_device_name(self.device),
