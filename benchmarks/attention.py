@@ -17,16 +17,14 @@ import os
 import subprocess
 import sys
 
-from common import ROOT, emit, parser
+from common import ROOT, emit, parser, time_steps
 
 VARIANTS = ("repeat_interleave", "enable_gqa")
 
 
 def run_variant(opts) -> dict:
     """One variant in this process: median forward+backward time of one block and its peak memory."""
-    import resource
     import statistics
-    import time
 
     import torch
     import torch.nn.functional as F
@@ -66,20 +64,7 @@ def run_variant(opts) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    step()  # warm-up: kernels chosen
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(opts.repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    peak = (
-        torch.cuda.max_memory_allocated()
-        if device.type == "cuda"
-        else (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) * 1024
-    )
+    times, _, memory, peak = time_steps(step, opts.repeats, device)
     return {
         "variant": opts.variant,
         "flavor": opts.flavor,
@@ -90,7 +75,7 @@ def run_variant(opts) -> dict:
         "n_heads": args.n_heads,
         "n_kv_heads": args.n_kv_heads,
         "fwd_bwd_s": statistics.median(times),
-        ("peak_alloc_bytes" if device.type == "cuda" else "peak_rss_growth_bytes"): peak,
+        memory: peak,
     }
 
 

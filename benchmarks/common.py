@@ -143,5 +143,33 @@ def emit(record: dict) -> None:
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}), flush=True)
 
 
+def time_steps(step, repeats: int, device) -> tuple[list[float], object, str, int]:
+    """``step()`` once to warm up, then ``repeats`` times: the seconds of each, the last one's result,
+    and the peak memory's name and bytes -- CUDA: the timed steps' max allocated; CPU: the process's
+    peak RSS growth since before the warm-up. torch is imported here, in the measuring child."""
+    import resource
+
+    import torch
+
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    step()
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times, result = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = step()
+        times.append(time.perf_counter() - start)
+    if cuda:
+        return times, result, "peak_alloc_bytes", torch.cuda.max_memory_allocated()
+    return (
+        times,
+        result,
+        "peak_rss_growth_bytes",
+        (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) * 1024,
+    )
+
+
 def remove(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)

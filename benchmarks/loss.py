@@ -19,14 +19,12 @@ import json
 import subprocess
 import sys
 
-from common import ROOT, emit, parser
+from common import ROOT, emit, parser, time_steps
 
 
 def measure(opts) -> dict:
     """One variant in this process: median forward+backward seconds, peak memory, the loss."""
-    import resource
     import statistics
-    import time
 
     import torch
     import torch.nn.functional as F
@@ -55,21 +53,7 @@ def measure(opts) -> dict:
             torch.cuda.synchronize()
         return value.item()
 
-    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    step()  # warm-up
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    times, value = [], None
-    for _ in range(opts.repeats):
-        start = time.perf_counter()
-        value = step()
-        times.append(time.perf_counter() - start)
-    cuda = device.type == "cuda"
-    peak = (
-        torch.cuda.max_memory_allocated()
-        if cuda
-        else (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) * 1024
-    )
+    times, value, memory, peak = time_steps(step, opts.repeats, device)
     return {
         "variant": "chunked" if opts.chunk_tokens else "whole_logits",
         "flavor": opts.flavor,
@@ -81,7 +65,7 @@ def measure(opts) -> dict:
         "chunk_tokens": opts.chunk_tokens,
         "fwd_bwd_s": statistics.median(times),
         "loss": value,
-        ("peak_alloc_bytes" if cuda else "peak_rss_growth_bytes"): peak,
+        memory: peak,
         "logits_bytes_fp32": opts.tokens * args.vocab_size * 4,
     }
 

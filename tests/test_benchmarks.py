@@ -22,6 +22,7 @@ SMALL = {
     "osft": ["--flavor", "debug", "--n-layers", "2", "--skip-train", "--ranks", ""],
     "attention": ["--flavor", "debug", "--seq-len", "128", "--repeats", "1"],
     "loss": ["--tokens", "256", "--dim", "64", "--chunk-tokens", "100", "--repeats", "1"],
+    "packed_attention": ["--seq-lens", "256", "--doc-len", "64", "--repeats", "1"],
 }
 
 

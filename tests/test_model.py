@@ -164,3 +164,42 @@ def test_chunked_loss_equals_the_whole_logits_loss_and_holds_one_chunk_of_logits
     torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-5)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("family", ["llama3", "granite"])  # granite: its own attention scale
+def test_packed_rows_attend_within_documents_as_a_dense_mask_would_without_one(family, monkeypatch):
+    """Each document of a packed row attends causally within itself (padding is a document too): the
+    outputs and gradients of a dense (seq, seq) document mask, to 1e-5, while every SDPA call sees one
+    document and no mask."""
+    import torch.nn.functional as F
+
+    from models.registry import get_family
+
+    args = dataclasses.replace(get_family(family).flavors["debug"], vocab_size=256)
+    model = _model(args)
+    tokens = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(2))
+    documents = torch.tensor([[0] * 13 + [1] * 20 + [2] * 7, [0] * 40])
+    positions = torch.cat([torch.arange(13), torch.arange(20), torch.arange(7)])[None].repeat(2, 1)
+    positions[1] = torch.arange(40)
+    sdpa, calls = F.scaled_dot_product_attention, []
+
+    def recorded_sdpa(q, *args, **kwargs):
+        calls.append((q.shape[2], kwargs.get("attn_mask")))
+        return sdpa(q, *args, **kwargs)
+
+    def dense_mask_sdpa(q, k, v, is_causal=False, **kwargs):  # the reference: the mask the model once built
+        same = documents[:, None, :, None] == documents[:, None, None, :]
+        return sdpa(q, k, v, attn_mask=same & torch.ones(40, 40, dtype=torch.bool).tril(), **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recorded_sdpa)
+    ours = model(tokens, positions=positions, document_ids=documents)
+    ours.square().mean().backward()
+    assert {length for length, _ in calls} == {13, 20, 7, 40} and all(mask is None for _, mask in calls)
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    monkeypatch.setattr(F, "scaled_dot_product_attention", dense_mask_sdpa)
+    reference = model(tokens, positions=positions)  # whole rows: the patched SDPA applies the mask
+    reference.square().mean().backward()
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5, msg=name)

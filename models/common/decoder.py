@@ -139,17 +139,37 @@ def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     return rotated.type_as(x)
 
 
-def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
-    """``(bsz, 1, seq, seq)`` boolean mask: token i attends to token j <= i of the same document.
-
-    Packing several documents (e.g. chat conversations) into one row needs this so no token sees
-    another document -- with per-document positions the row then computes exactly what the
-    documents would compute one by one.
-    """
+def document_spans(document_ids: torch.Tensor) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per row, the ``(start, end)`` of each run of equal document ids: packing lays a row's documents
+    (and its padding, a document of its own) end to end. One copy to the host per forward."""
+    change = torch.ones_like(document_ids, dtype=torch.bool)
+    change[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
     seqlen = document_ids.shape[1]
-    causal = torch.ones(seqlen, seqlen, dtype=torch.bool, device=document_ids.device).tril()
-    same = document_ids[:, :, None] == document_ids[:, None, :]
-    return (same & causal)[:, None]
+    starts = [torch.nonzero(row).flatten().tolist() for row in change.cpu()]
+    return tuple(tuple(zip(row, [*row[1:], seqlen])) for row in starts)
+
+
+@torch.compiler.disable  # the spans change with every batch: compiled, each would be a graph of its own
+def attend_within_documents(q, k, v, spans, scale: float | None) -> torch.Tensor:
+    """Causal attention inside each document of each row, ``(bsz, heads, seq, head_dim)`` in and out:
+    one SDPA call per document (variable-length attention), so no ``(seq, seq)`` mask exists and no
+    score across documents is computed. With per-document positions a packed row then computes
+    exactly what its documents compute one by one."""
+    rows = []
+    for b, row in enumerate(spans):
+        parts = [
+            F.scaled_dot_product_attention(
+                q[b : b + 1, :, s:e],
+                k[b : b + 1, :, s:e],
+                v[b : b + 1, :, s:e],
+                is_causal=True,
+                scale=scale,
+                enable_gqa=True,
+            )
+            for s, e in row
+        ]
+        rows.append(torch.cat(parts, dim=2))
+    return torch.cat(rows, dim=0)
 
 
 class Attention(nn.Module):
@@ -183,7 +203,8 @@ class Attention(nn.Module):
             init.ones_(self.q_norm.weight)
             init.ones_(self.k_norm.weight)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, spans=None) -> torch.Tensor:
+        """``spans``: a packed batch's documents (``document_spans``); None: each row is one."""
         bsz, seqlen, _ = x.shape
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
@@ -193,16 +214,13 @@ class Attention(nn.Module):
         if freqs_cis.dim() == 2:
             freqs_cis = freqs_cis[:seqlen]  # sliced here, with the runtime sequence length
         q, k = apply_rotary_emb(q, freqs_cis), apply_rotary_emb(k, freqs_cis)
-        # GQA: each kv head serves n_heads / n_kv_heads q heads, without copying K and V per q head.
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=self.options.attention_multiplier,
-            enable_gqa=True,
-        )
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        scale = self.options.attention_multiplier
+        if spans is None:
+            # GQA: each kv head serves n_heads / n_kv_heads q heads, without copying K and V per q head.
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            out = attend_within_documents(q, k, v, spans, scale)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
@@ -244,8 +262,8 @@ class TransformerBlock(nn.Module):
         init.ones_(self.attention_norm.weight)
         init.ones_(self.ffn_norm.weight)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        attended = self.attention(self.attention_norm(x), freqs_cis, mask)
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, spans=None) -> torch.Tensor:
+        attended = self.attention(self.attention_norm(x), freqs_cis, spans)
         if self.residual_multiplier != 1.0:
             attended = attended * self.residual_multiplier
         h = x + attended
@@ -331,9 +349,9 @@ class Transformer(nn.Module):
         else:
             h = tokens
         freqs_cis = self.freqs_cis if positions is None else self.freqs_cis[positions]
-        mask = None if document_ids is None else document_causal_mask(document_ids)
+        spans = None if document_ids is None else document_spans(document_ids)
         for layer in self.layers.values():
-            h = layer(h, freqs_cis, mask)
+            h = layer(h, freqs_cis, spans)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is None:
