@@ -353,3 +353,57 @@ def test_a_fine_tuning_start_opens_the_pretrained_checkpoint_once(tmp_path, chat
     run = resolve(cfg, 1).with_start()
     assert opened == [str(hf)]
     assert run.start.checkpoint is run.pretrained and run.start.pretrained
+
+
+def test_token_budget_batches_fill_rows_and_train_alike_on_one_process_and_pp2_x_dp2(tmp_path, chat_inputs):
+    """``training.max_tokens_per_rank = 512`` over ``local_batch_size = 2``: each micro-batch is two rows
+    of 256 tokens packed with whole conversations (each at most seq_len = 64 tokens) -- less padding
+    than rows of 64 -- and a step of 4 such rows gives the same losses on one process (accumulating)
+    and on pp 2 x dp_shard 2 (each rank's two rows are the pipeline's two micro-batches)."""
+    tokenizer, chats, vocab = chat_inputs
+    hf = _hf_llama(tmp_path / "hf", -(-vocab // 8) * 8, tie=False)
+    budget = ["--training.max_tokens_per_rank", "512", "--training.local_batch_size", "2"]
+    budget += ["--training.global_batch_size", "4", "--training.steps", "4"]
+    one = sft(tmp_path / "one", hf, tokenizer, chats, 1, *budget, "--parallelism.pipeline_parallel_degree", "1")
+    four = sft(tmp_path / "four", hf, tokenizer, chats, 4, *budget, "--parallelism.pipeline_parallel_degree", "2")
+    assert "into rows of 256 tokens (training.max_tokens_per_rank)" in one.stdout, one.stdout
+    assert "mesh pp=2 dp_replicate=1 dp_shard=2" in four.stdout, four.stdout
+    assert len(losses(tmp_path / "one")) == 4
+    for a, b in zip(losses(tmp_path / "one"), losses(tmp_path / "four"), strict=True):
+        assert a == pytest.approx(b, rel=1e-5)
+
+    def padding(stdout: str) -> float:
+        return float(stdout.split("% padding")[0].split()[-1])
+
+    rows_of_64 = sft(
+        tmp_path / "rows64",
+        hf,
+        tokenizer,
+        chats,
+        1,
+        "--training.steps",
+        "1",
+        "--parallelism.pipeline_parallel_degree",
+        "1",
+    )
+    assert padding(one.stdout) < padding(rows_of_64.stdout)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["--training.max_tokens_per_rank", "64", "--training.local_batch_size", "2"], "hold training.seq_len = 64"),
+        (["--training.max_tokens_per_rank", "257", "--training.local_batch_size", "2"], "a multiple of training.local"),
+        (
+            ["--training.max_tokens_per_rank", "256", "--data.packing", "false"],
+            "needs data.kind = 'chat' or 'pretokenized' with data.packing = true",
+        ),
+    ],
+)
+def test_a_token_budget_that_cannot_hold_is_refused_in_one_line(tmp_path, chat_inputs, overrides, message):
+    tokenizer, chats, vocab = chat_inputs
+    hf = _hf_llama(tmp_path / "hf", -(-vocab // 8) * 8, tie=False)
+    proc = sft(tmp_path / "run", hf, tokenizer, chats, 1, *overrides, check=False)
+    assert proc.returncode == 2
+    err = proc.stderr.strip()
+    assert message in err and len(err.splitlines()) == 1, err

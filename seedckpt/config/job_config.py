@@ -142,6 +142,13 @@ class Training:
         "torch.compile each transformer block (one graph shared by all of them) and the "
         "loss; checkpoints are unchanged, so compiled and eager runs resume each other",
     )
+    max_tokens_per_rank: int = option(
+        0,
+        "SFT by token budget (chat, pretokenized; packed): each rank's micro-batch holds this many tokens, "
+        "local_batch_size rows of max_tokens_per_rank / local_batch_size tokens filled with whole samples "
+        "(seq_len still bounds a sample); the loss is per label token of the global batch, as always "
+        "(0: rows of seq_len)",
+    )
     loss_chunk_tokens: int = option(
         0,
         "run the output projection and the cross-entropy this many tokens at a time, each chunk's logits "
@@ -167,6 +174,19 @@ class Training:
         )
         _check("training.warmup_steps", self.warmup_steps, self.warmup_steps >= 0, ">= 0")
         _check("training.loss_chunk_tokens", self.loss_chunk_tokens, self.loss_chunk_tokens >= 0, ">= 0 (0: no chunks)")
+        rows, row = self.local_batch_size, self.max_tokens_per_rank // max(self.local_batch_size, 1)
+        _check(
+            "training.max_tokens_per_rank",
+            self.max_tokens_per_rank,
+            self.max_tokens_per_rank == 0 or (self.max_tokens_per_rank % rows == 0 and row >= self.seq_len),
+            f"a multiple of training.local_batch_size = {rows} whose rows (max_tokens_per_rank / local_batch_size) "
+            f"hold training.seq_len = {self.seq_len} tokens, the longest sample; or 0 (off)",
+        )
+
+    @property
+    def row_tokens(self) -> int:
+        """The length of a batch row: ``seq_len``, or a row's share of ``max_tokens_per_rank``."""
+        return self.max_tokens_per_rank // self.local_batch_size if self.max_tokens_per_rank else self.seq_len
         _check(
             "training.stop_after_step",
             self.stop_after_step,
@@ -539,6 +559,19 @@ class JobConfig:
         if self.validation.enable and not self.validation.path and self.data.kind != "synthetic":
             raise SeedckptError(
                 f"validation.enable needs validation.path: held-out data in data.kind = {self.data.kind!r}'s format"
+            )
+        budget = self.training.max_tokens_per_rank
+        if budget and not (self.data.kind in ("chat", "pretokenized") and self.data.packing):
+            raise SeedckptError(
+                f"training.max_tokens_per_rank = {budget} packs SFT samples into rows of that many tokens: it needs "
+                f"data.kind = 'chat' or 'pretokenized' with data.packing = true (got data.kind = {self.data.kind!r}, "
+                f"data.packing = {self.data.packing})"
+            )
+        tp, row = self.parallelism.tensor_parallel_degree, self.training.row_tokens
+        if budget and tp > 1 and self.parallelism.enable_sequence_parallel and row % tp:
+            raise SeedckptError(
+                f"training.max_tokens_per_rank = {budget} makes rows of {row} tokens, not a multiple of "
+                f"parallelism.tensor_parallel_degree = {tp}: sequence parallelism splits each row over the TP ranks"
             )
         if self.training.loss_chunk_tokens and self.parallelism.tensor_parallel_degree > 1:
             raise SeedckptError(

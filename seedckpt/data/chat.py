@@ -91,10 +91,14 @@ class PackedSamples:
     position ``i``, ``IGNORE_INDEX`` for none) -- fitted to ``seq_len + 1`` tokens as ``overflow``
     says, then packed into rows, epoch by epoch (the module docstring)."""
 
-    def __init__(self, records, data, seq_len: int, seed: int, pad_id: int, what: tuple[str, str], note: str = ""):
+    def __init__(
+        self, records, data, seq_len: int, seed: int, pad_id: int, what: tuple[str, str], note: str = "", row_tokens=0
+    ):
         """``records``: ``(ids, labels)`` lists per sample; ``what``: the data and what a sample is, for
-        the log (``("chat", "conversations")``)."""
+        the log (``("chat", "conversations")``); ``row_tokens``: the length of a packed row, a token
+        budget (``training.max_tokens_per_rank``; 0: ``seq_len``, which bounds each sample either way)."""
         self.pad_id, self.seq_len, self.seed, self.packing = pad_id, seq_len, seed, data.packing
+        self.row_tokens = row_tokens or seq_len
         self.samples: list[tuple[torch.Tensor, torch.Tensor]] = []  # (inputs, labels) per sample
         truncated = dropped = count = 0
         for ids, labels in records:
@@ -119,11 +123,13 @@ class PackedSamples:
         self._starts = [0]  # first global row of each epoch, then the end of the last one
         rows = self._epoch(0)
         used = sum(len(self.samples[i][0]) for row in rows for i in row)
-        self.padding_fraction = 1 - used / (len(rows) * seq_len)
+        self.padding_fraction = 1 - used / (len(rows) * self.row_tokens)
         self.description = (
             f"{what[0]} {data.path}: {count} {what[1]}, {len(self.samples)} kept "
             f"({truncated} truncated, {dropped} dropped, overflow={data.overflow}); "
-            f"{len(rows)} rows per epoch, {'packed' if self.packing else 'one per row'}, "
+            f"{len(rows)} rows per epoch, {'packed' if self.packing else 'one per row'}"
+            + (f" into rows of {self.row_tokens} tokens (training.max_tokens_per_rank)" if row_tokens else "")
+            + ", "
             f"{self.padding_fraction:.1%} padding" + (f"; {note}" if note else "")
         )
 
@@ -138,7 +144,7 @@ class PackedSamples:
         return self._epochs[epoch]
 
     def _pack(self, order: list[int]) -> list[list[int]]:
-        """First-fit of samples (in ``order``) into rows of ``seq_len`` tokens, ``OPEN_ROWS`` open at once."""
+        """First-fit of samples (in ``order``) into rows of ``row_tokens``, ``OPEN_ROWS`` open at once."""
         if not self.packing:
             return [[i] for i in order]
         closed, open_rows = [], []  # open: [free tokens, sample indices]
@@ -148,7 +154,7 @@ class PackedSamples:
             if row is None:
                 if len(open_rows) == OPEN_ROWS:
                     closed.append(open_rows.pop(0)[1])
-                row = [self.seq_len, []]
+                row = [self.row_tokens, []]
                 open_rows.append(row)
             row[0] -= length
             row[1].append(i)
@@ -162,7 +168,7 @@ class PackedSamples:
         return self._epochs[epoch][index - self._starts[epoch]]
 
     def global_batch(self, step: int, batch_size: int) -> Batch:
-        shape = (batch_size, self.seq_len)
+        shape = (batch_size, self.row_tokens)
         inputs = torch.full(shape, self.pad_id, dtype=torch.int64)
         labels = torch.full(shape, IGNORE_INDEX, dtype=torch.int64)
         positions = torch.zeros(shape, dtype=torch.int64)
@@ -177,7 +183,7 @@ class PackedSamples:
                 positions[b, at : at + n] = torch.arange(n)
                 documents[b, at : at + n] = doc
                 at += n
-            positions[b, at:] = torch.arange(self.seq_len - at)
+            positions[b, at:] = torch.arange(self.row_tokens - at) % self.seq_len  # no sample is longer
             documents[b, at:] = len(row)  # padding is a document of its own
         return Batch(inputs, labels, positions, documents)
 
@@ -186,7 +192,7 @@ class ChatData(PackedSamples):
     """``{"messages": [...]}`` conversations, rendered with the tokenizer's chat template; labels on
     the assistant's tokens."""
 
-    def __init__(self, data, vocab_size: int, seq_len: int, seed: int):
+    def __init__(self, data, vocab_size: int, seq_len: int, seed: int, row_tokens: int = 0):
         tokenizer = load_tokenizer(data.tokenizer)
         if tokenizer.chat_template is None:
             raise SeedckptError(
@@ -205,7 +211,7 @@ class ChatData(PackedSamples):
                 ids, mask = render_with_mask(tokenizer, messages, where)
                 yield ids, [t if m else IGNORE_INDEX for t, m in zip(ids, mask)]
 
-        super().__init__(records(), data, seq_len, seed, pad_id, ("chat", "conversations"), pad_note)
+        super().__init__(records(), data, seq_len, seed, pad_id, ("chat", "conversations"), pad_note, row_tokens)
 
 
 class PretokenizedData(PackedSamples):
@@ -213,13 +219,13 @@ class PretokenizedData(PackedSamples):
     labels aligned with the ids and ``-100`` where there is no loss. No tokenizer is needed; padding
     (its own document, without labels) uses id 0."""
 
-    def __init__(self, data, vocab_size: int, seq_len: int, seed: int):
+    def __init__(self, data, vocab_size: int, seq_len: int, seed: int, row_tokens: int = 0):
         def records():
             for file in data_files(data.path, JSONL_SUFFIXES):
                 for number, record in jsonl_records(file):
                     yield _pretokenized(record, vocab_size, f"{file}:{number}")
 
-        super().__init__(records(), data, seq_len, seed, 0, ("pretokenized", "samples"))
+        super().__init__(records(), data, seq_len, seed, 0, ("pretokenized", "samples"), row_tokens=row_tokens)
 
 
 def _pretokenized(record, vocab_size: int, where: str) -> tuple[list[int], list[int]]:

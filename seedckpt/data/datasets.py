@@ -13,8 +13,9 @@ from seedckpt.data.token_files import TokenFileData
 from seedckpt.utils.errors import SeedckptError
 
 
-def make_dataset(data, vocab_size: int, seq_len: int, seed: int):
-    """The dataset that the ``[data]`` section ``data`` describes."""
+def make_dataset(data, vocab_size: int, seq_len: int, seed: int, row_tokens: int = 0):
+    """The dataset that the ``[data]`` section ``data`` describes; ``row_tokens``: packed SFT rows of
+    that many tokens instead of ``seq_len`` (``training.max_tokens_per_rank``; 0: ``seq_len``)."""
     if data.kind == "synthetic":
         return SyntheticData(vocab_size, seq_len, seed)
     if data.kind == "text":
@@ -22,9 +23,9 @@ def make_dataset(data, vocab_size: int, seq_len: int, seed: int):
             return TextData.tokenized(data.path, data.tokenizer, vocab_size, seq_len, seed)
         return TextData.bytes(data.path, vocab_size, seq_len, seed)
     if data.kind == "chat":
-        return ChatData(data, vocab_size, seq_len, seed)
+        return ChatData(data, vocab_size, seq_len, seed, row_tokens)
     if data.kind == "pretokenized":
-        return PretokenizedData(data, vocab_size, seq_len, seed)
+        return PretokenizedData(data, vocab_size, seq_len, seed, row_tokens)
     if data.kind == "tokens" and data.sources:
         return MixedData(data.sources, vocab_size, seq_len, seed)
     if data.kind == "tokens":

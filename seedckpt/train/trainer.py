@@ -154,11 +154,19 @@ class Trainer:
         # from its labels (``Transformer.forward(labels=...)``), instead of the logits.
         self.chunked_loss = train.loss_chunk_tokens > 0
         self.global_batch = self.dims.global_batch_size(cfg)
-        self.data = data or make_dataset(cfg.data, self.args.vocab_size, train.seq_len, train.seed)
+        self.data = data or make_dataset(
+            cfg.data, self.args.vocab_size, train.seq_len, train.seed, train.max_tokens_per_rank and train.row_tokens
+        )
         held_out = dataclasses.replace(cfg.data, path=cfg.validation.path, sources=[])
         validation_seed = keyed_generator("seedckpt-validation", train.seed).initial_seed()  # draws of its own
         self.validation_data = (
-            make_dataset(held_out, self.args.vocab_size, train.seq_len, validation_seed)
+            make_dataset(
+                held_out,
+                self.args.vocab_size,
+                train.seq_len,
+                validation_seed,
+                train.max_tokens_per_rank and train.row_tokens,
+            )
             if cfg.validation.enable
             else None
         )
@@ -418,7 +426,7 @@ class Trainer:
             else None
         )
         profile_steps = {int(s) for s in self.cfg.profiling.steps}
-        tokens_per_step = self.global_batch * train.seq_len
+        tokens_per_step = self.global_batch * train.row_tokens
         # Logged only when timed (metrics.collective_timing): an untimed run's rows carry no collective columns.
         collectives = self.data_parallel.collectives
         try:
@@ -644,7 +652,9 @@ def main(argv: list[str] | None = None) -> int:
                         flush=True,
                     )
                 return 0
-            data = make_dataset(cfg.data, run.args.vocab_size, cfg.training.seq_len, cfg.training.seed)
+            train = cfg.training
+            row = train.max_tokens_per_rank and train.row_tokens
+            data = make_dataset(cfg.data, run.args.vocab_size, train.seq_len, train.seed, row)
             return _train(run, data, rank)
     except SeedckptError as e:
         if rank == 0:
