@@ -116,7 +116,9 @@ def test_two_racing_seeds_publish_one_whole_checkpoint(tmp_path):
     results = {seed: (proc.wait(timeout=120), *proc.communicate()) for seed, proc in procs.items()}
     [winner] = [seed for seed, (code, _, _) in results.items() if code == 0]
     [(code, _, err)] = [result for seed, result in results.items() if seed != winner]
-    assert code == 2 and _holder(procs[winner].pid) in err and err.endswith(FIX), err
+    # the loser found the winner's lock, or (on a fast machine, started after it had finished) its output
+    raced = _holder(procs[winner].pid) in err and err.endswith(FIX)
+    assert code == 2 and (raced or f"{out} already exists; pass --force" in err), err
     assert f"seed {winner}," in results[winner][1]
     assert open_model_checkpoint(out).manifest["seed"] == winner
     assert main([*SEED, "--output", str(tmp_path / "alone"), "--seed", str(winner), *big]) == 0

@@ -182,17 +182,17 @@ class Training:
             f"a multiple of training.local_batch_size = {rows} whose rows (max_tokens_per_rank / local_batch_size) "
             f"hold training.seq_len = {self.seq_len} tokens, the longest sample; or 0 (off)",
         )
-
-    @property
-    def row_tokens(self) -> int:
-        """The length of a batch row: ``seq_len``, or a row's share of ``max_tokens_per_rank``."""
-        return self.max_tokens_per_rank // self.local_batch_size if self.max_tokens_per_rank else self.seq_len
         _check(
             "training.stop_after_step",
             self.stop_after_step,
             self.stop_after_step >= 0,
             ">= 0 (0: run to training.steps)",
         )
+
+    @property
+    def row_tokens(self) -> int:
+        """The length of a batch row: ``seq_len``, or a row's share of ``max_tokens_per_rank``."""
+        return self.max_tokens_per_rank // self.local_batch_size if self.max_tokens_per_rank else self.seq_len
 
 
 ParameterKind = Literal["norm", "bias", "embedding"]
