@@ -134,11 +134,11 @@ def test_initial_load_path_with_its_train_state_continues_another_runs_steps_bit
             "both name the weights a run starts from",
         ),
         (
-            ["--validation.enable", "true", "--parallelism.pipeline_parallel_degree", "2"]
+            ["--validation.enabled", "true", "--parallelism.pipeline_parallel_degree", "2"]
             + ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"],
             "torch 2.13 cannot run that schedule forward only",
         ),
-        (["--validation.enable", "true", "--data.kind", "text"], "validation.enable needs validation.path"),
+        (["--validation.enabled", "true", "--data.kind", "text"], "validation.enabled needs validation.path"),
         (
             ["--training.loss_chunk_tokens", "64", "--parallelism.tensor_parallel_degree", "2"],
             "training.loss_chunk_tokens with parallelism.tensor_parallel_degree > 1",
@@ -272,7 +272,7 @@ def test_validation_loss_is_logged_at_its_frequency_and_agrees_across_layouts(tm
     1e-5) on one process and on pp 2 x dp_shard 2, where the last stages' sums are reduced."""
     from tests.test_train import torchrun
 
-    validation = ["--validation.enable", "true", "--validation.freq", "2", "--validation.steps", "2"]
+    validation = ["--validation.enabled", "true", "--validation.interval", "2", "--validation.steps", "2"]
     runs = {
         "one": (1, ["--parallelism.pipeline_parallel_degree", "1"]),
         "pp2_dp2": (4, ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4"]),
@@ -310,7 +310,7 @@ def test_checkpoint_enable_false_with_an_export_is_refused(tmp_path, debug_seed,
 def test_keep_best_records_each_validated_steps_loss_and_keeps_the_lowest(tmp_path, debug_seed):
     run = tmp_path / "run"
     keep_best = ["--checkpoint.keep_best", "true", "--checkpoint.keep_latest_k", "1"]
-    validation = ["--validation.enable", "true", "--validation.freq", "2", "--validation.steps", "1"]
+    validation = ["--validation.enabled", "true", "--validation.interval", "2", "--validation.steps", "1"]
     proc = train(run, debug_seed, "--training.steps", "6", *keep_best, *validation)
     assert proc.returncode == 0, proc.stderr[-3000:]
     logged = {r["step"]: r["val_loss"] for r in rows(run) if "val_loss" in r}
@@ -358,7 +358,7 @@ def test_a_chunked_loss_trains_and_validates_like_the_whole_logits_on_pp2_x_dp_s
     from tests.test_train import torchrun
 
     common = ["--training.steps", "4", "--checkpoint.enable", "false", "--training.local_batch_size", "4"]
-    common += ["--validation.enable", "true", "--validation.freq", "2", "--validation.steps", "1"]
+    common += ["--validation.enabled", "true", "--validation.interval", "2", "--validation.steps", "1"]
     torchrun(tmp_path / "whole", debug_seed, 4, *common)
     torchrun(tmp_path / "chunked", debug_seed, 4, *common, "--training.loss_chunk_tokens", "24")
     whole, chunked = rows(tmp_path / "whole"), rows(tmp_path / "chunked")

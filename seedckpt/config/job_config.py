@@ -337,8 +337,8 @@ class Checkpoint:
     keep_latest_k: int = option(3, "step checkpoints kept, the older ones deleted (0: keep all)")
     keep_best: bool = option(
         False,
-        "also keep the step-N with the lowest validation loss, whatever keep_latest_k (needs validation.enable, "
-        "and validation.freq a multiple of checkpoint.interval so that every validated step is saved)",
+        "also keep the step-N with the lowest validation loss, whatever keep_latest_k (needs validation.enabled, "
+        "and validation.interval a multiple of checkpoint.interval so that every validated step is saved)",
     )
     async_mode: Literal["disabled", "async"] = option(
         "disabled",
@@ -450,8 +450,8 @@ class Metrics:
 class Validation:
     """a held-out loss during training"""
 
-    enable: bool = option(False, "compute the validation loss every freq steps and at the last step")
-    freq: int = option(100, "steps between validations")
+    enabled: bool = option(False, "compute the validation loss every interval steps and at the last step")
+    interval: int = option(100, "steps between validations")
     steps: int = option(4, "global batches per validation: the same batches every time, so the losses compare")
     path: str = option(
         "",
@@ -460,7 +460,7 @@ class Validation:
     )
 
     def validate(self) -> None:
-        _check("validation.freq", self.freq, self.freq >= 1, ">= 1")
+        _check("validation.interval", self.interval, self.interval >= 1, ">= 1")
         _check("validation.steps", self.steps, self.steps >= 1, ">= 1")
 
 
@@ -550,15 +550,15 @@ class JobConfig:
                 )
             parse_sources(self.data.sources)
         schedule = self.parallelism.pipeline_parallel_schedule
-        if self.validation.enable and self.parallelism.pipeline_parallel_degree > 1 and schedule in FORWARD_ONLY_FAILS:
+        if self.validation.enabled and self.parallelism.pipeline_parallel_degree > 1 and schedule in FORWARD_ONLY_FAILS:
             raise SeedckptError(
-                f"validation.enable with parallelism.pipeline_parallel_schedule = {schedule!r}: torch 2.13 cannot "
+                f"validation.enabled with parallelism.pipeline_parallel_schedule = {schedule!r}: torch 2.13 cannot "
                 "run that schedule forward only; choose another schedule (1F1B, Interleaved1F1B, "
                 "InterleavedZeroBubble, ...) or leave validation off"
             )
-        if self.validation.enable and not self.validation.path and self.data.kind != "synthetic":
+        if self.validation.enabled and not self.validation.path and self.data.kind != "synthetic":
             raise SeedckptError(
-                f"validation.enable needs validation.path: held-out data in data.kind = {self.data.kind!r}'s format"
+                f"validation.enabled needs validation.path: held-out data in data.kind = {self.data.kind!r}'s format"
             )
         budget = self.training.max_tokens_per_rank
         if budget and not (self.data.kind in ("chat", "pretokenized") and self.data.packing):
@@ -580,11 +580,11 @@ class JobConfig:
                 "training.loss_chunk_tokens = 0 (or tensor_parallel_degree = 1)"
             )
         ckpt, val = self.checkpoint, self.validation
-        if ckpt.keep_best and not (val.enable and ckpt.enable and ckpt.interval and val.freq % ckpt.interval == 0):
+        if ckpt.keep_best and not (val.enabled and ckpt.enable and ckpt.interval and val.interval % ckpt.interval == 0):
             raise SeedckptError(
                 "checkpoint.keep_best keeps the saved step with the lowest validation loss: it needs "
-                "validation.enable = true and validation.freq a multiple of checkpoint.interval (got "
-                f"validation.enable = {val.enable}, validation.freq = {val.freq}, checkpoint.interval = "
+                "validation.enabled = true and validation.interval a multiple of checkpoint.interval (got "
+                f"validation.enabled = {val.enabled}, validation.interval = {val.interval}, checkpoint.interval = "
                 f"{ckpt.interval}, checkpoint.enable = {ckpt.enable})"
             )
         if self.data.kind == "chat" and not self.data.tokenizer:

@@ -167,7 +167,7 @@ class Trainer:
                 validation_seed,
                 train.max_tokens_per_rank and train.row_tokens,
             )
-            if cfg.validation.enable
+            if cfg.validation.enabled
             else None
         )
 
@@ -478,7 +478,7 @@ class Trainer:
                 step_time = time.perf_counter() - t0
                 tokens_per_s = tokens_per_step / step_time
                 val = self.cfg.validation
-                validating = val.enable and (state.step % val.freq == 0 or state.step == train.steps)
+                validating = val.enabled and (state.step % val.interval == 0 or state.step == train.steps)
                 logging = state.step % self.cfg.metrics.log_freq == 0 or state.step == train.steps or validating
                 extra = {"osft_leak": self._osft_leak()} if logging and self.projector is not None else {}
                 if validating:
