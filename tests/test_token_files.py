@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -232,3 +233,28 @@ def test_data_sources_without_token_data_is_refused_by_the_config():
         load_config(None, ["--data.sources", "tokens/web:1"])
     with pytest.raises(SeedckptError, match="write it as DIRECTORY:WEIGHT"):
         load_config(None, ["--data.kind", "tokens", "--data.sources", "tokens/web:lots"])
+
+
+def test_sources_as_toml_tables_are_the_strings_mixture(tmp_path, three_sources):
+    """``[[data.sources]]`` tables with path and weight (the names the docs give) draw exactly the rows
+    of the ``"PATH:WEIGHT"`` strings; a table that is not a token mixture is one line."""
+    from seedckpt.config.job_config import load_config
+    from seedckpt.data.mixture import MixedData
+
+    config = tmp_path / "mix.toml"
+    tables = "".join(
+        f'[[data.sources]]\npath = "{three_sources / name}"\nweight = {weight}\n'
+        for name, weight in (("web", 7), ("code", 2), ("math", 1))
+    )
+    config.write_text('[data]\nkind = "tokens"\n' + tables)
+    sources = load_config(str(config), []).data.sources
+    strings = [f"{three_sources / 'web'}:7", f"{three_sources / 'code'}:2", f"{three_sources / 'math'}:1"]
+    from_tables, from_strings = MixedData(sources, 512, 16, seed=0), MixedData(strings, 512, 16, seed=0)
+    assert torch.equal(from_tables.global_batch(9, 8).inputs, from_strings.global_batch(9, 8).inputs)
+    for table, message in (
+        ({"path": "x", "weight": -1}, "give path (a token directory) and weight"),
+        ({"path": "x", "weight": 1, "kind": "chat"}, "mixes token directories only"),
+        ({"path": "x", "weight": 1, "wieght": 2}, "unknown keys ['wieght']"),
+    ):
+        with pytest.raises(SeedckptError, match=re.escape(message)):
+            MixedData([table], 512, 16, seed=0)

@@ -408,11 +408,11 @@ class Data:
         'text: text, JSONL {"text": ...} or parquet file(s) (empty: the built-in corpus); tokens: the token directory '
         "(`seedckpt tokenize`); chat, pretokenized: JSONL file(s), comma-separated or a directory of *.jsonl",
     )
-    sources: list[str] = option(
+    sources: list = option(
         [],
-        'tokens: a weighted mixture of token directories instead of data.path, e.g. ["tokens/web:0.7", '
-        '"tokens/code:0.2", "tokens/math:0.1"] (command line: tokens/web:0.7,tokens/code:0.3); each row '
-        "draws its source with these weights",
+        "tokens: a weighted mixture of token directories instead of data.path: [[data.sources]] tables with "
+        'path and weight (kind = "tokens" optional), or ["tokens/web:0.7", "tokens/code:0.3"] (command line: '
+        "tokens/web:0.7,tokens/code:0.3); each row draws its source with these weights",
     )
     tokenizer: str = option("", "a Hugging Face tokenizer directory (empty: byte-level, text only)")
     overflow: Literal["truncate", "drop"] = option(

@@ -19,28 +19,49 @@ from seedckpt.data.token_files import TokenFileData
 from seedckpt.utils.errors import SeedckptError
 
 
-def parse_sources(entries: list[str]) -> list[tuple[str, float]]:
-    """``["web:0.7", "code:0.2"]`` -> ``[("web", 0.7), ("code", 0.2)]`` (a path may hold ``:``; the
-    weight follows the last one)."""
-    sources = []
-    for entry in entries:
-        path, sep, weight = entry.rpartition(":")
-        try:
-            value = float(weight)
-        except ValueError:
-            value = math.nan
-        if not sep or not path or not (math.isfinite(value) and value > 0):
-            raise SeedckptError(
-                f"data.sources entry {entry!r}: write it as DIRECTORY:WEIGHT with a weight > 0, e.g. tokens/web:0.7"
+def parse_sources(entries: list) -> list[tuple[str, float]]:
+    """``data.sources`` as ``[(path, weight), ...]``: each entry a ``[[data.sources]]`` table
+    (``path``, ``weight``, optionally ``kind = "tokens"``) or a string ``"PATH:WEIGHT"`` (a path may
+    hold ``:``; the weight follows the last one)."""
+    return [_table_source(entry) if isinstance(entry, dict) else _text_source(entry) for entry in entries]
+
+
+def _table_source(entry: dict) -> tuple[str, float]:
+    path, weight, kind = entry.get("path"), entry.get("weight"), entry.get("kind", "tokens")
+    unknown = sorted(set(entry) - {"path", "weight", "kind"})
+    ok_weight = (
+        isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight) and weight > 0
+    )
+    if unknown or not isinstance(path, str) or not path or not ok_weight or kind != "tokens":
+        raise SeedckptError(
+            f"[[data.sources]] entry {entry!r}: give path (a token directory) and weight (> 0)"
+            + (f"; unknown keys {unknown}" if unknown else "")
+            + (
+                f'; kind {kind!r}: this version mixes token directories only (kind = "tokens")'
+                if kind != "tokens"
+                else ""
             )
-        sources.append((path, value))
-    return sources
+        )
+    return path, float(weight)
+
+
+def _text_source(entry) -> tuple[str, float]:
+    path, sep, weight = str(entry).rpartition(":")
+    try:
+        value = float(weight)
+    except ValueError:
+        value = math.nan
+    if not isinstance(entry, str) or not sep or not path or not (math.isfinite(value) and value > 0):
+        raise SeedckptError(
+            f"data.sources entry {entry!r}: write it as DIRECTORY:WEIGHT with a weight > 0, e.g. tokens/web:0.7"
+        )
+    return path, value
 
 
 class MixedData:
     """Rows from several token directories in proportion to their weights (normalized to 1)."""
 
-    def __init__(self, entries: list[str], vocab_size: int, seq_len: int, seed: int):
+    def __init__(self, entries: list, vocab_size: int, seq_len: int, seed: int):
         sources = parse_sources(entries)
         total = sum(weight for _, weight in sources)
         self.names = [Path(path).name or path for path, _ in sources]
