@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from seedckpt.checkpoint import DcpCheckpoint, complete_steps
+from seedckpt.cli.main import main as seedckpt_main
 from seedckpt.utils.errors import SeedckptError
 from tests.dist import run_distributed, run_main
 
@@ -643,6 +644,35 @@ def test_ctrl_c_stops_every_rank_with_one_line_naming_the_newest_checkpoint(tmp_
         "command resumes from it"
     ), err
     assert not [p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith(".")]  # no partial, no lock
+
+
+def test_ctrl_c_during_the_final_asynchronous_save_under_launch_is_one_line_and_130(tmp_path):
+    """2 ranks, a model whose train state takes a while to write (~1.2 GB), async saves, Ctrl-C to the
+    launcher right after the last step is logged -- while its save is in flight: exit 130 with the
+    interrupted line, and the step is either published whole or not at all (no partial, no lock)."""
+    seed = tmp_path / "seed"
+    big = ["--model.dim", "1024", "--model.n_layers", "8"]
+    assert seedckpt_main(["seed", "--config", "configs/debug.toml", *big, "--output", str(seed), "--quiet"]) == 0
+    status, out, err = launch(
+        tmp_path / "run",
+        seed,
+        2,
+        *big,
+        "--training.steps",
+        "3",
+        "--checkpoint.interval",
+        "0",
+        "--checkpoint.async_mode",
+        "async",
+        when="step     3/3",
+        act=lambda proc: (time.sleep(0.3), os.killpg(proc.pid, signal.SIGINT)),
+    )
+    assert status == 130, err
+    [line] = err.strip().splitlines()
+    assert line.startswith("train.py: interrupted; no checkpoint is left half-written"), err
+    folder = tmp_path / "run" / "ckpt"
+    assert (sorted(p.name for p in folder.iterdir()) if folder.exists() else []) in ([], ["step-3"])
+    assert ("step-3: the same command resumes from it" in line) == (folder / "step-3").exists()
 
 
 def test_launch_names_a_rank_killed_by_a_signal(tmp_path, debug_seed):
