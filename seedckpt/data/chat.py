@@ -128,7 +128,11 @@ class PackedSamples:
             f"{what[0]} {data.path}: {count} {what[1]}, {len(self.samples)} kept "
             f"({truncated} truncated, {dropped} dropped, overflow={data.overflow}); "
             f"{len(rows)} rows per epoch, {'packed' if self.packing else 'one per row'}"
-            + (f" into rows of {self.row_tokens} tokens (training.max_tokens_per_rank)" if row_tokens else "")
+            + (
+                f" into rows of {self.row_tokens} tokens (training.max_tokens_per_rank)"
+                if self.row_tokens != seq_len
+                else ""
+            )
             + ", "
             f"{self.padding_fraction:.1%} padding" + (f"; {note}" if note else "")
         )

@@ -14,8 +14,8 @@ from seedckpt.utils.errors import SeedckptError
 
 
 def make_dataset(data, vocab_size: int, seq_len: int, seed: int, row_tokens: int = 0):
-    """The dataset that the ``[data]`` section ``data`` describes; ``row_tokens``: packed SFT rows of
-    that many tokens instead of ``seq_len`` (``training.max_tokens_per_rank``; 0: ``seq_len``)."""
+    """The dataset that the ``[data]`` section ``data`` describes; ``row_tokens``: the length of packed
+    SFT rows (``training.row_tokens``; 0: ``seq_len``)."""
     if data.kind == "synthetic":
         return SyntheticData(vocab_size, seq_len, seed)
     if data.kind == "text":

@@ -154,19 +154,11 @@ class Trainer:
         # from its labels (``Transformer.forward(labels=...)``), instead of the logits.
         self.chunked_loss = train.loss_chunk_tokens > 0
         self.global_batch = self.dims.global_batch_size(cfg)
-        self.data = data or make_dataset(
-            cfg.data, self.args.vocab_size, train.seq_len, train.seed, train.max_tokens_per_rank and train.row_tokens
-        )
+        self.data = data or make_dataset(cfg.data, self.args.vocab_size, train.seq_len, train.seed, train.row_tokens)
         held_out = dataclasses.replace(cfg.data, path=cfg.validation.path, sources=[])
         validation_seed = keyed_generator("seedckpt-validation", train.seed).initial_seed()  # draws of its own
         self.validation_data = (
-            make_dataset(
-                held_out,
-                self.args.vocab_size,
-                train.seq_len,
-                validation_seed,
-                train.max_tokens_per_rank and train.row_tokens,
-            )
+            make_dataset(held_out, self.args.vocab_size, train.seq_len, validation_seed, train.row_tokens)
             if cfg.validation.enabled
             else None
         )
@@ -653,8 +645,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 return 0
             train = cfg.training
-            row = train.max_tokens_per_rank and train.row_tokens
-            data = make_dataset(cfg.data, run.args.vocab_size, train.seq_len, train.seed, row)
+            data = make_dataset(cfg.data, run.args.vocab_size, train.seq_len, train.seed, train.row_tokens)
             return _train(run, data, rank)
     except SeedckptError as e:
         if rank == 0:
