@@ -15,6 +15,7 @@ import torch
 
 from tests.conftest import tiny_config
 from tests.dist import run_distributed
+from tests.test_distributed import _fsdp
 
 UNEVEN = ("--model.vocab_size", "250", "--model.multiple_of", "25")
 
@@ -42,17 +43,6 @@ def stock_tensors(path) -> dict[str, torch.Tensor]:
     state = {f: torch.empty(i.shape, dtype=i.dtype) for f, i in open_model_checkpoint(path).infos.items()}
     dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
     return state
-
-
-def _fsdp(mesh):
-    from torch.distributed.fsdp import fully_shard
-
-    def shard(module):
-        for layer in module.layers.values():
-            fully_shard(layer, mesh=mesh)
-        fully_shard(module, mesh=mesh)
-
-    return shard
 
 
 def _layout_worker(rank, world_size, seed_path, resume_path):

@@ -338,9 +338,9 @@ def test_pruning_spares_the_step_with_the_lowest_recorded_validation_loss(tmp_pa
         _fake_step(tmp_path, step, float(loss) if loss else None)
     (tmp_path / "step-12").mkdir()  # unfinished: neither counted nor deleted
     (tmp_path / "step-12" / "seedckpt.json").write_text("{not json")
-    prune_steps(tmp_path, 2, 10, keep_best=True)
+    assert prune_steps(tmp_path, 2, 10, keep_best=True) == 4  # the lowest recorded, finite loss
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-10", "step-12", "step-4", "step-8"]
-    prune_steps(tmp_path, 1, 10)  # without keep_best the best goes like any other
+    assert prune_steps(tmp_path, 1, 10) is None  # without keep_best the best goes like any other
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-10", "step-12"]
 
 

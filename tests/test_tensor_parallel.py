@@ -93,6 +93,10 @@ def test_tp_is_validated_before_any_rendezvous():
     cases = {
         ("--parallelism.tensor_parallel_degree", "3"): "does not divide model.n_heads = 8",
         ("--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "33"): "not divisible by 2",
+        ("--parallelism.tensor_parallel_degree", "2", "--data.kind", "chat", "--data.tokenizer", "tok")
+        + ("--training.max_tokens_per_rank", "66", "--training.local_batch_size", "2", "--training.seq_len", "32"): (
+            "a row of training.max_tokens_per_rank / local_batch_size = 33 tokens is not divisible by 2"
+        ),
         ("--parallelism.tensor_parallel_degree", "2", "--parallelism.fsdp_impl", "manual"): "fsdp_impl = 'manual'",
     }
     for overrides, message in cases.items():

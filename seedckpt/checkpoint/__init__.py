@@ -41,7 +41,7 @@ from seedckpt.checkpoint.manifest import (
 )
 from seedckpt.checkpoint.model import ModelLayout
 from seedckpt.checkpoint.safe_pickle import SafeFileSystemReader
-from seedckpt.checkpoint.steps import best_step, complete_steps, prune_steps, step_dir, step_dirs
+from seedckpt.checkpoint.steps import complete_steps, prune_steps, step_dir, step_dirs
 from seedckpt.checkpoint.writer import LazySavePlanner, StreamingFileSystemWriter, write_checkpoint
 
 __all__ = [
@@ -64,7 +64,6 @@ __all__ = [
     "make_manifest",
     "ModelLayout",
     "SafeFileSystemReader",
-    "best_step",
     "complete_steps",
     "prune_steps",
     "step_dir",

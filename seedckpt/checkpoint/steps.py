@@ -38,18 +38,18 @@ def complete_steps(folder: str | os.PathLike) -> dict[int, Path]:
     }
 
 
-def prune_steps(folder: str | os.PathLike, keep: int, saved: int, keep_best: bool = False) -> None:
+def prune_steps(folder: str | os.PathLike, keep: int, saved: int, keep_best: bool = False) -> int | None:
     """Delete all but the newest ``keep`` complete step checkpoints up to ``saved``, the step just
     written (``keep <= 0`` keeps all). Newer ones (left by a run resumed at an earlier
     ``checkpoint.load_step``) are kept: they are not this run's to count, and not older than its own.
-    ``keep_best``: the step whose manifest records the lowest ``val_loss`` is kept too."""
-    if keep <= 0:
-        return
+    ``keep_best``: the step whose manifest records the lowest ``val_loss`` is kept too; it is returned
+    (None without ``keep_best`` or a recorded loss)."""
     steps = {n: path for n, path in complete_steps(folder).items() if n <= saved}
     best = best_step(steps) if keep_best else None
-    for step in sorted(steps)[:-keep]:
+    for step in sorted(steps)[:-keep] if keep > 0 else ():
         if step != best:
             shutil.rmtree(steps[step], ignore_errors=True)
+    return best
 
 
 def best_step(steps: dict[int, Path]) -> int | None:

@@ -174,13 +174,13 @@ class Training:
         )
         _check("training.warmup_steps", self.warmup_steps, self.warmup_steps >= 0, ">= 0")
         _check("training.loss_chunk_tokens", self.loss_chunk_tokens, self.loss_chunk_tokens >= 0, ">= 0 (0: no chunks)")
-        rows, row = self.local_batch_size, self.max_tokens_per_rank // max(self.local_batch_size, 1)
-        _check(
+        _check(  # local_batch_size >= 1 was checked above
             "training.max_tokens_per_rank",
             self.max_tokens_per_rank,
-            self.max_tokens_per_rank == 0 or (self.max_tokens_per_rank % rows == 0 and row >= self.seq_len),
-            f"a multiple of training.local_batch_size = {rows} whose rows (max_tokens_per_rank / local_batch_size) "
-            f"hold training.seq_len = {self.seq_len} tokens, the longest sample; or 0 (off)",
+            self.max_tokens_per_rank == 0
+            or (self.max_tokens_per_rank % self.local_batch_size == 0 and self.row_tokens >= self.seq_len),
+            f"a multiple of training.local_batch_size = {self.local_batch_size} whose rows (max_tokens_per_rank / "
+            f"local_batch_size) hold training.seq_len = {self.seq_len} tokens, the longest sample; or 0 (off)",
         )
         _check(
             "training.stop_after_step",
@@ -566,12 +566,6 @@ class JobConfig:
                 f"training.max_tokens_per_rank = {budget} packs SFT samples into rows of that many tokens: it needs "
                 f"data.kind = 'chat' or 'pretokenized' with data.packing = true (got data.kind = {self.data.kind!r}, "
                 f"data.packing = {self.data.packing})"
-            )
-        tp, row = self.parallelism.tensor_parallel_degree, self.training.row_tokens
-        if budget and tp > 1 and self.parallelism.enable_sequence_parallel and row % tp:
-            raise SeedckptError(
-                f"training.max_tokens_per_rank = {budget} makes rows of {row} tokens, not a multiple of "
-                f"parallelism.tensor_parallel_degree = {tp}: sequence parallelism splits each row over the TP ranks"
             )
         if self.training.loss_chunk_tokens and self.parallelism.tensor_parallel_degree > 1:
             raise SeedckptError(

@@ -31,7 +31,7 @@ class FamilyCodec:
     def __init__(self, family: ModelFamily):
         self.family = family
         self.renamings = family.renamings
-        self._shapes: dict[str, dict[str, tuple[int, ...]]] = {}  # by the model's description (``_key``)
+        self._shapes: dict[str, dict[str, tuple[int, ...]]] = {}  # by the model's args and OSFT settings, as JSON
 
     def layout(self, args, osft: OSFTSettings | None = None) -> ModelLayout:
         """The tensors ``args`` describes (built on ``meta``: nothing allocated); with ``osft``, its

@@ -164,10 +164,16 @@ def check_tensor_parallel(cfg: JobConfig, args, tp: int) -> None:
                 f"parallelism.tensor_parallel_degree = {tp} does not divide {what} = {size}: each TP rank "
                 f"needs an equal share; use a degree that divides it"
             )
-    seq_len = cfg.training.seq_len
-    if cfg.parallelism.enable_sequence_parallel and seq_len % tp:
+    train = cfg.training
+    row = train.row_tokens  # the length of a batch row: seq_len, or a share of a token budget
+    what = (
+        f"a row of training.max_tokens_per_rank / local_batch_size = {row} tokens"
+        if train.max_tokens_per_rank
+        else f"training.seq_len = {row}"
+    )
+    if cfg.parallelism.enable_sequence_parallel and row % tp:
         raise SeedckptError(
-            f"sequence parallelism splits each sequence over the {tp} TP ranks, but training.seq_len = {seq_len} "
+            f"sequence parallelism splits each sequence over the {tp} TP ranks, but {what} "
             f"is not divisible by {tp}; use a multiple of {tp}, or set parallelism.enable_sequence_parallel = false"
         )
     if cfg.finetune.mode == "osft":

@@ -46,7 +46,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from seedckpt.checkpoint import best_step, complete_steps, destination_lock, prune_steps, step_dir, step_dirs
+from seedckpt.checkpoint import complete_steps, destination_lock, prune_steps, step_dir, step_dirs
 from seedckpt.checkpoint.background import BackgroundSaver, SavedInBackground
 from seedckpt.cli.convert import convert
 from seedckpt.config.job_config import JobConfig, check_output_folders, config_reference, load_config
@@ -327,8 +327,7 @@ class Trainer:
         ckpt, best = self.cfg.checkpoint, ""
         if self.rank == 0:  # after the new step is published: never fewer complete steps than before
             saved = int(path.name.removeprefix("step-"))
-            prune_steps(ckpt.folder, ckpt.keep_latest_k, saved, ckpt.keep_best)
-            kept = best_step(complete_steps(ckpt.folder)) if ckpt.keep_best else None
+            kept = prune_steps(ckpt.folder, ckpt.keep_latest_k, saved, ckpt.keep_best)
             best = f"; lowest validation loss: step-{kept}, kept (checkpoint.keep_best)" if kept is not None else ""
         background = f", background {background_s:.2f} s" if background_s is not None else ""
         self.log(f"saved checkpoint {path} (stall {stall_s:.2f} s{background}){best}")
