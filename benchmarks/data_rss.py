@@ -25,14 +25,14 @@ BLOCK_TOKENS = 16 << 20  # ids generated and written per block (64 MiB)
 
 
 def random_blocks(tokens: int, vocab: int, seed: int):
-    """``(ids, documents, bytes)`` blocks as ``write_token_directory`` takes them: random ids below
-    ``vocab``, each block counted as one document."""
+    """``({"tokens.bin": ids}, documents, bytes)`` blocks as ``write_token_directory`` takes them:
+    random ids below ``vocab``, each block counted as one document."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
     for start in range(0, tokens, BLOCK_TOKENS):
         n = min(BLOCK_TOKENS, tokens - start)
-        yield rng.integers(0, vocab, n, dtype=np.uint32), 1, n * 4
+        yield {"tokens.bin": rng.integers(0, vocab, n, dtype=np.uint32)}, 1, n * 4
 
 
 def make_corpus(path: Path, tokens: int, vocab: int) -> Path:

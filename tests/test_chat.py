@@ -38,6 +38,10 @@ def _data(tmp_path, tokenizer_dir, records=CHATS, seq_len=64, vocab=304, **kw) -
     return ChatData(Data(kind="chat", path=path, tokenizer=str(tokenizer_dir), **kw), vocab, seq_len, 0)
 
 
+def _samples(data) -> list[tuple[list[int], list[int]]]:
+    return [tuple(t.tolist() for t in data.sample(i)) for i in range(len(data.lengths))]
+
+
 def test_labels_are_exactly_the_assistant_tokens(tokenizer_dir):
     tok = load_tokenizer(tokenizer_dir)
     messages = [
@@ -68,13 +72,13 @@ def test_labels_are_exactly_the_assistant_tokens(tokenizer_dir):
 def test_packing_keeps_conversations_apart_and_each_once_per_epoch(tmp_path, tokenizer_dir):
     data = _data(tmp_path, tokenizer_dir, seq_len=128)
     rows = data._epoch(0)
-    assert sorted(i for row in rows for i in row) == list(range(len(data.samples)))  # each once
-    assert len(rows) < len(data.samples)  # several per row
+    assert sorted(i for row in rows for i in row) == list(range(len(data.lengths)))  # each once
+    assert len(rows) < len(data.lengths)  # several per row
     batch = data.global_batch(1, len(rows))
     for b, row in enumerate(rows):
         at = 0
         for doc, i in enumerate(row):
-            x, y = data.samples[i]
+            x, y = data.sample(i)
             assert torch.equal(batch.inputs[b, at : at + len(x)], x) and torch.equal(
                 batch.labels[b, at : at + len(x)], y
             )
@@ -100,11 +104,11 @@ def test_packed_row_losses_equal_conversations_run_alone(tmp_path, tokenizer_dir
     packed = F.cross_entropy(logits[0], batch.labels[0], ignore_index=IGNORE_INDEX, reduction="none")
     at = 0
     for i in data._row(0):
-        x, y = data.samples[i]
+        x, y = data.sample(i)
         alone = F.cross_entropy(model(x[None])[0], y, ignore_index=IGNORE_INDEX, reduction="none")
         torch.testing.assert_close(packed[at : at + len(x)], alone, rtol=1e-5, atol=1e-5)
         at += len(x)
-    assert at > len(data.samples[data._row(0)[0]][0])  # the row really held several conversations
+    assert at > data.lengths[data._row(0)[0]]  # the row really held several conversations
 
 
 def test_batches_are_a_pure_function_of_seed_and_step_across_epochs(tmp_path, tokenizer_dir):
@@ -116,7 +120,7 @@ def test_batches_are_a_pure_function_of_seed_and_step_across_epochs(tmp_path, to
         a, b = data.global_batch(step, 4), fresh.global_batch(step, 4)
         assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("inputs", "labels", "positions", "document_ids"))
     assert data._epoch(1) != data._epoch(0)  # epochs reshuffle
-    assert sorted(i for r in data._epoch(1) for i in r) == list(range(len(data.samples)))
+    assert sorted(i for r in data._epoch(1) for i in r) == list(range(len(data.lengths)))
     other_seed = ChatData(
         Data(kind="chat", path=str(tmp_path / "chats.jsonl"), tokenizer=str(tokenizer_dir)), 304, 64, 1
     )
@@ -136,9 +140,9 @@ def test_overflow_truncates_or_drops_and_counts(tmp_path, tokenizer_dir):
     records = CHATS[:5] + [long_chat, hopeless]
     truncating = _data(tmp_path, tokenizer_dir, records, seq_len=128)
     assert "1 truncated, 1 dropped" in truncating.description  # the hopeless one has no assistant token left
-    assert max(len(x) for x, _ in truncating.samples) == 128
+    assert max(truncating.lengths) == 128
     dropping = _data(tmp_path, tokenizer_dir, records, seq_len=128, overflow="drop")
-    assert "0 truncated, 2 dropped" in dropping.description and len(dropping.samples) == 5
+    assert "0 truncated, 2 dropped" in dropping.description and len(dropping.lengths) == 5
 
 
 def test_gzipped_chats_are_read_and_empty_files_are_called_empty(tmp_path, tokenizer_dir):
@@ -149,7 +153,7 @@ def test_gzipped_chats_are_read_and_empty_files_are_called_empty(tmp_path, token
     with gzip.open(packed, "wt") as f:
         f.write("".join(json.dumps(r) + "\n" for r in CHATS))
     zipped = ChatData(Data(kind="chat", path=str(packed), tokenizer=str(tokenizer_dir)), 304, 64, 0)
-    assert [(x.tolist(), y.tolist()) for x, y in zipped.samples] == [(x.tolist(), y.tolist()) for x, y in plain.samples]
+    assert _samples(zipped) == _samples(plain)
     assert "no pad token: padding with eos" in zipped.description  # the note, in the run's data line
     for name, text in [("empty.jsonl", ""), ("blank.jsonl", "\n  \n")]:
         (tmp_path / name).write_text(text)

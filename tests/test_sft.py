@@ -14,6 +14,7 @@ import torch
 
 from models.common.hf_names import from_hf_name
 from seedckpt.cli.convert import convert
+from seedckpt.cli.main import main as seedckpt
 from seedckpt.materialize.model_checkpoint import open_model_checkpoint
 from seedckpt.materialize.stages import build_stages
 from seedckpt.parallel.pipeline import plan_rank_stages
@@ -371,6 +372,13 @@ def test_token_budget_batches_fill_rows_and_train_alike_on_one_process_and_pp2_x
     assert len(losses(tmp_path / "one")) == 4
     for a, b in zip(losses(tmp_path / "one"), losses(tmp_path / "four"), strict=True):
         assert a == pytest.approx(b, rel=1e-5)
+    # The chats tokenized once (`seedckpt tokenize --chat`) train to the very same losses.
+    chat_tokens = ["tokenize", str(chats), "--chat", "--tokenizer", str(tokenizer), "--quiet"]
+    assert seedckpt([*chat_tokens, "--output", str(tmp_path / "chat_tokens")]) == 0
+    tokens = ["--data.kind", "tokens", "--data.path", str(tmp_path / "chat_tokens")]
+    pretokenized = sft(tmp_path / "tokens", hf, tokenizer, chats, 1, *budget, *SINGLE[:2], *tokens)
+    assert f"data: chat tokens {tmp_path / 'chat_tokens'}: 48 conversations" in pretokenized.stdout
+    assert losses(tmp_path / "tokens") == losses(tmp_path / "one")
 
     def padding(stdout: str) -> float:
         return float(stdout.split("% padding")[0].split()[-1])
@@ -396,7 +404,7 @@ def test_token_budget_batches_fill_rows_and_train_alike_on_one_process_and_pp2_x
         (["--training.max_tokens_per_rank", "257", "--training.local_batch_size", "2"], "a multiple of training.local"),
         (
             ["--training.max_tokens_per_rank", "256", "--data.packing", "false"],
-            "needs data.kind = 'chat' or 'pretokenized' with data.packing = true",
+            "needs data.kind = 'chat', 'pretokenized' or 'tokens'",
         ),
     ],
 )

@@ -162,7 +162,7 @@ def test_a_token_file_larger_than_the_address_space_cap_trains(tmp_path):
     from seedckpt.data.token_files import write_token_directory
 
     rng = np.random.default_rng(0)
-    blocks = ((rng.integers(0, 1 << 20, 1 << 24, dtype=np.uint32), 1, 0) for _ in range(4))
+    blocks = (({"tokens.bin": rng.integers(0, 1 << 20, 1 << 24, dtype=np.uint32)}, 1, 0) for _ in range(4))
     write_token_directory(tmp_path / "big", blocks, vocab_size=1 << 20)
     proc = subprocess.run(
         [sys.executable, "-c", CAPPED, str(tmp_path / "big")], cwd=REPO, capture_output=True, text=True, timeout=120

@@ -58,8 +58,11 @@ EXAMPLES = {
     "tokenize": """
         examples:
           seedckpt tokenize corpus/ --tokenizer ./tokenizer --output tokens/
-          seedckpt tokenize a.jsonl,b.jsonl.gz,c.parquet --tokenizer ./tokenizer --output tokens/ --workers 8
-          torchrun --nproc-per-node 4 train.py --config C --data.kind tokens --data.path tokens/""",
+          seedckpt tokenize a.jsonl b.jsonl.gz c.parquet --tokenizer ./tokenizer --output tokens/ --workers 8
+          torchrun --nproc-per-node 4 train.py --config C --data.kind tokens --data.path tokens/
+          seedckpt tokenize chats.jsonl --chat --tokenizer ./tokenizer --output chat_tokens/   # SFT, label mask
+          torchrun --nproc-per-node 4 train.py --config C --finetune.mode sft ... --data.kind tokens \\
+              --data.path chat_tokens/""",
 }
 
 
@@ -158,12 +161,21 @@ def _parser() -> argparse.ArgumentParser:
         "Tokenize text, JSONL or parquet corpora once into a token directory (uint32 tokens.bin + tokens.json) that "
         "training reads window by window (--data.kind tokens --data.path DIR): in parallel over the cores, "
         "each document's ids followed by the tokenizer's eos, written under a temporary name and renamed when "
-        "complete. `seedckpt verify DIR` checks it.",
+        "complete. With --chat, conversations rendered with the chat template, with a label mask (mask.bin) and "
+        "an index (documents.bin), which training packs as data.kind = chat does. `seedckpt verify DIR` checks it.",
     )
     tokenize.add_argument(
         "sources",
-        help='JSONL {"text": ...} / JSONL.gz / parquet (a "text" column) / plain text file(s), comma-separated, '
-        "or a directory",
+        nargs="+",
+        metavar="INPUT",
+        help='JSONL {"text": ...} / JSONL.gz / parquet (a "text" column) / plain text file(s), or directories; '
+        'with --chat, JSONL {"messages": [...]} file(s) or directories',
+    )
+    tokenize.add_argument(
+        "--chat",
+        action="store_true",
+        help="the inputs are conversations: render them with the tokenizer's chat template and keep the "
+        "assistant tokens' label mask, for SFT",
     )
     tokenize.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizer directory (tokenizer.json)")
     tokenize.add_argument("--output", required=True, help="the token directory to create")
@@ -323,10 +335,12 @@ def _tokenize(opts, _rest) -> int:
 
     if opts.workers is not None and opts.workers < 1:
         raise SeedckptError(f"--workers {opts.workers}: it must be >= 1")
-    path = tokenize_corpus(opts.sources, opts.tokenizer, opts.output, opts.workers, progress=not opts.quiet)
+    sources = ",".join(opts.sources)
+    path = tokenize_corpus(sources, opts.tokenizer, opts.output, opts.workers, not opts.quiet, opts.chat)
     made = read_token_manifest(path)
+    what = "conversations" if opts.chat else "documents"
     print(
-        f"wrote {path}: {made['tokens']:,} tokens, {made['documents']:,} documents, vocabulary {made['vocab_size']:,}; "
+        f"wrote {path}: {made['tokens']:,} tokens, {made['documents']:,} {what}, vocabulary {made['vocab_size']:,}; "
         f"train on it with --data.kind tokens --data.path {path}"
     )
     return 0

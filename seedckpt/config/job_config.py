@@ -406,7 +406,8 @@ class Data:
     path: str = option(
         "",
         'text: text, JSONL {"text": ...} or parquet file(s) (empty: the built-in corpus); tokens: the token directory '
-        "(`seedckpt tokenize`); chat, pretokenized: JSONL file(s), comma-separated or a directory of *.jsonl",
+        "(`seedckpt tokenize`; with --chat, conversations packed as chat); chat, pretokenized: JSONL file(s), "
+        "comma-separated or a directory of *.jsonl",
     )
     sources: list = option(
         [],
@@ -416,10 +417,13 @@ class Data:
     )
     tokenizer: str = option("", "a Hugging Face tokenizer directory (empty: byte-level, text only)")
     overflow: Literal["truncate", "drop"] = option(
-        "truncate", "chat, pretokenized: what happens to a sample longer than seq_len + 1 tokens"
+        "truncate",
+        "chat, pretokenized, chat token directories: what happens to a sample longer than seq_len + 1 tokens",
     )
     packing: bool = option(
-        True, "chat, pretokenized: several samples per row, attention masked per sample (its own document)"
+        True,
+        "chat, pretokenized, chat token directories: several samples per row, attention masked per sample "
+        "(its own document)",
     )
 
 
@@ -561,11 +565,11 @@ class JobConfig:
                 f"validation.enabled needs validation.path: held-out data in data.kind = {self.data.kind!r}'s format"
             )
         budget = self.training.max_tokens_per_rank
-        if budget and not (self.data.kind in ("chat", "pretokenized") and self.data.packing):
+        if budget and not (self.data.kind in ("chat", "pretokenized", "tokens") and self.data.packing):
             raise SeedckptError(
                 f"training.max_tokens_per_rank = {budget} packs SFT samples into rows of that many tokens: it needs "
-                f"data.kind = 'chat' or 'pretokenized' with data.packing = true (got data.kind = {self.data.kind!r}, "
-                f"data.packing = {self.data.packing})"
+                f"data.kind = 'chat', 'pretokenized' or 'tokens' (a `seedckpt tokenize --chat` directory) with "
+                f"data.packing = true (got data.kind = {self.data.kind!r}, data.packing = {self.data.packing})"
             )
         if self.training.loss_chunk_tokens and self.parallelism.tensor_parallel_degree > 1:
             raise SeedckptError(

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 
+import numpy as np
 import torch
 
 from seedckpt.data.sources import IGNORE_INDEX, JSONL_SUFFIXES, Batch, data_files, jsonl_records, keyed_generator
@@ -39,9 +40,8 @@ ROLES = ("system", "user", "assistant", "tool")
 OPEN_ROWS = 64  # rows first-fit packing keeps open: more wastes less padding, costs more per sample
 
 
-def read_conversations(path: str) -> list[tuple[str, list[dict]]]:
-    """``(where, messages)`` for every conversation of the JSONL file(s), validated."""
-    out = []
+def read_conversations(path: str):
+    """``(where, messages)`` for every conversation of the JSONL file(s), validated, one at a time."""
     for file in data_files(path, JSONL_SUFFIXES):
         for number, record in jsonl_records(file):
             where = f"{file}:{number}"
@@ -56,8 +56,18 @@ def read_conversations(path: str) -> list[tuple[str, list[dict]]]:
                     raise SeedckptError(f"{where}: a {m['role']} message's content must be a string")
             if not any(m["role"] == "assistant" for m in messages):
                 raise SeedckptError(f"{where}: the conversation has no assistant turn, so nothing to learn")
-            out.append((where, messages))
-    return out
+            yield where, messages
+
+
+def chat_tokenizer(path: str):
+    """The tokenizer in ``path``, which must have a chat template."""
+    tokenizer = load_tokenizer(path)
+    if tokenizer.chat_template is None:
+        raise SeedckptError(
+            f"the tokenizer in {path} has no chat template; add one to its "
+            'tokenizer_config.json ("chat_template") or chat_template.jinja'
+        )
+    return tokenizer
 
 
 def render_with_mask(tokenizer, messages: list[dict], where: str) -> tuple[list[int], list[bool]]:
@@ -86,32 +96,52 @@ def render_with_mask(tokenizer, messages: list[dict], where: str) -> tuple[list[
     return encoded["input_ids"], mask
 
 
+class SamplesInMemory:
+    """Samples held as tensors: ``(ids, labels)`` records, Hugging Face style (``labels[i]`` is the
+    target at position ``i``, ``IGNORE_INDEX`` for none), each kept to its first ``keep`` tokens
+    (the most a row can take)."""
+
+    def __init__(self, records, keep: int):
+        self.records, lengths, first_labels = [], [], []
+        for ids, labels in records:
+            labels = torch.tensor(labels, dtype=torch.int64)
+            self.records.append((torch.tensor(ids[:keep], dtype=torch.int64), labels[:keep]))
+            lengths.append(len(ids))
+            labelled = (labels[1:] != IGNORE_INDEX).nonzero()
+            first_labels.append(int(labelled[0]) + 1 if len(labelled) else len(ids))
+        self.lengths, self.first_labels = np.array(lengths, dtype=np.int64), np.array(first_labels, dtype=np.int64)
+
+    def read(self, index: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``n`` ids and labels of sample ``index``."""
+        ids, labels = self.records[index]
+        return ids[:n], labels[:n]
+
+
 class PackedSamples:
-    """Samples -- token ids with per-token labels, Hugging Face style (``labels[i]`` is the target at
-    position ``i``, ``IGNORE_INDEX`` for none) -- fitted to ``seq_len + 1`` tokens as ``overflow``
-    says, then packed into rows, epoch by epoch (the module docstring)."""
+    """Samples fitted to ``seq_len + 1`` tokens as ``data.overflow`` says, then packed into rows,
+    epoch by epoch (the module docstring).
+
+    ``samples`` gives, per sample, ``lengths`` (tokens), ``first_labels`` (the first position from 1
+    on with a label; the length when none) and ``read(index, n)``: its first ``n`` ids and labels.
+    It holds them in memory (``SamplesInMemory``) or reads them from a chat token directory."""
 
     def __init__(
-        self, records, data, seq_len: int, seed: int, pad_id: int, what: tuple[str, str], note: str = "", row_tokens=0
+        self, samples, data, seq_len: int, seed: int, pad_id: int, what: tuple[str, str], note: str = "", row_tokens=0
     ):
-        """``records``: ``(ids, labels)`` lists per sample; ``what``: the data and what a sample is, for
-        the log (``("chat", "conversations")``); ``row_tokens``: the length of a packed row, a token
-        budget (``training.max_tokens_per_rank``; 0: ``seq_len``, which bounds each sample either way)."""
+        """``what``: the data and what a sample is, for the log (``("chat", "conversations")``);
+        ``row_tokens``: the length of a packed row, a token budget (``training.max_tokens_per_rank``;
+        0: ``seq_len``, which bounds each sample either way)."""
         self.pad_id, self.seq_len, self.seed, self.packing = pad_id, seq_len, seed, data.packing
         self.row_tokens = row_tokens or seq_len
-        self.samples: list[tuple[torch.Tensor, torch.Tensor]] = []  # (inputs, labels) per sample
-        truncated = dropped = count = 0
-        for ids, labels in records:
-            count += 1
-            overflows = len(ids) > seq_len + 1
-            targets = labels[1 : seq_len + 1]
-            if overflows and data.overflow == "drop" or all(t == IGNORE_INDEX for t in targets):
-                dropped += 1  # too long, or truncation left no labelled token
-                continue
-            truncated += overflows
-            inputs = ids[: min(len(ids), seq_len + 1) - 1]  # each input predicts the next token's label
-            self.samples.append((torch.tensor(inputs, dtype=torch.int64), torch.tensor(targets, dtype=torch.int64)))
-        if not self.samples:
+        self.samples = samples
+        overflows = samples.lengths > seq_len + 1
+        kept = np.minimum(samples.lengths, seq_len + 1)  # each input predicts the next token's label
+        keep = (samples.first_labels < kept) & ~(overflows & (data.overflow == "drop"))
+        self.indices = np.flatnonzero(keep).tolist()  # the kept samples' indices in ``samples``
+        self.lengths = (kept[keep] - 1).tolist()  # their input tokens
+        count, truncated = len(samples.lengths), int((overflows & keep).sum())
+        dropped = count - len(self.indices)  # too long, or truncation left no labelled token
+        if not self.indices:
             fixes = "raise training.seq_len" + (
                 "" if data.overflow == "truncate" else " or use data.overflow = truncate"
             )
@@ -122,10 +152,10 @@ class PackedSamples:
         self._epochs: list[list[list[int]]] = []  # packed rows (sample indices) per epoch
         self._starts = [0]  # first global row of each epoch, then the end of the last one
         rows = self._epoch(0)
-        used = sum(len(self.samples[i][0]) for row in rows for i in row)
+        used = sum(self.lengths[i] for row in rows for i in row)
         self.padding_fraction = 1 - used / (len(rows) * self.row_tokens)
         self.description = (
-            f"{what[0]} {data.path}: {count} {what[1]}, {len(self.samples)} kept "
+            f"{what[0]} {data.path}: {count} {what[1]}, {len(self.indices)} kept "
             f"({truncated} truncated, {dropped} dropped, overflow={data.overflow}); "
             f"{len(rows)} rows per epoch, {'packed' if self.packing else 'one per row'}"
             + (
@@ -140,7 +170,7 @@ class PackedSamples:
     def _epoch(self, epoch: int) -> list[list[int]]:
         while len(self._epochs) <= epoch:
             order = torch.randperm(
-                len(self.samples), generator=keyed_generator("seedckpt-chat", self.seed, len(self._epochs))
+                len(self.indices), generator=keyed_generator("seedckpt-chat", self.seed, len(self._epochs))
             ).tolist()
             rows = self._pack(order)
             self._epochs.append(rows)
@@ -153,7 +183,7 @@ class PackedSamples:
             return [[i] for i in order]
         closed, open_rows = [], []  # open: [free tokens, sample indices]
         for i in order:
-            length = len(self.samples[i][0])
+            length = self.lengths[i]
             row = next((r for r in open_rows if r[0] >= length), None)
             if row is None:
                 if len(open_rows) == OPEN_ROWS:
@@ -171,6 +201,11 @@ class PackedSamples:
         epoch = bisect.bisect_right(self._starts, index) - 1
         return self._epochs[epoch][index - self._starts[epoch]]
 
+    def sample(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Kept sample ``i``: its inputs and their labels (the next token's, ``IGNORE_INDEX`` for none)."""
+        ids, labels = self.samples.read(self.indices[i], self.lengths[i] + 1)
+        return ids[:-1], labels[1:]
+
     def global_batch(self, step: int, batch_size: int) -> Batch:
         shape = (batch_size, self.row_tokens)
         inputs = torch.full(shape, self.pad_id, dtype=torch.int64)
@@ -181,9 +216,8 @@ class PackedSamples:
             at = 0
             row = self._row((step - 1) * batch_size + b)
             for doc, i in enumerate(row):
-                x, y = self.samples[i]
-                n = len(x)
-                inputs[b, at : at + n], labels[b, at : at + n] = x, y
+                n = self.lengths[i]
+                inputs[b, at : at + n], labels[b, at : at + n] = self.sample(i)
                 positions[b, at : at + n] = torch.arange(n)
                 documents[b, at : at + n] = doc
                 at += n
@@ -197,12 +231,7 @@ class ChatData(PackedSamples):
     the assistant's tokens."""
 
     def __init__(self, data, vocab_size: int, seq_len: int, seed: int, row_tokens: int = 0):
-        tokenizer = load_tokenizer(data.tokenizer)
-        if tokenizer.chat_template is None:
-            raise SeedckptError(
-                f"the tokenizer in {data.tokenizer} has no chat template; add one to its "
-                'tokenizer_config.json ("chat_template") or chat_template.jinja'
-            )
+        tokenizer = chat_tokenizer(data.tokenizer)
         if len(tokenizer) > vocab_size:
             raise SeedckptError(
                 f"the tokenizer in {data.tokenizer} has {len(tokenizer)} tokens but the model's "
@@ -215,7 +244,8 @@ class ChatData(PackedSamples):
                 ids, mask = render_with_mask(tokenizer, messages, where)
                 yield ids, [t if m else IGNORE_INDEX for t, m in zip(ids, mask)]
 
-        super().__init__(records(), data, seq_len, seed, pad_id, ("chat", "conversations"), pad_note, row_tokens)
+        samples = SamplesInMemory(records(), seq_len + 1)
+        super().__init__(samples, data, seq_len, seed, pad_id, ("chat", "conversations"), pad_note, row_tokens)
 
 
 class PretokenizedData(PackedSamples):
@@ -229,7 +259,8 @@ class PretokenizedData(PackedSamples):
                 for number, record in jsonl_records(file):
                     yield _pretokenized(record, vocab_size, f"{file}:{number}")
 
-        super().__init__(records(), data, seq_len, seed, 0, ("pretokenized", "samples"), row_tokens=row_tokens)
+        samples = SamplesInMemory(records(), seq_len + 1)
+        super().__init__(samples, data, seq_len, seed, 0, ("pretokenized", "samples"), row_tokens=row_tokens)
 
 
 def _pretokenized(record, vocab_size: int, where: str) -> tuple[list[int], list[int]]:

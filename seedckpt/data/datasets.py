@@ -9,7 +9,7 @@ from __future__ import annotations
 from seedckpt.data.chat import ChatData, PretokenizedData
 from seedckpt.data.mixture import MixedData
 from seedckpt.data.sources import SyntheticData, TextData
-from seedckpt.data.token_files import TokenFileData
+from seedckpt.data.token_files import token_dataset
 from seedckpt.utils.errors import SeedckptError
 
 
@@ -29,5 +29,5 @@ def make_dataset(data, vocab_size: int, seq_len: int, seed: int, row_tokens: int
     if data.kind == "tokens" and data.sources:
         return MixedData(data.sources, vocab_size, seq_len, seed)
     if data.kind == "tokens":
-        return TokenFileData(data.path, vocab_size, seq_len, seed)
+        return token_dataset(data, vocab_size, seq_len, seed, row_tokens)
     raise SeedckptError(f"data.kind = {data.kind!r}; choose synthetic, text, tokens, chat or pretokenized")

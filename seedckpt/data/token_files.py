@@ -4,7 +4,15 @@ A token directory holds ``tokens.bin`` -- every document's token ids followed by
 eos, little-endian ``uint32``, one document after another -- and ``tokens.json``: the tokenizer
 (its directory and the SHA-256 of its ``tokenizer.json``), its vocabulary size, the token and
 document counts, the sources, and the CRC32C of ``tokens.bin`` in 64 MiB pieces (``seedckpt
-tokenize --verify`` checks them).
+verify`` checks them).
+
+A chat token directory (``seedckpt tokenize --chat``) holds conversations rendered with the
+tokenizer's chat template, as ``data.kind = "chat"`` renders them: ``tokens.bin`` (no eos added:
+the template ends its turns), ``mask.bin`` -- one byte per token, 1 where it is the assistant's and
+carries a label -- and ``documents.bin``: per conversation its token count and the first position
+from 1 on with a label, two little-endian ``uint32``. Training packs them as it packs chat, reading
+each conversation's tokens and mask when a batch needs them; the ``documents.bin`` index is what it
+holds (8 bytes a conversation).
 
 Training (``data.kind = "tokens"``) reads each window of ``seq_len + 1`` tokens with one ``pread``
 at an offset drawn from (seed, step), the way ``text`` draws its windows: a rank holds its batch
@@ -31,49 +39,70 @@ import torch
 from seedckpt.checkpoint.atomic import destination_lock
 from seedckpt.checkpoint.integrity import PieceHasher, crc
 from seedckpt.checkpoint.untrusted import read_json
-from seedckpt.data.sources import TEXT_SUFFIXES, Batch, _step_generator, data_files, documents
+from seedckpt.data.chat import PackedSamples, chat_tokenizer, read_conversations, render_with_mask
+from seedckpt.data.sources import (
+    IGNORE_INDEX,
+    JSONL_SUFFIXES,
+    TEXT_SUFFIXES,
+    Batch,
+    _step_generator,
+    data_files,
+    documents,
+)
 from seedckpt.utils.errors import SeedckptError
 from seedckpt.utils.progress import Progress
 
-TOKENS_FILE, MANIFEST_FILE = "tokens.bin", "tokens.json"
-TOKEN_DTYPE = np.dtype("<u4")
+TOKENS_FILE, MANIFEST_FILE, MASK_FILE, DOCUMENTS_FILE = "tokens.bin", "tokens.json", "mask.bin", "documents.bin"
+CHAT_FILES = (TOKENS_FILE, MASK_FILE, DOCUMENTS_FILE)
+TOKEN_DTYPE, MASK_DTYPE, DOCUMENT_DTYPE = np.dtype("<u4"), np.dtype("u1"), np.dtype("<u4")
 CHECK_PIECE_BYTES = 64 << 20
+MAX_CHECK_PIECE_BYTES = 1 << 30  # the largest piece a manifest may claim: verify reads one piece at a time
 BLOCK_CHARS = 1 << 20  # documents are handed to the workers in blocks of about this many characters
 FORMAT = "seedckpt-tokens-1"
 
 
 def tokenize_corpus(
-    sources: str, tokenizer_dir: str, output: str | Path, workers: int | None = None, progress: bool = True
+    sources: str,
+    tokenizer_dir: str,
+    output: str | Path,
+    workers: int | None = None,
+    progress: bool = True,
+    chat: bool = False,
 ) -> Path:
-    """Tokenize ``sources`` (``data.path``'s syntax: files, comma-separated, or a directory of
-    ``*.jsonl`` / ``*.jsonl.gz`` / ``*.parquet``; a plain text file is one document) into the token
-    directory ``output``."""
-    from seedckpt.data.tokenizer import load_tokenizer
+    """Tokenize ``sources`` (``data.path``'s syntax: files, comma-separated, or a directory) into the
+    token directory ``output``: documents (``*.jsonl`` / ``*.jsonl.gz`` / ``*.parquet``; a plain text
+    file is one document), or with ``chat`` JSONL conversations with their label mask."""
+    from seedckpt.data.tokenizer import load_tokenizer, pad_token_id
 
-    tokenizer = load_tokenizer(tokenizer_dir)
-    if tokenizer.eos_token_id is None:
-        raise SeedckptError(f"the tokenizer in {tokenizer_dir} has no eos token to separate documents")
-    files = data_files(sources, TEXT_SUFFIXES)
-    meta = {
-        "tokenizer": str(Path(tokenizer_dir).resolve()),
-        "tokenizer_sha256": _sha256(Path(tokenizer_dir) / "tokenizer.json"),
-        "eos_token_id": tokenizer.eos_token_id,
-        "sources": [{"path": str(f), "bytes": f.stat().st_size} for f in files],
-    }
+    tokenizer = chat_tokenizer(tokenizer_dir) if chat else load_tokenizer(tokenizer_dir)
+    meta = {"content": "chat" if chat else "text", "tokenizer": str(Path(tokenizer_dir).resolve())}
+    meta["tokenizer_sha256"] = _sha256(Path(tokenizer_dir) / "tokenizer.json")
+    if chat:
+        files = data_files(sources, JSONL_SUFFIXES)
+        meta["pad_token_id"], meta["pad_note"] = pad_token_id(tokenizer)
+        blocks, work, names = _conversation_blocks(sources), _tokenize_conversations, CHAT_FILES
+    else:
+        if tokenizer.eos_token_id is None:
+            raise SeedckptError(f"the tokenizer in {tokenizer_dir} has no eos token to separate documents")
+        files = data_files(sources, TEXT_SUFFIXES)
+        meta["eos_token_id"] = tokenizer.eos_token_id
+        blocks, work, names = _blocks(files), _tokenize_block, (TOKENS_FILE,)
+    meta["sources"] = [{"path": str(f), "bytes": f.stat().st_size} for f in files]
     meter = Progress(sum(f.stat().st_size for f in files), f"tokenize {len(files)} file(s)", enabled=progress)
     context = multiprocessing.get_context("spawn")
     try:
         with context.Pool(workers or len(os.sched_getaffinity(0)), _start_worker, (tokenizer_dir,)) as pool:
-            blocks = pool.imap(_tokenize_block, _blocks(files))
-            return write_token_directory(output, blocks, len(tokenizer), meta, meter.update)
+            return write_token_directory(output, pool.imap(work, blocks), len(tokenizer), meta, meter.update, names)
     finally:
         meter.close()
 
 
-def write_token_directory(output: str | Path, blocks, vocab_size: int, meta: dict | None = None, done=None) -> Path:
-    """Write the token directory ``output`` from ``blocks``: ``(uint32 ids, documents, source bytes
-    consumed)`` in order. Under a temporary name, renamed when complete; an existing ``output`` is
-    refused."""
+def write_token_directory(
+    output: str | Path, blocks, vocab_size: int, meta: dict | None = None, done=None, names=(TOKENS_FILE,)
+) -> Path:
+    """Write the token directory ``output`` from ``blocks``: ``({file name: array}, documents, source
+    bytes consumed)`` in order, an array for each of ``names`` (``tokens.bin`` first). Under a
+    temporary name, renamed when complete; an existing ``output`` is refused."""
     output = Path(output)
     if output.exists():
         raise SeedckptError(f"{output} exists; choose a new output directory (tokens are never overwritten)")
@@ -81,7 +110,7 @@ def write_token_directory(output: str | Path, blocks, vocab_size: int, meta: dic
         partial = output.parent / f".{output.name}.{os.getpid()}.partial"
         partial.mkdir(parents=True)
         try:
-            counts = _write_tokens(partial / TOKENS_FILE, blocks, done or (lambda n: None))
+            counts = _write_files(partial, names, blocks, done or (lambda n: None))
             manifest = {"format": FORMAT, "vocab_size": vocab_size, **(meta or {}), **counts}
             (partial / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
             os.rename(partial, output)
@@ -93,28 +122,37 @@ def write_token_directory(output: str | Path, blocks, vocab_size: int, meta: dic
     return output
 
 
-def _write_tokens(path: Path, blocks, done) -> dict:
-    hasher = PieceHasher(TOKENS_FILE, 0, CHECK_PIECE_BYTES)
-    tokens = documents_written = 0
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+def _write_files(directory: Path, names, blocks, done) -> dict:
+    """Append each block's arrays to their files, hashing them as they go; the manifest's counts
+    and checksums (``tokens.bin``'s at the top, the others' under ``files``)."""
+    hashers = {name: PieceHasher(name, 0, CHECK_PIECE_BYTES) for name in names}
+    fds = {}
+    documents = 0
     try:
-        for ids, docs, consumed in blocks:
-            view = memoryview(np.ascontiguousarray(ids, dtype=TOKEN_DTYPE)).cast("B")
-            hasher.update(view)
-            written = 0
-            while written < view.nbytes:
-                written += os.write(fd, view[written:])
-            tokens += view.nbytes // TOKEN_DTYPE.itemsize
-            documents_written += docs
+        for name in names:
+            fds[name] = os.open(directory / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        for arrays, docs, consumed in blocks:
+            for name in names:
+                view = memoryview(np.ascontiguousarray(arrays[name])).cast("B")
+                hashers[name].update(view)
+                written = 0
+                while written < view.nbytes:
+                    written += os.write(fds[name], view[written:])
+            documents += docs
             done(consumed)
-        os.fsync(fd)
+        for fd in fds.values():
+            os.fsync(fd)
     finally:
-        os.close(fd)
+        for fd in fds.values():
+            os.close(fd)
+    sizes = {name: hashers[name].pos for name in names}
+    crcs = {name: list(hashers[name].finish().crcs) for name in names}
     return {
-        "tokens": tokens,
-        "documents": documents_written,
+        "tokens": sizes[TOKENS_FILE] // TOKEN_DTYPE.itemsize,
+        "documents": documents,
         "check_piece_bytes": CHECK_PIECE_BYTES,
-        "crc32c": list(hasher.finish().crcs),
+        "crc32c": crcs[TOKENS_FILE],
+        **({"files": {n: {"bytes": sizes[n], "crc32c": crcs[n]} for n in names[1:]}} if len(names) > 1 else {}),
     }
 
 
@@ -147,7 +185,33 @@ def _tokenize_block(block: tuple[list[str], int]) -> tuple[np.ndarray, int, int]
     encoded = _TOKENIZER(texts, add_special_tokens=False)["input_ids"]
     eos = _TOKENIZER.eos_token_id
     ids = np.fromiter((t for doc in encoded for t in (*doc, eos)), dtype=TOKEN_DTYPE)
-    return ids, len(texts), size
+    return {TOKENS_FILE: ids}, len(texts), size
+
+
+def _conversation_blocks(sources: str) -> Iterator[tuple[list, int]]:
+    """``([(where, messages), ...], characters of content)`` in order, grouped up to ``BLOCK_CHARS``."""
+    block, size = [], 0
+    for where, messages in read_conversations(sources):
+        block.append((where, messages))
+        size += sum(len(m["content"]) for m in messages)
+        if size >= BLOCK_CHARS:
+            yield block, size
+            block, size = [], 0
+    if block:
+        yield block, size
+
+
+def _tokenize_conversations(block: tuple[list, int]) -> tuple[dict, int, int]:
+    conversations, size = block
+    ids, masks, index = [], [], np.empty((len(conversations), 2), DOCUMENT_DTYPE)
+    for row, (where, messages) in zip(index, conversations):
+        tokens, mask = render_with_mask(_TOKENIZER, messages, where)
+        labelled = np.flatnonzero(mask[1:])
+        row[:] = len(tokens), labelled[0] + 1 if len(labelled) else len(tokens)
+        ids.append(np.asarray(tokens, TOKEN_DTYPE))
+        masks.append(np.asarray(mask, MASK_DTYPE))
+    arrays = {TOKENS_FILE: np.concatenate(ids), MASK_FILE: np.concatenate(masks), DOCUMENTS_FILE: index}
+    return arrays, len(conversations), size
 
 
 def _sha256(path: Path) -> str:
@@ -159,54 +223,117 @@ def _sha256(path: Path) -> str:
 
 
 def read_token_manifest(path: Path) -> dict:
-    """``tokens.json`` of the token directory ``path``, checked against ``tokens.bin``'s size."""
+    """``tokens.json`` of the token directory ``path``, its fields checked and its files' sizes
+    checked against the counts it records."""
     if not (path / MANIFEST_FILE).is_file():
         raise SeedckptError(
             f"data.path {path} is not a token directory (no {MANIFEST_FILE}); make one with "
-            "`seedckpt tokenize --tokenizer DIR --output DIR FILES`"
+            "`seedckpt tokenize FILES --tokenizer DIR --output DIR`"
         )
     manifest = read_json(path / MANIFEST_FILE, "token manifest")
     try:
         if manifest["format"] != FORMAT:
             raise ValueError(f"format {manifest['format']!r}")
-        tokens, vocab = int(manifest["tokens"]), int(manifest["vocab_size"])
+        tokens, documents, vocab = (int(manifest[k]) for k in ("tokens", "documents", "vocab_size"))
+        content, piece = manifest.get("content", "text"), int(manifest["check_piece_bytes"])
+        if content not in ("text", "chat") or not 0 < piece <= MAX_CHECK_PIECE_BYTES:
+            raise ValueError(f"content {content!r}, check_piece_bytes {piece}")
+        expected = {TOKENS_FILE: tokens * TOKEN_DTYPE.itemsize}
+        checks = {TOKENS_FILE: _crc_list(manifest["crc32c"])}
+        if content == "chat":
+            expected[MASK_FILE], expected[DOCUMENTS_FILE] = tokens, documents * 2 * DOCUMENT_DTYPE.itemsize
+            checks.update((name, _crc_list(manifest["files"][name]["crc32c"])) for name in (MASK_FILE, DOCUMENTS_FILE))
+            pad_id = int(manifest["pad_token_id"])
+            if not 0 <= pad_id < vocab:
+                raise ValueError(f"pad_token_id {pad_id}")
     except (KeyError, TypeError, ValueError) as e:
         raise SeedckptError(f"{path / MANIFEST_FILE} is damaged ({e}); tokenize the corpus again") from None
-    size = (path / TOKENS_FILE).stat().st_size if (path / TOKENS_FILE).is_file() else -1
-    if size != tokens * TOKEN_DTYPE.itemsize:
-        raise SeedckptError(
-            f"{path / TOKENS_FILE} has {size:,} bytes but {MANIFEST_FILE} records {tokens:,} tokens "
-            f"({tokens * TOKEN_DTYPE.itemsize:,} bytes): it was truncated or replaced; tokenize the corpus again"
-        )
-    return {**manifest, "tokens": tokens, "vocab_size": vocab}
+    for name, want in expected.items():
+        size = (path / name).stat().st_size if (path / name).is_file() else -1
+        if size != want:
+            raise SeedckptError(
+                f"{path / name} has {size:,} bytes but {MANIFEST_FILE} records {tokens:,} tokens and "
+                f"{documents:,} documents ({want:,} bytes): it was truncated or replaced; tokenize the corpus again"
+            )
+    return {
+        **manifest,
+        "tokens": tokens,
+        "documents": documents,
+        "vocab_size": vocab,
+        "content": content,
+        "check_piece_bytes": piece,
+        "checks": checks,
+    }
+
+
+def _crc_list(value) -> list[int]:
+    if not (isinstance(value, list) and all(isinstance(v, int) for v in value)):
+        raise ValueError("a CRC32C list is not a list of integers")
+    return value
 
 
 def verify_tokens(path: Path) -> int:
-    """Read all of ``tokens.bin`` and check it against the CRC32C pieces recorded; the tokens read."""
+    """Read every file of the token directory and check it against the CRC32C pieces recorded; the
+    tokens read."""
     manifest = read_token_manifest(path)
-    piece, crcs = int(manifest["check_piece_bytes"]), manifest["crc32c"]
-    with open(path / TOKENS_FILE, "rb") as f:
-        for k, data in enumerate(iter(lambda: f.read(piece), b"")):
-            if k >= len(crcs) or crc(data) != crcs[k]:
-                raise SeedckptError(
-                    f"{path / TOKENS_FILE} is corrupt: bytes {k * piece:,}..{k * piece + len(data):,} do not have "
-                    "the CRC32C written with them; tokenize the corpus again"
-                )
+    piece = manifest["check_piece_bytes"]
+    for name, crcs in manifest["checks"].items():
+        with open(path / name, "rb") as f:
+            for k, data in enumerate(iter(lambda: f.read(piece), b"")):
+                if k >= len(crcs) or crc(data) != crcs[k]:
+                    raise SeedckptError(
+                        f"{path / name} is corrupt: bytes {k * piece:,}..{k * piece + len(data):,} do not have "
+                        "the CRC32C written with them; tokenize the corpus again"
+                    )
     return manifest["tokens"]
+
+
+def token_dataset(data, vocab_size: int, seq_len: int, seed: int, row_tokens: int):
+    """The dataset of the token directory ``data.path``: windows of a text corpus, or packed
+    conversations of a chat one (``row_tokens``: the length of a packed row; 0: ``seq_len``)."""
+    if not data.path:
+        raise SeedckptError("data.kind = 'tokens' needs data.path: a directory made by `seedckpt tokenize`")
+    if read_token_manifest(Path(data.path))["content"] == "chat":
+        return TokenChatData(data, vocab_size, seq_len, seed, row_tokens)
+    if row_tokens not in (0, seq_len):
+        raise SeedckptError(
+            f"training.max_tokens_per_rank packs SFT samples into rows, but {data.path} holds text "
+            "(windows of seq_len tokens); set it to 0, or tokenize conversations with `seedckpt tokenize --chat`"
+        )
+    return TokenFileData(data.path, vocab_size, seq_len, seed)
+
+
+def _open_tokens(path: Path, vocab_size: int) -> dict:
+    """The manifest of the token directory ``path``, whose vocabulary must fit the model's."""
+    manifest = read_token_manifest(path)
+    if manifest["vocab_size"] > vocab_size:
+        raise SeedckptError(
+            f"{path} was tokenized with a vocabulary of {manifest['vocab_size']:,} tokens but the model's "
+            f"vocab_size is {vocab_size:,}; raise model.vocab_size or tokenize with the model's tokenizer"
+        )
+    return manifest
+
+
+def _pread(fd: int, view: memoryview, at: int, path: Path) -> None:
+    """Fill ``view`` from ``fd`` at byte ``at``."""
+    done = 0
+    while done < view.nbytes:
+        n = os.preadv(fd, [view[done:]], at + done)
+        if n == 0:
+            raise SeedckptError(f"{path} was truncated while training; tokenize again")
+        done += n
 
 
 class TokenFileData:
     """Random windows of ``seq_len + 1`` tokens of a token directory, read with one ``pread`` each."""
 
     def __init__(self, path: str, vocab_size: int, seq_len: int, seed: int):
-        if not path:
-            raise SeedckptError("data.kind = 'tokens' needs data.path: a directory made by `seedckpt tokenize`")
         self.path = Path(path)
-        manifest = read_token_manifest(self.path)
-        if manifest["vocab_size"] > vocab_size:
+        manifest = _open_tokens(self.path, vocab_size)
+        if manifest["content"] == "chat":
             raise SeedckptError(
-                f"{path} was tokenized with a vocabulary of {manifest['vocab_size']:,} tokens but the model's "
-                f"vocab_size is {vocab_size:,}; raise model.vocab_size or tokenize with the model's tokenizer"
+                f"{path} holds conversations (`seedckpt tokenize --chat`), which train packed, alone: give it "
+                "as data.path, not in data.sources"
             )
         self.tokens, self.vocab_size, self.seq_len, self.seed = manifest["tokens"], vocab_size, seq_len, seed
         if self.tokens <= seq_len + 1:
@@ -219,17 +346,64 @@ class TokenFileData:
         starts = torch.randint(0, self.tokens - self.seq_len - 1, (batch_size,), generator=g).tolist()
         rows = np.empty((batch_size, self.seq_len + 1), TOKEN_DTYPE)
         for row, start in zip(rows, starts):
-            view, at = memoryview(row).cast("B"), start * TOKEN_DTYPE.itemsize
-            done = 0
-            while done < view.nbytes:
-                n = os.preadv(self.fd, [view[done:]], at + done)
-                if n == 0:
-                    raise SeedckptError(f"{self.path / TOKENS_FILE} was truncated while training; tokenize again")
-                done += n
+            _pread(self.fd, memoryview(row).cast("B"), start * TOKEN_DTYPE.itemsize, self.path / TOKENS_FILE)
         batch = torch.from_numpy(rows.astype(np.int64))
-        if int(batch.max()) >= self.vocab_size:
-            raise SeedckptError(
-                f"{self.path / TOKENS_FILE} holds token id {int(batch.max())}, beyond the model's vocab_size "
-                f"{self.vocab_size}: the file is damaged (`seedckpt tokenize --verify {self.path}`)"
-            )
+        _check_ids(batch, self.vocab_size, self.path)
         return Batch.from_rows(batch)
+
+
+def _check_ids(ids: torch.Tensor, vocab_size: int, path: Path) -> None:
+    if len(ids) and int(ids.max()) >= vocab_size:
+        raise SeedckptError(
+            f"{path / TOKENS_FILE} holds token id {int(ids.max())}, beyond the model's vocab_size "
+            f"{vocab_size}: the file is damaged (`seedckpt verify {path}`)"
+        )
+
+
+class ChatTokens:
+    """The conversations of a chat token directory as ``PackedSamples`` reads them: the
+    ``documents.bin`` index in memory, each conversation's tokens and mask read when asked for."""
+
+    def __init__(self, path: Path, manifest: dict, vocab_size: int):
+        self.path, self.vocab_size = path, vocab_size
+        index = np.fromfile(path / DOCUMENTS_FILE, DOCUMENT_DTYPE).reshape(-1, 2).astype(np.int64)
+        self.lengths, self.first_labels = index[:, 0], index[:, 1]
+        self.starts = np.concatenate([[0], np.cumsum(self.lengths)])
+        if (
+            self.starts[-1] != manifest["tokens"]
+            or not ((1 <= self.first_labels) & (self.first_labels <= self.lengths)).all()
+        ):
+            raise SeedckptError(
+                f"{path / DOCUMENTS_FILE} does not describe {path / TOKENS_FILE} (its lengths add up to "
+                f"{int(self.starts[-1]):,} tokens, not {manifest['tokens']:,}, or a label position is out of its "
+                f"conversation): the directory is damaged (`seedckpt verify {path}`); tokenize again"
+            )
+        self.tokens_fd = os.open(path / TOKENS_FILE, os.O_RDONLY)
+        self.mask_fd = os.open(path / MASK_FILE, os.O_RDONLY)
+
+    def read(self, index: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``n`` ids of conversation ``index`` and their labels (the id where the mask is set)."""
+        start = int(self.starts[index])
+        ids, mask = np.empty(n, TOKEN_DTYPE), np.empty(n, MASK_DTYPE)
+        _pread(self.tokens_fd, memoryview(ids).cast("B"), start * TOKEN_DTYPE.itemsize, self.path / TOKENS_FILE)
+        _pread(self.mask_fd, memoryview(mask).cast("B"), start, self.path / MASK_FILE)
+        ids = torch.from_numpy(ids.astype(np.int64))
+        _check_ids(ids, self.vocab_size, self.path)
+        if mask.max(initial=0) > 1:
+            raise SeedckptError(
+                f"{self.path / MASK_FILE} holds a byte other than 0 or 1: the directory is damaged "
+                f"(`seedckpt verify {self.path}`); tokenize again"
+            )
+        return ids, torch.where(torch.from_numpy(mask.astype(bool)), ids, IGNORE_INDEX)
+
+
+class TokenChatData(PackedSamples):
+    """The conversations of a chat token directory, packed as ``data.kind = "chat"`` packs them: the
+    same batches as the JSONL they were tokenized from."""
+
+    def __init__(self, data, vocab_size: int, seq_len: int, seed: int, row_tokens: int = 0):
+        path = Path(data.path)
+        manifest = _open_tokens(path, vocab_size)
+        samples = ChatTokens(path, manifest, vocab_size)
+        what, note = ("chat tokens", "conversations"), manifest.get("pad_note") or ""
+        super().__init__(samples, data, seq_len, seed, int(manifest["pad_token_id"]), what, note, row_tokens)

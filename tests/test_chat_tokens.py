@@ -1,0 +1,174 @@
+"""Chat token directories (``seedckpt tokenize --chat``): conversations rendered and masked once, in
+parallel, then packed by training into exactly the batches of the JSONL they came from; damage
+and bad input refused in one line, leaving nothing behind."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from seedckpt.cli.main import main as seedckpt
+from seedckpt.config.job_config import Data
+from seedckpt.data.chat import ChatData
+from seedckpt.data.datasets import make_dataset
+from seedckpt.utils.errors import SeedckptError
+from tests.tiny_tokenizers import build_tiny_tokenizer, corpus_of, make_chats
+
+CHATS = make_chats(60, seed=3)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """A tokenizer with a chat template and the chats as two files: JSONL and JSONL.gz."""
+    root = tmp_path_factory.mktemp("chat_tokens")
+    tokenizer = build_tiny_tokenizer(root / "tokenizer", corpus_of(CHATS) * 3, vocab_size=300)
+    (root / "a.jsonl").write_text("".join(json.dumps(c) + "\n" for c in CHATS[:25]))
+    with gzip.open(root / "b.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps(c) + "\n" for c in CHATS[25:])
+    return root, tokenizer
+
+
+def tokenize(output, tokenizer, *inputs, options=("--quiet",)) -> int:
+    """``seedckpt tokenize --chat``'s exit status."""
+    return seedckpt(
+        ["tokenize", *map(str, inputs), "--chat", "--tokenizer", str(tokenizer), "--output", str(output), *options]
+    )
+
+
+@pytest.fixture(scope="module")
+def chat_tokens(inputs):
+    root, tokenizer = inputs
+    assert (
+        tokenize(
+            root / "tokens", tokenizer, root / "a.jsonl", root / "b.jsonl.gz", options=("--quiet", "--workers", "2")
+        )
+        == 0
+    )
+    return root / "tokens"
+
+
+def _pair(inputs, chat_tokens, seq_len=48, row_tokens=0, **options):
+    """The same conversations as ``chat`` (JSONL) and as ``tokens`` (the chat token directory)."""
+    root, tokenizer = inputs
+    jsonl = f"{root / 'a.jsonl'},{root / 'b.jsonl.gz'}"
+    chat = ChatData(Data(kind="chat", path=jsonl, tokenizer=str(tokenizer), **options), 304, seq_len, 0, row_tokens)
+    tokens = make_dataset(Data(kind="tokens", path=str(chat_tokens), **options), 304, seq_len, 0, row_tokens)
+    return chat, tokens
+
+
+@pytest.mark.parametrize(
+    "options,seq_len,row_tokens",
+    [
+        ({}, 48, 0),
+        ({"packing": False}, 48, 0),
+        ({"overflow": "drop"}, 40, 0),
+        ({}, 32, 128),  # truncation, and a token budget's longer rows
+    ],
+    ids=["packed", "one-per-row", "drop", "truncate-budget"],
+)
+def test_batches_equal_the_chat_jsonls(inputs, chat_tokens, options, seq_len, row_tokens):
+    chat, tokens = _pair(inputs, chat_tokens, seq_len, row_tokens, **options)
+    assert type(tokens).__name__ == "TokenChatData"
+    assert tokens.description.split(": ", 1)[1] == chat.description.split(": ", 1)[1]  # the same counts
+    assert chat.lengths == tokens.lengths and chat.indices == tokens.indices
+    for step in (1, 2, 7, 30):  # 30: several epochs in
+        got, want = tokens.global_batch(step, 4), chat.global_batch(step, 4)
+        for name in ("inputs", "labels", "positions", "document_ids"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (step, name)
+
+
+def test_one_worker_writes_the_same_files_and_verify_checks_each(tmp_path, inputs, chat_tokens, capsys):
+    root, tokenizer = inputs
+    assert tokenize(tmp_path / "one", tokenizer, root / "a.jsonl", root / "b.jsonl.gz", options=("--workers", "1")) == 0
+    out = capsys.readouterr().out
+    assert "60 conversations, vocabulary 300" in out and f"--data.kind tokens --data.path {tmp_path / 'one'}" in out
+    for name in ("tokens.bin", "mask.bin", "documents.bin"):
+        assert (tmp_path / "one" / name).read_bytes() == (chat_tokens / name).read_bytes(), name
+    manifest = json.loads((chat_tokens / "tokens.json").read_text())
+    assert manifest["content"] == "chat" and manifest["documents"] == 60
+    index = np.fromfile(chat_tokens / "documents.bin", dtype="<u4").reshape(-1, 2)
+    assert int(index[:, 0].sum()) == manifest["tokens"]
+    assert seedckpt(["verify", str(tmp_path / "one")]) == 0
+    mask = bytearray((tmp_path / "one" / "mask.bin").read_bytes())
+    mask[10] ^= 1
+    (tmp_path / "one" / "mask.bin").write_bytes(bytes(mask))
+    capsys.readouterr()
+    assert seedckpt(["verify", str(tmp_path / "one")]) == 2
+    assert f"{tmp_path / 'one' / 'mask.bin'} is corrupt: bytes 0.." in capsys.readouterr().err
+
+
+def _copy(src, dst):
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def test_damaged_directories_are_refused_in_one_line(tmp_path, chat_tokens):
+    def refused(path, message, **data):
+        with pytest.raises(SeedckptError, match=message):
+            make_dataset(Data(kind="tokens", path=str(path), **data), 304, 48, 0).global_batch(1, 8)
+
+    truncated = _copy(chat_tokens, tmp_path / "truncated")
+    with open(truncated / "mask.bin", "r+b") as f:
+        f.truncate(50)
+    refused(truncated, r"mask.bin has 50 bytes but tokens.json records .* it was truncated or replaced")
+
+    shifted = _copy(chat_tokens, tmp_path / "shifted")  # the right size, lengths that do not add up
+    index = np.fromfile(shifted / "documents.bin", dtype="<u4").reshape(-1, 2)
+    index[0, 0] += 1
+    index.tofile(shifted / "documents.bin")
+    refused(shifted, "documents.bin does not describe")
+
+    bad_mask = _copy(chat_tokens, tmp_path / "bad_mask")
+    (bad_mask / "mask.bin").write_bytes(b"\x07" * (bad_mask / "mask.bin").stat().st_size)
+    refused(bad_mask, "holds a byte other than 0 or 1")
+
+    for field, value, message in (
+        ("pad_token_id", 10**6, "pad_token_id 1000000"),
+        ("check_piece_bytes", 1 << 40, "check_piece_bytes"),
+        ("crc32c", "x", "not a list of integers"),
+        ("content", "audio", "content 'audio'"),
+    ):
+        crafted = _copy(chat_tokens, tmp_path / f"crafted_{field}")
+        manifest = json.loads((crafted / "tokens.json").read_text())
+        (crafted / "tokens.json").write_text(json.dumps({**manifest, field: value}))
+        refused(crafted, re.escape(message) + r".*tokenize the corpus again")
+
+
+def test_chat_tokens_train_alone_and_text_tokens_take_no_budget(tmp_path, inputs, chat_tokens):
+    from seedckpt.data.mixture import MixedData
+
+    with pytest.raises(SeedckptError, match="holds conversations .* not in data.sources"):
+        MixedData([f"{chat_tokens}:1"], 304, 16, 0)
+    text = tmp_path / "text"
+    root, tokenizer = inputs
+    assert (
+        seedckpt(["tokenize", str(root / "a.jsonl"), "--tokenizer", str(tokenizer), "--output", str(text), "--quiet"])
+        == 2
+    )  # not {"text": ...}
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": m["content"]}) + "\n" for c in CHATS for m in c["messages"]))
+    assert seedckpt(["tokenize", str(corpus), "--tokenizer", str(tokenizer), "--output", str(text), "--quiet"]) == 0
+    with pytest.raises(SeedckptError, match="max_tokens_per_rank packs SFT samples into rows, but .* holds text"):
+        make_dataset(Data(kind="tokens", path=str(text)), 304, 16, 0, row_tokens=64)
+
+
+def test_bad_conversations_and_tokenizers_are_one_line_and_leave_nothing(tmp_path, inputs, capsys):
+    root, tokenizer = inputs
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(CHATS[0]) + "\n" + json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    no_template = build_tiny_tokenizer(tmp_path / "plain", corpus_of(CHATS), vocab_size=300, chat_template=None)
+    for tok, message in (
+        (tokenizer, f"{bad}:2: the conversation has no assistant turn"),
+        (no_template, "has no chat template"),
+    ):
+        assert tokenize(tmp_path / "out", tok, bad) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "plain"]  # no output, partial or lock
