@@ -17,7 +17,7 @@ reports when its model is ready to train:
   full_state_dict=True, broadcast_from_rank0=True)``.
 
 One JSON line per (method, rank): ``ready_s`` (from the job's launch to the model being ready,
-interpreter and torch start-up included), ``peak_rss_mib`` (the rank's ``ru_maxrss``), ``owned_mib``
+interpreter and torch start-up included), ``peak_rss_mib`` (the rank's ``VmHWM``), ``owned_mib``
 (its parameter shards), ``read_mib`` (``/proc/self/io`` rchar: mmap'd reads are not in it),
 ``peak_anon_mib`` / ``peak_file_mib`` (sampled peaks of allocated and of file-backed resident memory:
 safetensors is read through mmap, whose pages count in RSS but are page cache the kernel can drop),
@@ -75,7 +75,6 @@ def make_hf_dir(path: Path, flavor: str) -> None:
 
 def worker(method: str, hf_dir: str, report: str, launched: float) -> None:
     """One rank of a torchrun job: get the model ready, then report."""
-    import resource
 
     import torch
     import torch.distributed as dist
@@ -124,7 +123,7 @@ def worker(method: str, hf_dir: str, report: str, launched: float) -> None:
         "rank": dist.get_rank(),
         "ready_s": ready,
         "owned_mib": owned / 2**20,
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mib": proc_fields("status")["VmHWM"] / 1024,
         "read_mib": proc_fields("io")["rchar"] / 2**20,
         **sampler.stop(),
     }

@@ -71,7 +71,7 @@ def test_labels_are_exactly_the_assistant_tokens(tokenizer_dir):
 
 def test_packing_keeps_conversations_apart_and_each_once_per_epoch(tmp_path, tokenizer_dir):
     data = _data(tmp_path, tokenizer_dir, seq_len=128)
-    rows = data._epoch(0)
+    rows = data.rows(0)
     assert sorted(i for row in rows for i in row) == list(range(len(data.lengths)))  # each once
     assert len(rows) < len(data.lengths)  # several per row
     batch = data.global_batch(1, len(rows))
@@ -113,14 +113,16 @@ def test_packed_row_losses_equal_conversations_run_alone(tmp_path, tokenizer_dir
 
 def test_batches_are_a_pure_function_of_seed_and_step_across_epochs(tmp_path, tokenizer_dir):
     data = _data(tmp_path, tokenizer_dir)
-    epoch_rows = len(data._epoch(0))
+    epoch_rows = len(data.rows(0))
     late = 3 * epoch_rows // 4 + 1  # a step well past the first epochs
     fresh = _data(tmp_path, tokenizer_dir)  # a resumed run builds the dataset anew
-    for step in (1, 2, late):
+    for k, step in enumerate((1, 2, late, 1)):  # 1 again: its epoch was let go and is packed again
+        if k == 3:
+            assert sorted(data._packed) == [2, 3]  # KEPT_EPOCHS: the last two, not every epoch so far
         a, b = data.global_batch(step, 4), fresh.global_batch(step, 4)
         assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("inputs", "labels", "positions", "document_ids"))
-    assert data._epoch(1) != data._epoch(0)  # epochs reshuffle
-    assert sorted(i for r in data._epoch(1) for i in r) == list(range(len(data.lengths)))
+    assert data.rows(1) != data.rows(0)  # epochs reshuffle
+    assert sorted(i for r in data.rows(1) for i in r) == list(range(len(data.lengths)))
     other_seed = ChatData(
         Data(kind="chat", path=str(tmp_path / "chats.jsonl"), tokenizer=str(tokenizer_dir)), 304, 64, 1
     )

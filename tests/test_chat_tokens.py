@@ -75,7 +75,7 @@ def test_batches_equal_the_chat_jsonls(inputs, chat_tokens, options, seq_len, ro
     chat, tokens = _pair(inputs, chat_tokens, seq_len, row_tokens, **options)
     assert type(tokens).__name__ == "TokenChatData"
     assert tokens.description.split(": ", 1)[1] == chat.description.split(": ", 1)[1]  # the same counts
-    assert chat.lengths == tokens.lengths and chat.indices == tokens.indices
+    assert np.array_equal(chat.lengths, tokens.lengths) and np.array_equal(chat.indices, tokens.indices)
     for step in (1, 2, 7, 30):  # 30: several epochs in
         got, want = tokens.global_batch(step, 4), chat.global_batch(step, 4)
         for name in ("inputs", "labels", "positions", "document_ids"):
@@ -102,43 +102,70 @@ def test_one_worker_writes_the_same_files_and_verify_checks_each(tmp_path, input
     assert f"{tmp_path / 'one' / 'mask.bin'} is corrupt: bytes 0.." in capsys.readouterr().err
 
 
-def _copy(src, dst):
+def _crafted(src, dst, index=None, **fields):
+    """A copy of the chat token directory ``src`` with ``index`` as its documents.bin -- its CRC32C
+    recorded, as a crafted directory would have it -- and manifest ``fields`` replaced (None: removed)."""
+    from seedckpt.checkpoint.integrity import crc
+
     dst.mkdir()
     for f in src.iterdir():
         (dst / f.name).write_bytes(f.read_bytes())
+    manifest = json.loads((dst / "tokens.json").read_text())
+    if index is not None:
+        index.astype("<u4").tofile(dst / "documents.bin")
+        manifest["files"]["documents.bin"]["crc32c"] = [crc((dst / "documents.bin").read_bytes())]
+    manifest.update(fields)
+    manifest = {k: v for k, v in manifest.items() if v is not None}
+    (dst / "tokens.json").write_text(json.dumps(manifest))
     return dst
 
 
-def test_damaged_directories_are_refused_in_one_line(tmp_path, chat_tokens):
+def test_damaged_and_crafted_directories_are_refused_in_one_line(tmp_path, inputs, chat_tokens):
     def refused(path, message, **data):
         with pytest.raises(SeedckptError, match=message):
             make_dataset(Data(kind="tokens", path=str(path), **data), 304, 48, 0).global_batch(1, 8)
 
-    truncated = _copy(chat_tokens, tmp_path / "truncated")
+    truncated = _crafted(chat_tokens, tmp_path / "truncated")
     with open(truncated / "mask.bin", "r+b") as f:
         f.truncate(50)
     refused(truncated, r"mask.bin has 50 bytes but tokens.json records .* it was truncated or replaced")
 
-    shifted = _copy(chat_tokens, tmp_path / "shifted")  # the right size, lengths that do not add up
-    index = np.fromfile(shifted / "documents.bin", dtype="<u4").reshape(-1, 2)
-    index[0, 0] += 1
-    index.tofile(shifted / "documents.bin")
-    refused(shifted, "documents.bin does not describe")
+    index = np.fromfile(chat_tokens / "documents.bin", dtype="<u4").reshape(-1, 2)
+    damaged = _crafted(chat_tokens, tmp_path / "damaged")  # the index changed, its CRC32C not
+    swapped = index.copy()
+    swapped[[0, 1]] = swapped[[1, 0]]  # the lengths still add up
+    assert not np.array_equal(swapped, index)
+    (damaged / "documents.bin").write_bytes(swapped.tobytes())
+    refused(damaged, "documents.bin is corrupt: bytes 0..")
+    longer = index.copy()
+    longer[0, 0] += 1
+    refused(_crafted(chat_tokens, tmp_path / "longer", longer), "documents.bin does not describe")
+    early = index.copy()
+    early[:, 1] = 1  # labels claimed from position 1 on: the mask says otherwise
+    refused(_crafted(chat_tokens, tmp_path / "early", early), "disagrees with documents.bin")
 
-    bad_mask = _copy(chat_tokens, tmp_path / "bad_mask")
+    bad_mask = _crafted(chat_tokens, tmp_path / "bad_mask")
     (bad_mask / "mask.bin").write_bytes(b"\x07" * (bad_mask / "mask.bin").stat().st_size)
     refused(bad_mask, "holds a byte other than 0 or 1")
 
-    for field, value, message in (
-        ("pad_token_id", 10**6, "pad_token_id 1000000"),
-        ("check_piece_bytes", 1 << 40, "check_piece_bytes"),
-        ("crc32c", "x", "not a list of integers"),
-        ("content", "audio", "content 'audio'"),
+    for n, (fields, message) in enumerate(
+        (
+            ({"pad_token_id": 10**6}, "pad_token_id 1000000"),
+            ({"pad_token_id": True}, "pad_token_id True"),
+            ({"tokens": float("inf")}, "tokens inf"),
+            ({"documents": 60.5}, "documents 60.5"),
+            ({"check_piece_bytes": 1 << 40}, "check_piece_bytes"),
+            ({"crc32c": "x"}, "not a list of integers"),
+            ({"content": "audio"}, "content 'audio'"),
+            ({"content": None}, "content 'text' with a files section"),  # chat files read as text
+        )
     ):
-        crafted = _copy(chat_tokens, tmp_path / f"crafted_{field}")
-        manifest = json.loads((crafted / "tokens.json").read_text())
-        (crafted / "tokens.json").write_text(json.dumps({**manifest, field: value}))
-        refused(crafted, re.escape(message) + r".*tokenize the corpus again")
+        refused(_crafted(chat_tokens, tmp_path / f"fields{n}", **fields), re.escape(message) + ".*tokenize the corpus")
+
+    other = build_tiny_tokenizer(tmp_path / "other", corpus_of(CHATS), vocab_size=280)
+    refused(chat_tokens, "is not the tokenizer .* was made with", tokenizer=str(other))
+    same = make_dataset(Data(kind="tokens", path=str(chat_tokens), tokenizer=str(inputs[1])), 304, 48, 0)
+    assert same.global_batch(1, 8).num_label_tokens > 0  # the tokenizer it was made with is accepted
 
 
 def test_chat_tokens_train_alone_and_text_tokens_take_no_budget(tmp_path, inputs, chat_tokens):

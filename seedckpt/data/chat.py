@@ -38,6 +38,7 @@ from seedckpt.utils.errors import SeedckptError
 
 ROLES = ("system", "user", "assistant", "tool")
 OPEN_ROWS = 64  # rows first-fit packing keeps open: more wastes less padding, costs more per sample
+KEPT_EPOCHS = 2  # packed epochs held at once: the current one and the one a step may straddle into
 
 
 def read_conversations(path: str):
@@ -96,6 +97,13 @@ def render_with_mask(tokenizer, messages: list[dict], where: str) -> tuple[list[
     return encoded["input_ids"], mask
 
 
+def first_label(labelled: np.ndarray) -> int:
+    """The first position from 1 on that carries a label (position 0 never is a target), or the
+    sample's length when none does: a sample cut to ``k`` tokens keeps a label iff this is < k."""
+    found = np.flatnonzero(labelled[1:])
+    return int(found[0]) + 1 if len(found) else len(labelled)
+
+
 class SamplesInMemory:
     """Samples held as tensors: ``(ids, labels)`` records, Hugging Face style (``labels[i]`` is the
     target at position ``i``, ``IGNORE_INDEX`` for none), each kept to its first ``keep`` tokens
@@ -107,8 +115,7 @@ class SamplesInMemory:
             labels = torch.tensor(labels, dtype=torch.int64)
             self.records.append((torch.tensor(ids[:keep], dtype=torch.int64), labels[:keep]))
             lengths.append(len(ids))
-            labelled = (labels[1:] != IGNORE_INDEX).nonzero()
-            first_labels.append(int(labelled[0]) + 1 if len(labelled) else len(ids))
+            first_labels.append(first_label((labels != IGNORE_INDEX).numpy()))
         self.lengths, self.first_labels = np.array(lengths, dtype=np.int64), np.array(first_labels, dtype=np.int64)
 
     def read(self, index: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,8 +128,8 @@ class PackedSamples:
     """Samples fitted to ``seq_len + 1`` tokens as ``data.overflow`` says, then packed into rows,
     epoch by epoch (the module docstring).
 
-    ``samples`` gives, per sample, ``lengths`` (tokens), ``first_labels`` (the first position from 1
-    on with a label; the length when none) and ``read(index, n)``: its first ``n`` ids and labels.
+    ``samples`` gives, per sample, ``lengths`` (tokens), ``first_labels`` (``first_label``) and
+    ``read(index, n)``: its first ``n`` ids and labels.
     It holds them in memory (``SamplesInMemory``) or reads them from a chat token directory."""
 
     def __init__(
@@ -137,11 +144,11 @@ class PackedSamples:
         overflows = samples.lengths > seq_len + 1
         kept = np.minimum(samples.lengths, seq_len + 1)  # each input predicts the next token's label
         keep = (samples.first_labels < kept) & ~(overflows & (data.overflow == "drop"))
-        self.indices = np.flatnonzero(keep).tolist()  # the kept samples' indices in ``samples``
-        self.lengths = (kept[keep] - 1).tolist()  # their input tokens
+        self.indices = np.flatnonzero(keep)  # the kept samples' indices in ``samples``
+        self.lengths = kept[keep] - 1  # their input tokens
         count, truncated = len(samples.lengths), int((overflows & keep).sum())
         dropped = count - len(self.indices)  # too long, or truncation left no labelled token
-        if not self.indices:
+        if not len(self.indices):
             fixes = "raise training.seq_len" + (
                 "" if data.overflow == "truncate" else " or use data.overflow = truncate"
             )
@@ -149,15 +156,14 @@ class PackedSamples:
                 f"no {what[1][:-1]} of {data.path} fits seq_len = {seq_len} with a labelled token left "
                 f"(data.overflow = {data.overflow}); {fixes}"
             )
-        self._epochs: list[list[list[int]]] = []  # packed rows (sample indices) per epoch
+        self._packed: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # the last epochs packed: ``_epoch``
         self._starts = [0]  # first global row of each epoch, then the end of the last one
-        rows = self._epoch(0)
-        used = sum(self.lengths[i] for row in rows for i in row)
-        self.padding_fraction = 1 - used / (len(rows) * self.row_tokens)
+        rows = len(self._epoch(0)[1]) - 1
+        self.padding_fraction = 1 - int(self.lengths.sum()) / (rows * self.row_tokens)
         self.description = (
             f"{what[0]} {data.path}: {count} {what[1]}, {len(self.indices)} kept "
             f"({truncated} truncated, {dropped} dropped, overflow={data.overflow}); "
-            f"{len(rows)} rows per epoch, {'packed' if self.packing else 'one per row'}"
+            f"{rows} rows per epoch, {'packed' if self.packing else 'one per row'}"
             + (
                 f" into rows of {self.row_tokens} tokens (training.max_tokens_per_rank)"
                 if self.row_tokens != seq_len
@@ -167,23 +173,43 @@ class PackedSamples:
             f"{self.padding_fraction:.1%} padding" + (f"; {note}" if note else "")
         )
 
-    def _epoch(self, epoch: int) -> list[list[int]]:
-        while len(self._epochs) <= epoch:
-            order = torch.randperm(
-                len(self.indices), generator=keyed_generator("seedckpt-chat", self.seed, len(self._epochs))
-            ).tolist()
-            rows = self._pack(order)
-            self._epochs.append(rows)
-            self._starts.append(self._starts[-1] + len(rows))
-        return self._epochs[epoch]
+    def rows(self, epoch: int) -> list[list[int]]:
+        """Epoch ``epoch``'s packed rows, each the kept samples' indices in order."""
+        order, bounds = self._epoch(epoch)
+        return [order[a:b].tolist() for a, b in zip(bounds[:-1], bounds[1:])]
+
+    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """Epoch ``epoch``'s samples in row order and each row's bounds in that order: arrays, not
+        Python lists, and only the last ``KEPT_EPOCHS`` used are held (an older one is packed again if
+        asked for), so a long run over millions of conversations holds one epoch's order."""
+        while len(self._starts) <= epoch + 1:  # every epoch up to this one is packed once, for its row count
+            packed = self._pack_epoch(len(self._starts) - 1)
+            self._starts.append(self._starts[-1] + len(packed[1]) - 1)
+        if epoch not in self._packed:
+            self._keep(epoch, self._pack_epoch(epoch))
+        return self._packed[epoch]
+
+    def _pack_epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        order = torch.randperm(len(self.indices), generator=keyed_generator("seedckpt-chat", self.seed, epoch))
+        rows = self._pack(order.tolist())
+        bounds = np.cumsum([0] + [len(row) for row in rows])
+        packed = np.fromiter((i for row in rows for i in row), np.int64, bounds[-1]), bounds
+        self._keep(epoch, packed)
+        return packed
+
+    def _keep(self, epoch: int, packed: tuple[np.ndarray, np.ndarray]) -> None:
+        self._packed[epoch] = packed
+        while len(self._packed) > KEPT_EPOCHS:
+            del self._packed[next(iter(self._packed))]  # the first kept
 
     def _pack(self, order: list[int]) -> list[list[int]]:
         """First-fit of samples (in ``order``) into rows of ``row_tokens``, ``OPEN_ROWS`` open at once."""
         if not self.packing:
             return [[i] for i in order]
+        lengths = self.lengths.tolist()
         closed, open_rows = [], []  # open: [free tokens, sample indices]
         for i in order:
-            length = self.lengths[i]
+            length = lengths[i]
             row = next((r for r in open_rows if r[0] >= length), None)
             if row is None:
                 if len(open_rows) == OPEN_ROWS:
@@ -197,13 +223,15 @@ class PackedSamples:
     def _row(self, index: int) -> list[int]:
         """Global row ``index`` of the endless stream of epochs."""
         while self._starts[-1] <= index:
-            self._epoch(len(self._epochs))
+            self._epoch(len(self._starts) - 1)
         epoch = bisect.bisect_right(self._starts, index) - 1
-        return self._epochs[epoch][index - self._starts[epoch]]
+        order, bounds = self._epoch(epoch)
+        row = index - self._starts[epoch]
+        return order[bounds[row] : bounds[row + 1]].tolist()
 
     def sample(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Kept sample ``i``: its inputs and their labels (the next token's, ``IGNORE_INDEX`` for none)."""
-        ids, labels = self.samples.read(self.indices[i], self.lengths[i] + 1)
+        ids, labels = self.samples.read(int(self.indices[i]), int(self.lengths[i]) + 1)
         return ids[:-1], labels[1:]
 
     def global_batch(self, step: int, batch_size: int) -> Batch:
@@ -216,7 +244,7 @@ class PackedSamples:
             at = 0
             row = self._row((step - 1) * batch_size + b)
             for doc, i in enumerate(row):
-                n = self.lengths[i]
+                n = int(self.lengths[i])
                 inputs[b, at : at + n], labels[b, at : at + n] = self.sample(i)
                 positions[b, at : at + n] = torch.arange(n)
                 documents[b, at : at + n] = doc

@@ -11,8 +11,8 @@ tokenizer's chat template, as ``data.kind = "chat"`` renders them: ``tokens.bin`
 the template ends its turns), ``mask.bin`` -- one byte per token, 1 where it is the assistant's and
 carries a label -- and ``documents.bin``: per conversation its token count and the first position
 from 1 on with a label, two little-endian ``uint32``. Training packs them as it packs chat, reading
-each conversation's tokens and mask when a batch needs them; the ``documents.bin`` index is what it
-holds (8 bytes a conversation).
+each conversation's tokens and mask when a batch needs them: what a rank holds grows with the number
+of conversations (the index and an epoch's packing order), not with their tokens.
 
 Training (``data.kind = "tokens"``) reads each window of ``seq_len + 1`` tokens with one ``pread``
 at an offset drawn from (seed, step), the way ``text`` draws its windows: a rank holds its batch
@@ -39,7 +39,7 @@ import torch
 from seedckpt.checkpoint.atomic import destination_lock
 from seedckpt.checkpoint.integrity import PieceHasher, crc
 from seedckpt.checkpoint.untrusted import read_json
-from seedckpt.data.chat import PackedSamples, chat_tokenizer, read_conversations, render_with_mask
+from seedckpt.data.chat import PackedSamples, chat_tokenizer, first_label, read_conversations, render_with_mask
 from seedckpt.data.sources import (
     IGNORE_INDEX,
     JSONL_SUFFIXES,
@@ -127,7 +127,7 @@ def _write_files(directory: Path, names, blocks, done) -> dict:
     and checksums (``tokens.bin``'s at the top, the others' under ``files``)."""
     hashers = {name: PieceHasher(name, 0, CHECK_PIECE_BYTES) for name in names}
     fds = {}
-    documents = 0
+    count = 0
     try:
         for name in names:
             fds[name] = os.open(directory / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -138,7 +138,7 @@ def _write_files(directory: Path, names, blocks, done) -> dict:
                 written = 0
                 while written < view.nbytes:
                     written += os.write(fds[name], view[written:])
-            documents += docs
+            count += docs
             done(consumed)
         for fd in fds.values():
             os.fsync(fd)
@@ -149,7 +149,7 @@ def _write_files(directory: Path, names, blocks, done) -> dict:
     crcs = {name: list(hashers[name].finish().crcs) for name in names}
     return {
         "tokens": sizes[TOKENS_FILE] // TOKEN_DTYPE.itemsize,
-        "documents": documents,
+        "documents": count,
         "check_piece_bytes": CHECK_PIECE_BYTES,
         "crc32c": crcs[TOKENS_FILE],
         **({"files": {n: {"bytes": sizes[n], "crc32c": crcs[n]} for n in names[1:]}} if len(names) > 1 else {}),
@@ -206,8 +206,7 @@ def _tokenize_conversations(block: tuple[list, int]) -> tuple[dict, int, int]:
     ids, masks, index = [], [], np.empty((len(conversations), 2), DOCUMENT_DTYPE)
     for row, (where, messages) in zip(index, conversations):
         tokens, mask = render_with_mask(_TOKENIZER, messages, where)
-        labelled = np.flatnonzero(mask[1:])
-        row[:] = len(tokens), labelled[0] + 1 if len(labelled) else len(tokens)
+        row[:] = len(tokens), first_label(np.asarray(mask, bool))
         ids.append(np.asarray(tokens, TOKEN_DTYPE))
         masks.append(np.asarray(mask, MASK_DTYPE))
     arrays = {TOKENS_FILE: np.concatenate(ids), MASK_FILE: np.concatenate(masks), DOCUMENTS_FILE: index}
@@ -234,18 +233,21 @@ def read_token_manifest(path: Path) -> dict:
     try:
         if manifest["format"] != FORMAT:
             raise ValueError(f"format {manifest['format']!r}")
-        tokens, documents, vocab = (int(manifest[k]) for k in ("tokens", "documents", "vocab_size"))
-        content, piece = manifest.get("content", "text"), int(manifest["check_piece_bytes"])
-        if content not in ("text", "chat") or not 0 < piece <= MAX_CHECK_PIECE_BYTES:
-            raise ValueError(f"content {content!r}, check_piece_bytes {piece}")
+        tokens, documents, vocab, piece = (
+            _count(manifest, key) for key in ("tokens", "documents", "vocab_size", "check_piece_bytes")
+        )
+        content = manifest.get("content", "text")
+        if content not in ("text", "chat") or (content == "text") == ("files" in manifest):
+            raise ValueError(f"content {content!r} with{'out' * ('files' not in manifest)} a files section")
+        if not 0 < piece <= MAX_CHECK_PIECE_BYTES:
+            raise ValueError(f"check_piece_bytes {piece}")
         expected = {TOKENS_FILE: tokens * TOKEN_DTYPE.itemsize}
         checks = {TOKENS_FILE: _crc_list(manifest["crc32c"])}
         if content == "chat":
             expected[MASK_FILE], expected[DOCUMENTS_FILE] = tokens, documents * 2 * DOCUMENT_DTYPE.itemsize
             checks.update((name, _crc_list(manifest["files"][name]["crc32c"])) for name in (MASK_FILE, DOCUMENTS_FILE))
-            pad_id = int(manifest["pad_token_id"])
-            if not 0 <= pad_id < vocab:
-                raise ValueError(f"pad_token_id {pad_id}")
+            if _count(manifest, "pad_token_id") >= vocab or not isinstance(manifest.get("pad_note"), (str, type(None))):
+                raise ValueError(f"pad_token_id {manifest['pad_token_id']} or pad_note {manifest.get('pad_note')!r}")
     except (KeyError, TypeError, ValueError) as e:
         raise SeedckptError(f"{path / MANIFEST_FILE} is damaged ({e}); tokenize the corpus again") from None
     for name, want in expected.items():
@@ -266,6 +268,14 @@ def read_token_manifest(path: Path) -> dict:
     }
 
 
+def _count(manifest: dict, key: str) -> int:
+    """``manifest[key]``, which must be a JSON integer >= 0 (not a float, a bool or ``Infinity``)."""
+    value = manifest[key]
+    if type(value) is not int or value < 0:
+        raise ValueError(f"{key} {value!r}")
+    return value
+
+
 def _crc_list(value) -> list[int]:
     if not (isinstance(value, list) and all(isinstance(v, int) for v in value)):
         raise ValueError("a CRC32C list is not a list of integers")
@@ -279,13 +289,18 @@ def verify_tokens(path: Path) -> int:
     piece = manifest["check_piece_bytes"]
     for name, crcs in manifest["checks"].items():
         with open(path / name, "rb") as f:
-            for k, data in enumerate(iter(lambda: f.read(piece), b"")):
-                if k >= len(crcs) or crc(data) != crcs[k]:
-                    raise SeedckptError(
-                        f"{path / name} is corrupt: bytes {k * piece:,}..{k * piece + len(data):,} do not have "
-                        "the CRC32C written with them; tokenize the corpus again"
-                    )
+            _check_pieces(path / name, iter(lambda: f.read(piece), b""), crcs, piece)
     return manifest["tokens"]
+
+
+def _check_pieces(file: Path, pieces, crcs: list[int], piece: int) -> None:
+    """Raise unless ``pieces`` -- ``file``'s bytes, ``piece`` at a time -- have the CRC32Cs ``crcs``."""
+    for k, data in enumerate(pieces):
+        if k >= len(crcs) or crc(data) != crcs[k]:
+            raise SeedckptError(
+                f"{file} is corrupt: bytes {k * piece:,}..{k * piece + len(data):,} do not have "
+                "the CRC32C written with them; tokenize the corpus again"
+            )
 
 
 def token_dataset(data, vocab_size: int, seq_len: int, seed: int, row_tokens: int):
@@ -293,7 +308,14 @@ def token_dataset(data, vocab_size: int, seq_len: int, seed: int, row_tokens: in
     conversations of a chat one (``row_tokens``: the length of a packed row; 0: ``seq_len``)."""
     if not data.path:
         raise SeedckptError("data.kind = 'tokens' needs data.path: a directory made by `seedckpt tokenize`")
-    if read_token_manifest(Path(data.path))["content"] == "chat":
+    manifest = read_token_manifest(Path(data.path))
+    if data.tokenizer and _sha256(Path(data.tokenizer) / "tokenizer.json") != manifest.get("tokenizer_sha256"):
+        raise SeedckptError(
+            f"data.tokenizer {data.tokenizer} is not the tokenizer {data.path} was made with (its tokenizer.json "
+            f"differs from the one recorded, {manifest.get('tokenizer', 'unknown')}); give that one, or tokenize "
+            "again with this one"
+        )
+    if manifest["content"] == "chat":
         return TokenChatData(data, vocab_size, seq_len, seed, row_tokens)
     if row_tokens not in (0, seq_len):
         raise SeedckptError(
@@ -366,7 +388,11 @@ class ChatTokens:
 
     def __init__(self, path: Path, manifest: dict, vocab_size: int):
         self.path, self.vocab_size = path, vocab_size
-        index = np.fromfile(path / DOCUMENTS_FILE, DOCUMENT_DTYPE).reshape(-1, 2).astype(np.int64)
+        raw, piece = memoryview((path / DOCUMENTS_FILE).read_bytes()), manifest["check_piece_bytes"]
+        # Read whole anyway, so checked whole: a damaged index would silently pack the wrong spans.
+        checks = manifest["checks"][DOCUMENTS_FILE]
+        _check_pieces(path / DOCUMENTS_FILE, (raw[i : i + piece] for i in range(0, len(raw), piece)), checks, piece)
+        index = np.frombuffer(raw, DOCUMENT_DTYPE).reshape(-1, 2).astype(np.int64)
         self.lengths, self.first_labels = index[:, 0], index[:, 1]
         self.starts = np.concatenate([[0], np.cumsum(self.lengths)])
         if (
@@ -383,16 +409,17 @@ class ChatTokens:
 
     def read(self, index: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``n`` ids of conversation ``index`` and their labels (the id where the mask is set)."""
-        start = int(self.starts[index])
+        start, first = int(self.starts[index]), int(self.first_labels[index])
         ids, mask = np.empty(n, TOKEN_DTYPE), np.empty(n, MASK_DTYPE)
         _pread(self.tokens_fd, memoryview(ids).cast("B"), start * TOKEN_DTYPE.itemsize, self.path / TOKENS_FILE)
         _pread(self.mask_fd, memoryview(mask).cast("B"), start, self.path / MASK_FILE)
         ids = torch.from_numpy(ids.astype(np.int64))
         _check_ids(ids, self.vocab_size, self.path)
-        if mask.max(initial=0) > 1:
+        if mask.max(initial=0) > 1 or mask[1:first].any() or (first < n and mask[first] != 1):
             raise SeedckptError(
-                f"{self.path / MASK_FILE} holds a byte other than 0 or 1: the directory is damaged "
-                f"(`seedckpt verify {self.path}`); tokenize again"
+                f"{self.path / MASK_FILE} holds a byte other than 0 or 1, or disagrees with {DOCUMENTS_FILE} on "
+                f"where conversation {index}'s labels start: the directory is damaged (`seedckpt verify "
+                f"{self.path}`); tokenize again"
             )
         return ids, torch.where(torch.from_numpy(mask.astype(bool)), ids, IGNORE_INDEX)
 

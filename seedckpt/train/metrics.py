@@ -68,7 +68,18 @@ def peak_memory_bytes(device: torch.device) -> int:
     """Max allocated on CUDA; peak resident set size (RSS) of this process on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return peak_rss_bytes()
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak RSS since it started: Linux's ``VmHWM``, because ``ru_maxrss`` starts at
+    the peak of the process that launched it (torchrun's agent, with torch loaded) and would floor
+    a small rank's reading there."""
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):  # not Linux
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 METRICS_FILE = "metrics.jsonl"  # in job.dump_folder
