@@ -258,3 +258,31 @@ def test_sources_as_toml_tables_are_the_strings_mixture(tmp_path, three_sources)
     ):
         with pytest.raises(SeedckptError, match=re.escape(message)):
             MixedData([table], 512, 16, seed=0)
+
+
+def test_progress_counts_the_bytes_read_from_each_source(tmp_path, corpus, monkeypatch):
+    """The bar's total is the sources' sizes on disk, so its blocks report bytes read -- compressed
+    bytes for gzip, a row share of the file for parquet -- never characters, which overshoot a
+    gzipped file's size several times."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from seedckpt.data import sources
+    from seedckpt.data.token_files import BLOCK_CHARS, _blocks, _conversation_blocks
+
+    monkeypatch.setattr(sources, "READ_REPORT_LINES", 2)
+    monkeypatch.setattr(sources, "PARQUET_BATCH_ROWS", 3)
+    big = tmp_path / "big.jsonl.gz"
+    with gzip.open(big, "wt") as f:  # compresses ~100x: characters would be far more than the bytes read
+        f.writelines(json.dumps({"text": "word " * 4000}) + "\n" for _ in range(60))
+    pq.write_table(pa.table({"text": DOCS}), tmp_path / "c.parquet")
+    files = [corpus / "a.jsonl", corpus / "b.jsonl.gz", corpus / "plain.txt", tmp_path / "c.parquet", big]
+    blocks = list(_blocks(files))
+    assert sum(size for _, size in blocks) == sum(f.stat().st_size for f in files)
+    assert sum(len(t) for texts, _ in blocks for t in texts) > 20 * big.stat().st_size
+    assert all(len(texts) for texts, _ in blocks) and max(sum(map(len, t)) for t, _ in blocks) < 2 * BLOCK_CHARS
+
+    chats = tmp_path / "chats.jsonl.gz"
+    with gzip.open(chats, "wt") as f:
+        f.writelines(json.dumps(c) + "\n" for c in make_chats(10, seed=5))
+    assert sum(size for _, size in _conversation_blocks(str(chats))) == chats.stat().st_size

@@ -41,10 +41,11 @@ OPEN_ROWS = 64  # rows first-fit packing keeps open: more wastes less padding, c
 KEPT_EPOCHS = 2  # packed epochs held at once: the current one and the one a step may straddle into
 
 
-def read_conversations(path: str):
-    """``(where, messages)`` for every conversation of the JSONL file(s), validated, one at a time."""
+def read_conversations(path: str, read=None):
+    """``(where, messages)`` for every conversation of the JSONL file(s), validated, one at a time;
+    ``read(n)`` is told the bytes of the files as they are read (``jsonl_records``)."""
     for file in data_files(path, JSONL_SUFFIXES):
-        for number, record in jsonl_records(file):
+        for number, record in jsonl_records(file, read):
             where = f"{file}:{number}"
             messages = record.get("messages") if isinstance(record, dict) else None
             if not isinstance(messages, list) or not messages:

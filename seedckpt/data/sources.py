@@ -31,6 +31,7 @@ from seedckpt.utils.errors import SeedckptError
 
 IGNORE_INDEX = -100  # a label that carries no loss (cross_entropy's ignore_index)
 MAX_LINE_BYTES = 16 << 20  # longest JSONL line read: a bound on what a hostile file can make us parse
+READ_REPORT_LINES = 1024  # a reader's progress callback hears of the bytes read this many lines at a time
 
 ALPHABET = 32
 MOTIF_LENGTHS = (4, 16)
@@ -117,16 +118,22 @@ def data_files(path: str, suffixes: tuple[str, ...]) -> list[Path]:
     return files
 
 
-def jsonl_records(path: Path):
+def jsonl_records(path: Path, read=None):
     """``(line number, object)`` per non-blank line, of a ``.jsonl`` file or a gzipped one (read as a
-    stream); a malformed line is an error naming it, a file without any an error calling it empty."""
-    opener = gzip.open if path.name.endswith(".gz") else open
+    stream); a malformed line is an error naming it, a file without any an error calling it empty.
+    ``read(n)``, when given, is told the file's bytes as they are read (compressed bytes for gzip),
+    ``READ_REPORT_LINES`` lines at a time: all of them once the file is done."""
+    gzipped = path.name.endswith(".gz")
     empty = True
     try:
-        with opener(path, "rb") as f:
+        with (gzip.open if gzipped else open)(path, "rb") as f:
+            position, reported = (f.fileobj.tell if gzipped else f.tell), 0
             for number, line in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""), start=1):
                 if len(line) > MAX_LINE_BYTES:
                     raise SeedckptError(f"{path}:{number}: line longer than {MAX_LINE_BYTES >> 20} MiB")
+                if read and number % READ_REPORT_LINES == 0:
+                    read(position() - reported)
+                    reported = position()
                 if not line.strip():
                     continue
                 empty = False
@@ -134,6 +141,8 @@ def jsonl_records(path: Path):
                     yield number, json.loads(line)
                 except (ValueError, UnicodeDecodeError) as e:
                     raise SeedckptError(f"{path}:{number}: not valid JSON ({e})") from None
+            if read:
+                read(path.stat().st_size - reported)
     except (gzip.BadGzipFile, EOFError, zlib.error) as e:
         raise SeedckptError(f"{path} is not a complete gzip file ({e}); compress it again") from None
     if empty:
@@ -212,16 +221,20 @@ class TextData:
         return Batch.from_rows(self.tokens[starts + torch.arange(self.seq_len + 1)].long())
 
 
-def documents(file: Path):
+def documents(file: Path, read=None):
     """Each JSONL record's ``"text"`` (a ``.jsonl`` or ``.jsonl.gz`` file, streamed), each row's
-    ``text`` column of a ``.parquet`` file (streamed by record batch), or the whole file."""
+    ``text`` column of a ``.parquet`` file (streamed by record batch), or the whole file; ``read(n)``
+    is told the file's bytes as they are read (``jsonl_records``)."""
     if file.name.endswith(".parquet"):
-        yield from parquet_texts(file)
+        yield from parquet_texts(file, read)
         return
     if not file.name.endswith(JSONL_SUFFIXES):
-        yield file.read_text(errors="replace")
+        text = file.read_text(errors="replace")
+        if read:
+            read(file.stat().st_size)
+        yield text
         return
-    for number, record in jsonl_records(file):
+    for number, record in jsonl_records(file, read):
         if not isinstance(record, dict) or not isinstance(record.get("text"), str):
             raise SeedckptError(f'{file}:{number}: expected an object with a string "text"')
         yield record["text"]
@@ -230,17 +243,18 @@ def documents(file: Path):
 PARQUET_BATCH_ROWS = 1024  # rows read at a time: a file's row groups may be far larger
 
 
-def parquet_texts(file: Path):
+def parquet_texts(file: Path, read=None):
     """The ``text`` column of a parquet file (as Hugging Face datasets store corpora), a batch of rows
     at a time; a missing column, a row that is not a string, or a file pyarrow cannot read is one
-    error naming the file."""
+    error naming the file. ``read(n)`` is told the file's bytes in proportion to the rows read."""
     try:
         import pyarrow.parquet as pq
     except ImportError:
         raise SeedckptError(f"{file}: reading parquet needs pyarrow: pip install 'seedckpt[parquet]'") from None
     import pyarrow
 
-    row = 0
+    row = reported = 0
+    size = file.stat().st_size
     try:
         reader = pq.ParquetFile(file)
         if "text" not in reader.schema_arrow.names:
@@ -251,6 +265,12 @@ def parquet_texts(file: Path):
                 if not isinstance(text, str):
                     raise SeedckptError(f'{file}: row {row}: "text" is {type(text).__name__}, not a string')
                 yield text
+            if read:
+                done = size * row // max(reader.metadata.num_rows, 1)
+                read(done - reported)
+                reported = done
+        if read:
+            read(size - reported)
     except (pyarrow.ArrowException, OSError) as e:
         raise SeedckptError(f"{file}: not a readable parquet file ({' '.join(str(e).split())[:200]})") from None
 

@@ -156,18 +156,39 @@ def _write_files(directory: Path, names, blocks, done) -> dict:
     }
 
 
-def _blocks(files) -> Iterator[tuple[list[str], int]]:
-    """``(texts, bytes of source consumed)`` in order: documents grouped up to ``BLOCK_CHARS``."""
-    block, size = [], 0
-    for file in files:
-        for text in documents(file):
-            block.append(text)
-            size += len(text)
-            if size >= BLOCK_CHARS:
-                yield block, size
-                block, size = [], 0
+class _BytesRead:
+    """A count of source bytes read (the readers' ``read`` callback), taken block by block."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __call__(self, n: int) -> None:
+        self.count += n
+
+    def take(self) -> int:
+        n, self.count = self.count, 0
+        return n
+
+
+def _grouped(items, read: _BytesRead) -> Iterator[tuple[list, int]]:
+    """``(items, source bytes read for them)`` in order, from ``(item, characters)`` pairs grouped up
+    to ``BLOCK_CHARS`` characters: the bytes drive the progress bar, so a gzipped or parquet source
+    is measured in what is read from disk, not in the characters it holds."""
+    block, chars = [], 0
+    for item, n in items:
+        block.append(item)
+        chars += n
+        if chars >= BLOCK_CHARS:
+            yield block, read.take()
+            block, chars = [], 0
     if block:
-        yield block, size
+        yield block, read.take()
+
+
+def _blocks(files) -> Iterator[tuple[list[str], int]]:
+    """``(texts, source bytes)`` in order: the files' documents, grouped."""
+    read = _BytesRead()
+    return _grouped(((text, len(text)) for file in files for text in documents(file, read)), read)
 
 
 _TOKENIZER = None
@@ -189,16 +210,10 @@ def _tokenize_block(block: tuple[list[str], int]) -> tuple[np.ndarray, int, int]
 
 
 def _conversation_blocks(sources: str) -> Iterator[tuple[list, int]]:
-    """``([(where, messages), ...], characters of content)`` in order, grouped up to ``BLOCK_CHARS``."""
-    block, size = [], 0
-    for where, messages in read_conversations(sources):
-        block.append((where, messages))
-        size += sum(len(m["content"]) for m in messages)
-        if size >= BLOCK_CHARS:
-            yield block, size
-            block, size = [], 0
-    if block:
-        yield block, size
+    """``([(where, messages), ...], source bytes)`` in order: the conversations, grouped."""
+    read = _BytesRead()
+    conversations = read_conversations(sources, read)
+    return _grouped(((c, sum(len(m["content"]) for m in c[1])) for c in conversations), read)
 
 
 def _tokenize_conversations(block: tuple[list, int]) -> tuple[dict, int, int]:
