@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -286,3 +287,19 @@ def test_sft_trains_on_a_pretokenized_file(tmp_path, debug_seed):
     run = torchrun(tmp_path / "run", debug_seed, 1, *sft, *data)
     assert f"data: pretokenized {path}: 24 samples, 24 kept" in run.stdout, run.stdout
     assert len(losses(tmp_path / "run")) == 3
+
+
+@pytest.mark.parametrize(
+    "packing,seq_len,padding", [(True, 128, "9.6%"), (True, 256, "6.3%"), (False, 128, "61.6%"), (False, 256, "80.8%")]
+)
+def test_the_demo_sets_padding_is_what_the_docs_say(packing, seq_len, padding):
+    """The figures docs/finetuning.md gives for the shipped chat set (200 conversations of 28-98 tokens)."""
+    demo = Path(__file__).resolve().parents[1] / "configs" / "sft_demo"
+    data = ChatData(
+        Data(kind="chat", path=str(demo / "chats.jsonl"), tokenizer=str(demo / "tokenizer"), packing=packing),
+        600,
+        seq_len,
+        0,
+    )
+    assert len(data.lengths) == 200 and (min(data.lengths) + 1, max(data.lengths) + 1) == (28, 98)
+    assert f"{data.padding_fraction:.1%}" == padding

@@ -22,8 +22,10 @@ transformers = pytest.importorskip("transformers")
 # The released models' parameter counts (their config.json shapes; a tied matrix counted once).
 RELEASED = {
     ("llama3", "1B"): 1_235_814_400,
+    ("llama3", "3B"): 3_212_749_824,
     ("llama3", "8B"): 8_030_261_248,
     ("llama3", "70B"): 70_553_706_496,
+    ("llama3", "405B"): 405_853_388_800,
     ("qwen3", "0.6B"): 596_049_920,
     ("qwen3", "1.7B"): 1_720_574_976,
     ("qwen3", "4B"): 4_022_468_096,

@@ -4,6 +4,7 @@ output of its own kind."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import os
@@ -331,16 +332,22 @@ class _FullDisk:
         return File()
 
 
-@pytest.mark.parametrize("failure", ["disk full", "ctrl-c"])
+WRITE_FAILURES = {  # the OSError a write fails with, and the line it becomes
+    "disk full": (errno.ENOSPC, "no space left on the device", "free space or choose another destination"),
+    "permission denied": (errno.EACCES, "permission denied", "choose a destination you can write"),
+}
+
+
+@pytest.mark.parametrize("failure", [*WRITE_FAILURES, "ctrl-c"])
 @pytest.mark.parametrize("to", ["torch", "safetensors", "hf", "dcp", "torchtitan", "seed"])
-def test_a_full_disk_or_ctrl_c_while_writing_is_one_line_and_leaves_nothing(
+def test_a_full_disk_a_refused_write_or_ctrl_c_is_one_line_and_leaves_nothing(
     tmp_path, debug_seed, capsys, monkeypatch, to, failure
 ):
-    import errno
-
+    """A write that fails partway (injected: running as root, no real permission can be refused)."""
     from seedckpt.checkpoint.formats import safetensors_file, torch_file
 
-    error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) if failure == "disk full" else KeyboardInterrupt()
+    code_and_words = WRITE_FAILURES.get(failure)
+    error = OSError(code_and_words[0], os.strerror(code_and_words[0])) if code_and_words else KeyboardInterrupt()
     full = _FullDisk(error)
     for module in (torch_file, safetensors_file):
         monkeypatch.setattr(module, "open", full, raising=False)
@@ -360,10 +367,10 @@ def test_a_full_disk_or_ctrl_c_while_writing_is_one_line_and_leaves_nothing(
     code = main(argv)
     err = capsys.readouterr().err
     command = "seed" if to == "seed" else "convert"
-    if failure == "disk full":
+    if code_and_words:
+        _, what, fix = code_and_words
         assert code == 2 and err == (
-            f"seedckpt {command}: error: no space left on the device writing {dst}; nothing "
-            "was written there: free space or choose another destination and run again\n"
+            f"seedckpt {command}: error: {what} writing {dst}; nothing was written there: {fix} and run again\n"
         )
     else:
         assert code == 130 and err == f"seedckpt {command}: interrupted; nothing was written to {dst}\n"
