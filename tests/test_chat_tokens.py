@@ -199,3 +199,33 @@ def test_bad_conversations_and_tokenizers_are_one_line_and_leave_nothing(tmp_pat
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1, err
         assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "plain"]  # no output, partial or lock
+
+
+def test_mini_trainer_records_tokenize_to_the_same_files_as_their_conversations(tmp_path, inputs, chat_tokens, capsys):
+    """The chats rendered as Mini Trainer writes them ({"input_ids", "labels"}, -100 off the assistant's
+    tokens), alone or interleaved with conversations, give byte for byte the conversations' directory;
+    a label that is not its position's id cannot be a mask and is refused, naming the line."""
+    from seedckpt.data.chat import render_with_mask
+    from seedckpt.data.tokenizer import load_tokenizer
+
+    root, tokenizer = inputs
+    tok = load_tokenizer(str(tokenizer))
+    records = []
+    for i, chat in enumerate(CHATS):
+        ids, mask = render_with_mask(tok, chat["messages"], f"chat {i}")
+        records.append({"input_ids": ids, "labels": [t if m else -100 for t, m in zip(ids, mask)]})
+    (tmp_path / "mini.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    mixed = [r if i % 2 else c for i, (r, c) in enumerate(zip(records, CHATS))]
+    (tmp_path / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in mixed))
+    for name in ("mini", "mixed"):
+        assert tokenize(tmp_path / f"{name}_tokens", tokenizer, tmp_path / f"{name}.jsonl") == 0
+        for file in ("tokens.bin", "mask.bin", "documents.bin"):
+            assert (tmp_path / f"{name}_tokens" / file).read_bytes() == (chat_tokens / file).read_bytes(), (name, file)
+
+    shifted = {"input_ids": [5, 6, 7], "labels": [-100, 7, -100]}  # a target that is the next id, not its own
+    (tmp_path / "shifted.jsonl").write_text(json.dumps(records[0]) + "\n" + json.dumps(shifted) + "\n")
+    capsys.readouterr()
+    assert tokenize(tmp_path / "shifted_tokens", tokenizer, tmp_path / "shifted.jsonl") == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{tmp_path / 'shifted.jsonl'}:2: a label differs from its input id" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "shifted_tokens").exists()

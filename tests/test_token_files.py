@@ -268,7 +268,7 @@ def test_progress_counts_the_bytes_read_from_each_source(tmp_path, corpus, monke
     import pyarrow.parquet as pq
 
     from seedckpt.data import sources
-    from seedckpt.data.token_files import BLOCK_CHARS, _blocks, _conversation_blocks
+    from seedckpt.data.token_files import BLOCK_CHARS, _blocks, _sft_blocks
 
     monkeypatch.setattr(sources, "READ_REPORT_LINES", 2)
     monkeypatch.setattr(sources, "PARQUET_BATCH_ROWS", 3)
@@ -285,4 +285,4 @@ def test_progress_counts_the_bytes_read_from_each_source(tmp_path, corpus, monke
     chats = tmp_path / "chats.jsonl.gz"
     with gzip.open(chats, "wt") as f:
         f.writelines(json.dumps(c) + "\n" for c in make_chats(10, seed=5))
-    assert sum(size for _, size in _conversation_blocks(str(chats))) == chats.stat().st_size
+    assert sum(size for _, size in _sft_blocks(str(chats), 300)) == chats.stat().st_size

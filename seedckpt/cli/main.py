@@ -169,7 +169,7 @@ def _parser() -> argparse.ArgumentParser:
         nargs="+",
         metavar="INPUT",
         help='JSONL {"text": ...} / JSONL.gz / parquet (a "text" column) / plain text file(s), or directories; '
-        'with --chat, JSONL {"messages": [...]} file(s) or directories',
+        'with --chat, JSONL {"messages": [...]} or Mini Trainer\'s {"input_ids", "labels"} file(s) or directories',
     )
     tokenize.add_argument(
         "--chat",

@@ -47,18 +47,23 @@ def read_conversations(path: str, read=None):
     for file in data_files(path, JSONL_SUFFIXES):
         for number, record in jsonl_records(file, read):
             where = f"{file}:{number}"
-            messages = record.get("messages") if isinstance(record, dict) else None
-            if not isinstance(messages, list) or not messages:
-                raise SeedckptError(f'{where}: expected {{"messages": [{{"role": ..., "content": ...}}, ...]}}')
-            for m in messages:
-                if not isinstance(m, dict) or m.get("role") not in ROLES:
-                    role = m.get("role") if isinstance(m, dict) else m
-                    raise SeedckptError(f"{where}: unknown role {role!r}; roles are {', '.join(ROLES)}")
-                if not isinstance(m.get("content"), str):
-                    raise SeedckptError(f"{where}: a {m['role']} message's content must be a string")
-            if not any(m["role"] == "assistant" for m in messages):
-                raise SeedckptError(f"{where}: the conversation has no assistant turn, so nothing to learn")
-            yield where, messages
+            yield where, conversation(record, where)
+
+
+def conversation(record, where: str) -> list[dict]:
+    """The validated messages of one ``{"messages": [...]}`` record."""
+    messages = record.get("messages") if isinstance(record, dict) else None
+    if not isinstance(messages, list) or not messages:
+        raise SeedckptError(f'{where}: expected {{"messages": [{{"role": ..., "content": ...}}, ...]}}')
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            role = m.get("role") if isinstance(m, dict) else m
+            raise SeedckptError(f"{where}: unknown role {role!r}; roles are {', '.join(ROLES)}")
+        if not isinstance(m.get("content"), str):
+            raise SeedckptError(f"{where}: a {m['role']} message's content must be a string")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise SeedckptError(f"{where}: the conversation has no assistant turn, so nothing to learn")
+    return messages
 
 
 def chat_tokenizer(path: str):
@@ -286,13 +291,13 @@ class PretokenizedData(PackedSamples):
         def records():
             for file in data_files(data.path, JSONL_SUFFIXES):
                 for number, record in jsonl_records(file):
-                    yield _pretokenized(record, vocab_size, f"{file}:{number}")
+                    yield pretokenized_record(record, vocab_size, f"{file}:{number}")
 
         samples = SamplesInMemory(records(), seq_len + 1)
         super().__init__(samples, data, seq_len, seed, 0, ("pretokenized", "samples"), row_tokens=row_tokens)
 
 
-def _pretokenized(record, vocab_size: int, where: str) -> tuple[list[int], list[int]]:
+def pretokenized_record(record, vocab_size: int, where: str) -> tuple[list[int], list[int]]:
     """One record's ``(input_ids, labels)``, each checked: ids in the vocabulary, labels the same
     length, each a token id or -100."""
     ids = record.get("input_ids") if isinstance(record, dict) else None

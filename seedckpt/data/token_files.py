@@ -39,7 +39,14 @@ import torch
 from seedckpt.checkpoint.atomic import destination_lock
 from seedckpt.checkpoint.integrity import PieceHasher, crc
 from seedckpt.checkpoint.untrusted import read_json
-from seedckpt.data.chat import PackedSamples, chat_tokenizer, first_label, read_conversations, render_with_mask
+from seedckpt.data.chat import (
+    PackedSamples,
+    chat_tokenizer,
+    conversation,
+    first_label,
+    pretokenized_record,
+    render_with_mask,
+)
 from seedckpt.data.sources import (
     IGNORE_INDEX,
     JSONL_SUFFIXES,
@@ -48,6 +55,7 @@ from seedckpt.data.sources import (
     _step_generator,
     data_files,
     documents,
+    jsonl_records,
 )
 from seedckpt.utils.errors import SeedckptError
 from seedckpt.utils.progress import Progress
@@ -71,7 +79,8 @@ def tokenize_corpus(
 ) -> Path:
     """Tokenize ``sources`` (``data.path``'s syntax: files, comma-separated, or a directory) into the
     token directory ``output``: documents (``*.jsonl`` / ``*.jsonl.gz`` / ``*.parquet``; a plain text
-    file is one document), or with ``chat`` JSONL conversations with their label mask."""
+    file is one document), or with ``chat`` JSONL conversations with their label mask (records
+    already tokenized, Mini Trainer's ``{"input_ids", "labels"}``, are written as they are)."""
     from seedckpt.data.tokenizer import load_tokenizer, pad_token_id
 
     tokenizer = chat_tokenizer(tokenizer_dir) if chat else load_tokenizer(tokenizer_dir)
@@ -80,7 +89,7 @@ def tokenize_corpus(
     if chat:
         files = data_files(sources, JSONL_SUFFIXES)
         meta["pad_token_id"], meta["pad_note"] = pad_token_id(tokenizer)
-        blocks, work, names = _conversation_blocks(sources), _tokenize_conversations, CHAT_FILES
+        blocks, work, names = _sft_blocks(sources, len(tokenizer)), _tokenize_conversations, CHAT_FILES
     else:
         if tokenizer.eos_token_id is None:
             raise SeedckptError(f"the tokenizer in {tokenizer_dir} has no eos token to separate documents")
@@ -209,23 +218,46 @@ def _tokenize_block(block: tuple[list[str], int]) -> tuple[np.ndarray, int, int]
     return {TOKENS_FILE: ids}, len(texts), size
 
 
-def _conversation_blocks(sources: str) -> Iterator[tuple[list, int]]:
-    """``([(where, messages), ...], source bytes)`` in order: the conversations, grouped."""
+def _sft_blocks(sources: str, vocab_size: int) -> Iterator[tuple[list, int]]:
+    """``([(where, record), ...], source bytes)`` in order, grouped: each record a conversation's
+    messages, or the ``(ids, label mask)`` of a record already tokenized (Mini Trainer's format)."""
     read = _BytesRead()
-    conversations = read_conversations(sources, read)
-    return _grouped(((c, sum(len(m["content"]) for m in c[1])) for c in conversations), read)
+
+    def records():
+        for file in data_files(sources, JSONL_SUFFIXES):
+            for number, record in jsonl_records(file, read):
+                where = f"{file}:{number}"
+                if isinstance(record, dict) and "input_ids" in record:
+                    item = _masked(*pretokenized_record(record, vocab_size, where), where)
+                    yield (where, item), len(item[0])
+                else:
+                    messages = conversation(record, where)
+                    yield (where, messages), sum(len(m["content"]) for m in messages)
+
+    return _grouped(records(), read)
+
+
+def _masked(ids: list[int], labels: list[int], where: str) -> tuple[list[int], list[bool]]:
+    """A pre-tokenized record as ids and label mask: a label must be its position's own id, since a
+    token directory stores which tokens are learned, not separate targets."""
+    if any(label not in (IGNORE_INDEX, token) for token, label in zip(ids, labels)):
+        raise SeedckptError(
+            f"{where}: a label differs from its input id; a token directory stores labels as a mask over "
+            f"the ids (labels[i] = input_ids[i] or {IGNORE_INDEX}): train this file as data.kind = 'pretokenized'"
+        )
+    return ids, [label != IGNORE_INDEX for label in labels]
 
 
 def _tokenize_conversations(block: tuple[list, int]) -> tuple[dict, int, int]:
-    conversations, size = block
-    ids, masks, index = [], [], np.empty((len(conversations), 2), DOCUMENT_DTYPE)
-    for row, (where, messages) in zip(index, conversations):
-        tokens, mask = render_with_mask(_TOKENIZER, messages, where)
+    records, size = block
+    ids, masks, index = [], [], np.empty((len(records), 2), DOCUMENT_DTYPE)
+    for row, (where, record) in zip(index, records):
+        tokens, mask = record if isinstance(record, tuple) else render_with_mask(_TOKENIZER, record, where)
         row[:] = len(tokens), first_label(np.asarray(mask, bool))
         ids.append(np.asarray(tokens, TOKEN_DTYPE))
         masks.append(np.asarray(mask, MASK_DTYPE))
     arrays = {TOKENS_FILE: np.concatenate(ids), MASK_FILE: np.concatenate(masks), DOCUMENTS_FILE: index}
-    return arrays, len(conversations), size
+    return arrays, len(records), size
 
 
 def _sha256(path: Path) -> str:
