@@ -104,6 +104,30 @@ def test_a_parquet_corpus_tokenizes_to_the_ids_of_the_same_jsonl(tmp_path, token
         assert not (tmp_path / f"out-{name}").exists()
 
 
+def test_inputs_are_several_arguments_and_a_name_with_a_comma_is_one_file(tmp_path, tokenizer, corpus):
+    odd = tmp_path / "web,2024.jsonl"
+    shutil.copy(corpus / "a.jsonl", odd)
+    assert (
+        seedckpt(
+            [
+                "tokenize",
+                str(odd),
+                str(corpus / "b.jsonl.gz"),
+                "--tokenizer",
+                str(tokenizer),
+                "--output",
+                str(tmp_path / "t"),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
+    half = len(DOCS) // 2
+    assert np.fromfile(tmp_path / "t" / "tokens.bin", dtype="<u4").tolist() == _expected(
+        tokenizer, DOCS[:half] + DOCS[half:]
+    )
+
+
 def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, tokenizer, corpus, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"text": "fine"}) + "\n{not json\n")

@@ -335,8 +335,7 @@ def _tokenize(opts, _rest) -> int:
 
     if opts.workers is not None and opts.workers < 1:
         raise SeedckptError(f"--workers {opts.workers}: it must be >= 1")
-    sources = ",".join(opts.sources)
-    path = tokenize_corpus(sources, opts.tokenizer, opts.output, opts.workers, not opts.quiet, opts.chat)
+    path = tokenize_corpus(opts.sources, opts.tokenizer, opts.output, opts.workers, not opts.quiet, opts.chat)
     made = read_token_manifest(path)
     what = "conversations" if opts.chat else "documents"
     print(

@@ -41,7 +41,7 @@ OPEN_ROWS = 64  # rows first-fit packing keeps open: more wastes less padding, c
 KEPT_EPOCHS = 2  # packed epochs held at once: the current one and the one a step may straddle into
 
 
-def read_conversations(path: str, read=None):
+def read_conversations(path: str | list[str], read=None):
     """``(where, messages)`` for every conversation of the JSONL file(s), validated, one at a time;
     ``read(n)`` is told the bytes of the files as they are read (``jsonl_records``)."""
     for file in data_files(path, JSONL_SUFFIXES):

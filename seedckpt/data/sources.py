@@ -97,11 +97,14 @@ TEXT_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
 
 
-def data_files(path: str, suffixes: tuple[str, ...]) -> list[Path]:
+def data_files(path: str | list[str], suffixes: tuple[str, ...]) -> list[Path]:
     """``path``: one file, several comma-separated, or a directory (its files ending in one of
-    ``suffixes``, sorted)."""
+    ``suffixes``, sorted); or a list of such. A path that exists as written is not split at its
+    commas."""
     files = []
-    for part in (p.strip() for p in path.split(",") if p.strip()):
+    given = path if isinstance(path, list) else [path]
+    parts = [q.strip() for p in given for q in ([p] if Path(p).exists() else p.split(",")) if q.strip()]
+    for part in parts:
         p = Path(part)
         if p.is_dir():
             found = sorted(f for suffix in suffixes for f in p.glob(f"*{suffix}"))

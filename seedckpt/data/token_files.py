@@ -70,17 +70,18 @@ FORMAT = "seedckpt-tokens-1"
 
 
 def tokenize_corpus(
-    sources: str,
+    sources: str | list[str],
     tokenizer_dir: str,
     output: str | Path,
     workers: int | None = None,
     progress: bool = True,
     chat: bool = False,
 ) -> Path:
-    """Tokenize ``sources`` (``data.path``'s syntax: files, comma-separated, or a directory) into the
-    token directory ``output``: documents (``*.jsonl`` / ``*.jsonl.gz`` / ``*.parquet``; a plain text
-    file is one document), or with ``chat`` JSONL conversations with their label mask (records
-    already tokenized, Mini Trainer's ``{"input_ids", "labels"}``, are written as they are)."""
+    """Tokenize ``sources`` (``data.path``'s syntax, or a list of such: files, comma-separated, or a
+    directory) into the token directory ``output``: documents (``*.jsonl`` / ``*.jsonl.gz`` /
+    ``*.parquet``; a plain text file is one document), or with ``chat`` JSONL conversations with
+    their label mask (records already tokenized, Mini Trainer's ``{"input_ids", "labels"}``, are
+    written as they are)."""
     from seedckpt.data.tokenizer import load_tokenizer, pad_token_id
 
     tokenizer = chat_tokenizer(tokenizer_dir) if chat else load_tokenizer(tokenizer_dir)
@@ -218,7 +219,7 @@ def _tokenize_block(block: tuple[list[str], int]) -> tuple[np.ndarray, int, int]
     return {TOKENS_FILE: ids}, len(texts), size
 
 
-def _sft_blocks(sources: str, vocab_size: int) -> Iterator[tuple[list, int]]:
+def _sft_blocks(sources: str | list[str], vocab_size: int) -> Iterator[tuple[list, int]]:
     """``([(where, record), ...], source bytes)`` in order, grouped: each record a conversation's
     messages, or the ``(ids, label mask)`` of a record already tokenized (Mini Trainer's format)."""
     read = _BytesRead()
