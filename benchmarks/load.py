@@ -43,7 +43,7 @@ JSON lines on stdout (GB = 1e9 bytes, MiB = 2**20):
   seed is too small to measure more than latency); ``disk_read_mib`` (``read_bytes`` of
   ``/proc/self/io``, what came from the disk itself: proof the drop worked); ``fadvise`` and
   ``drop_caches``: whether each drop worked (cold lines carry them too).
-* one per (method, cache, rank): ``ready_s``, from just before building the model to the model
+* one per (method, cache, repeat, rank): ``ready_s``, from just before building the model to the model
   loaded on that rank (on CUDA: its copies done; ranks start together after a barrier; interpreter,
   imports and rendezvous excluded); ``since_launch_s``, the same end from the job's launch (start-up included);
   ``read_mib``, ``rchar`` of ``/proc/self/io`` over the load (every byte the rank read with a
@@ -55,14 +55,15 @@ JSON lines on stdout (GB = 1e9 bytes, MiB = 2**20):
   not start at the torchrun agent's RSS); ``read_over_owned``; ``within_read_target`` (read <= 1.05 x
   owned: a rank reads what it owns, not the model); ``within_rss_target`` (peak RSS <= 1.3 x owned
   + 300 MiB: no rank ever holds the full model).
-* one per (method, cache) with ``summary``: ``ready_s`` (the slowest rank), ``job_wall_s`` (the
+* one per (method, cache, repeat) with ``summary``: ``ready_s`` (the slowest rank), ``job_wall_s`` (the
   torchrun job from launch to exit), ``gb_per_s`` (every rank's owned bytes / ``ready_s``),
   ``max_peak_rss_mib``, ``max_read_mib``, ``total_read_mib``,
   ``total_disk_read_mib``, ``checkpoint_mib`` (the checkpoint's files), ``all_within_read_target``,
   ``all_within_rss_target``; warm: ``within_wall_target`` (ready_s <= 4 s); cold:
   ``over_disk_time`` (ready_s over the checkpoint's bytes / the ``disk_read`` bandwidth: 1.0 is
   reading the checkpoint once at the disk's speed) and ``within_disk_target`` (<= 1.2).
-* one per (baseline, cache) with ``comparison``: ``speedup`` (the baseline's ready_s / seedckpt's),
+* one per (baseline, cache) with ``comparison``, from each method's median run (``--repeats``,
+  default 3, interleaved: a single run on 2 cores varies up to 2x): ``speedup`` (the baseline's ready_s / seedckpt's),
   ``max_rss_ratio`` and ``rank0_rss_ratio`` (seedckpt's peak RSS / the baseline's),
   ``max_read_ratio`` (seedckpt's largest per-rank read / the baseline's), ``same_values`` (every
   rank's shards sum to exactly the same float64 value under both: the same weights were loaded).
@@ -242,8 +243,20 @@ def disk_read_bandwidth(files: list[Path]) -> float:
     return gb_per_s
 
 
+def median_run(runs: list[list[dict]]) -> list[dict]:
+    """The run (its per-rank records) whose slowest rank's ``ready_s`` is the median of the runs'."""
+    return sorted(runs, key=lambda records: max(r["ready_s"] for r in records))[len(runs) // 2]
+
+
 def run_method(
-    opts: argparse.Namespace, method: str, cache: str, ckpt: Path, seed: Path, work: Path, disk_gb_per_s: float | None
+    opts: argparse.Namespace,
+    method: str,
+    cache: str,
+    ckpt: Path,
+    seed: Path,
+    work: Path,
+    disk_gb_per_s: float | None,
+    repeat: int = 0,
 ) -> list[dict]:
     """One torchrun job; emits its per-rank lines and its summary line; returns the per-rank records."""
     files = files_of(ckpt)
@@ -251,7 +264,7 @@ def run_method(
     records, wall = common.torchrun(
         SCRIPT,
         opts.ranks,
-        work / f"report-{method}-{cache}",
+        work / f"report-{method}-{cache}-{repeat}",
         "--worker",
         method,
         "--ckpt",
@@ -267,11 +280,12 @@ def run_method(
         r["read_over_owned"] = r["read_mib"] / r["owned_mib"]
         r["within_read_target"] = r["read_over_owned"] <= READ_TARGET_RATIO
         r["within_rss_target"] = common.within_rss_target(r["peak_rss_mib"], r["owned_mib"])
-        emit({"method": method, "cache": cache, **{k: v for k, v in r.items() if k != "checksum"}})
+        emit({"method": method, "cache": cache, "repeat": repeat, **{k: v for k, v in r.items() if k != "checksum"}})
     ready, ckpt_bytes = max(r["ready_s"] for r in records), sum(f.stat().st_size for f in files)
     summary = {
         "method": method,
         "cache": cache,
+        "repeat": repeat,
         "summary": True,
         "flavor": opts.flavor,
         "ranks": opts.ranks,
@@ -341,13 +355,17 @@ def run_all(opts: argparse.Namespace, methods: list[str], work: Path) -> None:
         )
     caches = ["warm"] if opts.skip_cold else ["cold", "warm"]
     disk_gb_per_s = None if opts.skip_cold else disk_read_bandwidth(files_of(seed))
-    results = {}
-    for method in methods:
-        ckpt = stock if method == "stock_dcp" else seed
-        if opts.skip_cold:
+    if opts.skip_cold:
+        for ckpt in {stock if method == "stock_dcp" else seed for method in methods}:
             read_files(files_of(ckpt))
-        for cache in caches:
-            results[method, cache] = run_method(opts, method, cache, ckpt, seed, work, disk_gb_per_s)
+    runs = {}
+    for cache in caches:
+        for repeat in range(opts.repeats):  # interleaved, so a slow spell of the machine hits every method
+            for method in methods:
+                ckpt = stock if method == "stock_dcp" else seed
+                records = run_method(opts, method, cache, ckpt, seed, work, disk_gb_per_s, repeat)
+                runs.setdefault((method, cache), []).append(records)
+    results = {key: median_run(records) for key, records in runs.items()}
     for cache in caches:
         for base in methods:
             if "seedckpt" in methods and base != "seedckpt":
@@ -382,6 +400,9 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=4, help="gloo ranks, all in one FSDP2 mesh (default: 4)")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {', '.join(METHODS)} (default: all)")
     p.add_argument("--skip-cold", action="store_true", help="warm page cache only (no cache drops)")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="runs per method and cache, interleaved; each compared by its median"
+    )
     p.add_argument(
         "--device",
         choices=("cpu", "cuda"),

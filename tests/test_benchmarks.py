@@ -17,7 +17,7 @@ from tests.test_train import REPO
 SMALL = {
     "throughput": ["--variants", "bare_eager,train_eager", "--steps", "3", "--warmup", "1"],
     "save": ["--mib", "64", "--saves", "1"],
-    "load": ["--flavor", "debug", "--ranks", "1", "--skip-cold", "--methods", "seedckpt,stock_dcp"],
+    "load": ["--flavor", "debug", "--ranks", "1", "--skip-cold", "--methods", "seedckpt,stock_dcp", "--repeats", "2"],
     "seed": ["--flavor", "debug", "--skip-baseline"],
     "osft": ["--flavor", "debug", "--n-layers", "2", "--skip-train", "--ranks", ""],
     "attention": ["--flavor", "debug", "--seq-len", "128", "--repeats", "1"],

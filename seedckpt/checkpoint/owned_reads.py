@@ -276,8 +276,8 @@ class _Unit:
         return self.job.dest_bytes()[a - self.job.lo : b - self.job.lo]
 
     def read_into(self, asked: memoryview) -> int:
-        """Read the unit's bytes: those asked for into ``asked``, the rest into its side buffers;
-        then check its pieces. Returns the bytes read."""
+        """Read the unit's bytes: those asked for into ``asked``, the rest into its side buffers,
+        checking each piece as it is read. Returns the bytes read."""
         a, _ = self.asked
         chunk = self.job.chunk
         segments = sorted([*self.sides, (a, asked)], key=lambda segment: segment[0])
@@ -290,14 +290,20 @@ class _Unit:
                     out.append(mem[x - start : y - start])
             return out
 
-        position = self.lo
-        for view in views(self.lo, self.hi):
-            _pread_exact(self.job, view, position)
-            position += view.nbytes
         checks = chunk.checks
+        if not self.pieces:
+            position = self.lo
+            for view in views(self.lo, self.hi):
+                _pread_exact(self.job, view, position)
+                position += view.nbytes
+            return self.hi - self.lo
+        # A piece at a time, checked right after it is read, while its bytes are still in the CPU's
+        # cache: checking the whole unit after reading it was a second pass over memory.
         for k in self.pieces:
-            value = 0
+            value, position = 0, checks.cuts[k]
             for view in views(checks.cuts[k], checks.cuts[k + 1]):
+                _pread_exact(self.job, view, position)
+                position += view.nbytes
                 value = crc(view, value)
             if value != checks.crcs[k]:
                 raise checks.mismatch(k, value, f"{self.job.item.storage_index.fqn} in {chunk.path.parent}")
