@@ -98,7 +98,7 @@ PARTS = [
             *["benchmarks/load.py", "--device", "cuda", "--ranks", "1", "--skip-cold"],
             *["--methods", "seedckpt,stock_dcp", "--repeats", "1"],  # a 3x gap: one run each fits the cap
         ],
-        110,
+        125,  # 76 s measured on the H100 before load.py's warm-up job (~15 s more)
         "seedckpt at least stock dcp.load's GB/s onto the GPU (1B)",
     ),
     Part("seed", "io", ["benchmarks/seed.py", "--skip-baseline"], 45, "the 1B seed near the disk's write bandwidth"),
