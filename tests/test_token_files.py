@@ -292,7 +292,7 @@ def test_progress_counts_the_bytes_read_from_each_source(tmp_path, corpus, monke
     import pyarrow.parquet as pq
 
     from seedckpt.data import sources
-    from seedckpt.data.token_files import BLOCK_CHARS, _blocks, _sft_blocks
+    from seedckpt.data.tokenize import BLOCK_CHARS, _blocks, _sft_blocks
 
     monkeypatch.setattr(sources, "READ_REPORT_LINES", 2)
     monkeypatch.setattr(sources, "PARQUET_BATCH_ROWS", 3)

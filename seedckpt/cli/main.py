@@ -331,7 +331,8 @@ def _checksum_note(source) -> str:
 
 
 def _tokenize(opts, _rest) -> int:
-    from seedckpt.data.token_files import read_token_manifest, tokenize_corpus
+    from seedckpt.data.token_files import read_token_manifest
+    from seedckpt.data.tokenize import tokenize_corpus
 
     if opts.workers is not None and opts.workers < 1:
         raise SeedckptError(f"--workers {opts.workers}: it must be >= 1")

@@ -1,4 +1,5 @@
-"""Token files: a corpus tokenized once (``seedckpt tokenize``), read by training one window at a time.
+"""Token directories: the format of a corpus tokenized once (``seedckpt tokenize``), written, checked,
+and read by training one window (or conversation) at a time.
 
 A token directory holds ``tokens.bin`` -- every document's token ids followed by the tokenizer's
 eos, little-endian ``uint32``, one document after another -- and ``tokens.json``: the tokenizer
@@ -19,18 +20,15 @@ at an offset drawn from (seed, step), the way ``text`` draws its windows: a rank
 and nothing else, whatever the corpus size. Nothing is memory-mapped: a map reserves address space
 for the whole file, which a process under ``ulimit -v`` may not have.
 
-Tokenizing runs on a pool of processes (each with its own tokenizer), over blocks of documents
-taken in order; the parent writes their ids in that order, so the file is the same for any number
-of workers. It is written under a temporary name and renamed when complete.
+A directory is written (``write_token_directory``; ``seedckpt.data.tokenize`` makes one from a
+corpus) under a temporary name and renamed when complete.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import multiprocessing
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -39,72 +37,16 @@ import torch
 from seedckpt.checkpoint.atomic import destination_lock
 from seedckpt.checkpoint.integrity import PieceHasher, crc
 from seedckpt.checkpoint.untrusted import read_json
-from seedckpt.data.chat import (
-    PackedSamples,
-    chat_tokenizer,
-    conversation,
-    first_label,
-    pretokenized_record,
-    render_with_mask,
-)
-from seedckpt.data.sources import (
-    IGNORE_INDEX,
-    JSONL_SUFFIXES,
-    TEXT_SUFFIXES,
-    Batch,
-    _step_generator,
-    data_files,
-    documents,
-    jsonl_records,
-)
+from seedckpt.data.chat import PackedSamples
+from seedckpt.data.sources import IGNORE_INDEX, Batch, _step_generator
 from seedckpt.utils.errors import SeedckptError
-from seedckpt.utils.progress import Progress
 
 TOKENS_FILE, MANIFEST_FILE, MASK_FILE, DOCUMENTS_FILE = "tokens.bin", "tokens.json", "mask.bin", "documents.bin"
 CHAT_FILES = (TOKENS_FILE, MASK_FILE, DOCUMENTS_FILE)
 TOKEN_DTYPE, MASK_DTYPE, DOCUMENT_DTYPE = np.dtype("<u4"), np.dtype("u1"), np.dtype("<u4")
 CHECK_PIECE_BYTES = 64 << 20
 MAX_CHECK_PIECE_BYTES = 1 << 30  # the largest piece a manifest may claim: verify reads one piece at a time
-BLOCK_CHARS = 1 << 20  # documents are handed to the workers in blocks of about this many characters
 FORMAT = "seedckpt-tokens-1"
-
-
-def tokenize_corpus(
-    sources: str | list[str],
-    tokenizer_dir: str,
-    output: str | Path,
-    workers: int | None = None,
-    progress: bool = True,
-    chat: bool = False,
-) -> Path:
-    """Tokenize ``sources`` (``data.path``'s syntax, or a list of such: files, comma-separated, or a
-    directory) into the token directory ``output``: documents (``*.jsonl`` / ``*.jsonl.gz`` /
-    ``*.parquet``; a plain text file is one document), or with ``chat`` JSONL conversations with
-    their label mask (records already tokenized, Mini Trainer's ``{"input_ids", "labels"}``, are
-    written as they are)."""
-    from seedckpt.data.tokenizer import load_tokenizer, pad_token_id
-
-    tokenizer = chat_tokenizer(tokenizer_dir) if chat else load_tokenizer(tokenizer_dir)
-    meta = {"content": "chat" if chat else "text", "tokenizer": str(Path(tokenizer_dir).resolve())}
-    meta["tokenizer_sha256"] = _sha256(Path(tokenizer_dir) / "tokenizer.json")
-    if chat:
-        files = data_files(sources, JSONL_SUFFIXES)
-        meta["pad_token_id"], meta["pad_note"] = pad_token_id(tokenizer)
-        blocks, work, names = _sft_blocks(sources, len(tokenizer)), _tokenize_conversations, CHAT_FILES
-    else:
-        if tokenizer.eos_token_id is None:
-            raise SeedckptError(f"the tokenizer in {tokenizer_dir} has no eos token to separate documents")
-        files = data_files(sources, TEXT_SUFFIXES)
-        meta["eos_token_id"] = tokenizer.eos_token_id
-        blocks, work, names = _blocks(files), _tokenize_block, (TOKENS_FILE,)
-    meta["sources"] = [{"path": str(f), "bytes": f.stat().st_size} for f in files]
-    meter = Progress(sum(f.stat().st_size for f in files), f"tokenize {len(files)} file(s)", enabled=progress)
-    context = multiprocessing.get_context("spawn")
-    try:
-        with context.Pool(workers or len(os.sched_getaffinity(0)), _start_worker, (tokenizer_dir,)) as pool:
-            return write_token_directory(output, pool.imap(work, blocks), len(tokenizer), meta, meter.update, names)
-    finally:
-        meter.close()
 
 
 def write_token_directory(
@@ -166,102 +108,8 @@ def _write_files(directory: Path, names, blocks, done) -> dict:
     }
 
 
-class _BytesRead:
-    """A count of source bytes read (the readers' ``read`` callback), taken block by block."""
-
-    def __init__(self):
-        self.count = 0
-
-    def __call__(self, n: int) -> None:
-        self.count += n
-
-    def take(self) -> int:
-        n, self.count = self.count, 0
-        return n
-
-
-def _grouped(items, read: _BytesRead) -> Iterator[tuple[list, int]]:
-    """``(items, source bytes read for them)`` in order, from ``(item, characters)`` pairs grouped up
-    to ``BLOCK_CHARS`` characters: the bytes drive the progress bar, so a gzipped or parquet source
-    is measured in what is read from disk, not in the characters it holds."""
-    block, chars = [], 0
-    for item, n in items:
-        block.append(item)
-        chars += n
-        if chars >= BLOCK_CHARS:
-            yield block, read.take()
-            block, chars = [], 0
-    if block:
-        yield block, read.take()
-
-
-def _blocks(files) -> Iterator[tuple[list[str], int]]:
-    """``(texts, source bytes)`` in order: the files' documents, grouped."""
-    read = _BytesRead()
-    return _grouped(((text, len(text)) for file in files for text in documents(file, read)), read)
-
-
-_TOKENIZER = None
-
-
-def _start_worker(tokenizer_dir: str) -> None:
-    global _TOKENIZER
-    from seedckpt.data.tokenizer import load_tokenizer
-
-    _TOKENIZER = load_tokenizer(tokenizer_dir)
-
-
-def _tokenize_block(block: tuple[list[str], int]) -> tuple[np.ndarray, int, int]:
-    texts, size = block
-    encoded = _TOKENIZER(texts, add_special_tokens=False)["input_ids"]
-    eos = _TOKENIZER.eos_token_id
-    ids = np.fromiter((t for doc in encoded for t in (*doc, eos)), dtype=TOKEN_DTYPE)
-    return {TOKENS_FILE: ids}, len(texts), size
-
-
-def _sft_blocks(sources: str | list[str], vocab_size: int) -> Iterator[tuple[list, int]]:
-    """``([(where, record), ...], source bytes)`` in order, grouped: each record a conversation's
-    messages, or the ``(ids, label mask)`` of a record already tokenized (Mini Trainer's format)."""
-    read = _BytesRead()
-
-    def records():
-        for file in data_files(sources, JSONL_SUFFIXES):
-            for number, record in jsonl_records(file, read):
-                where = f"{file}:{number}"
-                if isinstance(record, dict) and "input_ids" in record:
-                    item = _masked(*pretokenized_record(record, vocab_size, where), where)
-                    yield (where, item), len(item[0])
-                else:
-                    messages = conversation(record, where)
-                    yield (where, messages), sum(len(m["content"]) for m in messages)
-
-    return _grouped(records(), read)
-
-
-def _masked(ids: list[int], labels: list[int], where: str) -> tuple[list[int], list[bool]]:
-    """A pre-tokenized record as ids and label mask: a label must be its position's own id, since a
-    token directory stores which tokens are learned, not separate targets."""
-    if any(label not in (IGNORE_INDEX, token) for token, label in zip(ids, labels)):
-        raise SeedckptError(
-            f"{where}: a label differs from its input id; a token directory stores labels as a mask over "
-            f"the ids (labels[i] = input_ids[i] or {IGNORE_INDEX}): train this file as data.kind = 'pretokenized'"
-        )
-    return ids, [label != IGNORE_INDEX for label in labels]
-
-
-def _tokenize_conversations(block: tuple[list, int]) -> tuple[dict, int, int]:
-    records, size = block
-    ids, masks, index = [], [], np.empty((len(records), 2), DOCUMENT_DTYPE)
-    for row, (where, record) in zip(index, records):
-        tokens, mask = record if isinstance(record, tuple) else render_with_mask(_TOKENIZER, record, where)
-        row[:] = len(tokens), first_label(np.asarray(mask, bool))
-        ids.append(np.asarray(tokens, TOKEN_DTYPE))
-        masks.append(np.asarray(mask, MASK_DTYPE))
-    arrays = {TOKENS_FILE: np.concatenate(ids), MASK_FILE: np.concatenate(masks), DOCUMENTS_FILE: index}
-    return arrays, len(records), size
-
-
-def _sha256(path: Path) -> str:
+def sha256(path: Path) -> str:
+    """The SHA-256 of the file ``path``, in hex (how a directory records its tokenizer)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -357,7 +205,7 @@ def token_dataset(data, vocab_size: int, seq_len: int, seed: int, row_tokens: in
     if not data.path:
         raise SeedckptError("data.kind = 'tokens' needs data.path: a directory made by `seedckpt tokenize`")
     manifest = read_token_manifest(Path(data.path))
-    if data.tokenizer and _sha256(Path(data.tokenizer) / "tokenizer.json") != manifest.get("tokenizer_sha256"):
+    if data.tokenizer and sha256(Path(data.tokenizer) / "tokenizer.json") != manifest.get("tokenizer_sha256"):
         raise SeedckptError(
             f"data.tokenizer {data.tokenizer} is not the tokenizer {data.path} was made with (its tokenizer.json "
             f"differs from the one recorded, {manifest.get('tokenizer', 'unknown')}); give that one, or tokenize "
