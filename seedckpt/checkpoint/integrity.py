@@ -35,6 +35,7 @@ import crc32c
 import numpy as np
 
 from seedckpt.utils.errors import SeedckptError
+from seedckpt.utils.files import pread_into
 
 ALGORITHM = "crc32c"
 PIECE_BYTES = 1 << 20
@@ -302,15 +303,13 @@ def verify_item(fd: int, checks: ItemChecks, what: str, on_tensor_bytes=None) ->
     element), and its offset in the file."""
     buffer = memoryview(bytearray(max(b - a for a, b in zip(checks.cuts, checks.cuts[1:]))))
     for k, (lo, hi) in enumerate(zip(checks.cuts, checks.cuts[1:])):
-        view, done = buffer[: hi - lo], 0
-        while done < view.nbytes:
-            n = os.preadv(fd, [view[done:]], lo + done)
-            if n == 0:
-                raise SeedckptError(
-                    f"{what}: {checks.file} is truncated at byte {lo + done:,}; the checkpoint is "
-                    "damaged -- restore or write it again"
-                )
-            done += n
+        view = buffer[: hi - lo]
+        done = pread_into(fd, view, lo)
+        if done < view.nbytes:
+            raise SeedckptError(
+                f"{what}: {checks.file} is truncated at byte {lo + done:,}; the checkpoint is "
+                "damaged -- restore or write it again"
+            )
         got = crc(view)
         if got != checks.crcs[k]:
             raise checks.mismatch(k, got, what)

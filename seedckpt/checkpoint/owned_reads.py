@@ -43,6 +43,7 @@ from seedckpt.checkpoint.integrity import (
 from seedckpt.checkpoint.safe_pickle import SafeFileSystemReader
 from seedckpt.checkpoint.safetensors_header import SAFETENSORS_DTYPES, safetensors_header
 from seedckpt.utils.errors import SeedckptError
+from seedckpt.utils.files import pread_into
 
 READ_BYTES = 16 * 2**20  # about one preadv call; small enough to spread a tensor over the threads
 STAGING_BYTES = 256 * 2**20  # at most this much is buffered at once for casts and device copies
@@ -382,15 +383,12 @@ class _BandedSegments:
 
 
 def _pread_exact(job: _Job, view: memoryview, position: int) -> None:
-    done = 0
-    while done < view.nbytes:
-        n = os.preadv(job.fd, [view[done:]], position + done)
-        if n == 0:
-            raise SeedckptError(
-                f"{job.chunk.path} is truncated: a tensor's bytes end at {position + view.nbytes}, "
-                f"the file at {position + done}; the checkpoint is damaged -- write it again"
-            )
-        done += n
+    done = pread_into(job.fd, view, position)
+    if done < view.nbytes:
+        raise SeedckptError(
+            f"{job.chunk.path} is truncated: a tensor's bytes end at {position + view.nbytes}, "
+            f"the file at {position + done}; the checkpoint is damaged -- write it again"
+        )
 
 
 def _read_unit(unit: _Unit | _Segments | _BandedSegments) -> int:

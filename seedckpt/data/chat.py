@@ -41,11 +41,10 @@ OPEN_ROWS = 64  # rows first-fit packing keeps open: more wastes less padding, c
 KEPT_EPOCHS = 2  # packed epochs held at once: the current one and the one a step may straddle into
 
 
-def read_conversations(path: str | list[str], read=None):
-    """``(where, messages)`` for every conversation of the JSONL file(s), validated, one at a time;
-    ``read(n)`` is told the bytes of the files as they are read (``jsonl_records``)."""
+def read_conversations(path: str):
+    """``(where, messages)`` for every conversation of the JSONL file(s), validated, one at a time."""
     for file in data_files(path, JSONL_SUFFIXES):
-        for number, record in jsonl_records(file, read):
+        for number, record in jsonl_records(file):
             where = f"{file}:{number}"
             yield where, conversation(record, where)
 
@@ -192,10 +191,11 @@ class PackedSamples:
             packed = self._pack_epoch(len(self._starts) - 1)
             self._starts.append(self._starts[-1] + len(packed[1]) - 1)
         if epoch not in self._packed:
-            self._keep(epoch, self._pack_epoch(epoch))
+            self._pack_epoch(epoch)
         return self._packed[epoch]
 
     def _pack_epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """Pack epoch ``epoch`` (and keep it)."""
         order = torch.randperm(len(self.indices), generator=keyed_generator("seedckpt-chat", self.seed, epoch))
         rows = self._pack(order.tolist())
         bounds = np.cumsum([0] + [len(row) for row in rows])

@@ -40,6 +40,7 @@ from seedckpt.checkpoint.untrusted import read_json
 from seedckpt.data.chat import PackedSamples
 from seedckpt.data.sources import IGNORE_INDEX, Batch, _step_generator
 from seedckpt.utils.errors import SeedckptError
+from seedckpt.utils.files import pread_into
 
 TOKENS_FILE, MANIFEST_FILE, MASK_FILE, DOCUMENTS_FILE = "tokens.bin", "tokens.json", "mask.bin", "documents.bin"
 CHAT_FILES = (TOKENS_FILE, MASK_FILE, DOCUMENTS_FILE)
@@ -234,12 +235,8 @@ def _open_tokens(path: Path, vocab_size: int) -> dict:
 
 def _pread(fd: int, view: memoryview, at: int, path: Path) -> None:
     """Fill ``view`` from ``fd`` at byte ``at``."""
-    done = 0
-    while done < view.nbytes:
-        n = os.preadv(fd, [view[done:]], at + done)
-        if n == 0:
-            raise SeedckptError(f"{path} was truncated while training; tokenize again")
-        done += n
+    if pread_into(fd, view, at) < view.nbytes:
+        raise SeedckptError(f"{path} was truncated while training; tokenize again")
 
 
 class TokenFileData:

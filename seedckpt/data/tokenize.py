@@ -117,7 +117,7 @@ def _start_worker(tokenizer_dir: str) -> None:
     _TOKENIZER = load_tokenizer(tokenizer_dir)
 
 
-def _tokenize_block(block: tuple[list[str], int]) -> tuple[np.ndarray, int, int]:
+def _tokenize_block(block: tuple[list[str], int]) -> tuple[dict, int, int]:
     texts, size = block
     encoded = _TOKENIZER(texts, add_special_tokens=False)["input_ids"]
     eos = _TOKENIZER.eos_token_id
