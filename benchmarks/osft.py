@@ -5,6 +5,7 @@ Run from the repository root:
 
     python benchmarks/osft.py                                # 8B shapes, 1 layer, ranks 1,2,4
     python benchmarks/osft.py --flavor debug --n-layers 2    # a quick check of the harness
+    python benchmarks/osft.py --flavor 1B --n-layers 2 --measure device   # the GPU suite's part
 
 Set-up: a seed of ``--flavor`` with ``--n-layers`` layers and a 1024-token vocabulary (the
 transformer blocks keep the flavor's shapes; the vocabulary only sizes the embedding, which OSFT
@@ -47,6 +48,8 @@ from common import emit, output_dir, run_checked, write_rank_report
 
 SCRIPT = str(Path(__file__).resolve())
 RATIO = 0.25
+# svd: serial and distributed (whose ideal is the serial sum); device: CPU against CUDA; forward; train.
+MEASURES = ("svd", "device", "forward", "train")
 TOKENS = 2048
 
 
@@ -316,9 +319,13 @@ def run_all(opts: argparse.Namespace, work: Path) -> None:
         "create_seed_checkpoint.py",
     )
     labels = {"flavor": opts.flavor, "n_layers": opts.n_layers, "ratio": RATIO}
-    if not opts.skip_svd:
+    if "svd" in opts.measure:
         run_svds(opts, seed, work, labels)
-    if opts.skip_train:
+    for name, helper in (("device", "--device-svd"), ("forward", "--forward")):
+        if name in opts.measure:
+            for record in json.loads(run_checked_output([sys.executable, SCRIPT, helper, str(seed)])):
+                emit({**record, **labels})
+    if "train" not in opts.measure:
         return
     sft, osft = (train_mode(opts, seed, work, mode) for mode in ("sft", "osft"))
     emit({**sft, **labels})
@@ -338,7 +345,7 @@ def run_svds(opts: argparse.Namespace, seed: Path, work: Path, labels: dict) -> 
     total = sum(serial.values())
     emit({"benchmark": "svd_serial", **labels, "sum_s": total, "seconds": serial})
     for ranks in (int(r) for r in opts.ranks.split(",") if r):  # --ranks "": no distributed SVD
-        for split in ("cost_balanced", "contiguous"):
+        for split in ("cost_balanced", "contiguous") if ranks > 1 else ("cost_balanced",):  # one rank: the same
             records, _ = common.torchrun(
                 SCRIPT, ranks, work / f"svd-{ranks}-{split}", "--svd-worker", "--split", split, "--seed", str(seed)
             )
@@ -355,10 +362,6 @@ def run_svds(opts: argparse.Namespace, seed: Path, work: Path, labels: dict) -> 
                     "cpu_count": common.os.cpu_count(),
                 }
             )
-    for record in json.loads(run_checked_output([sys.executable, SCRIPT, "--device-svd", str(seed)])):
-        emit({**record, **labels})
-    for record in json.loads(run_checked_output([sys.executable, SCRIPT, "--forward", str(seed)])):
-        emit({**record, **labels})
 
 
 def run_checked_output(cmd: list[str]) -> str:
@@ -380,12 +383,18 @@ def main() -> None:
     parser.add_argument("--train-ranks", type=int, default=2, help="FSDP2 ranks for OSFT vs SFT")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--skip-train", action="store_true", help="no OSFT vs SFT training comparison")
-    parser.add_argument("--skip-svd", action="store_true", help="no SVD and forward measurements")
+    parser.add_argument(
+        "--measure",
+        type=lambda text: set(text.split(",")),
+        default=set(MEASURES),
+        help=f"comma list of {', '.join(MEASURES)} (default: all)",
+    )
     for hidden in ("--serial", "--device-svd", "--forward", "--seed", "--report", "--split"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     parser.add_argument("--svd-worker", action="store_true", help=argparse.SUPPRESS)
     opts = parser.parse_args()
+    if opts.measure - set(MEASURES):
+        parser.error(f"--measure: unknown {sorted(opts.measure - set(MEASURES))}; choose from {', '.join(MEASURES)}")
     if opts.serial:
         print(json.dumps(serial_svds(opts.serial)))
     elif opts.device_svd:

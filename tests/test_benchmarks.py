@@ -19,7 +19,7 @@ SMALL = {
     "save": ["--mib", "64", "--saves", "1"],
     "load": ["--flavor", "debug", "--ranks", "1", "--skip-cold", "--methods", "seedckpt,stock_dcp", "--repeats", "2"],
     "seed": ["--flavor", "debug", "--skip-baseline"],
-    "osft": ["--flavor", "debug", "--n-layers", "2", "--skip-train", "--ranks", ""],
+    "osft": ["--flavor", "debug", "--n-layers", "2", "--measure", "svd,device,forward", "--ranks", ""],
     "attention": ["--flavor", "debug", "--seq-len", "128", "--repeats", "1"],
     "loss": ["--tokens", "256", "--dim", "64", "--chunk-tokens", "100", "--repeats", "1"],
     "packed_attention": ["--seq-lens", "256", "--doc-len", "64", "--repeats", "1"],
