@@ -61,14 +61,15 @@ format: install
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
+# Every CPU figure the docs cite (benchmarks/suite.py --device cpu; about an hour on 2 cores), into
+# benchmarks/results/cpu-<date>.json; BENCH_ARGS="--parts seed,load" for some of them.
 bench: install
-	$(BIN)/python benchmarks/seed.py
-	$(BIN)/python benchmarks/convert.py
+	$(BIN)/python benchmarks/suite.py --device cpu $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache
 
-# Every GPU figure (benchmarks/gpu_suite.py; GPU_SUITE_ARGS="--group training" or "--group io" for one
+# Every GPU figure (benchmarks/suite.py; GPU_SUITE_ARGS="--group training" or "--group io" for one
 # command of under 9 minutes each; on a machine without CUDA it says what it
 # would measure and exits 0). On a lent GPU machine without network or venv it runs with the
 # image's python3 and installs the wheels bench-gpu-prepare fetched into GPU_WHEELS.
@@ -76,7 +77,7 @@ GPU_WHEELS ?= .gpu-wheels
 GPU_PYTHON ?= $(shell test -x $(BIN)/python && echo $(BIN)/python || echo python3)
 GPU_PYTHON_VERSION ?= 3.12
 bench-gpu:
-	$(GPU_PYTHON) benchmarks/gpu_suite.py --wheels $(GPU_WHEELS) $(GPU_SUITE_ARGS)
+	$(GPU_PYTHON) benchmarks/suite.py --wheels $(GPU_WHEELS) $(GPU_SUITE_ARGS)
 
 # On a machine with network: the wheels the GPU image lacks (crc32c; pytest and its dependencies),
 # for its Python (GPU_PYTHON_VERSION), into GPU_WHEELS (git-ignored) to travel with the tree.

@@ -140,7 +140,12 @@ def within_rss_target(peak_mib: float, owned_mib: float) -> bool:
 
 
 def emit(record: dict) -> None:
-    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}), flush=True)
+    """``record`` as one JSON line, floats to 4 decimals (4 significant digits below 1e-3: a leak of 1e-6)."""
+    print(json.dumps({k: _rounded(v) if isinstance(v, float) else v for k, v in record.items()}), flush=True)
+
+
+def _rounded(value: float) -> float:
+    return round(value, 4) if abs(value) >= 1e-3 or not value else float(f"{value:.4g}")
 
 
 def time_steps(step, repeats: int, device) -> tuple[list[float], object, str, int]:

@@ -1,16 +1,18 @@
-"""Every GPU figure the project claims, in one command, within the minutes a lent GPU machine allows.
+"""Every figure the docs cite, measured by one command: on a lent GPU within the minutes it allows,
+and on the CPU machine the project is developed and tested on.
 
-    make bench-gpu                                    # or: python benchmarks/gpu_suite.py
-    python benchmarks/gpu_suite.py --parts throughput,load --json /tmp/gpu.json
+    make bench-gpu                                    # or: python benchmarks/suite.py
+    python benchmarks/suite.py --parts throughput_eager,load --json /tmp/gpu.json
+    make bench                                        # or: python benchmarks/suite.py --device cpu
 
 Each part is one benchmark script (or ``pytest -m cuda``) in its own process with its own time cap,
 so one slow or failing part cannot take the others down: a part that fails or runs out of time is
 recorded with its last line of output, and the suite goes on. The parts' JSON lines -- each script
 measures its own baseline in the same run (stock DCP, the bare training loop, the disk's bandwidth)
--- go into one file, ``benchmarks/results/gpu-<date>.json``, with the device, the torch and CUDA
-versions, the core count and the date; a table of every figure beside its target follows.
+-- go into one file, ``benchmarks/results/<gpu|cpu>-<date>.json``, with the device, the torch and
+CUDA versions, the core count and the date; a table of every figure beside its target follows.
 
-On a machine without CUDA every part prints ``skipped: no CUDA device`` and the command exits 0.
+On a machine without CUDA every GPU part prints ``skipped: no CUDA device`` and the command exits 0.
 
 A lent GPU machine has no network and no project venv, only its image's torch: the suite runs with
 the Python that starts it (``make bench-gpu`` picks the image's ``python3`` when there is no venv).
@@ -40,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 # The label of a JSON line: the first of these fields it has.
-LABEL_FIELDS = ("variant", "method", "mode", "measure", "name", "kind")
+LABEL_FIELDS = ("phase", "variant", "method", "mode", "measure", "name", "kind", "comparison")
 
 
 @dataclass(frozen=True)
@@ -53,11 +55,12 @@ class Part:
     needs: tuple[str, ...] = ()  # modules the part imports beyond torch
 
 
-# A lent machine allows 10 minutes per command, and every part together took about 11 on one H100
-# (docs/benchmarks.md): so two groups, each under 9 minutes of caps (tests/test_gpu_suite.py checks),
-# one command each. The caps are the first H100 run's times plus a margin. throughput.py measures its
-# baseline, the bare eager loop, first in each of its two parts.
-GROUPS = ("training", "io")
+# A lent machine allows 10 minutes per command, and every GPU part together took about 11 on one H100
+# (docs/benchmarks.md): so two groups, each under 9 minutes of caps (tests/test_suite.py checks),
+# one command each. The caps are the H100 runs' times plus a margin. throughput.py measures its
+# baseline, the bare eager loop, first in each of its two parts. The CPU group has no such limit: its
+# caps are a 2-core machine's times with room for a disk several times slower.
+GROUPS = {"training": "cuda", "io": "cuda", "cpu": "cpu"}  # each group's device
 THROUGHPUT = ["benchmarks/throughput.py", "--dtype", "bfloat16", "--steps", "12", "--warmup", "4", "--variants"]
 PARTS = [
     Part(
@@ -140,6 +143,116 @@ PARTS = [
         40,
         "SDPA's enable_gqa faster and smaller than the K/V copies",
     ),
+    Part(
+        "demo",
+        "cpu",
+        ["benchmarks/demo.py"],
+        600,
+        "make demo in 1.5-3.5 minutes; loss ~6.2 -> ~2.3 (pretraining, 100 steps), ~10 -> ~0.75 (SFT, 60), "
+        "~10 -> ~2.0 (OSFT, 60) with osft_leak ~1e-6",
+    ),
+    Part(
+        "seed",
+        "cpu",
+        ["benchmarks/seed.py", "--flavor", "1B"],
+        400,
+        "the 1B seed at the disk's write bandwidth; faster than the naive seed at a fraction of its memory",
+    ),
+    Part(
+        "seed_8b",
+        "cpu",
+        ["benchmarks/seed.py", "--flavor", "8B", "--skip-baseline"],
+        900,
+        "the 8B seed at the disk's write bandwidth in under 1 GiB of RSS",
+    ),
+    Part("save", "cpu", ["benchmarks/save.py"], 300, "the async save's stall a small fraction of the sync save's"),
+    Part(
+        "load",
+        "cpu",
+        ["benchmarks/load.py", "--skip-cold", "--methods", "seedckpt,seedckpt_unverified,stock_dcp"],
+        900,
+        "a 1B seed into FSDP2 on 4 ranks faster than stock dcp.load, each rank reading what it owns; "
+        "checking every byte a few percent",
+    ),
+    Part(
+        "sft_start",
+        "cpu",
+        ["benchmarks/sft_start.py"],
+        600,
+        "an SFT start from an HF directory faster than rank 0 loading and broadcasting, in 1.3 x owned + 300 MiB",
+    ),
+    Part("convert", "cpu", ["benchmarks/convert.py"], 900, "DCP <-> HF of the 1B near cp -r's speed in bounded RSS"),
+    Part("tp_read", "cpu", ["benchmarks/tp_read.py"], 900, "each tensor-parallel rank reads about what it owns"),
+    Part(
+        "osft_svd",
+        "cpu",
+        ["benchmarks/osft.py", "--ranks", "2", "--measure", "svd,forward"],
+        1500,
+        "the cost-balanced SVD split near sum / N and faster than contiguous blocks (8B block); "
+        "OSFT's factorized layer beside the dense one",
+    ),
+    Part(
+        "osft_train",
+        "cpu",
+        ["benchmarks/osft.py", "--flavor", "1B", "--n-layers", "2", "--measure", "train", "--seq-len", "256"],
+        900,
+        "OSFT's step <= 1.5x and its memory <= 1.2x SFT's on the same layout",
+    ),
+    Part(
+        "compare_layouts",
+        "cpu",
+        ["benchmarks/compare_layouts.py"],
+        900,
+        "every layout the same loss curve (within 1e-6 relative)",
+    ),
+    Part(
+        "throughput_ablation",
+        "cpu",
+        [
+            "benchmarks/throughput.py",
+            "--variants",
+            "bare_eager,train_eager",
+            "--ablation",
+            "--batch",
+            "2",
+            "--seq-len",
+            "64",
+            "--steps",
+            "40",
+            "--warmup",
+            "5",
+        ],
+        900,
+        "where train.py's eager step time goes beside the bare loop's, rung by rung",
+    ),
+    Part(
+        "loss",
+        "cpu",
+        ["benchmarks/loss.py"],
+        300,
+        "the chunked loss's peak a fraction of the whole logits', the same loss",
+    ),
+    Part(
+        "packed_attention",
+        "cpu",
+        ["benchmarks/packed_attention.py"],
+        300,
+        "per-document attention faster and smaller than the dense document mask at 2048-8192 tokens",
+    ),
+    Part(
+        "sft_batches",
+        "cpu",
+        ["benchmarks/sft_batches.py"],
+        300,
+        "batches by token budget: less padding, more label tokens per second than fixed-count batches",
+    ),
+    Part(
+        "data_rss",
+        "cpu",
+        ["benchmarks/data_rss.py"],
+        900,
+        "a rank's peak RSS flat in a text corpus's size; ~115 bytes a conversation for chat",
+    ),
 ]
 
 
@@ -161,7 +274,7 @@ def run_part(part: Part, env: dict, python: str, log: Path | None = None) -> Res
     start = time.perf_counter()
     # Its own TMPDIR, removed after it: a part stopped at its cap cannot clean up its own temporary
     # checkpoints, and they would fill the disk under the next part.
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryDirectory(prefix=f"gpu-{part.name}-") as tmp:
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryDirectory(prefix=f"bench-{part.name}-") as tmp:
         # Its own session: a part over its cap is stopped with every process it started (torchrun
         # workers included), so none holds the GPU while the next part runs.
         proc = subprocess.Popen(
@@ -233,10 +346,8 @@ def figures(line: dict, limit: int = 4) -> str:
 
 def table(report: dict) -> str:
     """Every part's status and every figure beside the part's target."""
-    rows = [
-        f"{report['device']} | torch {report['torch']} | CUDA {report['cuda']} | {report['cores']} cores | "
-        f"{report['date']}"
-    ]
+    cuda = f" | CUDA {report['cuda']}" if report.get("cuda") else ""
+    rows = [f"{report['device']} | torch {report['torch']}{cuda} | {report['cores']} cores | {report['date']}"]
     for part in report["parts"]:
         rows.append(f"\n{part['name']}: {part['status']} ({part['seconds']:.0f} s) -- target: {part['target']}")
         if part["last_line"]:
@@ -254,10 +365,10 @@ def write_report(report: dict, path: Path) -> Path:
     return path
 
 
-def device_report(torch) -> dict:
-    cuda = torch.cuda.is_available()
+def device_report(torch, device: str) -> dict:
+    cuda = device == "cuda" and torch.cuda.is_available()
     return {
-        "device": torch.cuda.get_device_name(0) if cuda else "no CUDA device",
+        "device": torch.cuda.get_device_name(0) if cuda else cpu_name() if device == "cpu" else "no CUDA device",
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "cores": os.cpu_count(),
@@ -266,35 +377,50 @@ def device_report(torch) -> dict:
     }
 
 
+def cpu_name() -> str:
+    """The processor's model name, as /proc/cpuinfo gives it (``platform.processor()`` is often empty)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"cpu: {line.split(':', 1)[1].strip()}"
+    return f"cpu: {platform.machine()}"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="which figures (default: cuda)")
     p.add_argument("--group", choices=(*GROUPS, "all"), default="all", help="the parts of one group (default: all)")
     p.add_argument("--parts", help="comma list of parts (default: those of --group)")
     p.add_argument("--wheels", default=str(ROOT / ".gpu-wheels"), help="wheels to install first (default .gpu-wheels)")
     p.add_argument("--json", help="where the results go (default: benchmarks/results/gpu-<date>.json)")
     p.add_argument("--logs", help="a folder for each part's whole output, <part>.log (default: not kept)")
     opts = p.parse_args(argv)
-    wanted = opts.parts.split(",") if opts.parts else [p.name for p in PARTS if opts.group in ("all", p.group)]
-    unknown = sorted(set(wanted) - {part.name for part in PARTS})
+    if opts.group != "all" and GROUPS[opts.group] != opts.device:
+        p.error(f"--group {opts.group} measures {GROUPS[opts.group]}: add --device {GROUPS[opts.group]}")
+    mine = [part for part in PARTS if GROUPS[part.group] == opts.device]
+    wanted = opts.parts.split(",") if opts.parts else [p.name for p in mine if opts.group in ("all", p.group)]
+    unknown = sorted(set(wanted) - {part.name for part in mine})
     if unknown:
-        p.error(f"unknown parts {unknown}; choose from {', '.join(part.name for part in PARTS)}")
-    parts = [part for part in PARTS if part.name in wanted]
+        p.error(f"unknown {opts.device} parts {unknown}; choose from {', '.join(part.name for part in mine)}")
+    parts = [part for part in mine if part.name in wanted]
     import torch
 
-    report = {**device_report(torch), "parts": []}
-    if not torch.cuda.is_available():
+    report = {**device_report(torch, opts.device), "parts": []}
+    if opts.device == "cuda" and not torch.cuda.is_available():
         for part in parts:
             print(f"{part.name}: skipped: no CUDA device (would measure: {part.target})")
         return 0
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    print(install_wheels(Path(opts.wheels), env, sys.executable), flush=True)
+    if opts.device == "cuda":
+        print(install_wheels(Path(opts.wheels), env, sys.executable), flush=True)
     for part in parts:
         print(f"{part.name}: running (cap {part.cap_s} s)", flush=True)
         result = run_part(part, env, sys.executable, Path(opts.logs) / f"{part.name}.log" if opts.logs else None)
         report["parts"].append({**result.__dict__, "target": part.target})
         print(f"{part.name}: {result.status} in {result.seconds:.0f} s", flush=True)
-    suffix = "" if opts.group == "all" else f"-{opts.group}"
-    path = Path(opts.json) if opts.json else RESULTS / f"gpu-{report['date'][:10]}{suffix}.json"
+    suffix = f"-{opts.group}" if opts.group != "all" and opts.device == "cuda" else ""
+    prefix = "gpu" if opts.device == "cuda" else "cpu"
+    path = Path(opts.json) if opts.json else RESULTS / f"{prefix}-{report['date'][:10]}{suffix}.json"
     write_report(report, path)
     print(table(report))
     print(f"\nwrote {path}")
