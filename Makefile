@@ -61,7 +61,7 @@ format: install
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-# Every CPU figure the docs cite (benchmarks/suite.py --device cpu; about an hour on 2 cores), into
+# Every CPU figure the docs cite (benchmarks/suite.py --device cpu; about half an hour on 2 cores), into
 # benchmarks/results/cpu-<date>.json; BENCH_ARGS="--parts seed,load" for some of them.
 bench: install
 	$(BIN)/python benchmarks/suite.py --device cpu $(BENCH_ARGS)

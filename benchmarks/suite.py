@@ -226,6 +226,30 @@ PARTS = [
         "where train.py's eager step time goes beside the bare loop's, rung by rung",
     ),
     Part(
+        "throughput_compile",
+        "cpu",
+        ["benchmarks/throughput.py", "--variants", "bare_eager,train_eager,train_compiled"],
+        900,
+        "train.py compiled: its first step compiles in seconds per rank, its later steps near eager's",
+    ),
+    Part(
+        "init_rates",
+        "cpu",
+        ["benchmarks/init_rates.py"],
+        300,
+        "the recipe's normal ~200 M elements/s a core; its truncated normal several times torch's trunc_normal_",
+    ),
+    Part(
+        "plan_405b",
+        "cpu",
+        [
+            *["-m", "seedckpt.cli.main", "plan", "--config", "configs/llama3_70b.toml", "--model.flavor", "405B"],
+            *["--parallelism.pipeline_parallel_degree", "16", "--world-size", "1024", "--json"],
+        ],
+        120,
+        "the 405B plan in seconds, computed on meta (the part's seconds)",
+    ),
+    Part(
         "loss",
         "cpu",
         ["benchmarks/loss.py"],

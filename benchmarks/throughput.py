@@ -44,7 +44,8 @@ after warm-up), ``step_time_min_s`` (their fastest: on a shared machine noise on
 rung's ``added_ms`` is taken between minima; ``--repeat`` pools several round-robin rounds),
 ``peak_mem_gib`` (CUDA: max allocated; CPU: the process's peak RSS, interpreter and
 torch included), ``mfu_pct`` (null where the device's peak is not known: a CPU, an unlisted GPU, or
-float32 compute), ``vs_baseline`` (tokens/s over ``bare_eager``'s in this run). Children run with
+float32 compute), ``vs_baseline`` (tokens/s over ``bare_eager``'s in this run), ``first_step_s``
+(``train.py`` variants: the first step, which under ``training.compile`` compiles). Children run with
 ``OMP_NUM_THREADS=--threads`` (default 1), so CPU variants share the machine alike.
 """
 
@@ -173,7 +174,7 @@ def bare_loop(opts, variant: str, report: str) -> None:
     args = _model_args(opts)
     torch.manual_seed(0)
     if on & {"host_syncs", "fsdp2"}:
-        _init_process_group()  # a world of one, as train.py makes it without torchrun
+        _init_process_group(device.type)  # a world of one, as train.py makes it without torchrun
     if variant == "hf":
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -371,6 +372,7 @@ def run_train(opts, variant: str, seed: Path, chat: Path, work: Path) -> dict:
     steady = [r for r in rows if r["step"] > opts.warmup]
     return {
         "step_times_s": [r["step_time_s"] for r in steady],
+        "first_step_s": rows[0]["step_time_s"],  # with training.compile: the compilation
         "peak_mem_bytes": max(r["peak_mem_bytes"] for r in rows),
         "final_loss": rows[-1]["loss"],
     }
@@ -391,6 +393,7 @@ def summarize(variant: str, result: dict, opts, info: dict, baseline: float | No
         "peak_mem_gib": result["peak_mem_bytes"] / 2**30,
         "vs_baseline": None if baseline is None else tokens_per_s / baseline,
         "steps_timed": len(result["step_times_s"]),
+        "first_step_s": result.get("first_step_s"),  # train.py runs only
         "batch": opts.batch,
         "seq_len": opts.seq_len,
         "flavor": opts.flavor,
@@ -505,6 +508,7 @@ def main() -> None:
                     "step_times_s": pooled[variant]["step_times_s"] + result["step_times_s"],
                     "peak_mem_bytes": max(pooled[variant]["peak_mem_bytes"], result["peak_mem_bytes"]),
                     "final_loss": result["final_loss"],
+                    "first_step_s": result.get("first_step_s"),  # the last round's
                     "wall_s": pooled[variant]["wall_s"] + time.perf_counter() - start,
                 }
                 if round_ < opts.repeat - 1:

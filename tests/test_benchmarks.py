@@ -1,6 +1,7 @@
-"""Every benchmark ``make bench-gpu`` runs also runs on the CPU in a small form, so a change that
-breaks one is caught here, not on the next lent GPU (the first GPU run found three broken by
-refactors: a seed option, torch 2.11's stager, temporary checkpoints filling the disk)."""
+"""Every benchmark ``make bench-gpu`` and ``make bench`` run also runs here in a small form, so a
+change that breaks one is caught here, not on the next lent GPU or the next figures' rerun (the first
+GPU run found three broken by refactors: a seed option, torch 2.11's stager, temporary checkpoints
+filling the disk; the first CPU suite run found the throughput ablation calling a changed function)."""
 
 from __future__ import annotations
 
@@ -13,33 +14,58 @@ import pytest
 
 from tests.test_train import REPO
 
-# The suite's scripts with the CPU-sized options that keep each under half a minute here.
+# Each suite part's script with the options that keep it under half a minute here (name: script, args).
 SMALL = {
-    "throughput": ["--variants", "bare_eager,train_eager", "--steps", "3", "--warmup", "1"],
-    "save": ["--mib", "64", "--saves", "1"],
-    "load": ["--flavor", "debug", "--ranks", "1", "--skip-cold", "--methods", "seedckpt,stock_dcp", "--repeats", "2"],
-    "seed": ["--flavor", "debug", "--skip-baseline"],
-    "osft": ["--flavor", "debug", "--n-layers", "2", "--measure", "svd,device,forward", "--ranks", ""],
-    "attention": ["--flavor", "debug", "--seq-len", "128", "--repeats", "1"],
-    "loss": ["--tokens", "256", "--dim", "64", "--chunk-tokens", "100", "--repeats", "1"],
-    "packed_attention": ["--seq-lens", "256", "--doc-len", "64", "--repeats", "1"],
+    "throughput": ["throughput", "--variants", "bare_eager,train_eager", "--steps", "3", "--warmup", "1"],
+    "throughput_ablation": [
+        *["throughput", "--variants", "bare_eager", "--ablation", "--batch", "2", "--seq-len", "32"],
+        *["--steps", "3", "--warmup", "1"],
+    ],
+    "save": ["save", "--mib", "64", "--saves", "1"],
+    "load": [
+        "load",
+        "--flavor",
+        "debug",
+        "--ranks",
+        "1",
+        "--skip-cold",
+        "--methods",
+        "seedckpt,stock_dcp",
+        "--repeats",
+        "2",
+    ],
+    "seed": ["seed", "--flavor", "debug", "--skip-baseline"],
+    "osft": ["osft", "--flavor", "debug", "--n-layers", "2", "--measure", "svd,device,forward", "--ranks", ""],
+    "attention": ["attention", "--flavor", "debug", "--seq-len", "128", "--repeats", "1"],
+    "loss": ["loss", "--tokens", "256", "--dim", "64", "--chunk-tokens", "100", "--repeats", "1"],
+    "packed_attention": ["packed_attention", "--seq-lens", "256", "--doc-len", "64", "--repeats", "1"],
+    "sft_start": ["sft_start", "--flavor", "debug", "--ranks", "2"],
+    "convert": ["convert", "--flavor", "debug"],
+    "tp_read": ["tp_read", "--flavor", "debug"],
+    "compare_layouts": ["compare_layouts", "--steps", "2", "--layouts", "single,fsdp2"],
+    "sft_batches": ["sft_batches", "--steps", "2"],
+    "data_rss": [
+        *["data_rss", "--gib", "0.01", "--small-mib", "1", "--steps", "2"],
+        *["--conversations", "1000", "--small-conversations", "100"],
+    ],
+    "init_rates": ["init_rates", "--mi-elements", "2", "--repeats", "1"],
 }
 
 
-def test_every_gpu_suite_script_has_a_small_form_here():
+def test_every_suite_script_has_a_small_form_here():
     sys.path.insert(0, str(REPO / "benchmarks"))
     import suite
 
-    gpu_parts = [part for part in suite.PARTS if suite.GROUPS[part.group] == "cuda"]
-    scripts = {part.argv[0].removeprefix("benchmarks/").removesuffix(".py") for part in gpu_parts}
-    assert scripts - {"-m"} == set(SMALL)  # "-m": pytest, the cuda tests
+    scripts = {part.argv[0].removeprefix("benchmarks/").removesuffix(".py") for part in suite.PARTS}
+    # "-m": pytest (the cuda tests) and the seedckpt CLI (the plan); demo: `make demo` itself, minutes
+    assert scripts - {"-m", "demo"} == {args[0] for args in SMALL.values()}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", sorted(SMALL))
 def test_the_benchmark_runs_on_the_cpu_and_prints_its_figures(script, tmp_path):
     proc = subprocess.run(
-        [sys.executable, f"benchmarks/{script}.py", *SMALL[script]],
+        [sys.executable, f"benchmarks/{SMALL[script][0]}.py", *SMALL[script][1:]],
         cwd=REPO,
         capture_output=True,
         text=True,
