@@ -240,6 +240,13 @@ PARTS = [
         "the recipe's normal ~200 M elements/s a core; its truncated normal several times torch's trunc_normal_",
     ),
     Part(
+        "checksums",
+        "cpu",
+        ["benchmarks/checksums.py"],
+        300,
+        "CRC32C at several GB/s on one core, a few times zlib.crc32; verify checks a 1B seed at GB/s",
+    ),
+    Part(
         "plan_405b",
         "cpu",
         [

@@ -49,6 +49,7 @@ SMALL = {
         *["--conversations", "1000", "--small-conversations", "100"],
     ],
     "init_rates": ["init_rates", "--mi-elements", "2", "--repeats", "1"],
+    "checksums": ["checksums", "--flavor", "debug", "--mib", "8"],
 }
 
 

@@ -369,6 +369,9 @@ def test_verify_warns_about_tensors_holding_nan_or_inf(tmp_path, capsys):
         "layers.0.attention.wq.weight": torch.ones(128, 128),  # finite
         "layers.0.attention.wk.weight": torch.ones(tiny_config().model_args().n_kv_heads * 16, 128),
         "layers.0.attention_norm.weight": torch.ones(128, dtype=torch.bfloat16),
+        # optimizer state another tool kept in float8, which has no aminmax: checked all the same
+        "optimizer.state.layers.0.attention.wq.weight.exp_avg": torch.full((4,), float("nan")).to(torch.float8_e4m3fn),
+        "optimizer.state.layers.0.attention.wq.weight.exp_avg_sq": torch.ones(4, dtype=torch.float8_e5m2),
         "train_state": {"step": 7},
     }
     weights["layers.0.attention.wk.weight"][5, 7] = float("inf")
@@ -381,6 +384,9 @@ def test_verify_warns_about_tensors_holding_nan_or_inf(tmp_path, capsys):
     assert warnings == [
         f"warning: layers.0.{name} holds NaN or Inf values (its bytes are intact; training from it stops at load)"
         for name in ("attention.wk.weight", "attention_norm.weight")
+    ] + [
+        "warning: optimizer.state.layers.0.attention.wq.weight.exp_avg holds NaN or Inf values (its bytes are "
+        "intact; training from it stops at load)"
     ], out
     assert "intact:" in out
 

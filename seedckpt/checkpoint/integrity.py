@@ -1,6 +1,6 @@
 """Checksums of every byte a checkpoint's data files hold: recorded when written, checked when read.
 
-``torch.save``'s zip CRC32 is off in our writer (it capped writing at ~0.4 GB/s), and a DCP
+``torch.save``'s zip CRC32 is off in our writer (it capped the write's speed), and a DCP
 directory has no checksum of its own, so a flipped bit would load silently. Instead every item
 (one ``torch.save`` record or bytes blob in a ``.distcp`` file) is cut into *pieces* and the
 CRC32C of each piece goes into the manifest (``checksums``).
@@ -19,8 +19,8 @@ of two or more dimensions also gets *tiles*: up to ``MAX_BANDS`` equal column ba
 A column slice that follows the bands (TP degrees dividing their count) is checked by reading only
 its own columns, and rows to the tiles' edges.
 
-Why CRC32C (``crc32c`` package, SSE4.2): measured here on one core, 11 GB/s, against 2.2 GB/s for
-``zlib.crc32`` and 12 GB/s for xxh3 -- as fast as the fastest, and the standard storage checksum.
+Why CRC32C (``crc32c`` package, SSE4.2): computed in hardware, several times ``zlib.crc32``'s speed on
+one core (``benchmarks/checksums.py``), and the standard storage checksum.
 """
 
 from __future__ import annotations

@@ -64,8 +64,8 @@ class _Written:
 class _RawStream:
     """The file object ``torch.save`` writes into: unbuffered ``os.write`` at the file's end.
 
-    Measured here into tmpfs: 2.1 GB/s, against 0.8 GB/s through a buffered Python file (which
-    copies every block once more). It also notes the offset at which the bytes of ``watch`` (the
+    Unbuffered because a buffered Python file copies every block once more, which showed as a
+    markedly slower write into tmpfs. It also notes the offset at which the bytes of ``watch`` (the
     tensor being saved) are written: the write whose buffer *is* that tensor's memory; and it
     checksums every byte of the item on the way (``integrity``).
     """
@@ -105,8 +105,8 @@ class StreamingFileSystemWriter(FileSystemWriter):
     """A ``FileSystemWriter`` whose memory is bounded by the items in flight, not the model.
 
     Why not the stock writer: its write loop keeps every tensor of a file referenced until the file
-    is closed (measured: a lazily materialized 4.3 GB save peaked at 4.36 GB RSS), and ``torch.save``'s
-    zip CRC32 caps it at ~0.35-0.4 GB/s here (3.9 GB/s without). This writer splits a rank's items
+    is closed (a lazily materialized save peaks at the whole state's size), and ``torch.save``'s
+    zip CRC32 caps its speed well below the disk's. This writer splits a rank's items
     into ``files`` data files of about equal bytes, written concurrently, each by its own thread:
     it resolves the file's items in plan order on ``workers`` threads, at most ``lookahead`` ahead of
     the one being written, writes each with ``torch.save`` (CRC off: files are fsynced and published
@@ -259,8 +259,7 @@ class BlockPool:
 
     A fresh 64 MiB allocation is faulted in page by page (the kernel zeroes every page) and
     returned to the OS when freed, so a writer that allocates each block anew pays that again for
-    every block: measured here, 1B-shaped blocks were generated at 204 M elements/s on 2 threads
-    with fresh buffers and 325 M/s with reused ones. A block's buffer is exactly its size
+    every block, which made generating a seed's blocks markedly slower. A block's buffer is exactly its size
     (``torch.save`` writes a tensor's whole storage); at most ``keep`` idle buffers per size are
     kept, so memory stays bounded by the blocks in flight."""
 

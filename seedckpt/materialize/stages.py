@@ -37,7 +37,7 @@ from seedckpt.materialize.init_recipe import init_model
 from seedckpt.materialize.model_checkpoint import check_args_match, open_model_checkpoint
 from seedckpt.parallel.pipeline import StageSpec
 from seedckpt.utils.errors import SeedckptError
-from seedckpt.utils.tensors import local, local_rows, nonpersistent_buffers, state_tensors
+from seedckpt.utils.tensors import all_finite, local, local_rows, nonpersistent_buffers, state_tensors
 
 
 def build_stage_model(args, spec: StageSpec) -> nn.Module:
@@ -67,7 +67,7 @@ def materialize(modules: Sequence[nn.Module], device: torch.device | str) -> Non
             for mod in module.modules():
                 if hasattr(mod, "init_buffers"):
                     mod.init_buffers()
-        stale = [fqn for fqn, buf in nonpersistent_buffers(module).items() if not _finite(buf)]
+        stale = [fqn for fqn, buf in nonpersistent_buffers(module).items() if not all_finite(buf)]
         if stale:
             raise SeedckptError(
                 f"non-persistent buffers not recomputed after to_empty: {stale}; the "
@@ -82,7 +82,7 @@ def verify_initialized(modules: Sequence[nn.Module]) -> None:
         fqn
         for module in modules
         for fqn, t in {**state_tensors(module), **nonpersistent_buffers(module)}.items()
-        if not _finite(t)
+        if not all_finite(t)
     ]
     if bad:
         raise SeedckptError(
@@ -117,16 +117,6 @@ def _fill_new_rows_with_mean(tensors, old_rows: int) -> None:
                     if isinstance(placement, Shard):
                         dist.all_reduce(total, group=tensor.device_mesh.get_group(dim))
             rows[max(0, old_rows - lo) :] = (total / old_rows).to(rows.dtype)
-
-
-def _finite(t: torch.Tensor) -> bool:
-    t = local(t)
-    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
-        return True
-    # min and max propagate NaN and hold any Inf: one read pass without a temporary, where
-    # isfinite(t).all() writes a mask a quarter of t's size (1B shapes, 4 ranks on 2 cores: 1.0-1.6 s).
-    low, high = torch.aminmax(torch.view_as_real(t) if t.is_complex() else t)
-    return bool(low.isfinite() and high.isfinite())
 
 
 def build_stages(

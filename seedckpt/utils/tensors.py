@@ -34,6 +34,20 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether this rank's part of ``tensor`` holds no NaN or Inf (non-floating tensors: always).
+
+    min and max propagate NaN and hold any Inf, so one ``aminmax`` read pass answers, without the
+    mask a quarter of the tensor's size that ``isfinite(t).all()`` writes first (several times slower)."""
+    t = local(tensor)
+    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+        return True
+    if t.element_size() == 1:  # the float8 kinds have no aminmax: float32 holds each value exactly
+        t = t.float()
+    low, high = torch.aminmax(torch.view_as_real(t) if t.is_complex() else t)
+    return bool(low.isfinite() and high.isfinite())
+
+
 def copy_full_into(tensor: torch.Tensor, full: torch.Tensor) -> None:
     """Copy the full (unsharded) value ``full`` into ``tensor``, or into this rank's shard of it."""
     full = full.to(device=tensor.device, dtype=tensor.dtype)

@@ -25,6 +25,7 @@ from seedckpt.checkpoint.safe_pickle import parse_dcp_metadata, tensor_infos
 from seedckpt.checkpoint.untrusted import MAX_METADATA_BYTES, read_bounded
 from seedckpt.checkpoint.writer import LazySavePlanner, write_checkpoint
 from seedckpt.utils.errors import SeedckptError
+from seedckpt.utils.tensors import all_finite
 
 OUR_NAMES = True  # stores any tensor under our FQNs (OSFT factors too)
 TIED_STORED_ONCE = True  # a tied matrix is stored once; .metadata records the other FQN as its bytes
@@ -194,7 +195,7 @@ class DcpCheckpoint(OpenedCheckpoint):
                 end = item.start + math.prod(chunk.sizes) * dtype.itemsize  # then bytes of the format
 
                 def look_for_nonfinite(view, at) -> None:
-                    if at < end and not torch.frombuffer(view[: end - at], dtype=dtype).isfinite().all():
+                    if at < end and not all_finite(torch.frombuffer(view[: end - at], dtype=dtype)):
                         self.nonfinite.add(index.fqn)
 
             try:
