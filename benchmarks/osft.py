@@ -27,9 +27,9 @@ does not decompose). It serves as ``finetune.pretrained``. JSON lines on stdout:
   (SFT), OSFT's factorized layer (what ``OSFTLinear`` does), and the alternative -- a dense frozen
   U_high S_high V_high^T plus the low-rank trainable path -- with the parameter bytes each holds.
 * ``train``, per mode (``sft``, ``osft`` with ratio 0.25) on the same layout (``--train-ranks``
-  FSDP2 ranks, synthetic data): median ``step_time_s`` after two warm-up steps and
-  ``peak_mem_mib`` (the largest rank's peak RSS), then their ratios (targets: step time <= 1.5 x,
-  memory <= 1.2 x SFT).
+  FSDP2 ranks, ``--local-batch-size`` rows of ``--seq-len`` tokens per rank, synthetic data):
+  median ``step_time_s`` after two warm-up steps and ``peak_mem_mib`` (the largest rank's peak
+  RSS), then their ratios (targets: step time <= 1.5 x, memory <= 1.2 x SFT).
 
 The parent does not import torch (see ``common.py``).
 """
@@ -269,7 +269,7 @@ def train_mode(opts: argparse.Namespace, seed: Path, work: Path, mode: str) -> d
         "--parallelism.pipeline_parallel_degree",
         "1",
         "--training.local_batch_size",
-        "1",
+        str(opts.local_batch_size),
         "--training.seq_len",
         str(opts.seq_len),
         "--training.steps",
@@ -287,6 +287,7 @@ def train_mode(opts: argparse.Namespace, seed: Path, work: Path, mode: str) -> d
         "benchmark": "train",
         "mode": mode,
         "ranks": opts.train_ranks,
+        "local_batch_size": opts.local_batch_size,
         "seq_len": opts.seq_len,
         "step_time_s": statistics.median(r["step_time_s"] for r in rows[2:]),
         "peak_mem_mib": max(r["peak_mem_bytes"] for r in rows) / 2**20,
@@ -382,6 +383,7 @@ def main() -> None:
     parser.add_argument("--ranks", default="1,2,4", help='rank counts for the distributed SVD ("": none)')
     parser.add_argument("--train-ranks", type=int, default=2, help="FSDP2 ranks for OSFT vs SFT")
     parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--local-batch-size", type=int, default=1, help="rows per rank and step in the training runs")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument(
         "--measure",

@@ -199,6 +199,16 @@ PARTS = [
         "OSFT's step <= 1.5x and its memory <= 1.2x SFT's on the same layout",
     ),
     Part(
+        "osft_train_4_rows",
+        "cpu",
+        [
+            *["benchmarks/osft.py", "--flavor", "1B", "--n-layers", "2", "--measure", "train", "--seq-len", "256"],
+            *["--local-batch-size", "4"],
+        ],
+        1200,
+        "OSFT's extra step time a smaller share with 4 rows a step than with one (the projection is per step)",
+    ),
+    Part(
         "compare_layouts",
         "cpu",
         ["benchmarks/compare_layouts.py"],
