@@ -48,7 +48,7 @@ LABEL_FIELDS = ("phase", "variant", "method", "mode", "measure", "name", "kind",
 @dataclass(frozen=True)
 class Part:
     name: str
-    group: str  # GROUPS: the parts one command on a lent machine runs
+    group: str  # GROUPS: the parts run together (on a lent GPU, in one command)
     argv: list[str]  # after the Python interpreter
     cap_s: int  # the part's wall-clock limit
     target: str  # what the figures should show, as the docs claim it
@@ -433,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--group", choices=(*GROUPS, "all"), default="all", help="the parts of one group (default: all)")
     p.add_argument("--parts", help="comma list of parts (default: those of --group)")
     p.add_argument("--wheels", default=str(ROOT / ".gpu-wheels"), help="wheels to install first (default .gpu-wheels)")
-    p.add_argument("--json", help="where the results go (default: benchmarks/results/gpu-<date>.json)")
+    p.add_argument("--json", help="where the results go (default: benchmarks/results/<gpu|cpu>-<date>.json)")
     p.add_argument("--logs", help="a folder for each part's whole output, <part>.log (default: not kept)")
     opts = p.parse_args(argv)
     if opts.group != "all" and GROUPS[opts.group] != opts.device:
