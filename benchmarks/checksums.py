@@ -53,13 +53,11 @@ def main() -> None:
             ],
             "create_seed_checkpoint.py",
         )
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
-        out = subprocess.run(
+        out = subprocess.run(  # -m from the repository root: this tree's seedckpt
             [sys.executable, "-m", "seedckpt.cli.main", "verify", str(seed)],
             cwd=ROOT,
             capture_output=True,
             text=True,
-            env=env,
             check=True,
         ).stdout
         found = INTACT.search(out)
