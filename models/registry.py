@@ -10,10 +10,14 @@ from models.family import ModelFamily
 from models.granite import GRANITE
 from models.llama3 import LLAMA3
 from models.mistral import MISTRAL
+from models.mixtral import MIXTRAL
 from models.qwen2 import QWEN2
 from models.qwen3 import QWEN3
+from models.qwen3_moe import QWEN3_MOE
 
-FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (LLAMA3, QWEN3, QWEN2, MISTRAL, GRANITE)}
+FAMILIES: dict[str, ModelFamily] = {
+    family.name: family for family in (LLAMA3, QWEN3, QWEN2, MISTRAL, GRANITE, QWEN3_MOE, MIXTRAL)
+}
 DEFAULT_FAMILY = "llama3"  # the family of a config or a command that names none
 
 

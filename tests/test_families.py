@@ -39,6 +39,10 @@ RELEASED = {
     ("mistral", "7B-v0.3"): 7_248_023_552,
     ("granite", "2B"): 2_533_531_648,
     ("granite", "8B"): 8_170_848_256,
+    ("qwen3_moe", "30B-A3B"): 30_532_122_624,
+    ("qwen3_moe", "235B-A22B"): 235_093_634_560,
+    ("mixtral", "8x7B"): 46_702_792_704,
+    ("mixtral", "8x22B"): 140_630_071_296,
 }
 CLASSES = {
     "llama3": "LlamaForCausalLM",
@@ -46,6 +50,8 @@ CLASSES = {
     "qwen2": "Qwen2ForCausalLM",
     "mistral": "MistralForCausalLM",
     "granite": "GraniteForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 TOKENS = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
 
@@ -99,6 +105,18 @@ def _hf_model(name: str, tie: bool):
             attention_multiplier=0.03,
             logits_scaling=4.0,
         ),
+        # experts whose top-k choices are spread (8 experts, 3 layers, one dense): routing matters
+        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+            **common,
+            head_dim=16,
+            rope_theta=1e6,
+            num_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            mlp_only_layers=[1],
+            norm_topk_prob=False,
+        ),
+        "mixtral": lambda: transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2),
     }[name]()
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
@@ -108,7 +126,7 @@ def _hf_model(name: str, tie: bool):
 
 
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
-@pytest.mark.parametrize("name", ["qwen3", "qwen2", "mistral", "granite"])
+@pytest.mark.parametrize("name", ["qwen3", "qwen2", "mistral", "granite", "qwen3_moe", "mixtral"])
 def test_hf_directories_read_and_write_with_transformers_logits(tmp_path, name, tie):
     """HF -> DCP -> our model, HF -> our pipeline stages directly, and back to an HF directory that
     ``transformers`` loads as the family's class: logits within 1e-5 of the original each way."""

@@ -5,9 +5,11 @@ only what is its own: args, flavors, and its ``config.json`` both ways."""
 
 from __future__ import annotations
 
-from models.common.args import SHAPE_FIELDS
+import torch
+
+from models.common.args import MOE_SHAPE_FIELDS, SHAPE_FIELDS
 from models.common.decoder import Transformer, tied_weights
-from models.common.hf_names import HFNames
+from models.common.hf_names import ExpertNames, HFNames
 from models.common.tensor_parallel import DECODER_TENSOR_PARALLEL
 from models.family import HFAdapter, ModelFamily, decoder_flops_per_token
 
@@ -31,11 +33,20 @@ def decoder_family(
     config,
     args_from_config,
     shape_fields: tuple[str, ...] = SHAPE_FIELDS,
+    names=HFNames,
     **hooks,
 ) -> ModelFamily:
     """A family on the shared decoder: ``args`` (its dataclass) and ``flavors``, the
     ``config.json`` ``model_types`` it reads, ``config(args, dtype)`` and ``args_from_config(cfg)``;
-    ``hooks``: any other ``ModelFamily`` field (``renamings``, ``check_seq_len``)."""
+    ``names``: args -> its HF name adapter; ``hooks``: any other ``ModelFamily`` field (``renamings``,
+    ``check_seq_len``, ``flops_per_token``, ``tensor_parallel``)."""
+    hooks = {
+        "flops_per_token": lambda model_args, seq_len, num_params=None: decoder_flops_per_token(
+            Transformer, model_args, seq_len, num_params
+        ),
+        "tensor_parallel": DECODER_TENSOR_PARALLEL,
+        **hooks,
+    }
     return ModelFamily(
         name=name,
         args=args,
@@ -47,10 +58,36 @@ def decoder_family(
         last_stage=("norm", "output"),
         vocab_fqns=("tok_embeddings.weight", "output.weight"),
         osft_targets=OSFT_TARGETS,
-        flops_per_token=lambda model_args, seq_len, num_params=None: decoder_flops_per_token(
-            Transformer, model_args, seq_len, num_params
-        ),
-        hf=HFAdapter(model_types, HFNames, config, args_from_config),
-        tensor_parallel=DECODER_TENSOR_PARALLEL,
+        hf=HFAdapter(model_types, names, config, args_from_config),
         **hooks,
     )
+
+
+def moe_decoder_family(
+    name: str, args: type, flavors: dict, model_types, config, args_from_config, experts: ExpertNames, **hooks
+):
+    """A family on the shared decoder with mixture-of-experts layers (``args``: a
+    ``MoEDecoderArgs``): HF's names for its experts (``experts``), FLOPs of the active parameters."""
+    return decoder_family(
+        name,
+        args,
+        flavors,
+        model_types,
+        config,
+        args_from_config,
+        shape_fields=MOE_SHAPE_FIELDS,
+        names=lambda model_args: HFNames(model_args, experts),
+        flops_per_token=moe_flops_per_token,
+        tensor_parallel=None,  # attention-only TP with experts over the EP ranks is not built yet
+        **hooks,
+    )
+
+
+def moe_flops_per_token(args, seq_len: int, num_params: int | None = None) -> int:
+    """The decoder's FLOPs per token counting only the parameters a token uses: each MoE layer's
+    ``top_k`` experts of ``n_experts`` (MFU of a mixture of experts is against its active size)."""
+    if num_params is None:
+        with torch.device("meta"):
+            num_params = sum(p.numel() for p in Transformer(args).parameters())
+    idle = len(args.moe_layers) * (args.n_experts - args.top_k) * 3 * args.dim * args.moe_ffn_dim
+    return decoder_flops_per_token(Transformer, args, seq_len, num_params - idle)

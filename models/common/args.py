@@ -10,9 +10,11 @@ decoder differs from Llama 3's. Field names follow torchtitan's (``dim``, ``n_la
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 from models.common.decoder import DecoderOptions
+from models.common.moe import MoEOptions
 
 
 class DictArgs:
@@ -77,3 +79,59 @@ class DecoderArgs(DictArgs):
 
 # The fields that decide which tensors exist and their shapes.
 SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size", "tie_word_embeddings")
+
+
+@dataclass
+class MoEDecoderArgs(DecoderArgs):
+    """The shared decoder with mixture-of-experts feed-forwards (``models.common.moe``) in the layers
+    ``moe_layers`` names -- Qwen3-MoE's rule: every ``decoder_sparse_step``-th layer, except those in
+    ``mlp_only_layers``, which keep a dense feed-forward of width ``ffn_dim``."""
+
+    n_experts: int = 8
+    top_k: int = 2  # experts per token
+    moe_ffn_dim: int = 768  # each expert's hidden width
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    load_balance: Literal["aux_loss", "bias", "none"] = "aux_loss"
+    aux_loss_coef: float = 0.001  # HF's router_aux_loss_coef
+    bias_update_rate: float = 0.001  # ``bias`` balancing's step per update
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.mlp_only_layers = sorted({int(i) for i in self.mlp_only_layers})
+        sizes = {f: getattr(self, f) for f in ("n_experts", "top_k", "moe_ffn_dim", "decoder_sparse_step")}
+        if any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in sizes.values()):
+            raise ValueError(f"sizes must be integers >= 1: {sizes}")
+        if self.top_k > self.n_experts:
+            raise ValueError(f"top_k={self.top_k} exceeds n_experts={self.n_experts}")
+        if self.load_balance not in ("aux_loss", "bias", "none"):
+            raise ValueError(f"load_balance={self.load_balance!r}; choose aux_loss, bias or none")
+        for name in ("aux_loss_coef", "bias_update_rate"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise ValueError(f"{name}={value!r} must be a finite number >= 0")
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(
+            i for i in range(self.n_layers) if i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+        )
+
+    def moe_options(self, init: str, init_std: float, score_func: str = "softmax") -> MoEOptions:
+        return MoEOptions(
+            n_experts=self.n_experts,
+            top_k=self.top_k,
+            ffn_dim=self.moe_ffn_dim,
+            score_func=score_func,
+            norm_topk_prob=self.norm_topk_prob,
+            load_balance=self.load_balance,
+            aux_loss_coef=float(self.aux_loss_coef),
+            bias_update_rate=float(self.bias_update_rate),
+            init=init,
+            init_std=init_std,
+        )
+
+
+# ``load_balance`` decides whether ``expert_bias`` exists; the rest decide the experts' shapes.
+MOE_SHAPE_FIELDS = SHAPE_FIELDS + ("n_experts", "moe_ffn_dim", "decoder_sparse_step", "mlp_only_layers", "load_balance")

@@ -72,8 +72,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-# Absolute bound of ``nn.init.trunc_normal_``'s defaults (a=-2, b=2), which torchtitan keeps.
-TRUNC_BOUND = 2.0
+from models.common.moe import TRUNC_BOUND, MoE, MoEOptions
 
 
 @dataclass(frozen=True)
@@ -88,6 +87,8 @@ class DecoderOptions:
     logits_scaling: float = 1.0  # the logits are divided by it (Granite)
     init: Literal["torchtitan", "normal"] = "torchtitan"
     init_std: float = 0.02  # ``normal``: the std of every weight (HF's initializer_range)
+    moe: MoEOptions | None = None  # the mixture of experts of the layers ``moe_layers`` (Qwen3-MoE, Mixtral)
+    moe_layers: tuple[int, ...] = ()
 
 
 def tied_weights(args) -> dict[str, str]:
@@ -254,7 +255,10 @@ class TransformerBlock(nn.Module):
         init_std = 0.02 / math.sqrt(2 * (layer_id + 1))  # torchtitan: depth-scaled output projections
         self.residual_multiplier = args.decoder_options.residual_multiplier
         self.attention = Attention(args, init_std)
-        self.feed_forward = FeedForward(args, init_std)
+        options = args.decoder_options
+        moe = options.moe if layer_id in options.moe_layers else None
+        self.feed_forward = FeedForward(args, init_std) if moe is None else None
+        self.moe = MoE(args.dim, moe, init_std) if moe is not None else None
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
 
@@ -267,7 +271,7 @@ class TransformerBlock(nn.Module):
         if self.residual_multiplier != 1.0:
             attended = attended * self.residual_multiplier
         h = x + attended
-        transformed = self.feed_forward(self.ffn_norm(h))
+        transformed = (self.feed_forward if self.moe is None else self.moe)(self.ffn_norm(h))
         if self.residual_multiplier != 1.0:
             transformed = transformed * self.residual_multiplier
         return h + transformed

@@ -76,3 +76,27 @@ def decoder_config(args, dtype: torch.dtype, architecture: str, model_type: str)
         "initializer_range": args.initializer_range,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
+
+
+def moe_fields(cfg: dict) -> dict:
+    """The mixture-of-experts fields HF's MoE families share (``num_local_experts`` is Mixtral's
+    name, and what ``transformers`` 5 writes for Qwen3-MoE's ``num_experts`` too)."""
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    if experts is None:
+        raise KeyError("num_experts")
+    return {
+        "n_experts": experts,
+        "top_k": cfg["num_experts_per_tok"],
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)),
+        "aux_loss_coef": cfg.get("router_aux_loss_coef", 0.001),
+    }
+
+
+def moe_config(args) -> dict:
+    """The mixture-of-experts part of a ``config.json``, as ``moe_fields`` reads it."""
+    return {
+        "num_experts_per_tok": args.top_k,
+        "norm_topk_prob": args.norm_topk_prob,
+        "router_aux_loss_coef": args.aux_loss_coef,
+        "output_router_logits": False,
+    }

@@ -19,6 +19,7 @@ it maps names both ways and says which tensors' rows are permuted in groups (hea
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import torch
 
@@ -91,17 +92,72 @@ def permute_from_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, -1).transpose(1, 2).reshape(w.shape)
 
 
-class HFNames:
-    """The name adapter between our FQNs and HF's for one model (``args`` gives the head counts)."""
+@dataclass(frozen=True)
+class ExpertNames:
+    """How an HF family names a layer's mixture of experts: ``model.layers.{i}.{block}.gate.weight``
+    for the router and ``model.layers.{i}.{block}.experts.{e}.{name}.weight`` for expert ``e``'s
+    slice of our grouped ``moe.experts.{w1,w2,w3}`` (``projections``: ours -> theirs)."""
 
-    def __init__(self, args):
+    block: str
+    projections: tuple[tuple[str, str], ...]
+
+    def stored(self, layer: str, rest: str, count: int) -> list[str] | None:
+        """HF's names of the ``count`` slices of our ``layers.{layer}.{rest}``, or None if not an expert weight."""
+        theirs = dict(self.projections).get(rest.removeprefix("moe.experts."))
+        if not rest.startswith("moe.experts.") or theirs is None:
+            return None
+        return [f"model.layers.{layer}.{self.block}.experts.{e}.{theirs}.weight" for e in range(count)]
+
+    def router(self) -> tuple[str, str]:
+        return "moe.router.gate.weight", f"{self.block}.gate.weight"
+
+    def part(self, layer: str, rest: str) -> tuple[str, int] | None:
+        """Our grouped tensor and expert index for HF's ``model.layers.{layer}.{rest}``, or None."""
+        m = re.fullmatch(rf"{re.escape(self.block)}\.experts\.(\d+)\.(\w+)\.weight", rest)
+        ours = {theirs: mine for mine, theirs in self.projections}.get(m.group(2)) if m else None
+        return (f"layers.{layer}.moe.experts.{ours}", int(m.group(1))) if ours else None
+
+
+class HFNames:
+    """The name adapter between our FQNs and HF's for one model (``args`` gives the head counts;
+    ``experts``: how the family names its experts, for a mixture of experts)."""
+
+    def __init__(self, args, experts: ExpertNames | None = None):
         self.args = args
+        self.experts = experts
 
     def to_stored(self, fqn: str) -> str:
+        m = _OURS.fullmatch(fqn)
+        if self.experts is not None and m:
+            ours, theirs = self.experts.router()
+            if m.group(2) == ours:
+                return f"model.layers.{m.group(1)}.{theirs}"
+            if m.group(2) == "moe.expert_bias":
+                raise ValueError(
+                    f"{fqn} is aux-loss-free balancing's expert bias, which transformers' class for this model "
+                    "cannot hold (exported, the model would route differently): export to dcp or torchtitan, "
+                    "or train with --model.load_balance aux_loss"
+                )
         return to_hf_name(fqn)
 
-    def from_stored(self, name: str) -> str | None:
+    def from_stored(self, name: str) -> str | tuple[str, int] | None:
+        m = _THEIRS.fullmatch(name)
+        if self.experts is not None and m:
+            ours, theirs = self.experts.router()
+            if m.group(2) == theirs:
+                return f"layers.{m.group(1)}.{ours}"
+            part = self.experts.part(m.group(1), m.group(2))
+            if part is not None:
+                return part
         return from_hf_name(name)
+
+    def stacked_names(self, fqn: str, count: int) -> list[str] | None:
+        """HF's names of the ``count`` dim-0 slices that store ``fqn`` one tensor each (an expert
+        weight), or None: ``fqn`` is stored whole under ``to_stored(fqn)``."""
+        m = _OURS.fullmatch(fqn)
+        if self.experts is None or not m:
+            return None
+        return self.experts.stored(m.group(1), m.group(2), count)
 
     def row_groups(self, fqn: str) -> int | None:
         """Rows of ``fqn`` are permuted within this many equal groups (its heads), or None."""

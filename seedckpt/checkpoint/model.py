@@ -34,8 +34,14 @@ class NameAdapter(Protocol):
 
     def to_stored(self, fqn: str) -> str: ...
 
-    def from_stored(self, name: str) -> str | None:
-        """Our FQN for a stored name; None for stored tensors the model does not keep."""
+    def from_stored(self, name: str) -> str | tuple[str, int] | None:
+        """Our FQN for a stored name; ``(fqn, index)`` for a stored tensor that is slice ``index``
+        along dim 0 of our ``fqn`` (another tool stores one tensor per expert where we store a
+        layer's experts as one 3-D tensor); None for stored tensors the model does not keep."""
+
+    def stacked_names(self, fqn: str, count: int) -> list[str] | None:
+        """The stored names of ``fqn``'s ``count`` dim-0 slices, when it is stored one slice per
+        tensor; None when it is stored whole."""
 
     def row_groups(self, fqn: str) -> int | None:
         """Stored rows of ``fqn`` are permuted within this many equal groups (None: rows as ours)."""

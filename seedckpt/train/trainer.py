@@ -62,6 +62,7 @@ from seedckpt.materialize.start import changed_settings, check_resume_matches_os
 from seedckpt.parallel.data_parallel import make_data_parallel
 from seedckpt.parallel.parallelize import TiedEmbeddings, check_compile_supported, parallelize_stage
 from seedckpt.parallel.pipeline import plan_rank_stages, stage_ids_for_rank
+from seedckpt.train.balancing import ExpertBalancing
 from seedckpt.train.failures import EXIT_ERROR, EXIT_INTERRUPTED, report_failure, stop_at_first_sigint
 from seedckpt.train.metrics import METRICS_FILE, MetricsLogger, peak_memory_bytes, peak_tflops, utilization
 from seedckpt.train.optimizer import adamw_implementation
@@ -249,6 +250,14 @@ class Trainer:
                 f"cannot resume: {e}; {fallback_hint(step_dirs(cfg.checkpoint.folder), start.step)}"
             ) from None
         self.pipeline = self._build_pipeline() if self.dims.pp > 1 else None
+        # each stage module's forwards in a training step: its micro-batches
+        self.forwards_per_step = self.accum * (self.dims.microbatches(cfg) if self.pipeline is not None else 1)
+        moe_layers = len(getattr(self.args, "moe_layers", ()))
+        self.balancing = (
+            ExpertBalancing(self.modules, self.mesh, self.dims, self.device, self.global_batch, moe_layers)
+            if moe_layers
+            else None
+        )
         # Clipped: the gradients of what the optimizers step (frozen parameters have none).
         self.params = [p for i in range(len(self.modules)) for p in self.data_parallel.parameters(i)]
         # MFU (metrics): the model's FLOPs per token, against this GPU's peak; no peak on a CPU.
@@ -431,8 +440,12 @@ class Trainer:
                 with self._maybe_profile(state.step in profile_steps):
                     batches = list(self.local_batches(state.step))
                     data_wait = time.perf_counter() - t0
+                    if self.balancing is not None:
+                        self.balancing.start_step()
                     local_loss = self.train_step(batches)
                     self.data_parallel.sync_gradients()
+                    # mixtures of experts: the step's expert loads over the global batch, bias balancing
+                    moe = self.balancing.finish_step(self.forwards_per_step) if self.balancing is not None else {}
                     if self.tied is not None:
                         self.tied.sync_grads()
                     if self.projector is not None:  # before clipping: the norm counts only what the step applies
@@ -491,6 +504,7 @@ class Trainer:
                             **{f"rows_{name}": n for name, n in getattr(self.data, "consumption", {}).items()},
                             "peak_mem_bytes": int(stats[1].item()),
                             **{k: (int if k.endswith("calls") else float)(v) for k, v in zip(comm, stats[3:].tolist())},
+                            **moe,
                             **extra,
                         }
                     )

@@ -16,6 +16,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from seedckpt.checkpoint.atomic import atomic_output, write_json_synced
 from seedckpt.checkpoint.base import OpenedCheckpoint, WriteJob
@@ -27,7 +28,7 @@ from seedckpt.checkpoint.owned_reads import OwnedHFReader
 from seedckpt.checkpoint.safetensors_header import SAFETENSORS_DTYPES, safetensors_header
 from seedckpt.checkpoint.untrusted import read_json
 from seedckpt.utils.errors import SeedckptError
-from seedckpt.utils.tensors import local, local_rows
+from seedckpt.utils.tensors import copy_full_into, local, local_rows
 
 OUR_NAMES = False  # only the model's dense tensors have HF names
 TIED_STORED_ONCE = True  # as HF stores a tied model: no separate output head
@@ -70,6 +71,8 @@ class HFCheckpoint(OpenedCheckpoint):
             weight_map = None
         self.location: dict[str, tuple[Path, str]] = {}  # our fqn -> (file, hf name)
         self.spans: dict[str, tuple[int, int]] = {}  # our fqn -> its bytes in its file
+        # our fqn -> {index: (file, hf name, info)}: a tensor stored one dim-0 slice (expert) per entry
+        pieces: dict[str, dict[int, tuple[Path, str, TensorInfo]]] = {}
         infos = {}
         for file in files:
             if not isinstance(file, str) or Path(file).name != file or not (path / file).is_file():
@@ -77,17 +80,23 @@ class HFCheckpoint(OpenedCheckpoint):
             header, _, data_start = safetensors_header(path / file)
             for name, entry in header.items():
                 fqn = self._ours(name, path / file)
+                info = TensorInfo(tuple(entry["shape"]), SAFETENSORS_DTYPES[entry["dtype"]])
+                if isinstance(fqn, tuple):
+                    pieces.setdefault(fqn[0], {})[fqn[1]] = (path / file, name, info)
+                    continue
                 if fqn is None:
                     continue
                 self.location[fqn] = (path / file, name)
                 self.spans[fqn] = (data_start + entry["data_offsets"][0], data_start + entry["data_offsets"][1])
-                infos[fqn] = TensorInfo(tuple(entry["shape"]), SAFETENSORS_DTYPES[entry["dtype"]])
+                infos[fqn] = info
+        self.slices = {fqn: _stacked(fqn, found, path) for fqn, found in pieces.items()}
+        for fqn, parts in self.slices.items():
+            self.location[fqn] = parts[0][:2]
+            infos[fqn] = TensorInfo((len(parts), *parts[0][2].shape), parts[0][2].dtype)
         if weight_map is not None:
-            absent = [
-                n
-                for n, f in weight_map.items()
-                if self._ours(n, index) is not None and self.location.get(self._ours(n, index), (None, None))[1] != n
-            ]
+            stored = {name for _, name, _ in (p for parts in self.slices.values() for p in parts)}
+            stored |= {name for _, name in self.location.values()}
+            absent = [n for n in weight_map if self._ours(n, index) is not None and n not in stored]
             if absent:
                 raise SeedckptError(f"{index} lists tensors that its files do not contain: {absent[:5]}")
         if self._stores_a_distinct_head(layout, infos):
@@ -132,6 +141,8 @@ class HFCheckpoint(OpenedCheckpoint):
         return self.location[fqn][0]
 
     def read_tensor(self, fqn: str) -> torch.Tensor:
+        if fqn in self.slices:
+            return torch.stack([read_safetensor(file, name) for file, name, _ in self.slices[fqn]])
         file, name = self.location[fqn]
         tensor = read_safetensor(file, name)
         groups = self.names.row_groups(fqn)
@@ -150,10 +161,12 @@ class HFCheckpoint(OpenedCheckpoint):
             raise SeedckptError(f"{self.path} does not cover the model: " + "; ".join(problems))
         names, shared = one_destination_per_source(state_dict, lambda fqn: self.location[fqn][1])
         fqn_of = {self.location[fqn][1]: fqn for fqn in state_dict}
-        by_name, permuted = {}, []
+        by_name, permuted, whole = {}, [], []
         for name, wanted in names.items():
             groups = self.names.row_groups(fqn_of[name])
-            if groups:
+            if fqn_of[name] in self.slices:
+                whole += self._slices_into(fqn_of[name], wanted, by_name)
+            elif groups:
                 window = _whole_groups(wanted, groups)
                 if window is not None:
                     by_name[name] = window
@@ -168,7 +181,34 @@ class HFCheckpoint(OpenedCheckpoint):
                 lo, hi = local_rows(wanted) or (0, wanted.shape[0])
                 full = self.names.from_stored_rows(window.dest, rows // group_rows)
                 local(wanted).copy_(full[lo - window.start : hi - window.start])
+            for wanted, full in whole:
+                copy_full_into(wanted, full)
         copy_shared(state_dict, names, shared)
+
+    def _slices_into(self, fqn: str, wanted: torch.Tensor, by_name: dict) -> list:
+        """Request the stored slices (experts) of ``fqn`` that this rank's rows of ``wanted`` hold,
+        each read straight into its rows: the others are never opened. A shard that is not a block of
+        whole rows reads every slice into a full buffer; returned as ``[(wanted, buffer)]`` to copy."""
+        parts = self.slices[fqn]
+        rows = local_rows(wanted)
+        if rows is None and isinstance(wanted, DTensor):
+            full = torch.empty(wanted.shape, dtype=wanted.dtype)
+            by_name.update((name, full[e]) for e, (_, name, _) in enumerate(parts))
+            return [(wanted, full)]
+        lo, hi = rows or (0, len(parts))
+        by_name.update((parts[e][1], local(wanted)[e - lo]) for e in range(lo, hi))
+        return []
+
+
+def _stacked(fqn: str, found: dict[int, tuple[Path, str, TensorInfo]], path: Path) -> list:
+    """The slices of ``fqn`` in index order, checked: every index from 0, one shape and dtype."""
+    if sorted(found) != list(range(len(found))):
+        missing = sorted(set(range(max(found) + 1)) - set(found))
+        raise SeedckptError(f"{path} stores {fqn} one slice (expert) per tensor, but lacks slices {missing[:8]}")
+    kinds = {(info.shape, info.dtype) for _, _, info in found.values()}
+    if len(kinds) > 1:
+        raise SeedckptError(f"{path} stores the slices (experts) of {fqn} with different shapes or dtypes: {kinds}")
+    return [found[e] for e in range(len(found))]
 
 
 def _whole_groups(wanted: torch.Tensor, groups: int) -> RowWindow | None:
@@ -188,38 +228,43 @@ def write(source: OpenedCheckpoint, dst: Path, job: WriteJob) -> Path:
     if job.codec is None or source.layout is None:
         raise SeedckptError(f"{source.path}: writing Hugging Face files needs the model it holds")
     names = job.codec.hf_names(source.layout)
+    try:
+        entries = _hf_entries(names, job.infos)  # hf name -> (our fqn, slice index or None, info)
+    except ValueError as e:
+        raise SeedckptError(f"{source.path}: {e}") from None
     shards: list[list[str]] = [[]]
     size = 0
-    for fqn, info in job.infos.items():
+    for hf_name, (_, _, info) in entries.items():
         if shards[-1] and size + info.nbytes > job.shard_bytes:
             shards.append([])
             size = 0
-        shards[-1].append(fqn)
+        shards[-1].append(hf_name)
         size += info.nbytes
-    try:
-        by_hf_name = {names.to_stored(f): f for f in job.infos}
-    except ValueError as e:
-        raise SeedckptError(f"{source.path}: {e}") from None
+    last: list = [None, None]  # the grouped tensor whose slices are being written: read once
 
     def read_hf_layout(hf_name: str) -> torch.Tensor:
-        fqn = by_hf_name[hf_name]
-        return names.to_stored_rows(fqn, source.read_tensor(fqn))
+        fqn, index, _ = entries[hf_name]
+        if index is None:
+            return names.to_stored_rows(fqn, source.read_tensor(fqn))
+        if last[0] != fqn:
+            last[:] = [fqn, None]  # drop the previous tensor before reading the next
+            last[1] = source.read_tensor(fqn)
+        return last[1][index]
 
-    hf_name_of = {f: n for n, f in by_hf_name.items()}
     weight_map = {}
     dtype = next(iter(job.infos.values())).dtype
     with atomic_output(dst, job.force, check=lambda path: HFCheckpoint(path, job.codec)) as partial:
-        for k, fqns in enumerate(shards, start=1):
+        for k, hf_names in enumerate(shards, start=1):
             file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
             write_safetensors(
                 partial / file,
-                {hf_name_of[f]: job.infos[f] for f in fqns},
+                {name: entries[name][2] for name in hf_names},
                 read_hf_layout,
                 {"format": "pt"},
                 job.on_bytes,
             )
-            weight_map.update({hf_name_of[f]: file for f in fqns})
-        index = {"metadata": {"total_size": sum(i.nbytes for i in job.infos.values())}, "weight_map": weight_map}
+            weight_map.update({name: file for name in hf_names})
+        index = {"metadata": {"total_size": sum(i.nbytes for _, _, i in entries.values())}, "weight_map": weight_map}
         write_json_synced(partial / "model.safetensors.index.json", index)
         write_json_synced(partial / "config.json", {**job.codec.hf_config(source.layout, dtype), **job.token_ids})
         if job.token_ids:
@@ -230,3 +275,17 @@ def write(source: OpenedCheckpoint, dst: Path, job: WriteJob) -> Path:
                 if file.is_file() and not file.is_symlink():
                     shutil.copyfile(file, partial / file.name)
     return Path(dst)
+
+
+def _hf_entries(names, infos: dict[str, TensorInfo]) -> dict[str, tuple[str, int | None, TensorInfo]]:
+    """Each HF tensor to write: ``{hf name: (our fqn, dim-0 slice index or None, its info)}``; a
+    grouped expert weight becomes one HF tensor per expert, as ``transformers`` stores them."""
+    entries = {}
+    for fqn, info in infos.items():
+        stacked = names.stacked_names(fqn, info.shape[0]) if info.shape else None
+        if stacked is None:
+            entries[names.to_stored(fqn)] = (fqn, None, info)
+            continue
+        part = TensorInfo(info.shape[1:], info.dtype)
+        entries.update((name, (fqn, e, part)) for e, name in enumerate(stacked))
+    return entries

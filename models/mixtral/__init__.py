@@ -1,0 +1,108 @@
+"""Mixtral (8x7B, 8x22B): Mistral's attention with a mixture of experts in every layer.
+
+Each layer's feed-forward is ``n_experts`` SwiGLU experts of width ``moe_ffn_dim`` (HF's
+``intermediate_size``), softmax over the experts, the top two kept and renormalized
+(``models.common.moe``). A sliding window is read as Mistral's is.
+
+Tensor names: the shared decoder's, and ``layers.{i}.moe.router.gate.weight`` ``[experts, dim]``,
+``layers.{i}.moe.experts.{w1,w3}`` ``[experts, moe_ffn_dim, dim]``, ``layers.{i}.moe.experts.w2``
+``[experts, dim, moe_ffn_dim]``, plus the persistent fp32 ``layers.{i}.moe.expert_bias`` with
+``load_balance = "bias"``. Hugging Face's are ``MixtralForCausalLM``'s as ``save_pretrained`` writes
+them: ``model.layers.{i}.block_sparse_moe.experts.{e}.{w1,w2,w3}.weight`` (the same roles as ours),
+the router ``block_sparse_moe.gate.weight``.
+
+Balancing is HF's by default: the auxiliary loss at ``router_aux_loss_coef`` (sequence-wise,
+``models.common.moe``). The init recipe is HF's (``normal``, std ``initializer_range``), as for Mistral.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from models.common import hf_config, moe_decoder_family
+from models.common.args import MoEDecoderArgs
+from models.common.decoder import DecoderOptions
+from models.common.hf_names import ExpertNames
+from models.mistral import check_seq_len  # the same sliding window as Mistral's
+
+ARCHITECTURE, MODEL_TYPE = "MixtralForCausalLM", "mixtral"
+EXPERTS = ExpertNames("block_sparse_moe", (("w1", "w1"), ("w2", "w2"), ("w3", "w3")))
+
+
+@dataclass
+class MixtralArgs(MoEDecoderArgs):
+    sliding_window: int | None = None  # positions each token attends back to (None: all)
+
+    @property
+    def decoder_options(self) -> DecoderOptions:
+        return DecoderOptions(
+            init="normal",
+            init_std=self.initializer_range,
+            moe=self.moe_options("normal", self.initializer_range),
+            moe_layers=self.moe_layers,
+        )
+
+
+def _mixtral(dim, n_layers, n_heads, ffn_dim, vocab_size, max_seq_len) -> MixtralArgs:
+    return MixtralArgs(
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=8,
+        ffn_dim=ffn_dim,
+        vocab_size=vocab_size,
+        norm_eps=1e-5,
+        rope_theta=1e6,
+        max_seq_len=max_seq_len,
+        n_experts=8,
+        top_k=2,
+        moe_ffn_dim=ffn_dim,
+    )
+
+
+FLAVORS = {
+    "debug": MixtralArgs(
+        dim=128,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=4,
+        ffn_dim=128,
+        vocab_size=512,
+        max_seq_len=512,
+        n_experts=4,
+        top_k=2,
+        moe_ffn_dim=128,
+    ),
+    "8x7B": _mixtral(4096, 32, 32, 14336, 32000, 32768),
+    "8x22B": _mixtral(6144, 56, 48, 16384, 32768, 65536),
+}
+
+
+def config(args: MixtralArgs, dtype: torch.dtype) -> dict:
+    return {
+        **hf_config.decoder_config(args, dtype, ARCHITECTURE, MODEL_TYPE),
+        **hf_config.moe_config(args),
+        "intermediate_size": args.moe_ffn_dim,
+        "num_local_experts": args.n_experts,
+        "router_jitter_noise": 0.0,
+        "sliding_window": args.sliding_window,
+    }
+
+
+def args_from_config(cfg: dict) -> MixtralArgs:
+    hf_config.refuse_common(cfg, "Mixtral")
+    hf_config.refuse(cfg, "Mixtral", attention_bias=False, router_jitter_noise=0.0)
+    fields = hf_config.decoder_fields(cfg)
+    return MixtralArgs(
+        **fields,
+        **hf_config.moe_fields(cfg),
+        moe_ffn_dim=fields["ffn_dim"],
+        sliding_window=cfg.get("sliding_window"),
+    )
+
+
+MIXTRAL = moe_decoder_family(
+    "mixtral", MixtralArgs, FLAVORS, (MODEL_TYPE,), config, args_from_config, EXPERTS, check_seq_len=check_seq_len
+)
