@@ -60,7 +60,7 @@ class Part:
 # one command each. The caps are the H100 runs' times plus a margin. throughput.py measures its
 # baseline, the bare eager loop, first in each of its two parts. The CPU group has no such limit: its
 # caps are a 2-core machine's times with room for a disk several times slower.
-GROUPS = {"training": "cuda", "io": "cuda", "cpu": "cpu"}  # each group's device
+GROUPS = {"training": "cuda", "io": "cuda", "moe": "cuda", "cpu": "cpu"}  # each group's device
 THROUGHPUT = ["benchmarks/throughput.py", "--dtype", "bfloat16", "--steps", "12", "--warmup", "4", "--variants"]
 PARTS = [
     Part(
@@ -255,6 +255,23 @@ PARTS = [
         ["benchmarks/checksums.py"],
         300,
         "CRC32C at several GB/s on one core, a few times zlib.crc32; verify checks a 1B seed at GB/s",
+    ),
+    Part(
+        "moe_block",
+        "moe",
+        [
+            *["benchmarks/moe.py", "--device", "cuda", "--dtype", "bfloat16", "--tokens", "16384", "--dim", "2048"],
+            *["--experts", "128", "--top-k", "8", "--ffn", "768"],
+        ],
+        120,
+        "Qwen3-30B-A3B's MoE layer: grouped GEMM faster than the per-expert loop, near a dense FFN of its active size",
+    ),
+    Part(
+        "moe_block",
+        "cpu",
+        ["benchmarks/moe.py"],
+        120,
+        "the MoE block's grouped GEMM at least the loop's speed; its cost against a dense FFN of its active size",
     ),
     Part(
         "plan_405b",
