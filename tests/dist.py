@@ -31,6 +31,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# How long a test waits on processes before calling them hung. Only a hang may fail a test: this is
+# far above what any test's processes take (the slowest measured under a minute on a busy 2-core
+# machine), so a slow machine cannot fail a test that a fast one passes.
+HANG_S = 900.0
+
 # Imported once by the fork server; every rank forked from it starts with them loaded.
 PRELOAD = ["torch", "torch.distributed.fsdp", "seedckpt.train.trainer", "transformers", "tests.dist"]
 
@@ -50,7 +55,7 @@ def _worker(fn, rank, world_size, init_file, results, args):
             init_method=f"file://{init_file}",
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=120),
+            timeout=datetime.timedelta(seconds=HANG_S),
         )
         # Every rank connected before any runs ``fn``: a rank that fails at once and leaves would
         # otherwise close its end of a pair another rank is still setting up (gloo: "Connection
@@ -65,7 +70,7 @@ def _worker(fn, rank, world_size, init_file, results, args):
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 240.0) -> list:
+def run_distributed(fn, world_size: int, *args, timeout: float = HANG_S) -> list:
     """``fn(rank, world_size, *args)`` on every rank; returns the per-rank results in rank order."""
     ctx = _context()
     results = ctx.Queue()
@@ -146,7 +151,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_main(argv: list[str], nproc: int, env: dict, cwd: Path, timeout: float = 300.0):
+def run_main(argv: list[str], nproc: int, env: dict, cwd: Path, timeout: float = HANG_S):
     """``torchrun --standalone --nproc-per-node NPROC train.py ARGV``, with the ranks forked from the
     preloaded server: a ``CompletedProcess`` with each rank's stdout and stderr (rank 0 first) and
     the first failing rank's status (0 when every rank returned 0)."""

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from tests.dist import HANG_S
 from tests.test_train import REPO
 
 # Each suite part's script with the options that keep it under half a minute here (name: script, args).
@@ -71,7 +72,7 @@ def test_the_benchmark_runs_on_the_cpu_and_prints_its_figures(script, tmp_path):
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=HANG_S,
         env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)},
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from seedckpt.cli.main import main
+from tests.dist import HANG_S
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -23,7 +24,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=HANG_S,
         env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
     )
 
@@ -197,7 +198,7 @@ def test_help_lists_every_config_key(command, epilog):
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=HANG_S,
         env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
     )
     assert proc.returncode == 0, proc.stderr

@@ -22,6 +22,8 @@ import sys
 from fnmatch import fnmatch
 from pathlib import Path
 
+from tests.dist import HANG_S
+
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("seedckpt", "models")
 
@@ -135,7 +137,7 @@ print("FAILED:" + ",".join(failed))
 def test_every_module_imports_first():
     names = sorted(name for name in modules() if not name.endswith(".__main__"))  # those run a command
     result = subprocess.run(
-        [sys.executable, "-c", _IMPORT_EACH_FIRST, *names], cwd=REPO, capture_output=True, text=True, timeout=240
+        [sys.executable, "-c", _IMPORT_EACH_FIRST, *names], cwd=REPO, capture_output=True, text=True, timeout=HANG_S
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == "FAILED:", result.stdout + result.stderr[-3000:]

@@ -89,3 +89,28 @@ def test_wandb_without_the_package_is_one_line_naming_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed: import raises ImportError
     with pytest.raises(SeedckptError, match=r"pip install 'seedckpt\[wandb\]'"):
         MetricsLogger.check_wandb()
+
+
+def test_tensorboard_gets_the_curves_not_the_runs_constants(tmp_path, monkeypatch):
+    """``steps`` (the run's length) is the same in every row: a curve of it is noise in TensorBoard."""
+    from seedckpt.train.metrics import MetricsLogger
+
+    scalars = []
+
+    class Writer:
+        def __init__(self, folder):
+            pass
+
+        def add_scalar(self, key, value, step):
+            scalars.append((key, step))
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(MetricsLogger, "check_tensorboard", staticmethod(lambda: Writer))
+    logger = MetricsLogger(tmp_path, enable_tensorboard=True)
+    row = {"step": 3, "steps": 10, "loss": 2.5, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 9.0}
+    logger.log({**row, "step_time_s": 0.1, "data_wait_s": 0.0, "peak_mem_bytes": 1, "label_tokens": 8})
+    logger.close()
+    assert {key for key, _ in scalars} >= {"loss", "lr", "grad_norm"}
+    assert not {key for key, _ in scalars} & {"step", "steps"} and {s for _, s in scalars} == {3}

@@ -18,6 +18,7 @@ from seedckpt.materialize.model_checkpoint import open_model_checkpoint
 from seedckpt.materialize.seed import create_seed_checkpoint
 from seedckpt.utils.errors import SeedckptError
 from tests.conftest import check_tied_stock_load, stock_load, tiny_config
+from tests.dist import HANG_S
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -114,7 +115,7 @@ def test_script_is_cpu_only_and_reports_progress(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=HANG_S,
     )
     assert proc.returncode == 0, proc.stderr
     assert "CUDA_VISIBLE_DEVICES='' initialized=False" in proc.stdout

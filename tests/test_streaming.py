@@ -22,6 +22,7 @@ from seedckpt.materialize.stages import build_stages
 from seedckpt.parallel.pipeline import plan_rank_stages
 from seedckpt.utils.errors import SeedckptError
 from tests.conftest import stock_load, tiny_config
+from tests.dist import HANG_S
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -130,7 +131,7 @@ def _peak_rss(mode: str, *args: str) -> int:
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_S,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr
@@ -202,7 +203,7 @@ def test_sigkill_mid_write_leaves_nothing_acceptable(tmp_path):
             cwd=REPO,
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=HANG_S,
         )
         assert result.returncode == 2
     args = tiny_config("--model.dim", "1024", "--model.n_layers", "16", "--model.vocab_size", "8192").model_args()

@@ -9,8 +9,9 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from tests.dist import HANG_S
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -19,20 +20,18 @@ import suite  # noqa: E402 -- a script of benchmarks/, imported as its test woul
 
 
 def test_without_cuda_every_part_says_skipped_and_the_suite_exits_0():
-    start = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "benchmarks/suite.py"],
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=HANG_S,
         env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"},
     )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert [line.split(":")[0] for line in lines] == [p.name for p in suite.PARTS if suite.GROUPS[p.group] == "cuda"]
     assert all(": skipped: no CUDA device (would measure: " in line for line in lines), lines
-    assert time.perf_counter() - start < 30
 
 
 def test_each_gpu_groups_caps_fit_one_command_on_a_lent_machine():
@@ -93,6 +92,6 @@ def test_the_cpu_suite_names_the_processor_and_refuses_a_gpu_group():
         (["--device", "cpu", "--parts", "cuda_tests"], "unknown cpu parts ['cuda_tests']; choose from demo, seed"),
     ):
         proc = subprocess.run(
-            [sys.executable, "benchmarks/suite.py", *args], cwd=REPO, capture_output=True, text=True, timeout=60
+            [sys.executable, "benchmarks/suite.py", *args], cwd=REPO, capture_output=True, text=True, timeout=HANG_S
         )
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr

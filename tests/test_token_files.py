@@ -17,6 +17,7 @@ import torch
 
 from seedckpt.cli.main import main as seedckpt
 from seedckpt.utils.errors import SeedckptError
+from tests.dist import HANG_S
 from tests.test_train import REPO, losses, torchrun
 from tests.tiny_tokenizers import build_tiny_tokenizer, corpus_of, make_chats
 
@@ -189,7 +190,7 @@ def test_a_token_file_larger_than_the_address_space_cap_trains(tmp_path):
     blocks = (({"tokens.bin": rng.integers(0, 1 << 20, 1 << 24, dtype=np.uint32)}, 1, 0) for _ in range(4))
     write_token_directory(tmp_path / "big", blocks, vocab_size=1 << 20)
     proc = subprocess.run(
-        [sys.executable, "-c", CAPPED, str(tmp_path / "big")], cwd=REPO, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", CAPPED, str(tmp_path / "big")], cwd=REPO, capture_output=True, text=True, timeout=HANG_S
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "whole file refused under the cap; 20 batches read" in proc.stdout

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from seedckpt.checkpoint import DcpCheckpoint, complete_steps
 from seedckpt.cli.main import main as seedckpt_main
 from seedckpt.utils.errors import SeedckptError
-from tests.dist import run_distributed, run_main
+from tests.dist import HANG_S, run_distributed, run_main
 
 REPO = Path(__file__).resolve().parents[1]
 COMMON = [
@@ -351,7 +351,7 @@ def _killed_mid_checkpoint_worker(rank, world_size, seed, folder, dump, *overrid
 def test_sigkill_while_writing_leaves_previous_step_loadable(tmp_path, debug_seed):
     folder = tmp_path / "ckpt"
     with pytest.raises(AssertionError, match=r"died|Connection reset|Connection closed"):
-        run_distributed(_killed_mid_checkpoint_worker, 2, str(debug_seed), str(folder), str(tmp_path), timeout=120)
+        run_distributed(_killed_mid_checkpoint_worker, 2, str(debug_seed), str(folder), str(tmp_path), timeout=HANG_S)
     assert sorted(complete_steps(folder)) == [2]
     [partial] = folder.glob(".step-4.*.partial")  # rank 0's: .step-4.<its pid>.partial
     # SIGKILL ran no cleanup: the lock file stays, its flock died with rank 0.
@@ -547,7 +547,7 @@ def _failing_ranks_worker(rank, world_size, case):
     ],
 )
 def test_a_failure_is_reported_once_across_ranks(case, statuses, lines):
-    results = run_distributed(_failing_ranks_worker, 2, case, timeout=120)
+    results = run_distributed(_failing_ranks_worker, 2, case, timeout=HANG_S)
     assert [status for status, _ in results] == statuses
     assert sorted(line for _, text in results for line in text.splitlines()) == sorted(lines)
 
@@ -585,7 +585,7 @@ def launch(run_dir: Path, seed: Path, nproc: int, *overrides: str, when: str | N
                 if when in line:
                     act(proc)
                     break
-        rest, err = proc.communicate(timeout=300)
+        rest, err = proc.communicate(timeout=HANG_S)
         return proc.returncode, "".join(out) + rest, err
     finally:
         if proc.poll() is None:
@@ -720,7 +720,7 @@ def test_ctrl_c_while_starting_is_one_line_and_exit_130(tmp_path, debug_seed, af
     )
     time.sleep(after_s)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=HANG_S)
     assert proc.returncode == 130, err
     assert len(err.strip().splitlines()) == 1 and err.startswith("train.py: interrupted"), err
     assert not list(tmp_path.glob("ckpt/step-*"))
@@ -744,7 +744,7 @@ def test_ctrl_c_while_tearing_down_after_the_run_is_one_line_and_exit_130(tmp_pa
     argv += ["--checkpoint.folder", str(tmp_path / "ckpt"), "--job.dump_folder", str(tmp_path), *COMMON]
     argv += ["--training.steps", "2", "--parallelism.pipeline_parallel_degree", "1"]
     proc = subprocess.run(
-        [sys.executable, "-c", script, *argv], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", script, *argv], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=HANG_S
     )
     assert proc.returncode == 130, proc.stderr
     assert proc.stderr.strip() == (

@@ -27,7 +27,7 @@ from seedckpt.materialize.model_checkpoint import open_model_checkpoint
 from seedckpt.materialize.seed import create_seed_checkpoint
 from seedckpt.utils.errors import SeedckptError
 from tests.conftest import tiny_config
-from tests.dist import run_distributed
+from tests.dist import HANG_S, run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
 SEED = ["seed", "--config", str(REPO / "configs/debug.toml"), "--quiet"]
@@ -114,7 +114,7 @@ def test_two_racing_seeds_publish_one_whole_checkpoint(tmp_path):
         )
         for seed in (0, 3)
     }
-    results = {seed: (proc.wait(timeout=120), *proc.communicate()) for seed, proc in procs.items()}
+    results = {seed: (proc.wait(timeout=HANG_S), *proc.communicate()) for seed, proc in procs.items()}
     [winner] = [seed for seed, (code, _, _) in results.items() if code == 0]
     [(code, _, err)] = [result for seed, result in results.items() if seed != winner]
     # the loser found the winner's lock, or (on a fast machine, started after it had finished) its output
@@ -260,7 +260,7 @@ def _write_while_locked(rank, world_size, dst):
 def test_every_rank_fails_at_once_when_rank_0_cannot_start(tmp_path):
     dst = tmp_path / "step-2"
     with destination_lock(dst):
-        messages = run_distributed(_write_while_locked, 2, str(dst), timeout=120)
+        messages = run_distributed(_write_while_locked, 2, str(dst), timeout=HANG_S)
     assert messages[0].startswith(f"{dst} {_holder(os.getpid())}")
     assert messages[1] == f"rank 0 could not start writing {dst}; its error says why"
     assert os.listdir(tmp_path) == []

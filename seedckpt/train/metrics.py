@@ -84,6 +84,7 @@ def peak_rss_bytes() -> int:
 
 METRICS_FILE = "metrics.jsonl"  # in job.dump_folder
 WANDB_RUN_ID = "wandb_run_id"  # in job.dump_folder: the W&B run a resumed run continues
+CONSTANT_FIELDS = ("step", "steps")  # the x axis and the run's length: not curves
 
 
 class MetricsLogger:
@@ -150,11 +151,12 @@ class MetricsLogger:
         return SummaryWriter
 
     def log(self, record: dict) -> None:
+        """One row: to metrics.jsonl, TensorBoard (its curves, not the run's constants), W&B and stdout."""
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self._tb is not None:
             for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
+                if key not in CONSTANT_FIELDS and isinstance(value, (int, float)):
                     self._tb.add_scalar(key, value, record["step"])
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])

@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import datetime
 import gc
+import logging
 import math
 import os
 import sys
@@ -587,10 +588,12 @@ class Trainer:
 
 
 def quiet_library_logs() -> None:
-    """Silence Python warnings and transformers' logging: what a rank > 0 would print, rank 0 prints
-    too. transformers reads the variable when it is imported (later, with the tokenizer, in a fresh
-    rank); a process that imported it already has its logger set directly."""
+    """Silence Python warnings, torch's loggers (DTensor's redistribution advice under TP) and
+    transformers' logging: what a rank > 0 would print, rank 0 prints too. transformers reads the
+    variable when it is imported (later, with the tokenizer, in a fresh rank); a process that
+    imported it already has its logger set directly."""
     warnings.simplefilter("ignore")
+    logging.getLogger("torch").setLevel(logging.ERROR)
     os.environ["TRANSFORMERS_VERBOSITY"] = "error"
     if "transformers" in sys.modules:
         sys.modules["transformers"].logging.set_verbosity_error()
