@@ -3,7 +3,9 @@
 Llama 3 is the plain case; the other families switch on what they add (``DecoderOptions``): bias
 on q/k/v (Qwen2), an RMSNorm over each q and k head before RoPE (Qwen3), Granite's multipliers on
 the embedding, the residual branches, the attention scores and the logits, and HF's plain normal
-init. Each family's args provide the shapes and ``decoder_options``; its folder says which.
+init. Each family's args provide the shapes and ``decoder_options``; its folder says which. An
+attention window (Mistral's ``sliding_window``) is not implemented: every attention layer refuses
+an input longer than it, on whatever stage and however called, rather than silently attend further.
 
 Names are Meta's and torchtitan's (``tok_embeddings``, ``layers.{i}.attention.wq``, ...), for every
 family: a family's Hugging Face names are mapped by ``models.common.hf_names``. RoPE rotates
@@ -73,6 +75,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from models.common.moe import TRUNC_BOUND, MoE, MoEOptions
+from seedckpt.utils.errors import SeedckptError
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,9 @@ class DecoderOptions:
     init_std: float = 0.02  # ``normal``: the std of every weight (HF's initializer_range)
     moe: MoEOptions | None = None  # the mixture of experts of the layers ``moe_layers`` (Qwen3-MoE, Mixtral)
     moe_layers: tuple[int, ...] = ()
+    # Positions each token attends back to, itself included (Mistral's sliding window); None: all.
+    # Not implemented: within it attention is full attention, so a longer input is refused.
+    attention_window: int | None = None
 
 
 def tied_weights(args) -> dict[str, str]:
@@ -173,6 +179,16 @@ def attend_within_documents(q, k, v, spans, scale: float | None) -> torch.Tensor
     return torch.cat(rows, dim=0)
 
 
+def check_attention_window(seqlen: int, window: int | None) -> None:
+    """Refuse an input longer than the attention window: full attention over it would silently
+    compute another model. A plain comparison of static sizes, so ``torch.compile`` only guards on it."""
+    if window is not None and seqlen > window:
+        raise SeedckptError(
+            f"an input of {seqlen} positions is longer than the model's attention window of {window} "
+            f"(sliding_window), which is not implemented yet: pass inputs of at most {window} positions"
+        )
+
+
 class Attention(nn.Module):
     def __init__(self, args, init_std: float):
         super().__init__()
@@ -206,7 +222,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, spans=None) -> torch.Tensor:
         """``spans``: a packed batch's documents (``document_spans``); None: each row is one."""
-        bsz, seqlen, _ = x.shape
+        bsz, seqlen, _ = x.shape  # the whole sequence: sequence parallelism gathers it before attention
+        check_attention_window(seqlen, self.options.attention_window)
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)

@@ -2,18 +2,21 @@
 
 Tensor names are the shared decoder's (``models.common.decoder``); Hugging Face's are
 ``MistralForCausalLM``'s. A sliding window (v0.1: 4096) equals full attention for sequences no
-longer than it; longer training sequences are refused, since the window is not implemented. The
+longer than it; longer sequences are refused, since the window is not implemented: in training by
+``check_seq_len`` before anything starts, in any forward by the decoder (``attention_window``). The
 init recipe is HF's (``normal``, std ``initializer_range``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from models.common import decoder_family, hf_config
 from models.common.args import DecoderArgs
+from models.common.decoder import DecoderOptions
 
 ARCHITECTURE, MODEL_TYPE = "MistralForCausalLM", "mistral"
 
@@ -21,6 +24,10 @@ ARCHITECTURE, MODEL_TYPE = "MistralForCausalLM", "mistral"
 @dataclass
 class MistralArgs(DecoderArgs):
     sliding_window: int | None = None  # positions each token attends back to (None: all)
+
+    @property
+    def decoder_options(self) -> DecoderOptions:
+        return dataclasses.replace(super().decoder_options, attention_window=self.sliding_window)
 
 
 FLAVORS = {

@@ -42,6 +42,7 @@ class MixtralArgs(MoEDecoderArgs):
             init_std=self.initializer_range,
             moe=self.moe_options("normal", self.initializer_range),
             moe_layers=self.moe_layers,
+            attention_window=self.sliding_window,
         )
 
 
