@@ -9,7 +9,7 @@ float32. Each variant runs in its own process, so its peak (CUDA: max allocated;
 growth over the weights and inputs) is its own; the losses of the two are compared too. Prints one
 JSON line per variant and one comparing them.
 
-  python benchmarks/loss.py                                  # CPU: 4096 tokens, dim 256, chunks of 512
+  python benchmarks/loss.py                                  # CPU: 4096 tokens, dim 256, the default's chunks
   python benchmarks/loss.py --device cuda --tokens 32768 --dim 2048 --dtype bfloat16
 """
 
@@ -32,9 +32,11 @@ def measure(opts) -> dict:
     sys.path.insert(0, str(ROOT))
     from models.common.decoder import chunked_cross_entropy
     from models.llama3.args import LLAMA3_FLAVORS
+    from seedckpt.train.trainer import loss_chunk_tokens
 
     device, dtype = torch.device(opts.device), getattr(torch, opts.dtype)
     args = LLAMA3_FLAVORS[opts.flavor]
+    chunk = loss_chunk_tokens(opts.chunk_tokens, args.vocab_size, opts.tokens)  # -1: training's default
     torch.manual_seed(0)  # the head's init: the same weights in both processes
     g = torch.Generator(device=device).manual_seed(0)
     head = torch.nn.Linear(opts.dim, args.vocab_size, bias=False, device=device, dtype=dtype)
@@ -42,9 +44,9 @@ def measure(opts) -> dict:
     labels = torch.randint(0, args.vocab_size, (opts.tokens,), device=device, generator=g)
 
     def loss() -> torch.Tensor:
-        if opts.chunk_tokens == 0:
+        if chunk == 0:
             return F.cross_entropy(head(h).float(), labels, reduction="sum")
-        return chunked_cross_entropy(h[None], labels[None], head, opts.chunk_tokens)
+        return chunked_cross_entropy(h[None], labels[None], head, chunk)
 
     def step() -> float:
         value = loss()
@@ -55,14 +57,14 @@ def measure(opts) -> dict:
 
     times, value, memory, peak = time_steps(step, opts.repeats, device)
     return {
-        "variant": "chunked" if opts.chunk_tokens else "whole_logits",
+        "variant": "chunked" if chunk else "whole_logits",
         "flavor": opts.flavor,
         "device": opts.device,
         "dtype": opts.dtype,
         "tokens": opts.tokens,
         "dim": opts.dim,
         "vocab_size": args.vocab_size,
-        "chunk_tokens": opts.chunk_tokens,
+        "chunk_tokens": chunk,
         "fwd_bwd_s": statistics.median(times),
         "loss": value,
         memory: peak,
@@ -76,7 +78,12 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--tokens", type=int, default=4096, help="tokens in the micro-batch (default 4096)")
     p.add_argument("--dim", type=int, default=256, help="the hidden size projected (default 256)")
-    p.add_argument("--chunk-tokens", type=int, default=512, help="the chunked variant's chunk (default 512)")
+    p.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=-1,
+        help="the chunked variant's chunk (default -1: training.loss_chunk_tokens' default, sized from the vocabulary)",
+    )
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--variant", action="store_true", help="run one variant in this process (used by the driver)")
     opts = p.parse_args()

@@ -139,11 +139,7 @@ def test_initial_load_path_with_its_train_state_continues_another_runs_steps_bit
             "torch 2.13 cannot run that schedule forward only",
         ),
         (["--validation.enabled", "true", "--data.kind", "text"], "validation.enabled needs validation.path"),
-        (
-            ["--training.loss_chunk_tokens", "64", "--parallelism.tensor_parallel_degree", "2"],
-            "training.loss_chunk_tokens with parallelism.tensor_parallel_degree > 1",
-        ),
-        (["--training.loss_chunk_tokens", "-1"], "training.loss_chunk_tokens = -1; it must be >= 0"),
+        (["--training.loss_chunk_tokens", "-2"], "training.loss_chunk_tokens = -2; it must be >= 0, or -1"),
     ],
 )
 def test_load_settings_are_refused_before_any_rendezvous(tmp_path, debug_seed, capsys, monkeypatch, overrides, message):
@@ -352,20 +348,34 @@ def test_keep_best_without_a_validation_at_every_save_is_refused(tmp_path, debug
     assert len(err.strip().splitlines()) == 1
 
 
-def test_a_chunked_loss_trains_and_validates_like_the_whole_logits_on_pp2_x_dp_shard2(tmp_path, debug_seed):
+def test_a_chunked_loss_trains_and_validates_like_the_whole_logits_on_pp2_x_dp_shard2_and_tp2(tmp_path, debug_seed):
     """``training.loss_chunk_tokens``: the last pipeline stage returns its loss computed 24 tokens at a
-    time (FSDP2-sharded output projection, 1F1B schedule), training and validation, within 1e-5."""
+    time (FSDP2-sharded output projection, 1F1B schedule), training and validation, within 1e-5; and
+    under tp2 x dp_shard2, where each chunk's logits are split by vocabulary (loss parallel)."""
     from tests.test_train import torchrun
 
     common = ["--training.steps", "4", "--checkpoint.enable", "false", "--training.local_batch_size", "4"]
     common += ["--validation.enabled", "true", "--validation.interval", "2", "--validation.steps", "1"]
-    torchrun(tmp_path / "whole", debug_seed, 4, *common)
-    torchrun(tmp_path / "chunked", debug_seed, 4, *common, "--training.loss_chunk_tokens", "24")
-    whole, chunked = rows(tmp_path / "whole"), rows(tmp_path / "chunked")
-    assert [r["step"] for r in chunked] == [1, 2, 3, 4]
-    for a, b in zip(chunked, whole):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(
-            b["grad_norm"], rel=1e-4
-        )
-        assert ("val_loss" in a) == ("val_loss" in b) == (a["step"] in (2, 4))
-        assert a.get("val_loss", 0.0) == pytest.approx(b.get("val_loss", 0.0), rel=1e-5)
+    tp = ["--parallelism.pipeline_parallel_degree", "1", "--parallelism.tensor_parallel_degree", "2"]
+    for name, layout in (("pp2_dp2", []), ("tp2_dp2", tp)):
+        torchrun(tmp_path / f"{name}_whole", debug_seed, 4, *common, *layout, "--training.loss_chunk_tokens", "0")
+        torchrun(tmp_path / f"{name}_chunked", debug_seed, 4, *common, *layout, "--training.loss_chunk_tokens", "24")
+        whole, chunked = rows(tmp_path / f"{name}_whole"), rows(tmp_path / f"{name}_chunked")
+        assert [r["step"] for r in chunked] == [1, 2, 3, 4]
+        for a, b in zip(chunked, whole):
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), name
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), name
+            assert ("val_loss" in a) == ("val_loss" in b) == (a["step"] in (2, 4))
+            assert a.get("val_loss", 0.0) == pytest.approx(b.get("val_loss", 0.0), rel=1e-5)
+
+
+def test_the_default_loss_chunks_only_logits_too_large_to_hold():
+    """``training.loss_chunk_tokens = -1`` (the default): a 65 536 vocabulary's chunks are 512 tokens
+    (128 MiB of float32 logits); a rank holding half the vocabulary under tp2 takes twice the tokens;
+    a micro-batch whose logits fit is not chunked; an explicit value is kept."""
+    from seedckpt.train.trainer import LOSS_CHUNK_BYTES, loss_chunk_tokens
+
+    assert loss_chunk_tokens(-1, 65536, 8192) == 512 == LOSS_CHUNK_BYTES // (4 * 65536)
+    assert loss_chunk_tokens(-1, 65536 // 2, 8192) == 1024
+    assert loss_chunk_tokens(-1, 512, 8 * 64) == 0
+    assert loss_chunk_tokens(0, 65536, 8192) == 0 and loss_chunk_tokens(24, 512, 512) == 24

@@ -150,9 +150,11 @@ class Training:
         "(0: rows of seq_len)",
     )
     loss_chunk_tokens: int = option(
-        0,
+        -1,
         "run the output projection and the cross-entropy this many tokens at a time, each chunk's logits "
-        "recomputed in backward, so at most one chunk's logits exist (0: the micro-batch's all at once)",
+        "recomputed in backward, so at most one chunk's logits exist (-1: chunks sized from the vocabulary "
+        "so a chunk's float32 logits stay under 128 MiB, none when the micro-batch's fit; 0: the "
+        "micro-batch's logits all at once)",
     )
 
     def validate(self) -> None:
@@ -173,7 +175,12 @@ class Training:
             "a finite number >= 0 (0: no clipping)",
         )
         _check("training.warmup_steps", self.warmup_steps, self.warmup_steps >= 0, ">= 0")
-        _check("training.loss_chunk_tokens", self.loss_chunk_tokens, self.loss_chunk_tokens >= 0, ">= 0 (0: no chunks)")
+        _check(
+            "training.loss_chunk_tokens",
+            self.loss_chunk_tokens,
+            self.loss_chunk_tokens >= -1,
+            ">= 0, or -1 for chunks sized from the vocabulary (0: no chunks)",
+        )
         _check(  # local_batch_size >= 1 was checked above
             "training.max_tokens_per_rank",
             self.max_tokens_per_rank,
@@ -570,12 +577,6 @@ class JobConfig:
                 f"training.max_tokens_per_rank = {budget} packs SFT samples into rows of that many tokens: it needs "
                 f"data.kind = 'chat', 'pretokenized' or 'tokens' (a `seedckpt tokenize --chat` directory) with "
                 f"data.packing = true (got data.kind = {self.data.kind!r}, data.packing = {self.data.packing})"
-            )
-        if self.training.loss_chunk_tokens and self.parallelism.tensor_parallel_degree > 1:
-            raise SeedckptError(
-                "training.loss_chunk_tokens with parallelism.tensor_parallel_degree > 1: the chunked loss needs "
-                "whole-vocabulary logits, and tensor parallelism splits them by vocabulary; set "
-                "training.loss_chunk_tokens = 0 (or tensor_parallel_degree = 1)"
             )
         ckpt, val = self.checkpoint, self.validation
         if ckpt.keep_best and not (val.enabled and ckpt.enable and ckpt.interval and val.interval % ckpt.interval == 0):

@@ -85,6 +85,21 @@ EXCLUDED = {
 SAVE_DRAIN_S = 20.0
 
 
+# The float32 logits the default loss (training.loss_chunk_tokens = -1) holds at once, at most: a
+# 2-layer model at a 65 536 vocabulary x 8192 tokens peaked at 7.1 GiB with the whole logits.
+LOSS_CHUNK_BYTES = 128 * 2**20
+
+
+def loss_chunk_tokens(requested: int, vocab_per_rank: int, micro_batch_tokens: int) -> int:
+    """``training.loss_chunk_tokens`` as run: -1 chunks only when a micro-batch's float32 logits (a
+    rank's vocabulary slice of them under TP) exceed ``LOSS_CHUNK_BYTES``, in chunks that fit it;
+    0 and N as given."""
+    if requested >= 0:
+        return requested
+    per_chunk = max(1, LOSS_CHUNK_BYTES // (4 * vocab_per_rank))
+    return 0 if micro_batch_tokens <= per_chunk else per_chunk
+
+
 def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed cross-entropy of a micro-batch's label tokens (in float32, whatever the logits' dtype)."""
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
@@ -154,7 +169,11 @@ class Trainer:
         self.cross_entropy = torch.compile(token_cross_entropy) if compiled else token_cross_entropy
         # training.loss_chunk_tokens: the last stage returns its summed loss, computed chunk by chunk
         # from its labels (``Transformer.forward(labels=...)``), instead of the logits.
-        self.chunked_loss = train.loss_chunk_tokens > 0
+        rows = train.local_batch_size // (self.dims.microbatches(cfg) if self.dims.pp > 1 else 1)
+        self.loss_chunk = loss_chunk_tokens(
+            train.loss_chunk_tokens, run.args.vocab_size // self.dims.tp, rows * train.row_tokens
+        )
+        self.chunked_loss = self.loss_chunk > 0
         self.global_batch = self.dims.global_batch_size(cfg)
         self.data = data or make_dataset(cfg.data, self.args.vocab_size, train.seq_len, train.seed, train.row_tokens)
         held_out = dataclasses.replace(cfg.data, path=cfg.validation.path, sources=[])
@@ -197,7 +216,7 @@ class Trainer:
         try:
             self.modules, osft_targets = stage_models(self.args, self.specs, self.osft)
             for module in self.modules:
-                module.loss_chunk_tokens = train.loss_chunk_tokens
+                module.loss_chunk_tokens = self.loss_chunk
                 parallelize_stage(module, cfg, self.dims, self.mesh, self.data_parallel.shard_on_meta)
             load_stages(
                 self.modules,
