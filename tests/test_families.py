@@ -11,8 +11,10 @@ import torch
 
 from models.registry import FAMILIES, get_family
 from seedckpt import load_model
-from seedckpt.cli.convert import convert
+from seedckpt.cli.convert import convert, diff
 from seedckpt.materialize.model_checkpoint import open_model_checkpoint, parameter_count
+from seedckpt.materialize.stages import build_stages
+from seedckpt.parallel.pipeline import plan_rank_stages
 from seedckpt.utils.errors import SeedckptError
 from tests.test_convert import our_logits
 from tests.test_sft import chat_inputs  # noqa: F401 (a fixture)
@@ -179,6 +181,43 @@ def test_a_sliding_window_shorter_than_the_sequences_is_refused():
     with pytest.raises(SeedckptError, match="exceeds the model's sliding_window = 64"):
         resolve(cfg, 1, local_world_size=0)
     resolve(load_config(None, ["--model.name", "mistral", "--model.sliding_window", "128"]), 1, local_world_size=0)
+
+
+WINDOW = 8
+REFUSAL = (
+    rf"^an input of {WINDOW + 1} positions is longer than the model's attention window of {WINDOW} "
+    rf".*: pass inputs of at most {WINDOW} positions$"
+)
+
+
+@pytest.mark.parametrize("name", ["mistral", "mixtral"])
+def test_an_attention_window_is_exact_up_to_it_and_refuses_longer_inputs(tmp_path, name):
+    """A directory with a sliding window of 8 converts, and ``diff`` (tensors only, no forward) finds
+    its DCP copy equal. ``load_model``'s module and pp=2's stages compute ``transformers``' logits at 8
+    positions, where the window is full attention; at 9, where ``transformers``' window drops a
+    position, the module refuses in one line, and so does the later stage given hidden states."""
+    hf = _hf_model(name, tie=False)
+    hf.config.sliding_window = WINDOW
+    hf.save_pretrained(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "dcp", "dcp", progress=False)
+    assert diff(tmp_path / "hf", tmp_path / "dcp")[0]
+    fits, longer = TOKENS[:, :WINDOW], TOKENS[:, : WINDOW + 1]
+    with torch.no_grad():
+        want = hf(fits).logits
+        windowed = hf(longer).logits
+        hf.config.sliding_window = None
+        assert (hf(longer).logits - windowed).abs().max().item() > 1e-3  # the window matters at 9
+        model = load_model(tmp_path / "hf")
+        assert (model(fits) - want).abs().max().item() <= 1e-5
+        assert (our_logits(tmp_path / "dcp", fits, pp=2) - want).abs().max().item() <= 1e-5
+        with pytest.raises(SeedckptError, match=REFUSAL) as refused:
+            model(longer)
+        assert "\n" not in str(refused.value)
+        args = model.args
+        [later] = build_stages(args, plan_rank_stages(args, 1, 2), "cpu", checkpoint=tmp_path / "dcp")
+        assert later.tok_embeddings is None  # it takes hidden states: their dim 1 is the length
+        with pytest.raises(SeedckptError, match=REFUSAL):
+            later(torch.zeros(2, WINDOW + 1, args.dim))
 
 
 FAMILIES_BEYOND_LLAMA = ["qwen3", "qwen2", "mistral", "granite"]

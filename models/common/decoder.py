@@ -4,8 +4,8 @@ Llama 3 is the plain case; the other families switch on what they add (``Decoder
 on q/k/v (Qwen2), an RMSNorm over each q and k head before RoPE (Qwen3), Granite's multipliers on
 the embedding, the residual branches, the attention scores and the logits, and HF's plain normal
 init. Each family's args provide the shapes and ``decoder_options``; its folder says which. An
-attention window (Mistral's ``sliding_window``) is not implemented: every attention layer refuses
-an input longer than it, on whatever stage and however called, rather than silently attend further.
+attention window (Mistral's ``sliding_window``) is not implemented: the model's forward, on any
+pipeline stage, refuses an input longer than it rather than silently attend further back.
 
 Names are Meta's and torchtitan's (``tok_embeddings``, ``layers.{i}.attention.wq``, ...), for every
 family: a family's Hugging Face names are mapped by ``models.common.hf_names``. RoPE rotates
@@ -181,7 +181,7 @@ def attend_within_documents(q, k, v, spans, scale: float | None) -> torch.Tensor
 
 def check_attention_window(seqlen: int, window: int | None) -> None:
     """Refuse an input longer than the attention window: full attention over it would silently
-    compute another model. A plain comparison of static sizes, so ``torch.compile`` only guards on it."""
+    compute another model."""
     if window is not None and seqlen > window:
         raise SeedckptError(
             f"an input of {seqlen} positions is longer than the model's attention window of {window} "
@@ -222,8 +222,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, spans=None) -> torch.Tensor:
         """``spans``: a packed batch's documents (``document_spans``); None: each row is one."""
-        bsz, seqlen, _ = x.shape  # the whole sequence: sequence parallelism gathers it before attention
-        check_attention_window(seqlen, self.options.attention_window)
+        bsz, seqlen, _ = x.shape
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
@@ -363,6 +362,10 @@ class Transformer(nn.Module):
         label tokens (-100: none) instead of the logits, ``loss_chunk_tokens`` tokens at a time
         (``chunked_cross_entropy``); other stages ignore them.
         """
+        # Here, outside the blocks ``training.compile`` compiles with fullgraph (a raise inside them is
+        # dynamo's error, not this one); dim 1 is the length of tokens and hidden states alike. Under
+        # sequence parallelism a later stage gets its rank's slice: training refuses such lengths first.
+        check_attention_window(tokens.shape[1], self.options.attention_window)
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(tokens)
             if self.options.embedding_multiplier != 1.0:
