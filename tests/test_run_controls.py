@@ -13,9 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from seedckpt.checkpoint import DcpCheckpoint
+from seedckpt.checkpoint import MANIFEST_NAME, DcpCheckpoint
+from seedckpt.config.job_config import load_config
+from seedckpt.config.resolve import resolve
 from seedckpt.data.sources import keyed_generator
-from tests.test_resume import REPO, finished, rows, train, train_in_process  # noqa: F401 (fixture)
+from seedckpt.materialize.start import CONFIG_CRC_KEY, config_crc
+from tests.test_resume import BASE, REPO, finished, rows, train, train_in_process  # noqa: F401 (fixture)
 
 WQ = "layers.0.attention.wq.weight"
 
@@ -229,7 +232,7 @@ def test_a_folder_holding_another_jobs_steps_is_refused_in_one_line(tmp_path, de
     first = train(run, debug_seed, *sft, "--finetune.pretrained", str(finished / "ckpt" / "step-2"))
     assert first.returncode == 0, first.stderr[-3000:]
     for other, difference in (
-        (["--finetune.pretrained", str(debug_seed)], f"this run from {debug_seed}"),
+        (["--finetune.pretrained", str(debug_seed)], f"this run from {debug_seed}, whose weights differ"),
         (["--finetune.mode", "osft", "--finetune.pretrained", str(finished / "ckpt" / "step-2")], "this run's 'osft'"),
     ):
         proc = train(run, debug_seed, *sft, *other, "--training.steps", "1")  # at its step: "nothing to train"?
@@ -243,11 +246,68 @@ def test_a_folder_holding_another_jobs_steps_is_refused_in_one_line(tmp_path, de
     assert again.returncode == 0 and "resuming from" in again.stdout, again.stdout + again.stderr
 
 
+def _hf_debug_llama(path: Path, seed: int) -> Path:
+    """A random LlamaForCausalLM of the debug flavor's shape (seed ``seed``), saved by transformers."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        rope_theta=10000.0,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def _listing(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*"))}
+
+
+def test_a_fine_tune_of_another_model_of_the_same_architecture_does_not_resume_its_steps(tmp_path, debug_seed):
+    """Model A, a random HF Llama, fine-tuned into a folder; then model B, drawn with another seed
+    (the same config.json, byte for byte): refused in one line naming both, nothing written. A
+    again, moved elsewhere: the same job, resumed. (DCP sources: the test above, and
+    ``test_job_identity``.)"""
+    a, b = (_hf_debug_llama(tmp_path / f"hf{seed}", seed) for seed in (0, 1))
+    assert (a / "config.json").read_bytes() == (b / "config.json").read_bytes()
+    run = tmp_path / "sft"
+    sft = ["--finetune.mode", "sft", "--training.steps", "2", "--checkpoint.interval", "1"]
+    first = train(run, debug_seed, *sft, "--training.stop_after_step", "1", "--finetune.pretrained", str(a))
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = _listing(run)
+    proc = train(run, debug_seed, *sft, "--finetune.pretrained", str(b))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip() == (
+        f"train.py: error: checkpoint.folder = {run / 'ckpt'} holds step-1 of another job (fine-tuned from {a}, "
+        f"this run from {b}, whose weights differ); give this run a checkpoint.folder of its own (or move those "
+        "steps away to start this job there)"
+    )
+    assert _listing(run) == before
+    moved = shutil.copytree(a, tmp_path / "moved")
+    again = train(run, debug_seed, *sft, "--finetune.pretrained", str(moved))
+    assert again.returncode == 0 and f"resuming from {run / 'ckpt' / 'step-1'}" in again.stdout, again.stdout
+    # A step-N of an older version records only its source's config CRC, which B shares: B resumes
+    # it (refusing would strand runs interrupted across the upgrade), and the log says so.
+    step = run / "ckpt" / "step-2"
+    manifest = json.loads((step / MANIFEST_NAME).read_text())
+    manifest["finetune"] = {"mode": "sft", "pretrained": str(a), CONFIG_CRC_KEY: config_crc(a)}
+    (step / MANIFEST_NAME).write_text(json.dumps(manifest))
+    argv = ["--checkpoint.folder", str(run / "ckpt"), *BASE, *sft, "--finetune.pretrained", str(b)]
+    legacy = resolve(load_config("configs/debug.toml", argv), 1).with_start()
+    assert legacy.start.step == 2
+    assert any("by its configuration only" in note for note in legacy.notes), legacy.notes
+
+
 def test_a_resume_on_more_data_parallel_ranks_keeps_the_checkpoints_global_batch(finished, tmp_path, debug_seed):
     """One process's step-2 (global batch 2) resumed on 2 ranks with the same config: the global
     batch stays 2 (local batch 1), not 2 x 2, so steps 3-4 are the uninterrupted run's."""
     from tests.dist import run_main
-    from tests.test_resume import BASE
 
     run = copied(finished, tmp_path)
     shutil.rmtree(run / "ckpt" / "step-4")

@@ -15,6 +15,7 @@ from its caller (``model``: expected shapes, tied FQNs, name adapters). By respo
 * ``background`` -- asynchronous saves: staging, the write in a background thread, one in flight.
 * ``atomic`` -- one writer per destination (a lock), ``.NAME.<pid>.partial`` + rename publishing.
 * ``integrity`` -- CRC32C checksums of every written byte, checked on every read.
+* ``fingerprint`` -- a checkpoint's weights identified in a bounded read (a fine-tuning job's source).
 * ``manifest`` -- ``seedckpt.json``, tensor tables, training-state names.
 * ``safe_pickle`` / ``safetensors_header`` / ``untrusted`` -- parsing untrusted metadata.
 * ``steps`` -- a training run's ``step-N`` folders.

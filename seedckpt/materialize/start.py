@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from seedckpt.checkpoint import DcpCheckpoint, OpenedCheckpoint, step_dirs
+from seedckpt.checkpoint.fingerprint import weights_fingerprint
 from seedckpt.checkpoint.manifest import MANIFEST_NAME, read_manifest
 from seedckpt.checkpoint.untrusted import MAX_JSON_BYTES, read_bounded
 from seedckpt.config.job_config import JobConfig
@@ -35,6 +36,7 @@ class Start:
     checkpoint: OpenedCheckpoint | None  # None: initialize directly from training.seed
     step: int  # 0 when starting from the seed or the pretrained weights
     pretrained: bool = False  # fine-tuning's first start: the vocabulary may grow
+    notes: tuple[str, ...] = ()  # lines for the run log about this start (``check_same_job``)
 
     @property
     def path(self) -> Path | None:
@@ -61,8 +63,7 @@ def find_start(cfg: JobConfig, args, pretrained: OpenedCheckpoint | None = None)
             start = open_start(cfg, args, require_manifest(steps[chosen]), chosen)
         except SeedckptError as e:
             raise SeedckptError(f"cannot resume: {e}; {fallback_hint(steps, chosen)}") from None
-        check_same_job(cfg, start)
-        return start
+        return dataclasses.replace(start, notes=check_same_job(cfg, start))
     if cfg.finetune.mode != "none":
         if pretrained is not None:
             return Start(pretrained, 0, True)
@@ -121,9 +122,50 @@ def initial_start(cfg: JobConfig, args) -> Start:
     return open_start(cfg, args, path, step)
 
 
-def source_fingerprint(path: str | Path) -> str | None:
-    """A fingerprint of the checkpoint at ``path``: the CRC32 of how it describes itself (our
-    manifest, or a Hugging Face ``config.json``), so a moved copy still matches; None for a file."""
+def check_same_job(cfg: JobConfig, start: Start) -> tuple[str, ...]:
+    """A ``step-N`` in ``checkpoint.folder`` is resumed only by the job that wrote it: the same model
+    family, fine-tuning mode and pretrained source (the same weights, by ``weights_fingerprint``).
+    Another job's steps would be resumed as this one's weights -- or reported as nothing to train.
+    Returns notes for the run log (a step-N that could identify its source by its config only)."""
+    manifest = start.checkpoint.manifest or {}
+    saved = manifest.get("finetune")
+    if not isinstance(saved, dict):
+        return ()  # written before jobs were recorded
+    ft = cfg.finetune
+    family = (manifest.get("model") or {}).get("name")
+    if ft.mode == "none" and family not in (None, cfg.model.name):
+        other = f"model.name {family!r}, this run's {cfg.model.name!r}"
+    elif saved.get("mode", "none") != ft.mode:
+        other = f"finetune.mode {saved.get('mode')!r}, this run's {ft.mode!r}"
+    elif ft.mode == "none":
+        return ()
+    elif _same_source(saved, ft.pretrained):
+        return _unchecked_weights_note(saved, start, ft.pretrained)
+    else:
+        other = f"fine-tuned from {saved.get('pretrained')}, this run from {ft.pretrained}, whose weights differ"
+    raise SeedckptError(
+        f"checkpoint.folder = {cfg.checkpoint.folder} holds {start.path.name} of another job ({other}); give "
+        "this run a checkpoint.folder of its own (or move those steps away to start this job there)"
+    )
+
+
+# Where a step-N records its pretrained source's identity: the weights' fingerprint; before that, the
+# CRC32 of the source's manifest or ``config.json`` (which two models of one architecture share).
+WEIGHTS_KEY = "pretrained_weights"
+CONFIG_CRC_KEY = "pretrained_fingerprint"
+
+
+def _same_source(saved: dict, pretrained: str) -> bool:
+    if saved.get(WEIGHTS_KEY) is not None:
+        return saved[WEIGHTS_KEY] == weights_fingerprint(pretrained)
+    if saved.get(CONFIG_CRC_KEY) is not None:
+        return saved[CONFIG_CRC_KEY] == config_crc(pretrained)
+    return Path(str(saved.get("pretrained"))).resolve() == Path(pretrained).resolve()
+
+
+def config_crc(path: str | Path) -> str | None:
+    """The identity an older step-N records for its source ``path``: the CRC32 of how the source
+    describes itself (our manifest, or a Hugging Face ``config.json``); None for a file."""
     for name in (MANIFEST_NAME, "config.json"):
         file = Path(path) / name
         if file.is_file():
@@ -131,35 +173,20 @@ def source_fingerprint(path: str | Path) -> str | None:
     return None
 
 
-def check_same_job(cfg: JobConfig, start: Start) -> None:
-    """A ``step-N`` in ``checkpoint.folder`` is resumed only by the job that wrote it: the same model
-    family, fine-tuning mode and pretrained source (by fingerprint, else by path). Another job's
-    steps would be resumed as this one's weights -- or reported as nothing to train."""
-    manifest = start.checkpoint.manifest or {}
-    saved = manifest.get("finetune")
-    if not isinstance(saved, dict):
-        return  # written before jobs were recorded
-    ft = cfg.finetune
-    family = (manifest.get("model") or {}).get("name")
-    if ft.mode == "none" and family not in (None, cfg.model.name):
-        other = f"model.name {family!r}, this run's {cfg.model.name!r}"
-    elif saved.get("mode", "none") != ft.mode:
-        other = f"finetune.mode {saved.get('mode')!r}, this run's {ft.mode!r}"
-    elif ft.mode != "none" and not _same_source(saved, ft.pretrained):
-        other = f"fine-tuned from {saved.get('pretrained')}, this run from {ft.pretrained}"
-    else:
-        return
-    raise SeedckptError(
-        f"checkpoint.folder = {cfg.checkpoint.folder} holds {start.path.name} of another job ({other}); give "
-        "this run a checkpoint.folder of its own (or move those steps away to start this job there)"
+def _unchecked_weights_note(saved: dict, start: Start, pretrained: str) -> tuple[str, ...]:
+    """A step-N that records only its source's config CRC is resumed when that matches -- refusing it
+    would strand every run interrupted across the upgrade -- and the log says what was not checked.
+    The CRC of our manifest covers the weights' checksums: only a ``config.json`` leaves them out."""
+    if saved.get(WEIGHTS_KEY) is not None or saved.get(CONFIG_CRC_KEY) is None:
+        return ()
+    if (Path(pretrained) / MANIFEST_NAME).is_file():
+        return ()
+    return (
+        f"{start.path} records its pretrained source {saved.get('pretrained')} by its configuration only "
+        "(written by an older seedckpt), so the weights could not be compared: resuming it as this job's. "
+        "If finetune.pretrained now holds another model of the same architecture, stop and give this run "
+        "a checkpoint.folder of its own",
     )
-
-
-def _same_source(saved: dict, pretrained: str) -> bool:
-    recorded = saved.get("pretrained_fingerprint")
-    if recorded is not None:
-        return recorded == source_fingerprint(pretrained)
-    return Path(str(saved.get("pretrained"))).resolve() == Path(pretrained).resolve()
 
 
 def require_manifest(step: Path) -> Path:

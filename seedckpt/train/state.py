@@ -21,12 +21,13 @@ from torch import nn
 
 from seedckpt.checkpoint import TOKENIZER_DIR, OpenedCheckpoint, make_manifest, step_dir, write_checkpoint
 from seedckpt.checkpoint.background import BackgroundSaver
+from seedckpt.checkpoint.fingerprint import weights_fingerprint
 from seedckpt.checkpoint.manifest import OPTIMIZER_PREFIX, RNG_PREFIX, TRAIN_STATE_KEY
 from seedckpt.config.job_config import JobConfig
 from seedckpt.data.sources import keyed_generator
 from seedckpt.data.tokenizer import tokenizer_files
 from seedckpt.finetune.osft import OSFTSettings, osft_record
-from seedckpt.materialize.start import source_fingerprint
+from seedckpt.materialize.start import WEIGHTS_KEY
 from seedckpt.parallel.data_parallel import DataParallel
 from seedckpt.train.optimizer import apply_settings, build_adamw, lr_factor, parameter_groups
 from seedckpt.utils.errors import SeedckptError
@@ -52,7 +53,7 @@ class TrainState:
         self.rng_key = f"{RNG_PREFIX}rank{dist.get_rank()}"
         self.rng_derived = False  # set by ``load``: this rank's RNG state was not in the checkpoint
         ft = cfg.finetune  # recorded in every step-N: which job wrote it (``start.check_same_job``)
-        self.pretrained_fingerprint = source_fingerprint(ft.pretrained) if ft.mode != "none" else None
+        self.pretrained_weights = weights_fingerprint(ft.pretrained) if ft.mode != "none" else None
         # The step before the run's first batch: step s trains on the data's batch s - data_start
         # (``checkpoint.exclude_from_loading = ["data"]`` starts the batches again at a resume).
         self.data_start = 0
@@ -161,7 +162,7 @@ class TrainState:
             finetune={
                 "mode": ft.mode,
                 "pretrained": ft.pretrained,
-                "pretrained_fingerprint": self.pretrained_fingerprint,
+                WEIGHTS_KEY: self.pretrained_weights,
                 **(osft_record(self.osft) if self.osft else {}),
             },
             data={"kind": cfg.data.kind, "path": cfg.data.path},
