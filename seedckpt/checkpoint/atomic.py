@@ -24,6 +24,7 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
+from seedckpt.checkpoint.manifest import TOKENIZER_DIR
 from seedckpt.utils.errors import SeedckptError, interrupted, write_failure
 
 PARTIAL_SUFFIX = ".partial"  # every partial output's name ends with it; readers refuse such paths
@@ -145,8 +146,9 @@ def _why_not_replaceable(path: Path, directory: bool) -> str | None:
 
     ``--force`` means "replace my previous output", so it must not delete a directory of other
     data, nor turn a directory into a file. A checkpoint directory is DCP (``.metadata``) or
-    Hugging Face (``config.json`` plus safetensors weights), and holds files only: one that also
-    holds directories (a run's ``step-N`` written inside a seed) is not replaced with them.
+    Hugging Face (``config.json`` plus safetensors weights), and holds files only, besides its
+    ``tokenizer`` folder: one that also holds other directories (a run's ``step-N`` written inside a
+    seed) is not replaced with them.
     """
     if not directory:
         if path.is_file():
@@ -155,7 +157,11 @@ def _why_not_replaceable(path: Path, directory: bool) -> str | None:
     if not path.is_dir():
         return "is a file"
     entries = sorted(child.name for child in path.iterdir())
-    inside = sorted(child.name for child in path.iterdir() if child.is_dir() and not child.name.startswith("."))
+    inside = sorted(
+        child.name
+        for child in path.iterdir()
+        if child.is_dir() and not child.name.startswith(".") and child.name != TOKENIZER_DIR
+    )
     if inside:
         return (
             f"holds {len(inside)} director{'y' if len(inside) == 1 else 'ies'} ({', '.join(inside[:3])}), which "

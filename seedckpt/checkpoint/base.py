@@ -151,7 +151,9 @@ class WriteJob:
     for formats that shard (HF); ``codec``: the caller's model knowledge, for formats that name the
     model their way (HF names and ``config.json``, torchtitan's names); ``token_ids``: HF's special
     token ids; ``aliases``: the tied FQNs left
-    out of ``infos`` (``{fqn: source}``), for formats that record them (DCP)."""
+    out of ``infos`` (``{fqn: source}``), for formats that record them (DCP); ``files``: files copied
+    into a directory output beside the tensors (``{name inside it: file}``: the tokenizer a
+    checkpoint carries); ``generation_config``: HF's ``generation_config.json`` (empty: none)."""
 
     infos: dict[str, TensorInfo]
     manifest: dict
@@ -163,6 +165,8 @@ class WriteJob:
     # HF: the special token ids (bos, eos -- a list --, pad) the exported tokenizer gives, for
     # config.json and generation_config.json, so that generate() stops where the model ends a turn
     token_ids: dict = field(default_factory=dict)
+    files: dict[str, Path] = field(default_factory=dict)
+    generation_config: dict = field(default_factory=dict)
 
 
 def recorded_layout(codec: ModelCodec | None, manifest: dict | None, where) -> ModelLayout | None:

@@ -10,6 +10,9 @@ written and the next one being read) -- except ``torch``, whose single pickle ho
   index and a ``config.json`` that ``transformers`` loads; a tied model is written tied.
 * ``safetensors``: one file with our FQNs; ``torch``: ``torch.save`` of ``{fqn: tensor}``.
 
+A directory output keeps the tokenizer files and ``generation_config.json`` its source carries
+(``carried``): an HF download converted to DCP and back can still ``generate()``.
+
 An OSFT run's checkpoint keeps its SVD factors where the target stores our names, else (or with
 ``--dense``) each target is rebuilt as its dense weight (``osft.DenseOSFT``).
 """
@@ -17,6 +20,7 @@ An OSFT run's checkpoint keeps its SVD factors where the target stores our names
 from __future__ import annotations
 
 import re
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -24,16 +28,21 @@ import torch
 
 from models.family import ModelFamily
 from seedckpt.checkpoint import FORMATS, OpenedCheckpoint, TensorInfo, WriteJob, dtype_name, make_manifest
+from seedckpt.checkpoint.formats.hf import GENERATION_CONFIG
 from seedckpt.checkpoint.manifest import TOKENIZER_DIR
+from seedckpt.checkpoint.untrusted import read_json
 from seedckpt.config.job_config import DTYPES
 from seedckpt.data.chat import render_with_mask
-from seedckpt.data.tokenizer import load_tokenizer
+from seedckpt.data.tokenizer import load_tokenizer, tokenizer_files
 from seedckpt.finetune.osft import manifest_osft
 from seedckpt.materialize.model_checkpoint import codec_for, dense_view, family_to_open, open_model_checkpoint
 from seedckpt.utils.errors import SeedckptError
 from seedckpt.utils.progress import Progress
 
 TARGETS = tuple(FORMATS)
+# The most bytes a carried file may take. Released tokenizer.json files are tens of MB at most
+# (262k-token vocabularies); a larger file under one of those names is not a tokenizer's.
+MAX_CARRIED_BYTES = 128 * 2**20
 
 
 def parse_size(text: str) -> int:
@@ -120,19 +129,100 @@ def convert(
         **({"finetune": recorded["finetune"]} if keeps_factors else {}),
     )
     token_ids = special_token_ids(source) if to == "hf" else {}
-    job = WriteJob(infos, manifest, force, bar.update, shard_bytes, codec, aliases=tied, token_ids=token_ids)
+    files, generation_config = carried(source, to, token_ids)
+    job = WriteJob(
+        infos,
+        manifest,
+        force,
+        bar.update,
+        shard_bytes,
+        codec,
+        aliases=tied,
+        token_ids=token_ids,
+        files=files,
+        generation_config=generation_config,
+    )
     try:
         return target.write(source, Path(dst), job)
     finally:
         bar.close()
 
 
+def carried(source: OpenedCheckpoint, to: str, token_ids: dict) -> tuple[dict[str, Path], dict]:
+    """What a ``to`` output carries beside its tensors: ``(files to copy in, by their names inside
+    it; the generation config to write)``. Tokenizer files go where the target keeps them
+    (``TOKENIZER_AT``); ``generation_config.json`` goes to the top level as it is, unless special
+    token ids were derived for the target (HF): then it is written merged, its own values winning
+    (its eos ids, its sampling settings) and the derived ids filling only the keys it lacks. A
+    single-file target has no place for either: they are left behind with a warning."""
+    found = carried_files(source)
+    original = _generation_config(found.get(GENERATION_CONFIG))  # checked whatever the target
+    folder = FORMATS[to].TOKENIZER_AT
+    if folder is None:
+        if found:
+            warnings.warn(
+                f"--to {to} writes one file, with no place for {', '.join(found)} of {source.path}: "
+                "they are not carried (--to hf or dcp keeps them)",
+                stacklevel=2,
+            )
+        return {}, {}
+    files = {name if name == GENERATION_CONFIG else str(Path(folder, name)): file for name, file in found.items()}
+    if not token_ids:
+        return files, {}
+    files.pop(GENERATION_CONFIG, None)
+    return files, {**token_ids, **original}
+
+
+def carried_files(source: OpenedCheckpoint) -> dict[str, Path]:
+    """``{name: file}``: the tokenizer files (``tokenizer_files``' names) and ``generation_config.json``
+    that ``source`` keeps beside its tensors; none for a single file. Only regular files are taken:
+    copying what a link points to could put any file of this machine into the output (a Hugging Face
+    cache snapshot, all links, keeps them only once copied with ``cp -rL``), so links are left with a
+    warning. A file larger than ``MAX_CARRIED_BYTES`` is refused before anything is written."""
+    folder = FORMATS[source.kind].TOKENIZER_AT
+    if folder is None or not source.path.is_dir():
+        return {}
+    present = [f for f in (*tokenizer_files(source.path / folder), source.path / GENERATION_CONFIG) if f.is_file()]
+    links = [f.name for f in present if f.is_symlink()]
+    if links:
+        warnings.warn(
+            f"{source.path}: {', '.join(links)} not carried: links are not followed; copy the directory "
+            "with `cp -rL` (a Hugging Face cache snapshot's files are links) to keep them",
+            stacklevel=3,
+        )
+    return {f.name: _bounded(f) for f in present if not f.is_symlink()}
+
+
+def _bounded(file: Path) -> Path:
+    size = file.stat().st_size
+    if size > MAX_CARRIED_BYTES:
+        raise SeedckptError(
+            f"{file} is {size:,} bytes, more than the {MAX_CARRIED_BYTES:,} a tokenizer file or generation "
+            "config may take, so it is not one: move it out of the directory to convert without it"
+        )
+    return file
+
+
+def _generation_config(file: Path | None) -> dict:
+    """The source's ``generation_config.json``, one JSON object (``{}`` without one)."""
+    if file is None:
+        return {}
+    config = read_json(file, "the generation config")
+    if not isinstance(config, dict):
+        raise SeedckptError(
+            f"{file} holds a JSON {type(config).__name__}, not an object; a generation config is one "
+            "object of settings (eos_token_id, ...): restore it, or move it away to convert without it"
+        )
+    return config
+
+
 def special_token_ids(source: OpenedCheckpoint) -> dict:
-    """bos, eos and pad ids of the tokenizer a fine-tuning checkpoint carries (none: ``{}``). With a
-    chat template, the eos ids also hold the token that ends an assistant turn: the last token the
-    template puts in the assistant's part, which SFT taught the model to emit."""
+    """bos, eos and pad ids of the tokenizer a DCP checkpoint carries (none: ``{}``). With a chat
+    template, the eos ids also hold the token that ends an assistant turn: the last token the
+    template puts in the assistant's part, which SFT taught the model to emit. A slow tokenizer alone
+    (``tokenizer.model``, carried from an HF download) gives none: seedckpt loads fast ones only."""
     directory = source.path / TOKENIZER_DIR if source.path.is_dir() else None
-    if directory is None or not directory.is_dir():
+    if directory is None or not (directory / "tokenizer.json").is_file():
         return {}
     tokenizer = load_tokenizer(directory)
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []

@@ -9,8 +9,9 @@
 Each module has ``detect(path)``, ``reader(path, codec, layout, verify)`` (its ``OpenedCheckpoint``) and
 ``write(source, dst, job)``. ``FORMATS`` maps each ``convert --to`` target to its module and
 ``open_checkpoint``, the one way into a checkpoint, asks each in turn. Each module also says whether
-it stores any tensor under our FQNs (``OUR_NAMES``: OSFT factors fit) and whether it stores a tied
-matrix once (``TIED_STORED_ONCE``).
+it stores any tensor under our FQNs (``OUR_NAMES``: OSFT factors fit), whether it stores a tied
+matrix once (``TIED_STORED_ONCE``) and where it keeps the tokenizer files a checkpoint carries
+(``TOKENIZER_AT``: a folder inside it, ``""`` for its top level, None for a single file, which has no place).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from seedckpt.checkpoint.atomic import refuse_partial
 from seedckpt.checkpoint.base import OpenedCheckpoint, WriteJob, recorded_layout
 from seedckpt.checkpoint.integrity import Checksums, ItemChecks, check_data_files, data_file, verify_item
 from seedckpt.checkpoint.load import copy_shared, load_state, one_destination_per_source
-from seedckpt.checkpoint.manifest import RAW_ITEMS_KEY, TensorInfo, is_model_key, read_manifest
+from seedckpt.checkpoint.manifest import RAW_ITEMS_KEY, TOKENIZER_DIR, TensorInfo, is_model_key, read_manifest
 from seedckpt.checkpoint.model import ModelCodec, ModelLayout, NameAdapter
 from seedckpt.checkpoint.owned_reads import READ_THREADS, OwnedFileSystemReader
 from seedckpt.checkpoint.safe_pickle import parse_dcp_metadata, tensor_infos
@@ -29,6 +29,7 @@ from seedckpt.utils.tensors import all_finite
 
 OUR_NAMES = True  # stores any tensor under our FQNs (OSFT factors too)
 TIED_STORED_ONCE = True  # a tied matrix is stored once; .metadata records the other FQN as its bytes
+TOKENIZER_AT = TOKENIZER_DIR  # as a fine-tuning run's step-N keeps the tokenizer files
 
 
 def detect(path: Path) -> bool:
@@ -253,7 +254,14 @@ def write(source: OpenedCheckpoint, dst: Path, job: WriteJob, names: NameAdapter
 
     state = {k: torch.empty(job.infos[f].shape, dtype=job.infos[f].dtype, device="meta") for k, f in fqn_of.items()}
     return write_checkpoint(
-        dst, state, job.manifest, force=job.force, planner=LazySavePlanner(produce), lookahead=1, aliases=job.aliases
+        dst,
+        state,
+        job.manifest,
+        force=job.force,
+        planner=LazySavePlanner(produce),
+        lookahead=1,
+        files=job.files,
+        aliases=job.aliases,
     )
 
 

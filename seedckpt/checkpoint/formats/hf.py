@@ -5,8 +5,8 @@ mapped to ours and permuted rows (e.g. q/k RoPE heads) put back in our order. A 
 separate output head in the files) gives the tied FQN its source's tensor. ``load`` goes through DCP's
 ``HuggingFaceStorageReader`` (reading rows with ``owned_reads.OwnedHFReader``), so each rank reads
 only its tensors and rows. ``write`` streams ``model-0000k-of-0000n.safetensors`` shards of at
-most ``shard_bytes``, the index and a ``config.json`` that ``transformers`` loads; the tokenizer
-files a fine-tuning checkpoint carries are copied along.
+most ``shard_bytes``, the index and a ``config.json`` that ``transformers`` loads, with the
+tokenizer files and ``generation_config.json`` the caller hands it (``WriteJob``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from seedckpt.checkpoint.atomic import atomic_output, write_json_synced
 from seedckpt.checkpoint.base import OpenedCheckpoint, WriteJob
 from seedckpt.checkpoint.formats.safetensors_file import read_safetensor, write_safetensors
 from seedckpt.checkpoint.load import RowWindow, copy_shared, load_state, one_destination_per_source, tensor_problems
-from seedckpt.checkpoint.manifest import TOKENIZER_DIR, TensorInfo
+from seedckpt.checkpoint.manifest import TensorInfo
 from seedckpt.checkpoint.model import ModelCodec, ModelLayout
 from seedckpt.checkpoint.owned_reads import OwnedHFReader
 from seedckpt.checkpoint.safetensors_header import SAFETENSORS_DTYPES, safetensors_header
@@ -32,6 +32,8 @@ from seedckpt.utils.tensors import copy_full_into, local, local_rows
 
 OUR_NAMES = False  # only the model's dense tensors have HF names
 TIED_STORED_ONCE = True  # as HF stores a tied model: no separate output head
+TOKENIZER_AT = ""  # beside config.json, where AutoTokenizer.from_pretrained looks
+GENERATION_CONFIG = "generation_config.json"
 
 
 def detect(path: Path) -> bool:
@@ -223,8 +225,9 @@ def _whole_groups(wanted: torch.Tensor, groups: int) -> RowWindow | None:
 
 
 def write(source: OpenedCheckpoint, dst: Path, job: WriteJob) -> Path:
-    """Shards of at most ``job.shard_bytes`` in HF's names and row order, the index, ``config.json``
-    and the source's tokenizer files; published once the directory reads back as an HF model."""
+    """Shards of at most ``job.shard_bytes`` in HF's names and row order, the index, ``config.json``,
+    ``job.generation_config`` and ``job.files`` (the tokenizer); published once the directory reads
+    back as an HF model."""
     if job.codec is None or source.layout is None:
         raise SeedckptError(f"{source.path}: writing Hugging Face files needs the model it holds")
     names = job.codec.hf_names(source.layout)
@@ -267,13 +270,10 @@ def write(source: OpenedCheckpoint, dst: Path, job: WriteJob) -> Path:
         index = {"metadata": {"total_size": sum(i.nbytes for _, _, i in entries.values())}, "weight_map": weight_map}
         write_json_synced(partial / "model.safetensors.index.json", index)
         write_json_synced(partial / "config.json", {**job.codec.hf_config(source.layout, dtype), **job.token_ids})
-        if job.token_ids:
-            write_json_synced(partial / "generation_config.json", job.token_ids)
-        tokenizer = source.path / TOKENIZER_DIR if source.path.is_dir() else None
-        if tokenizer is not None and tokenizer.is_dir():
-            for file in tokenizer.iterdir():
-                if file.is_file() and not file.is_symlink():
-                    shutil.copyfile(file, partial / file.name)
+        if job.generation_config:
+            write_json_synced(partial / GENERATION_CONFIG, job.generation_config)
+        for name, file in job.files.items():
+            shutil.copyfile(file, partial / name)
     return Path(dst)
 
 

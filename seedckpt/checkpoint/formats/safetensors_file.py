@@ -26,6 +26,7 @@ from seedckpt.utils.errors import SeedckptError
 
 OUR_NAMES = True
 TIED_STORED_ONCE = False
+TOKENIZER_AT = None  # one file: no place for a tokenizer
 MANIFEST_KEY = "seedckpt_manifest"  # in safetensors metadata and torch.save files we write
 _ST_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 

@@ -22,6 +22,7 @@ from seedckpt.utils.errors import SeedckptError
 
 OUR_NAMES = True
 TIED_STORED_ONCE = False
+TOKENIZER_AT = None  # one file: no place for a tokenizer
 
 
 def detect(path: Path) -> bool:

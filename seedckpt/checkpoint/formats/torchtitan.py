@@ -15,6 +15,7 @@ from seedckpt.utils.errors import SeedckptError
 
 OUR_NAMES = False  # only the model's dense tensors have torchtitan names
 TIED_STORED_ONCE = False  # torchtitan's model state holds lm_head.weight as its own entry
+TOKENIZER_AT = dcp.TOKENIZER_AT  # written by dcp.write
 
 
 def detect(path: Path) -> bool:
