@@ -122,16 +122,31 @@ def _copy(hf_dir: Path, dst: Path) -> Path:
     return dst
 
 
-def test_links_are_left_behind_with_a_warning(hf_dir, tmp_path):
+def test_links_out_of_the_directory_are_left_behind_with_a_warning(hf_dir, tmp_path):
     src = _copy(hf_dir, tmp_path / "src")
     secret = tmp_path / "secret.txt"
     secret.write_text("not a tokenizer")
     (src / "tokenizer_config.json").unlink()
     os.symlink(secret, src / "tokenizer_config.json")
-    with pytest.warns(UserWarning, match="tokenizer_config.json not carried: links are not followed"):
+    with pytest.warns(UserWarning, match="tokenizer_config.json not carried: links out of the directory"):
         convert(src, tmp_path / "dcp", "dcp", progress=False)
     assert not (tmp_path / "dcp" / "tokenizer" / "tokenizer_config.json").exists()
     assert (tmp_path / "dcp" / "tokenizer" / "tokenizer.json").is_file()
+
+
+def test_a_hugging_face_cache_snapshot_keeps_its_tokenizer(hf_dir, tmp_path):
+    """A cache snapshot (``models--X/snapshots/REV/``) holds links into ``models--X/blobs/``: followed."""
+    repo = tmp_path / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    for k, file in enumerate(sorted(hf_dir.iterdir())):
+        blob = repo / "blobs" / f"{k:040x}"
+        blob.write_bytes(file.read_bytes())
+        os.symlink(os.path.relpath(blob, snapshot), snapshot / file.name)
+    convert(snapshot, tmp_path / "dcp", "dcp", progress=False)
+    carried = tmp_path / "dcp" / "tokenizer" / "tokenizer_config.json"
+    assert carried.read_bytes() == (hf_dir / "tokenizer_config.json").read_bytes() and not carried.is_symlink()
 
 
 @pytest.mark.parametrize(

@@ -175,22 +175,33 @@ def carried(source: OpenedCheckpoint, to: str, token_ids: dict) -> tuple[dict[st
 
 def carried_files(source: OpenedCheckpoint) -> dict[str, Path]:
     """``{name: file}``: the tokenizer files (``tokenizer_files``' names) and ``generation_config.json``
-    that ``source`` keeps beside its tensors; none for a single file. Only regular files are taken:
-    copying what a link points to could put any file of this machine into the output (a Hugging Face
-    cache snapshot, all links, keeps them only once copied with ``cp -rL``), so links are left with a
-    warning. A file larger than ``MAX_CARRIED_BYTES`` is refused before anything is written."""
+    that ``source`` keeps beside its tensors; none for a single file. A link is followed only to a
+    file inside the source directory, or into its Hugging Face cache's ``blobs`` (a cache snapshot's
+    files are all links there): copying what any link points to could put any file of this machine
+    into the output, so other links are left with a warning. A file larger than
+    ``MAX_CARRIED_BYTES`` is refused before anything is written."""
     folder = FORMATS[source.kind].TOKENIZER_AT
     if folder is None or not source.path.is_dir():
         return {}
     present = [f for f in (*tokenizer_files(source.path / folder), source.path / GENERATION_CONFIG) if f.is_file()]
-    links = [f.name for f in present if f.is_symlink()]
-    if links:
+    outside = [f.name for f in present if not _inside_source(f, source.path)]
+    if outside:
         warnings.warn(
-            f"{source.path}: {', '.join(links)} not carried: links are not followed; copy the directory "
-            "with `cp -rL` (a Hugging Face cache snapshot's files are links) to keep them",
+            f"{source.path}: {', '.join(outside)} not carried: links out of the directory are not followed; "
+            "copy the files in (`cp -rL`) to keep them",
             stacklevel=3,
         )
-    return {f.name: _bounded(f) for f in present if not f.is_symlink()}
+    return {f.name: _bounded(f) for f in present if _inside_source(f, source.path)}
+
+
+def _inside_source(file: Path, source: Path) -> bool:
+    """Whether ``file`` is a regular file, or a link to one inside ``source`` or its HF cache's blobs."""
+    if not file.is_symlink():
+        return True
+    root = source.resolve()
+    roots = [root, *([root.parent.parent / "blobs"] if root.parent.name == "snapshots" else [])]
+    target = file.resolve()
+    return target.is_file() and any(target.is_relative_to(r) for r in roots)
 
 
 def _bounded(file: Path) -> Path:
