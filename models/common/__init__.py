@@ -67,7 +67,9 @@ def moe_decoder_family(
     name: str, args: type, flavors: dict, model_types, config, args_from_config, experts: ExpertNames, **hooks
 ):
     """A family on the shared decoder with mixture-of-experts layers (``args``: a
-    ``MoEDecoderArgs``): HF's names for its experts (``experts``), FLOPs of the active parameters."""
+    ``MoEDecoderArgs``): HF's names for its experts (``experts``), FLOPs of the active parameters.
+    The decoder's TP plan covers it: attention and dense layers split, mixtures of experts whole on
+    every TP rank (or split over them by expert parallelism)."""
     return decoder_family(
         name,
         args,
@@ -78,7 +80,6 @@ def moe_decoder_family(
         shape_fields=MOE_SHAPE_FIELDS,
         names=lambda model_args: HFNames(model_args, experts),
         flops_per_token=moe_flops_per_token,
-        tensor_parallel=None,  # attention-only TP with experts over the EP ranks is not built yet
         **hooks,
     )
 

@@ -132,7 +132,11 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x`` (tokens, dim) sorted by expert, ``counts`` (experts,) tokens per expert -> (tokens, dim)."""
-        w1, w2, w3 = self.w1, self.w2, self.w3
+        return self.compute(x, counts, self.w1, self.w2, self.w3)
+
+    def compute(self, x: torch.Tensor, counts: torch.Tensor, w1, w2, w3) -> torch.Tensor:
+        """``forward`` with the weights given: a parallel plan passes the block of experts it holds
+        (``counts`` then counts the tokens of those experts only)."""
         if self.use_grouped_mm and grouped_mm_applies(x, w1, w2):
             offsets = torch.cumsum(counts, 0, dtype=torch.int32)
             hidden = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))

@@ -28,6 +28,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -53,6 +54,36 @@ class ReplicatedParameters(ParallelStyle):
         )
 
 
+class LocalForward(ParallelStyle):
+    """A module run whole on every TP rank on plain tensors: its parameters are replicated DTensors,
+    as ``ReplicatedParameters``' are (one kind of tensor for the optimizer and the gradient norm;
+    every TP rank computes the same gradient), but its forward sees their local tensors -- the
+    router's sort and the experts' grouped GEMM have no DTensor rules. The swap is FSDP2's own way
+    of registering its unsharded parameters for a forward, undone after it; the gradient reaches
+    each DTensor through ``to_local``."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        distribute_module(module, device_mesh, _replicate_parameters)
+        swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
+
+        def to_local(module, _inputs):
+            for owner in module.modules():
+                for name, param in owner._parameters.items():
+                    if isinstance(param, DTensor):
+                        swapped.append((owner, name, param))
+            for owner, name, param in swapped:
+                owner._parameters[name] = param.to_local()
+
+        def restore(module, _inputs, _output):
+            while swapped:
+                owner, name, param = swapped.pop()
+                owner._parameters[name] = param
+
+        module.register_forward_pre_hook(to_local)
+        module.register_forward_hook(restore)
+        return module
+
+
 def _replicate_parameters(_, module: nn.Module, mesh: DeviceMesh) -> None:
     for name, param in list(module.named_parameters(recurse=False)):
         replicated = distribute_tensor(param, mesh, [Replicate()], src_data_rank=None)
@@ -61,11 +92,12 @@ def _replicate_parameters(_, module: nn.Module, mesh: DeviceMesh) -> None:
 
 def tensor_parallel_sizes(args) -> dict[str, int]:
     """What the TP degree must divide: heads and KV heads (whole heads per rank), the feed-forward
-    width and the vocabulary (equal slices)."""
+    width of the dense layers, if any, and the vocabulary (equal slices)."""
+    dense = len(getattr(args, "moe_layers", ())) < args.n_layers  # mixtures of experts are not split
     return {
         "model.n_heads": args.n_heads,
         "model.n_kv_heads": args.n_kv_heads,
-        "the feed-forward width": args.ffn_hidden_dim,
+        **({"the feed-forward width": args.ffn_hidden_dim} if dense else {}),
         "model.vocab_size": args.vocab_size,
     }
 
@@ -93,16 +125,40 @@ def parallelize_decoder(model: nn.Module, mesh: DeviceMesh, sequence_parallel: b
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=between),
             "ffn_norm": norm,
-            "feed_forward": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=between),
+            **(_dense_ffn_plan(between) if block.moe is None else _moe_plan(between)),
         }
         if block.attention.options.qk_norm:  # per head, on this rank's heads (dim 2 of (b, s, h, d))
             for name in ("attention.q_norm", "attention.k_norm"):
                 plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
         parallelize_module(block, mesh, plan)
     model.tie_weights()  # the plan gave the embedding and the output each a DTensor of their own
+
+
+def _dense_ffn_plan(between) -> dict:
+    return {
+        "feed_forward": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=between),
+    }
+
+
+def _moe_plan(between) -> dict:
+    """A mixture of experts runs whole on every TP rank, on the whole sequence (plain tensors in and
+    out): routing and the sequence-wise auxiliary loss need every token of a row. Its weights are
+    replicated, as the norms' are. Expert parallelism, when on, then splits the experts (and the
+    tokens they run) over the TP ranks too (``seedckpt.parallel.expert_parallel``)."""
+    return {
+        "moe": PrepareModuleInputOutput(
+            input_layouts=(between,),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Replicate(),),
+            desired_output_layouts=(between,),
+        ),
+        "moe.router": LocalForward(),
+        "moe.experts": LocalForward(),
+    }
 
 
 # The modules the plan splits; every other parameter (the norms) is whole on each TP rank.

@@ -266,6 +266,12 @@ class Parallelism:
     enable_sequence_parallel: bool = option(
         True, "with tensor parallelism: split the norms' activations along the sequence across the TP ranks"
     )
+    expert_parallel_degree: int = option(
+        1,
+        "ranks each MoE layer's experts are split over (Shard(0), tokens sent to them by all-to-all); "
+        "carved from the data_parallel_shard_degree x tensor_parallel_degree ranks, so it must divide "
+        "their product and model.n_experts",
+    )
     pipeline_parallel_schedule: PipelineSchedule = option("1F1B", "torch.distributed.pipelining schedule")
     pipeline_parallel_microbatches: int = option(-1, "microbatches per local batch (-1: one per pipeline stage)")
     pipeline_parallel_stages_per_rank: int = option(
@@ -296,6 +302,7 @@ class Parallelism:
             "pipeline_parallel_degree",
             "data_parallel_replicate_degree",
             "tensor_parallel_degree",
+            "expert_parallel_degree",
             "pipeline_parallel_stages_per_rank",
         ):
             _check(f"parallelism.{key}", getattr(self, key), getattr(self, key) >= 1, ">= 1")
@@ -596,8 +603,9 @@ class JobConfig:
 
     def _check_manual_fsdp(self) -> None:
         """Manual FSDP shards one whole stage over a flat data-parallel group: refuse, naming each
-        key, what it has no code for (pipeline stages and their schedules, HSDP's 2-D mesh,
-        OSFT's frozen factors and per-matrix projections, parameter groups in one flat vector)."""
+        key, what it has no code for (pipeline stages and their schedules, HSDP's 2-D mesh, experts
+        sharded over a mesh of their own, OSFT's frozen factors and per-matrix projections,
+        parameter groups in one flat vector)."""
         par = self.parallelism
         if par.fsdp_impl != "manual":
             return
@@ -621,6 +629,12 @@ class JobConfig:
                     par.tensor_parallel_degree,
                     "1",
                     par.tensor_parallel_degree == 1,
+                ),
+                (
+                    "parallelism.expert_parallel_degree",
+                    par.expert_parallel_degree,
+                    "1",
+                    par.expert_parallel_degree == 1,
                 ),
                 ("finetune.mode", self.finetune.mode, "'none' or 'sft'", self.finetune.mode != "osft"),
                 (

@@ -50,8 +50,8 @@ class DataParallel(ABC):
     timed_by_default: ClassVar[bool]  # what metrics.collective_timing = "auto" means for this implementation
     log_label: ClassVar[str] = ""  # how the run log names it, after the mesh
 
-    def __init__(self, cfg: JobConfig, dims: ParallelDims, mesh: DeviceMesh):
-        self.dims, self.mesh = dims, mesh
+    def __init__(self, cfg: JobConfig, dims: ParallelDims, mesh: DeviceMesh, expert_mesh: DeviceMesh | None = None):
+        self.dims, self.mesh, self.expert_mesh = dims, mesh, expert_mesh
         train = cfg.training
         self.param_dtype, self.reduce_dtype = DTYPES[train.mixed_precision_param], DTYPES[train.mixed_precision_reduce]
         timing = cfg.metrics.collective_timing
@@ -104,22 +104,35 @@ class DataParallel(ABC):
 class FSDP2(DataParallel):
     """``fully_shard`` per transformer block and the root, over ``dp_shard`` (or HSDP over
     ``(dp_replicate, dp_shard)``), carrying mixed precision. On one DP rank in float32 it is not
-    applied at all: there is nothing to shard and nothing to cast."""
+    applied at all: there is nothing to shard and nothing to cast. Under expert parallelism each
+    MoE layer's experts are sharded over ``efsdp`` (HSDP: ``(dp_replicate, efsdp)``) of the
+    experts' mesh instead: the ranks that hold the same experts."""
 
     timed_by_default = False  # timing replaces FSDP2's comms through the private _fsdp_api interfaces
 
-    def __init__(self, cfg: JobConfig, dims: ParallelDims, mesh: DeviceMesh):
-        super().__init__(cfg, dims, mesh)
+    def __init__(self, cfg: JobConfig, dims: ParallelDims, mesh: DeviceMesh, expert_mesh: DeviceMesh | None = None):
+        super().__init__(cfg, dims, mesh, expert_mesh)
         self.applied = dims.dp > 1 or (self.param_dtype, self.reduce_dtype) != (torch.float32, torch.float32)
         self.reshard_after_forward = reshard_after_forward(cfg.parallelism.fsdp_reshard_after_forward, dims.pp)
 
     def shard_on_meta(self, module: nn.Module) -> None:
         if not self.applied:
             return
-        mesh = self.mesh["dp_replicate", "dp_shard"] if self.dims.dp_replicate > 1 else self.mesh["dp_shard"]
-        apply_fsdp(module, mesh, self.param_dtype, self.reduce_dtype, self.reshard_after_forward)
+        apply_fsdp(
+            module,
+            self._data_parallel_mesh(self.mesh, "dp_shard"),
+            self.param_dtype,
+            self.reduce_dtype,
+            self.reshard_after_forward,
+            None if self.expert_mesh is None else self._data_parallel_mesh(self.expert_mesh, "efsdp"),
+            self.dims.dp,
+        )
         if self.collectives is not None:
             time_fsdp2_collectives(module, self.collectives)
+
+    def _data_parallel_mesh(self, mesh: DeviceMesh, shard: str) -> DeviceMesh:
+        """``mesh``'s ``shard`` dimension, with ``dp_replicate`` before it for HSDP."""
+        return mesh["dp_replicate", shard] if self.dims.dp_replicate > 1 else mesh[shard]
 
     def parameters(self, stage: int) -> list[nn.Parameter]:
         return [p for p in self.modules[stage].parameters() if p.requires_grad]  # OSFT freezes some
@@ -141,7 +154,7 @@ class ManualFSDP(DataParallel):
     timed_by_default = True  # its own two calls: a pair of clock reads each
     log_label = " with manual FSDP"
 
-    def __init__(self, cfg: JobConfig, dims: ParallelDims, mesh: DeviceMesh):
+    def __init__(self, cfg: JobConfig, dims: ParallelDims, mesh: DeviceMesh, expert_mesh: None = None):
         super().__init__(cfg, dims, mesh)
         self.group = mesh["dp_shard"].get_group()
         self.flat: list[FlatShardedModel] = []
@@ -173,6 +186,8 @@ class ManualFSDP(DataParallel):
         self.flat[stage].load_optimizer_state_dict(optimizer, state)
 
 
-def make_data_parallel(cfg: JobConfig, dims: ParallelDims, mesh: DeviceMesh) -> DataParallel:
-    """The implementation ``parallelism.fsdp_impl`` names."""
-    return (ManualFSDP if cfg.parallelism.fsdp_impl == "manual" else FSDP2)(cfg, dims, mesh)
+def make_data_parallel(
+    cfg: JobConfig, dims: ParallelDims, mesh: DeviceMesh, expert_mesh: DeviceMesh | None = None
+) -> DataParallel:
+    """The implementation ``parallelism.fsdp_impl`` names (``expert_mesh``: ``ParallelDims.build_expert_mesh``'s)."""
+    return (ManualFSDP if cfg.parallelism.fsdp_impl == "manual" else FSDP2)(cfg, dims, mesh, expert_mesh)

@@ -21,8 +21,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
+from models.common.moe import moe_modules
 from models.registry import family_of
 from seedckpt.config.job_config import JobConfig
+from seedckpt.parallel.expert_parallel import apply_expert_parallel
 from seedckpt.parallel.pipeline import split_layers
 from seedckpt.utils.errors import SeedckptError
 from seedckpt.utils.tensors import local
@@ -37,10 +39,16 @@ class ParallelDims:
     dp_replicate: int
     dp_shard: int
     tp: int = 1
+    ep: int = 1  # carved from dp_shard x tp (``expert_mesh``), not a factor of the world size
 
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def efsdp(self) -> int:
+        """The ranks of ``dp_shard x tp`` that hold the same experts: FSDP shards the experts over them."""
+        return self.dp_shard * self.tp // self.ep
 
     @property
     def world_size(self) -> int:
@@ -76,9 +84,11 @@ class ParallelDims:
                 f"{pp * rep * shard * tp}, but the world size is {world_size}; make them multiply to the "
                 "world size (or set data_parallel_shard_degree = -1)"
             )
-        dims = cls(pp, rep, shard, tp)
+        dims = cls(pp, rep, shard, tp, par.expert_parallel_degree)
         if tp > 1:
             check_tensor_parallel(cfg, args, tp)
+        if dims.ep > 1:
+            check_expert_parallel(cfg, args, dims)
         max_seq_len = args.max_seq_len
         problem = family_of(args).check_seq_len(args, train.seq_len)
         if problem:
@@ -150,6 +160,19 @@ class ParallelDims:
             mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"),
         )
 
+    def build_expert_mesh(self, device_type: str) -> DeviceMesh | None:
+        """The experts' mesh, or None without expert parallelism: the same ranks as ``build_mesh``'s
+        with ``dp_shard x tp`` (flattened, TP innermost) split into ``(efsdp, ep)``, EP innermost --
+        torchtitan's layout. An EP group is ``ep`` neighbouring ranks of ``dp_shard x tp`` (whole TP
+        groups when ``ep >= tp``), and ``efsdp`` is the ranks holding the same experts."""
+        if self.ep == 1:
+            return None
+        return init_device_mesh(
+            device_type,
+            (self.pp, self.dp_replicate, self.efsdp, self.ep),
+            mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep"),
+        )
+
 
 def check_tensor_parallel(cfg: JobConfig, args, tp: int) -> None:
     """What tensor parallelism of degree ``tp`` needs from the model and the rest of the config."""
@@ -184,19 +207,52 @@ def check_tensor_parallel(cfg: JobConfig, args, tp: int) -> None:
         )
 
 
+def check_expert_parallel(cfg: JobConfig, args, dims: ParallelDims) -> None:
+    """What expert parallelism of degree ``dims.ep`` needs from the model, the layout and the rest
+    of the config."""
+    ep = dims.ep
+    key = f"parallelism.expert_parallel_degree = {ep}"
+    if not getattr(args, "moe_layers", ()):
+        raise SeedckptError(f"{key}, but model.name = {family_of(args).name!r} has no experts to split; set it to 1")
+    if args.n_experts % ep:
+        raise SeedckptError(
+            f"{key} does not divide model.n_experts = {args.n_experts}: each EP rank holds an equal share of "
+            "every MoE layer's experts; use a degree that divides it"
+        )
+    if (dims.dp_shard * dims.tp) % ep:
+        raise SeedckptError(
+            f"{key} must divide data_parallel_shard_degree x tensor_parallel_degree = {dims.dp_shard} x "
+            f"{dims.tp} = {dims.dp_shard * dims.tp}: the EP ranks are carved from them; change a degree"
+        )
+    if cfg.finetune.mode == "osft":
+        raise SeedckptError(
+            f"finetune.mode = 'osft' does not run under expert parallelism in this version ({key}): its SVDs "
+            "need whole matrices on the ranks that hold them; set parallelism.expert_parallel_degree = 1 "
+            "(FSDP then shards the experts like every other weight), or use finetune.mode = 'sft'"
+        )
+
+
 def parallelize_stage(
-    module: nn.Module, cfg: JobConfig, dims: ParallelDims, mesh: DeviceMesh, shard_data_parallel
+    module: nn.Module,
+    cfg: JobConfig,
+    dims: ParallelDims,
+    mesh: DeviceMesh,
+    shard_data_parallel,
+    expert_mesh: DeviceMesh | None = None,
 ) -> None:
     """Everything applied to a stage module on ``meta``, in torchtitan's order: tensor parallelism
-    (the family's plan), activation checkpointing, compile (``training.compile``), then data
-    parallelism (``shard_data_parallel``) -- so the compiled code sits inside AC's and FSDP2's hooks,
-    and FSDP2 shards TP's DTensors over the data-parallel ranks."""
+    (the family's plan), expert parallelism (the experts over ``expert_mesh["ep"]``), activation
+    checkpointing, compile (``training.compile``), then data parallelism (``shard_data_parallel``)
+    -- so the compiled code sits inside AC's and FSDP2's hooks, and FSDP2 shards TP's and EP's
+    DTensors over the data-parallel ranks."""
     if dims.tp > 1:
         family_of(module.args).tensor_parallel.apply(module, mesh["tp"], cfg.parallelism.enable_sequence_parallel)
+    if dims.ep > 1:
+        apply_expert_parallel(module, expert_mesh["ep"], mesh["tp"] if dims.tp > 1 else None)
     ac = cfg.activation_checkpoint
     apply_activation_checkpointing(module, ac.mode, ac.selective_every)
     if cfg.training.compile:
-        apply_compile(module, whole_blocks=dims.tp == 1)
+        apply_compile(module, whole_blocks=dims.tp == 1 and not moe_modules(module))
     shard_data_parallel(module)
 
 
@@ -239,7 +295,10 @@ def apply_compile(model: nn.Module, whole_blocks: bool = True) -> None:
     split by the plan are compiled instead (attention, feed-forward: the matmuls), and the plan's
     hooks between them and the sequence-parallel norms stay eager. In torch 2.13 a compiled block
     with those hooks inside fails in DTensor's backward ("'Tensor' object has no attribute
-    '_local_tensor'"), and so does a compiled norm on a sequence-sharded DTensor.
+    '_local_tensor'"), and so does a compiled norm on a sequence-sharded DTensor. A stage with
+    mixture-of-experts layers is compiled by the same parts, its MoE layers eager: their routing and
+    the expert-parallel all-to-all have data-dependent shapes, and in torch 2.13 the fake kernel of
+    ``torch._grouped_mm`` refuses float32 operands, so a whole compiled block fails at its first step.
     """
     family = family_of(model.args)
     for block in family.blocks(model).values():
@@ -286,13 +345,38 @@ def check_compile_supported(device_type: str) -> None:
 
 
 def apply_fsdp(
-    model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype, reshard_after_forward: bool
+    model: nn.Module,
+    mesh: DeviceMesh,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    reshard_after_forward: bool,
+    expert_mesh: DeviceMesh | None = None,
+    dp: int = 1,
 ) -> None:
-    """``fully_shard`` each transformer block, then the root (embeddings, norm, output)."""
+    """``fully_shard`` each transformer block, then the root (embeddings, norm, output).
+
+    Under expert parallelism (``expert_mesh``: the ranks holding the same experts) each MoE layer's
+    experts are sharded first, over ``expert_mesh``, as units of their own. Their gradients are
+    summed over those ranks and divided by ``dp``, the data-parallel degree, not by the mesh's size:
+    the loss of every rank is scaled by ``dp`` (``Trainer.loss_scale``), and after the all-to-all
+    an expert's gradient on one rank holds the tokens of the whole EP group, so the ranks summed
+    over together cover the global batch once (``tests/test_expert_parallel.py`` checks it
+    against one process)."""
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in family_of(model.args).blocks(model).values():
+        for layer in moe_modules(block) if expert_mesh is not None else ():
+            _shard_experts(layer.experts, expert_mesh, policy, reshard_after_forward, dp)
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+
+
+def _shard_experts(experts: nn.Module, mesh: DeviceMesh, policy, reshard_after_forward: bool, dp: int) -> None:
+    fully_shard(experts, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    experts.set_gradient_divide_factor(float(dp))
+    if mesh.device_type == "cpu" and mesh[mesh.mesh_dim_names[-1]].size() > 1:
+        # Sum, then divide: FSDP2 would ask gloo for PREMUL_SUM, which it lacks. Not over one rank,
+        # where torch 2.13 then divides twice (measured: ep4's expert gradients a quarter too small).
+        experts.set_force_sum_reduction_for_comms(True)
 
 
 def reshard_after_forward(policy: str, pp: int) -> bool:

@@ -110,12 +110,20 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Clip by the norm over *all* gradients of the model: DP shards and pipeline stages
     (``duplicates``: copies of a tied parameter, counted once through the original). FSDP2's
-    gradients are DTensors that know their DP mesh; plain shards (manual FSDP) name it: ``dp_group``."""
+    gradients are DTensors that know their DP mesh; plain shards (manual FSDP) name it: ``dp_group``.
+    Gradients on different meshes (experts over the EP mesh, the rest over the DP x TP one) are
+    normed and clipped per mesh (DTensor's foreach ops take one), each norm reduced over its own
+    mesh, so every element counts once."""
     skip = {id(p) for p in duplicates}
-    grads = [p.grad for p in params if p.grad is not None and id(p) not in skip]
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if isinstance(norm, DTensor):  # partial over the FSDP mesh -> reduce to the full norm
-        norm = norm.full_tensor()
+    by_mesh = {}  # mesh (None: plain tensors) -> parameters with gradients
+    for p in params:
+        if p.grad is not None:
+            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    norms = [
+        _full(torch.nn.utils.get_total_norm([p.grad for p in ps if id(p) not in skip], norm_type=2.0, foreach=True))
+        for ps in by_mesh.values()
+    ]
+    norm = norms[0] if len(norms) == 1 else torch.stack(norms).norm() if norms else torch.zeros(())
     groups = [g for g in (dp_group, pp_group) if g is not None]
     if groups:  # sum of squares over the other ranks' parts
         squared = norm**2
@@ -123,8 +131,14 @@ def clip_grad_norm_(
             dist.all_reduce(squared, group=group)
         norm = squared.sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        for ps in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(ps, max_norm, norm, foreach=True)
     return norm
+
+
+def _full(norm: torch.Tensor) -> torch.Tensor:
+    """A DTensor norm (partial over its shards) reduced to the full one; a plain tensor as it is."""
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 class Trainer:
@@ -142,6 +156,7 @@ class Trainer:
             torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if run.device == "cuda" else torch.device("cpu")
         )
         self.mesh = self.dims.build_mesh(self.device.type)
+        self.expert_mesh = self.dims.build_expert_mesh(self.device.type)  # None without expert parallelism
         # checkpoint.async_mode: saves staged here, written by a background thread over its own group.
         self.saver = BackgroundSaver(self.device) if cfg.checkpoint.async_mode == "async" else None
         self.pp_rank = self.mesh.get_local_rank("pp")
@@ -185,7 +200,7 @@ class Trainer:
         )
 
         start = run.start
-        self.data_parallel = make_data_parallel(cfg, self.dims, self.mesh)
+        self.data_parallel = make_data_parallel(cfg, self.dims, self.mesh, self.expert_mesh)
         initial = bool(ckpt.initial_load_path) and start.path == Path(ckpt.initial_load_path).resolve()
         origin = (
             "continuing the train state of"
@@ -203,7 +218,9 @@ class Trainer:
         self.log(
             f"{origin} {start.path or ''} (step {start.step}); mesh pp={self.dims.pp} "
             f"dp_replicate={self.dims.dp_replicate} dp_shard={self.dims.dp_shard}"
-            f"{f' tp={self.dims.tp}' if self.dims.tp > 1 else ''} on {self.device.type}"
+            f"{f' tp={self.dims.tp}' if self.dims.tp > 1 else ''}"
+            f"{f' (experts: ep={self.dims.ep} efsdp={self.dims.efsdp})' if self.dims.ep > 1 else ''}"
+            f" on {self.device.type}"
             f"{self.data_parallel.log_label}; "
             f"AdamW {adamw_implementation(cfg.optimizer.implementation, self.device.type)}"
             f"; data: {self.data.description}"
@@ -217,7 +234,7 @@ class Trainer:
             self.modules, osft_targets = stage_models(self.args, self.specs, self.osft)
             for module in self.modules:
                 module.loss_chunk_tokens = self.loss_chunk
-                parallelize_stage(module, cfg, self.dims, self.mesh, self.data_parallel.shard_on_meta)
+                parallelize_stage(module, cfg, self.dims, self.mesh, self.data_parallel.shard_on_meta, self.expert_mesh)
             load_stages(
                 self.modules,
                 self.args,
