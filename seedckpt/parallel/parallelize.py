@@ -1,11 +1,13 @@
-"""The device mesh and what is applied per stage module: tensor parallelism, activation
-checkpointing, compile and FSDP2.
+"""The device mesh and what is applied per stage module: tensor parallelism, expert parallelism,
+activation checkpointing, compile and FSDP2.
 
 Mesh dimensions are ``(pp, dp_replicate, dp_shard, tp)``, TP innermost (neighbouring ranks: one
 node's fast links carry its per-layer collectives). FSDP2 shards over ``dp_shard``, or over the
 2-D ``(dp_replicate, dp_shard)`` sub-mesh (HSDP: replicate across, shard within) when
-``data_parallel_replicate_degree > 1``, on top of TP's DTensors. Degrees are validated before any
-process group work so a wrong layout fails with the fix, not a hang.
+``data_parallel_replicate_degree > 1``, on top of TP's DTensors. Under expert parallelism the
+experts live on a second mesh over the same ranks, ``(pp, dp_replicate, efsdp, ep)``
+(``ParallelDims.build_expert_mesh``). Degrees are validated before any process group work so a
+wrong layout fails with the fix, not a hang.
 """
 
 from __future__ import annotations
