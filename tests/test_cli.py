@@ -185,11 +185,17 @@ def _listed_config_keys(help_text: str) -> dict[str, set[str]]:
 
 @pytest.mark.parametrize(
     "command,epilog",
-    [(["-m", "seedckpt.cli.main"], "run `seedckpt COMMAND --help`"), (["train.py"], "examples:")],
-    ids=["seedckpt", "train.py"],
+    [
+        (["-m", "seedckpt.cli.main"], "run `seedckpt COMMAND --help`"),
+        (["-m", "seedckpt.cli.main", "seed"], "examples:"),
+        (["-m", "seedckpt.cli.main", "plan"], "examples:"),
+        (["train.py"], "examples:"),
+    ],
+    ids=["seedckpt", "seedckpt seed", "seedckpt plan", "train.py"],
 )
 def test_help_lists_every_config_key(command, epilog):
-    """Listed from the dataclasses: a key added to a section shows up, and needs a doc (test_config)."""
+    """Listed from the dataclasses: a key added to a section shows up, and needs a doc (test_config).
+    The commands that take ``--section.key value`` list them in their own help, as its text says."""
     from models.llama3.args import ModelArgs
     from seedckpt.config.job_config import JobConfig
 

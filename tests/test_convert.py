@@ -433,3 +433,50 @@ def test_a_tied_config_over_a_stored_head_loads_as_transformers_does(tmp_path, t
     tokens = TOKENS % reference.config.vocab_size
     with torch.no_grad():
         assert (our_logits(dcp, tokens) - reference(tokens).logits).abs().max().item() <= 1e-5
+
+
+def test_float64_weights_are_refused_alike_until_convert_casts_them(tmp_path, capsys):
+    """``convert`` (without ``--dtype``), ``load_model`` and a fine-tuning start refuse the same float64
+    directory in one line, each naming the cast that lets it in; ``convert --dtype float32`` casts it
+    (on request: the one rounding), and the result loads, computing the float64 model's logits."""
+    from seedckpt import load_model
+    from seedckpt.config.resolve import resolve
+
+    f64, out = tmp_path / "f64", tmp_path / "f32"
+    hf = _hf_llama().to(torch.float64)
+    hf.save_pretrained(f64)
+    refusal = rf"{re.escape(str(f64))} holds float64 weights \(\d+ tensors, e\.g\. \S+\), which models here hold in "
+    refusal += "float32 at most: "
+    capsys.readouterr()
+    assert main(["convert", str(f64), str(out), "--to", "dcp", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert re.search(refusal + "pass --dtype float32", err) and len(err.splitlines()) == 1, err
+    assert not out.exists()
+    sft = load_config(None, ["--finetune.mode", "sft", "--finetune.pretrained", str(f64)])
+    for start, then in ((lambda: load_model(f64), "load OUT"), (lambda: resolve(sft, 1, 0), "fine-tune from OUT")):
+        fix = f"cast it once: `seedckpt convert {f64} OUT --to dcp --dtype float32`, then {then}"
+        with pytest.raises(SeedckptError, match=f"^{refusal}{re.escape(fix)}$"):
+            start()
+    assert main(["convert", str(f64), str(out), "--to", "dcp", "--dtype", "float32", "--quiet"]) == 0
+    with torch.no_grad():
+        assert (load_model(out)(TOKENS).double() - hf(TOKENS).logits).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "settings,refusal",
+    [
+        ({"dtype": "int8"}, "dtype='int8': give one of float32, bfloat16, float16 (a name or a torch.dtype), or None"),
+        ({"dtype": torch.int8}, "dtype=torch.int8: give one of float32, bfloat16, float16"),
+        ({"dtype": torch.float64}, "dtype=torch.float64: give one of float32, bfloat16, float16"),
+        ({"device": "gpu"}, "device='gpu' is not a device: give 'cpu', 'cuda' or 'cuda:N'"),
+        ({"device": f"cuda:{torch.cuda.device_count()}"}, "CUDA device(s) on this machine"),  # one past the last
+    ],
+)
+def test_load_model_takes_dtype_names_and_refuses_the_rest_in_one_line(debug_seed, settings, refusal):
+    from seedckpt import load_model
+
+    with pytest.raises(SeedckptError, match=re.escape(refusal)) as refused:
+        load_model(debug_seed, **settings)
+    assert "\n" not in str(refused.value)
+    for name in ("bfloat16", "torch.bfloat16", torch.bfloat16):
+        assert load_model(debug_seed, dtype=name).output.weight.dtype == torch.bfloat16

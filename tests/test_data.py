@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from seedckpt.config.job_config import Data
-from seedckpt.data.datasets import make_dataset
+from seedckpt.data.datasets import held_out_dataset, make_dataset
 from seedckpt.data.sources import ALPHABET, SyntheticData, TextData, builtin_corpus
 from seedckpt.utils.errors import SeedckptError
 
@@ -56,3 +58,27 @@ def test_builtin_corpus_is_real_text():
 def test_bad_data_settings(kind, path, vocab, message):
     with pytest.raises(SeedckptError, match=message):
         make_dataset(Data(kind=kind, path=path), vocab, 32, 0)
+
+
+@pytest.mark.parametrize(
+    "data,path,message",
+    [
+        (Data(kind="text"), "/nonexistent.txt", "validation.path /nonexistent.txt is not a file"),
+        (Data(kind="chat", tokenizer="configs/sft_demo/tokenizer"), "/no.jsonl", "validation.path /no.jsonl does not"),
+        (
+            Data(kind="tokens", path="{tmp}"),
+            "{tmp}/held_out",
+            "validation.path {tmp}/held_out is not a token directory",
+        ),
+        (Data(kind="tokens", path="{tmp}"), "", "data.kind = 'tokens' needs validation.path"),
+    ],
+    ids=["text", "chat", "tokens", "none"],
+)
+def test_bad_held_out_data_names_validation_path(tmp_path, data, path, message):
+    """The held-out data is read as the training data is, and a problem with it names the key that
+    points at it: never ``data.path``, which may be fine."""
+    (tmp_path / "held_out").mkdir()
+    data = dataclasses.replace(data, path=data.path.format(tmp=tmp_path))
+    with pytest.raises(SeedckptError, match=message.format(tmp=tmp_path)) as refused:
+        held_out_dataset(data, path.format(tmp=tmp_path), 1024, 32, 0)
+    assert "data.path" not in str(refused.value)

@@ -5,6 +5,7 @@ multipliers), and the config fields that change the math read or refused in one 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import torch
 from models.registry import FAMILIES, get_family
 from seedckpt import load_model
 from seedckpt.cli.convert import convert, diff
-from seedckpt.materialize.model_checkpoint import open_model_checkpoint, parameter_count
+from seedckpt.materialize.model_checkpoint import parameter_count
 from seedckpt.materialize.stages import build_stages
 from seedckpt.parallel.pipeline import plan_rank_stages
 from seedckpt.utils.errors import SeedckptError
@@ -167,10 +168,116 @@ def test_config_fields_that_change_the_math_are_refused(tmp_path, name, field, v
     assert not (tmp_path / "dcp").exists()
 
 
-def test_a_directory_of_another_family_names_the_model_name_to_set(tmp_path):
+# A config.json value of the wrong type or out of range, by family: (family, field, value, the refusal).
+# field None: the whole config.json is that value.
+NONSENSE = [
+    ("qwen3", "rms_norm_eps", "1e-6", "rms_norm_eps = '1e-6'; it must be a finite number > 0"),
+    ("llama3", "rms_norm_eps", -1e-5, "rms_norm_eps = -1e-05; it must be a finite number > 0"),
+    ("qwen3", "rope_theta", float("nan"), "rope_theta = nan; it must be a finite number > 0"),
+    ("llama3", "rope_theta", float("inf"), "rope_theta = inf; it must be a finite number > 0"),
+    ("granite", "attention_multiplier", 0, "attention_multiplier = 0; it must be a finite number > 0"),
+    ("granite", "logits_scaling", 0.0, "logits_scaling = 0.0; it must be a finite number > 0"),
+    ("qwen3", "layer_types", ["full_attention", "sliding_attention", "full_attention"], "'sliding_attention'"),
+    ("qwen2", "num_key_value_heads", 2.0, "num_key_value_heads = 2.0; it must be an integer >= 1"),
+    ("mistral", "tie_word_embeddings", "false", "tie_word_embeddings = 'false'; it must be true or false"),
+    ("mistral", "sliding_window", 0, "sliding_window = 0; it must be an integer >= 1"),
+    ("qwen3_moe", "num_experts", "8", "num_experts = '8'; it must be an integer >= 1"),
+    ("qwen3_moe", "num_experts_per_tok", 9, "num_experts_per_tok = 9; it must be at most num_local_experts = 8"),
+    ("qwen3_moe", "moe_intermediate_size", 0, "moe_intermediate_size = 0; it must be an integer >= 1"),
+    ("qwen3_moe", "norm_topk_prob", 1, "norm_topk_prob = 1; it must be true or false"),
+    ("qwen3_moe", "mlp_only_layers", [1, 5], "mlp_only_layers = [1, 5] names layers [5]"),
+    ("qwen3_moe", "decoder_sparse_step", 0, "decoder_sparse_step = 0; it must be an integer >= 1"),
+    ("mixtral", "router_aux_loss_coef", -0.01, "router_aux_loss_coef = -0.01; it must be a finite number >= 0"),
+    ("mixtral", "num_local_experts", None, "config.json lacks num_local_experts (or num_experts)"),
+    ("qwen2", None, [], "config.json holds a JSON list, not an object"),
+]
+
+
+@pytest.mark.parametrize("name,field,value,message", NONSENSE, ids=[f"{c[0]}-{c[1]}" for c in NONSENSE])
+def test_config_values_of_the_wrong_type_or_range_are_refused_naming_the_field(
+    tmp_path, capsys, name, field, value, message
+):
+    """Each is refused when the directory is opened, by ``convert`` and ``diff`` (exit 2, one line, nothing
+    written), ``load_model`` and a fine-tuning start (the family found in the directory), never later
+    inside the model (a TypeError, a NaN logit, "buffers not recomputed")."""
+    from seedckpt.cli.main import main as cli
+    from seedckpt.config.job_config import load_config
+    from seedckpt.config.resolve import resolve
+
+    hf = tmp_path / "hf"
+    _hf_model(name, tie=False).save_pretrained(hf)
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps(value if field is None else {**config, field: value}))
+    capsys.readouterr()  # transformers' progress bar
+    for command in (["convert", str(hf), str(tmp_path / "out"), "--to", "dcp", "--quiet"], ["diff", str(hf), str(hf)]):
+        assert cli(command) == 2, command
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
+    sft = load_config(None, ["--finetune.mode", "sft", "--finetune.pretrained", str(hf)])
+    for start in (lambda: load_model(hf), lambda: resolve(sft, 1, local_world_size=0)):
+        with pytest.raises(SeedckptError, match=re.escape(message)) as refused:
+            start()
+        assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "model_type,model,message",
+    [
+        ("qwen3", "llama3", "model_type 'qwen3', not a llama3 model: set model.name = 'qwen3'"),
+        (
+            "gemma2",
+            None,
+            "config.json has model_type 'gemma2', which no model family here reads (they read 'llama', 'qwen3', "
+            "'qwen2', 'mistral', 'granite', 'qwen3_moe', 'mixtral'); a family is added as 'Adding a family' in "
+            "docs/model_families.md describes",
+        ),
+    ],
+)
+def test_a_directory_of_another_family_names_the_model_name_to_set(tmp_path, model_type, model, message):
+    """Another family's directory read as llama3 names the model.name to set; a model_type no family reads
+    names the ones read and where adding a family is described -- not a family the user never named."""
     _hf_model("qwen3", tie=False).save_pretrained(tmp_path / "hf")
-    with pytest.raises(SeedckptError, match="model_type 'qwen3', not a llama3 model: set model.name = 'qwen3'"):
-        open_model_checkpoint(tmp_path / "hf", model="llama3")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+    with pytest.raises(SeedckptError, match=re.escape(message)) as refused:
+        load_model(tmp_path / "hf", model=model)
+    assert (model is not None) == ("llama3" in str(refused.value))
+
+
+@pytest.mark.parametrize(
+    "model_keys,refusal",
+    [
+        ([], None),
+        (["--model.name", "qwen3"], None),
+        (
+            ["--model.name", "llama3"],
+            "config.json has model_type 'qwen3', not a llama3 model: set model.name = 'qwen3'",
+        ),
+        (
+            ["--model.n_layers", "2"],
+            "[model] contradicts finetune.pretrained {hf}: model.n_layers = 2, the checkpoint has 3",
+        ),
+    ],
+    ids=["no [model]", "the same family", "another family", "another shape"],
+)
+def test_a_fine_tuning_start_takes_family_and_shape_from_the_hf_directory(tmp_path, model_keys, refusal):
+    """As ``convert`` and ``load_model`` do: ``[model]`` is not needed, and what it says that the
+    directory contradicts is refused, naming both."""
+    from seedckpt.config.job_config import load_config
+    from seedckpt.config.resolve import resolve
+
+    hf = tmp_path / "hf"
+    _hf_model("qwen3", tie=False).save_pretrained(hf)
+    cfg = load_config(None, ["--finetune.mode", "sft", "--finetune.pretrained", str(hf), *model_keys])
+    if refusal is not None:
+        with pytest.raises(SeedckptError, match=re.escape(refusal.format(hf=hf))) as refused:
+            resolve(cfg, 1, local_world_size=0)
+        assert str(hf) in str(refused.value) and "\n" not in str(refused.value)
+        return
+    run = resolve(cfg, 1, local_world_size=0)
+    assert run.cfg.model.name == run.family.name == "qwen3"
+    assert run.args == get_family("qwen3").hf.args_from_config(json.loads((hf / "config.json").read_text()))
 
 
 def test_a_sliding_window_shorter_than_the_sequences_is_refused():
@@ -278,9 +385,7 @@ def test_osft_from_the_familys_hf_directory_exports_what_transformers_loads(tmp_
         tmp_path / "hf",
         tokenizer,
         chats,
-        1,
-        "--model.name",
-        name,
+        1,  # no --model.name: the family is the directory's
         "--finetune.mode",
         "osft",
         "--parallelism.pipeline_parallel_degree",

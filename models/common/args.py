@@ -10,11 +10,45 @@ decoder differs from Llama 3's. Field names follow torchtitan's (``dim``, ``n_la
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
 from models.common.decoder import DecoderOptions
 from models.common.moe import MoEOptions
+
+
+def check_int(name: str, value, least: int = 1) -> int:
+    """``value`` if it is an integer >= ``least`` (a bool is not one); else a ``ValueError`` naming
+    ``name``. Every family's args and ``config.json`` readers check their fields with these three."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{name} = {value!r}; it must be an integer >= {least}")
+    return value
+
+
+def check_float(name: str, value, positive: bool = True) -> float:
+    """``value`` as a float if it is a finite number, > 0 (``positive``: an epsilon, a RoPE base, a
+    scale) or >= 0; else a ``ValueError`` naming ``name``."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not number or value < 0 or (positive and value == 0):
+        raise ValueError(f"{name} = {value!r}; it must be a finite number {'>' if positive else '>='} 0")
+    return float(value)
+
+
+def check_bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} = {value!r}; it must be true or false")
+    return value
+
+
+def layer_list(name: str, value, n_layers: int) -> list[int]:
+    """``value`` if it is a list of layer indices below ``n_layers``; else a ``ValueError`` naming ``name``."""
+    if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        raise ValueError(f"{name} = {value!r}; it must be a list of layer indices")
+    outside = [i for i in value if not 0 <= i < n_layers]
+    if outside:
+        raise ValueError(f"{name} = {value!r} names layers {outside}; the model has layers 0..{n_layers - 1}")
+    return value
 
 
 class DictArgs:
@@ -48,16 +82,18 @@ class DecoderArgs(DictArgs):
     initializer_range: float = 0.02  # the std of HF's init (``DecoderOptions.init = "normal"``)
 
     def __post_init__(self):
+        for name in ("dim", "n_layers", "n_heads", "ffn_dim", "vocab_size", "max_seq_len"):
+            check_int(name, getattr(self, name))
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
-        if self.head_dim is None and self.n_heads >= 1:
+        if self.head_dim is None:
             self.head_dim = self.dim // self.n_heads
-        sizes = {
-            f: getattr(self, f)
-            for f in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size", "max_seq_len")
-        }
-        if any(v < 1 for v in sizes.values()):
-            raise ValueError(f"sizes must be >= 1: {sizes}")
+        check_int("n_kv_heads", self.n_kv_heads)
+        check_int("head_dim", self.head_dim)
+        self.norm_eps = check_float("norm_eps", self.norm_eps)
+        self.rope_theta = check_float("rope_theta", self.rope_theta)
+        self.initializer_range = check_float("initializer_range", self.initializer_range, positive=False)
+        check_bool("tie_word_embeddings", self.tie_word_embeddings)
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
         if self.head_dim % 2:
@@ -99,18 +135,16 @@ class MoEDecoderArgs(DecoderArgs):
 
     def __post_init__(self):
         super().__post_init__()
-        self.mlp_only_layers = sorted({int(i) for i in self.mlp_only_layers})
-        sizes = {f: getattr(self, f) for f in ("n_experts", "top_k", "moe_ffn_dim", "decoder_sparse_step")}
-        if any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in sizes.values()):
-            raise ValueError(f"sizes must be integers >= 1: {sizes}")
+        for name in ("n_experts", "top_k", "moe_ffn_dim", "decoder_sparse_step"):
+            check_int(name, getattr(self, name))
         if self.top_k > self.n_experts:
             raise ValueError(f"top_k={self.top_k} exceeds n_experts={self.n_experts}")
+        self.mlp_only_layers = sorted(set(layer_list("mlp_only_layers", self.mlp_only_layers, self.n_layers)))
+        check_bool("norm_topk_prob", self.norm_topk_prob)
         if self.load_balance not in ("aux_loss", "bias", "none"):
             raise ValueError(f"load_balance={self.load_balance!r}; choose aux_loss, bias or none")
         for name in ("aux_loss_coef", "bias_update_rate"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
-                raise ValueError(f"{name}={value!r} must be a finite number >= 0")
+            setattr(self, name, check_float(name, getattr(self, name), positive=False))
 
     @property
     def moe_layers(self) -> tuple[int, ...]:

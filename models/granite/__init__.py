@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from models.common import decoder_family, hf_config
-from models.common.args import DecoderArgs
+from models.common.args import DecoderArgs, check_float
 from models.common.decoder import DecoderOptions
 
 ARCHITECTURE, MODEL_TYPE = "GraniteForCausalLM", "granite"
@@ -27,6 +27,11 @@ class GraniteArgs(DecoderArgs):
     residual_multiplier: float = 1.0
     attention_multiplier: float = 1.0  # the attention scores' scale (not head_dim^-0.5)
     logits_scaling: float = 1.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        for m in MULTIPLIERS:  # finite and > 0: a zero scale or logits divisor computes NaN
+            setattr(self, m, check_float(m, getattr(self, m)))
 
     @property
     def decoder_options(self) -> DecoderOptions:
@@ -85,7 +90,9 @@ def config(args: GraniteArgs, dtype: torch.dtype) -> dict:
 def args_from_config(cfg: dict) -> GraniteArgs:
     hf_config.refuse_common(cfg, "Granite")
     hf_config.refuse(cfg, "Granite", attention_bias=False)
-    return GraniteArgs(**hf_config.decoder_fields(cfg), **{m: float(cfg.get(m, 1.0)) for m in MULTIPLIERS})
+    return GraniteArgs(
+        **hf_config.decoder_fields(cfg), **{m: hf_config.read(cfg, m, check_float, 1.0) for m in MULTIPLIERS}
+    )
 
 
 GRANITE = decoder_family("granite", GraniteArgs, FLAVORS, (MODEL_TYPE,), config, args_from_config)

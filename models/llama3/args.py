@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.common.args import DictArgs
+from models.common.args import DictArgs, check_bool, check_float, check_int
 from models.common.decoder import DecoderOptions
 
 
@@ -20,6 +20,16 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            setattr(self, name, check_float(f"rope_scaling.{name}", getattr(self, name)))
+        check_int("rope_scaling.original_max_position_embeddings", self.original_max_position_embeddings)
+        if self.high_freq_factor <= self.low_freq_factor:  # the smooth band between them would divide by 0
+            raise ValueError(
+                f"rope_scaling.high_freq_factor = {self.high_freq_factor}; it must exceed "
+                f"rope_scaling.low_freq_factor = {self.low_freq_factor}"
+            )
 
 
 @dataclass
@@ -42,19 +52,17 @@ class ModelArgs(DictArgs):
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):
             self.rope_scaling = RopeScaling(**self.rope_scaling)
+        elif self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ValueError(f"rope_scaling = {self.rope_scaling!r}; it must be a table of Llama 3's scaling or none")
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
-        sizes = dict(
-            dim=self.dim,
-            n_layers=self.n_layers,
-            n_heads=self.n_heads,
-            n_kv_heads=self.n_kv_heads,
-            vocab_size=self.vocab_size,
-            multiple_of=self.multiple_of,
-            max_seq_len=self.max_seq_len,
-        )
-        if any(v < 1 for v in sizes.values()):
-            raise ValueError(f"sizes must be >= 1: {sizes}")
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "max_seq_len"):
+            check_int(name, getattr(self, name))
+        if self.ffn_dim_multiplier is not None:
+            self.ffn_dim_multiplier = check_float("ffn_dim_multiplier", self.ffn_dim_multiplier)
+        self.norm_eps = check_float("norm_eps", self.norm_eps)
+        self.rope_theta = check_float("rope_theta", self.rope_theta)
+        check_bool("tie_word_embeddings", self.tie_word_embeddings)
         if self.dim % self.n_heads:
             raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from models.common import hf_config as common
+from models.common.args import check_bool, check_float, check_int
 from models.family import matching_flavor
 from models.llama3.args import LLAMA3_FLAVORS, SHAPE_FIELDS, ModelArgs, RopeScaling
 
@@ -49,46 +50,48 @@ def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict:
     }
 
 
+def _rope_scaling(cfg: dict) -> RopeScaling | None:
+    """Llama 3's RoPE scaling (``rope_type = "llama3"``), or None; another kind is refused."""
+    rope = common.table(cfg, "rope_scaling") or common.table(cfg, "rope_parameters")
+    kind = rope.get("rope_type", rope.get("type"))
+    if kind in (None, "default"):
+        return None
+    if kind != "llama3":
+        raise ValueError(f"unsupported rope scaling {rope!r}; only Llama-3 ('llama3') scaling is supported")
+    fields = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [f for f in fields if f not in rope]
+    if missing:
+        raise ValueError(f"config.json's llama3 rope scaling lacks {', '.join(missing)}")
+    return RopeScaling(**{f: rope[f] for f in fields})
+
+
 def args_from_hf_config(cfg: dict) -> ModelArgs:
-    """Our ModelArgs for an HF Llama ``config.json`` (a released flavor's own args when shapes match)."""
+    """Our ModelArgs for an HF Llama ``config.json`` (a released flavor's own args when shapes
+    match), each field checked as it is read (``common.read``)."""
     if cfg.get("model_type") not in (None, "llama"):
         raise ValueError(f"config.json has model_type {cfg.get('model_type')!r}, not a Llama's")
     common.refuse(cfg, "Llama", hidden_act="silu", attention_bias=False, mlp_bias=False)
-    try:
-        dim, hidden = cfg["hidden_size"], cfg["intermediate_size"]
-        n_heads = cfg["num_attention_heads"]
-        if cfg.get("head_dim") not in (None, dim // n_heads):
-            raise ValueError(f"config.json head_dim {cfg['head_dim']} != hidden_size / num_attention_heads")
-        rope = cfg.get("rope_scaling") or cfg.get("rope_parameters")
-        scaling = None
-        if rope and rope.get("rope_type", rope.get("type")) == "llama3":
-            scaling = RopeScaling(
-                **{
-                    k: rope[k]
-                    for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-                }
-            )
-        elif rope and rope.get("rope_type", rope.get("type")) not in (None, "default"):
-            raise ValueError(f"unsupported rope scaling {rope!r}; only Llama-3 ('llama3') scaling is supported")
-        theta = cfg.get("rope_theta", (rope or {}).get("rope_theta", 10000.0))
-        base = int(2 * 4 * dim / 3)
-        args = ModelArgs(
-            dim=dim,
-            n_layers=cfg["num_hidden_layers"],
-            n_heads=n_heads,
-            n_kv_heads=cfg.get("num_key_value_heads", n_heads),
-            vocab_size=cfg["vocab_size"],
-            # multiple_of = intermediate_size reproduces it exactly from our formula
-            multiple_of=hidden,
-            ffn_dim_multiplier=None if base <= hidden else hidden / base,
-            norm_eps=cfg.get("rms_norm_eps", 1e-5),
-            rope_theta=float(theta),
-            rope_scaling=scaling,
-            max_seq_len=cfg.get("max_position_embeddings", 8192),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        )
-    except KeyError as e:
-        raise ValueError(f"config.json lacks {e.args[0]!r}; is it a Llama config?") from None
+    common.refuse_layer_types(cfg, "Llama")
+    dim, hidden = common.read(cfg, "hidden_size", check_int), common.read(cfg, "intermediate_size", check_int)
+    n_heads = common.read(cfg, "num_attention_heads", check_int)
+    if common.read(cfg, "head_dim", check_int, dim // n_heads) != dim // n_heads:
+        raise ValueError(f"config.json head_dim {cfg['head_dim']} != hidden_size / num_attention_heads")
+    base = int(2 * 4 * dim / 3)
+    args = ModelArgs(
+        dim=dim,
+        n_layers=common.read(cfg, "num_hidden_layers", check_int),
+        n_heads=n_heads,
+        n_kv_heads=common.read(cfg, "num_key_value_heads", check_int, n_heads),
+        vocab_size=common.read(cfg, "vocab_size", check_int),
+        # multiple_of = intermediate_size reproduces it exactly from our formula
+        multiple_of=hidden,
+        ffn_dim_multiplier=None if base <= hidden else hidden / base,
+        norm_eps=common.read(cfg, "rms_norm_eps", check_float, 1e-5),
+        rope_theta=common.rope_theta(cfg),
+        rope_scaling=_rope_scaling(cfg),
+        max_seq_len=common.read(cfg, "max_position_embeddings", check_int, 8192),
+        tie_word_embeddings=common.read(cfg, "tie_word_embeddings", check_bool, False),
+    )
     if args.ffn_hidden_dim != hidden:
         raise ValueError(f"cannot express intermediate_size={hidden} for hidden_size={dim}")
     name = matching_flavor(LLAMA3_FLAVORS, SHAPE_FIELDS, args)

@@ -15,15 +15,25 @@ from dataclasses import dataclass
 import torch
 
 from models.common import decoder_family, hf_config
-from models.common.args import DecoderArgs
+from models.common.args import DecoderArgs, check_int
 from models.common.decoder import DecoderOptions
 
 ARCHITECTURE, MODEL_TYPE = "MistralForCausalLM", "mistral"
 
 
+def check_window(args) -> None:
+    """``sliding_window``: None (every position) or a count of positions (Mixtral's too)."""
+    if args.sliding_window is not None:
+        check_int("sliding_window", args.sliding_window)
+
+
 @dataclass
 class MistralArgs(DecoderArgs):
     sliding_window: int | None = None  # positions each token attends back to (None: all)
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_window(self)
 
     @property
     def decoder_options(self) -> DecoderOptions:

@@ -25,7 +25,7 @@ from models.common import hf_config, moe_decoder_family
 from models.common.args import MoEDecoderArgs
 from models.common.decoder import DecoderOptions
 from models.common.hf_names import ExpertNames
-from models.mistral import check_seq_len  # the same sliding window as Mistral's
+from models.mistral import check_seq_len, check_window  # the same sliding window as Mistral's
 
 ARCHITECTURE, MODEL_TYPE = "MixtralForCausalLM", "mixtral"
 EXPERTS = ExpertNames("block_sparse_moe", (("w1", "w1"), ("w2", "w2"), ("w3", "w3")))
@@ -34,6 +34,10 @@ EXPERTS = ExpertNames("block_sparse_moe", (("w1", "w1"), ("w2", "w2"), ("w3", "w
 @dataclass
 class MixtralArgs(MoEDecoderArgs):
     sliding_window: int | None = None  # positions each token attends back to (None: all)
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_window(self)
 
     @property
     def decoder_options(self) -> DecoderOptions:

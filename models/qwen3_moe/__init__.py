@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from models.common import hf_config, moe_decoder_family
-from models.common.args import MoEDecoderArgs
+from models.common.args import MoEDecoderArgs, check_int
 from models.common.decoder import DecoderOptions
 from models.common.hf_names import ExpertNames
 
@@ -96,9 +96,9 @@ def args_from_config(cfg: dict) -> Qwen3MoeArgs:
     return Qwen3MoeArgs(
         **hf_config.decoder_fields(cfg),
         **hf_config.moe_fields(cfg),
-        moe_ffn_dim=cfg["moe_intermediate_size"],
-        decoder_sparse_step=cfg.get("decoder_sparse_step", 1),
-        mlp_only_layers=list(cfg.get("mlp_only_layers") or []),
+        moe_ffn_dim=hf_config.read(cfg, "moe_intermediate_size", check_int),
+        decoder_sparse_step=hf_config.read(cfg, "decoder_sparse_step", check_int, 1),
+        mlp_only_layers=cfg.get("mlp_only_layers") or [],  # checked by the args, under the same name
     )
 
 

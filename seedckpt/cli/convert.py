@@ -35,7 +35,13 @@ from seedckpt.config.job_config import DTYPES
 from seedckpt.data.chat import render_with_mask
 from seedckpt.data.tokenizer import load_tokenizer, tokenizer_files
 from seedckpt.finetune.osft import manifest_osft
-from seedckpt.materialize.model_checkpoint import codec_for, dense_view, family_to_open, open_model_checkpoint
+from seedckpt.materialize.model_checkpoint import (
+    codec_for,
+    dense_view,
+    family_to_open,
+    open_model_checkpoint,
+    refuse_float64,
+)
 from seedckpt.utils.errors import SeedckptError
 from seedckpt.utils.progress import Progress
 
@@ -88,6 +94,8 @@ def convert(
     model = family_to_open(src, args, model)
     codec = codec_for(model)
     source = open_model_checkpoint(src, args, verify=verify, model=model)
+    if dtype is None:  # a cast on request is the one way in for float64 weights
+        refuse_float64(source, "pass --dtype float32 (or bfloat16) to cast them")
     has_factors = manifest_osft(source.manifest) is not None
     keeps_factors = has_factors and target.OUR_NAMES and not dense
     if keeps_factors and dtype is not None:

@@ -67,11 +67,18 @@ EXAMPLES = {
 
 
 class _ParserListingConfigKeys(argparse.ArgumentParser):
-    """``seedckpt --help`` ends with every config key (``config_reference``). Rendered only when
-    help is printed, since seedckpt.config.job_config imports torch, which ``seedckpt seed`` must not load
-    before it has set its environment variables."""
+    """A parser whose ``--help`` ends with every config key (``config_reference``) when
+    ``lists_config_keys``: ``seedckpt --help`` and the commands that take ``--section.key value``
+    (``seed``, ``plan``). Rendered only when help is printed, since seedckpt.config.job_config
+    imports torch, which ``seedckpt seed`` must not load before it has set its environment variables."""
+
+    def __init__(self, *args, lists_config_keys: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lists_config_keys = lists_config_keys
 
     def format_help(self) -> str:
+        if not self.lists_config_keys:
+            return super().format_help()
         from seedckpt.config.job_config import config_reference
 
         return f"{super().format_help()}\n{config_reference()}\n"
@@ -83,22 +90,25 @@ def _parser() -> argparse.ArgumentParser:
         description="Seed checkpoints for pipeline x FSDP2 LLM training.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="run `seedckpt COMMAND --help` for each command's options and examples",
+        lists_config_keys=True,
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=argparse.ArgumentParser)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_ParserListingConfigKeys)
 
-    def add(name: str, help: str) -> argparse.ArgumentParser:
+    def add(name: str, help: str, lists_config_keys: bool = False) -> argparse.ArgumentParser:
         return sub.add_parser(
             name,
             help=help,
             description=help,
             epilog=textwrap.dedent(EXAMPLES[name]),
             formatter_class=argparse.RawDescriptionHelpFormatter,
+            lists_config_keys=lists_config_keys,
         )
 
     seed = add(
         "seed",
         "Initialize the full model on CPU and write a DCP seed checkpoint. "
-        "Any config key can be overridden with --section.key value (`seedckpt --help` lists them).",
+        "Any config key can be overridden with --section.key value (listed below the examples).",
+        lists_config_keys=True,
     )
     seed.add_argument("--config", required=True, help="job config TOML, e.g. configs/debug.toml")
     seed.add_argument("--output", help="checkpoint directory (default: checkpoint.seed_checkpoint)")
@@ -126,7 +136,8 @@ def _parser() -> argparse.ArgumentParser:
         "plan",
         "Show which layers, parameters and bytes each pipeline stage and rank gets "
         "(computed on meta: no memory, works for 405B). Any config key can be overridden with "
-        "--section.key value (`seedckpt --help` lists them).",
+        "--section.key value (listed below the examples).",
+        lists_config_keys=True,
     )
     plan.add_argument("--config", required=True, help="job config TOML")
     plan.add_argument("--world-size", type=int, help="resolve data_parallel_shard_degree = -1 against this")

@@ -6,6 +6,9 @@ on ``data``'s batches and file readers) never import each other in a circle.
 
 from __future__ import annotations
 
+import re
+from dataclasses import replace
+
 from seedckpt.data.chat import ChatData, PretokenizedData
 from seedckpt.data.mixture import MixedData
 from seedckpt.data.sources import SyntheticData, TextData
@@ -31,3 +34,13 @@ def make_dataset(data, vocab_size: int, seq_len: int, seed: int, row_tokens: int
     if data.kind == "tokens":
         return token_dataset(data, vocab_size, seq_len, seed, row_tokens)
     raise SeedckptError(f"data.kind = {data.kind!r}; choose synthetic, text, tokens, chat or pretokenized")
+
+
+def held_out_dataset(data, path: str, vocab_size: int, seq_len: int, seed: int, row_tokens: int = 0):
+    """``path`` (``validation.path``) read as the ``[data]`` section ``data`` reads its own (its kind,
+    tokenizer, packing): the held-out data. The readers name the key they read, ``data.path``; here
+    that key is ``validation.path``, and their errors say so."""
+    try:
+        return make_dataset(replace(data, path=path, sources=[]), vocab_size, seq_len, seed, row_tokens)
+    except SeedckptError as e:
+        raise SeedckptError(re.sub(r"\bdata\.path\b", "validation.path", str(e))) from None

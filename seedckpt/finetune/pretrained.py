@@ -6,8 +6,9 @@ directory of the family -- through the same ``build_stages`` path as pretraining
 stage's tensors (and its rows under FSDP), nobody holds the whole model. This module only decides
 *which* model that is, before any process group or allocation:
 
-* The model's args are read from the checkpoint (``seedckpt.json`` or ``config.json``). A ``[model]``
-  key the user set that contradicts them is an error naming both values -- never silently ignored.
+* The model's family and args are read from the checkpoint (``seedckpt.json`` or ``config.json``). A
+  ``[model]`` key the user set that contradicts them (``name`` included) is an error naming both
+  values -- never silently ignored.
 * Vocabulary alignment (Mini Trainer's rule): a tokenizer with more tokens than the checkpoint's
   vocabulary grows the embedding and the output projection to the next multiple of 8 (the new
   rows start as the mean of the old ones, see ``stages``); the vocabulary never shrinks.
@@ -24,7 +25,7 @@ from seedckpt.checkpoint import OpenedCheckpoint
 from seedckpt.config.job_config import JobConfig
 from seedckpt.data.tokenizer import load_tokenizer
 from seedckpt.finetune.osft import OSFTSettings, describe_targets, manifest_osft, pattern_matches, target_fqns
-from seedckpt.materialize.model_checkpoint import open_model_checkpoint
+from seedckpt.materialize.model_checkpoint import detect_family, open_model_checkpoint, refuse_float64
 from seedckpt.utils.errors import SeedckptError
 
 VOCAB_MULTIPLE = 8
@@ -47,6 +48,9 @@ def open_pretrained(path: str, family: str | None = None, verify: bool = True) -
             "Hugging Face directory (config.json + *.safetensors)"
         )
     checkpoint = open_model_checkpoint(path, model=family, verify=verify)
+    refuse_float64(
+        checkpoint, f"cast it once: `seedckpt convert {path} OUT --to dcp --dtype float32`, then fine-tune from OUT"
+    )
     if manifest_osft(checkpoint.manifest) is not None:
         raise SeedckptError(
             f"finetune.pretrained {path} holds an OSFT run's SVD factors, not dense weights; "
@@ -56,6 +60,17 @@ def open_pretrained(path: str, family: str | None = None, verify: bool = True) -
         )
     checkpoint.require_args()
     return checkpoint
+
+
+def with_pretrained_family(cfg: JobConfig) -> JobConfig:
+    """A fine-tuning config whose ``[model]`` names no family takes the pretrained checkpoint's (its
+    manifest's model, or its ``config.json``'s ``model_type``), as ``convert`` and ``load_model`` do.
+    A family it names is the one the checkpoint is opened as: another family's checkpoint is refused
+    then, naming both."""
+    ft = cfg.finetune
+    if ft.mode == "none" or not ft.pretrained or "name" in cfg.model.given or not Path(ft.pretrained).exists():
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=detect_family(ft.pretrained)))
 
 
 def check_model_section(cfg: JobConfig, args, where: str) -> None:

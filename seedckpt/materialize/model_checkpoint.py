@@ -65,8 +65,16 @@ class FamilyCodec:
         model_type = config.get("model_type")
         if model_type is not None and model_type not in self.family.hf.model_types:
             other = family_of_model_type(model_type)
-            fix = f"set model.name = {other.name!r}" if other else f"this version reads {', '.join(FAMILIES)}"
-            raise SeedckptError(f"config.json has model_type {model_type!r}, not a {self.family.name} model: {fix}")
+            if other is None:
+                read = ", ".join(repr(t) for family in FAMILIES.values() for t in family.hf.model_types)
+                raise SeedckptError(
+                    f"config.json has model_type {model_type!r}, which no model family here reads (they read "
+                    f"{read}); a family is added as 'Adding a family' in docs/model_families.md describes"
+                )
+            raise SeedckptError(
+                f"config.json has model_type {model_type!r}, not a {self.family.name} model: set model.name = "
+                f"{other.name!r}"
+            )
         return self.layout(self.family.hf.args_from_config(config))
 
     def hf_names(self, layout: ModelLayout):
@@ -110,6 +118,17 @@ def detect_family(path: str | Path) -> str:
         if family is not None:
             return family.name
     return DEFAULT_FAMILY
+
+
+def refuse_float64(checkpoint: OpenedCheckpoint, fix: str) -> None:
+    """Weights load only where no value changes (into float32 at most), so float64 weights are cast
+    once, on request (``seedckpt convert --dtype``), never silently by a reader: one line, ``fix``."""
+    wide = [fqn for fqn, info in checkpoint.infos.items() if info.dtype == torch.float64]
+    if wide:
+        raise SeedckptError(
+            f"{checkpoint.path} holds float64 weights ({len(wide)} tensors, e.g. {wide[0]}), which models here "
+            f"hold in float32 at most: {fix}"
+        )
 
 
 def dense_view(source: OpenedCheckpoint) -> DenseOSFT:

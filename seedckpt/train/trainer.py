@@ -52,7 +52,7 @@ from seedckpt.checkpoint.background import BackgroundSaver, SavedInBackground
 from seedckpt.cli.convert import convert
 from seedckpt.config.job_config import JobConfig, check_output_folders, config_reference, load_config
 from seedckpt.config.resolve import ResolvedRun, resolve
-from seedckpt.data.datasets import make_dataset
+from seedckpt.data.datasets import held_out_dataset, make_dataset
 from seedckpt.data.sources import IGNORE_INDEX, keyed_generator
 from seedckpt.finetune.osft import OSFTProjector
 from seedckpt.finetune.pretrained import osft_spec
@@ -191,10 +191,11 @@ class Trainer:
         self.chunked_loss = self.loss_chunk > 0
         self.global_batch = self.dims.global_batch_size(cfg)
         self.data = data or make_dataset(cfg.data, self.args.vocab_size, train.seq_len, train.seed, train.row_tokens)
-        held_out = dataclasses.replace(cfg.data, path=cfg.validation.path, sources=[])
         validation_seed = keyed_generator("seedckpt-validation", train.seed).initial_seed()  # draws of its own
         self.validation_data = (
-            make_dataset(held_out, self.args.vocab_size, train.seq_len, validation_seed, train.row_tokens)
+            held_out_dataset(
+                cfg.data, cfg.validation.path, self.args.vocab_size, train.seq_len, validation_seed, train.row_tokens
+            )
             if cfg.validation.enabled
             else None
         )

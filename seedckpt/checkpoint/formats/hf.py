@@ -56,8 +56,15 @@ class HFCheckpoint(OpenedCheckpoint):
                 f"{path} is a Hugging Face directory: reading it needs the model family (the caller passes its codec)"
             )
         self.config = read_json(path / "config.json", "the model configuration")
+        if not isinstance(self.config, dict):
+            raise SeedckptError(
+                f"{path}/config.json holds a JSON {type(self.config).__name__}, not an object; a model's "
+                "config.json is one object of its settings (hidden_size, num_hidden_layers, ...): restore it"
+            )
         try:
             layout = codec.hf_layout(self.config)
+        except SeedckptError as e:  # another family's model_type, or none the codec knows
+            raise SeedckptError(f"{path}: {e}") from None
         except (TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
             raise SeedckptError(f"{path}/config.json describes no valid model of this family ({e})") from None
         self.names = codec.hf_names(layout)
