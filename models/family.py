@@ -66,7 +66,8 @@ class ModelFamily:
     # (args, seq_len, parameters or None: count them) -> training FLOPs per token
     flops_per_token: Callable[[Any, int, int | None], int]
     hf: HFAdapter
-    renamings: Mapping[str, Any] = field(default_factory=dict)  # {tool: name adapter}: other tools' names
+    # {tool: args -> name adapter}: other tools' names (args: the model's, None where nobody described it)
+    renamings: Mapping[str, Callable[[Any], Any]] = field(default_factory=dict)
     # (args, training.seq_len) -> why this model cannot train that long, or None (a sliding window
     # this version does not implement)
     check_seq_len: Callable[[Any, int], str | None] = lambda args, seq_len: None

@@ -118,12 +118,32 @@ class ExpertNames:
         return (f"layers.{layer}.moe.experts.{ours}", int(m.group(1))) if ours else None
 
 
-class HFNames:
+class HFRowOrder:
+    """A name adapter's row order where q/k rows are HF's (half-split RoPE per head) for a model of
+    ``args`` (its head counts): HF's own files, and torchtitan's Qwen3, which rotates halves too."""
+
+    def __init__(self, args):
+        self.args = args
+
+    def row_groups(self, fqn: str) -> int | None:
+        """Rows of ``fqn`` are permuted within this many equal groups (its heads), or None."""
+        return heads_of(fqn, self.args)
+
+    def to_stored_rows(self, fqn: str, tensor: torch.Tensor) -> torch.Tensor:
+        heads = heads_of(fqn, self.args)
+        return permute_to_hf(tensor, heads) if heads else tensor
+
+    def from_stored_rows(self, tensor: torch.Tensor, groups: int) -> torch.Tensor:
+        """Whole groups of rows as stored -> ours."""
+        return permute_from_hf(tensor, groups)
+
+
+class HFNames(HFRowOrder):
     """The name adapter between our FQNs and HF's for one model (``args`` gives the head counts;
     ``experts``: how the family names its experts, for a mixture of experts)."""
 
     def __init__(self, args, experts: ExpertNames | None = None):
-        self.args = args
+        super().__init__(args)
         self.experts = experts
 
     def to_stored(self, fqn: str) -> str:
@@ -132,13 +152,23 @@ class HFNames:
             ours, theirs = self.experts.router()
             if m.group(2) == ours:
                 return f"model.layers.{m.group(1)}.{theirs}"
-            if m.group(2) == "moe.expert_bias":
-                raise ValueError(
-                    f"{fqn} is aux-loss-free balancing's expert bias, which transformers' class for this model "
-                    "cannot hold (exported, the model would route differently): export to dcp or torchtitan, "
-                    "or train with --model.load_balance aux_loss"
-                )
+        reason = self.unkept_unless_zero(fqn)
+        if reason is not None:
+            raise ValueError(reason)
         return to_hf_name(fqn)
+
+    def unkept_unless_zero(self, fqn: str) -> str | None:
+        """Why HF's layout cannot hold ``fqn`` unless it is zero, or None. Aux-loss-free balancing's
+        expert bias: transformers' classes have none, and a zero bias routes as none does, so an
+        export leaves a zero one out and refuses any other (the exported model would route differently)."""
+        m = _OURS.fullmatch(fqn)
+        if self.experts is None or not m or m.group(2) != "moe.expert_bias":
+            return None
+        return (
+            f"{fqn} is aux-loss-free balancing's trained expert bias, which transformers' class for this model "
+            "cannot hold (exported, the model would route differently): export to dcp or torchtitan, "
+            "or train with --model.load_balance aux_loss"
+        )
 
     def from_stored(self, name: str) -> str | tuple[str, int] | None:
         m = _THEIRS.fullmatch(name)
@@ -158,15 +188,3 @@ class HFNames:
         if self.experts is None or not m:
             return None
         return self.experts.stored(m.group(1), m.group(2), count)
-
-    def row_groups(self, fqn: str) -> int | None:
-        """Rows of ``fqn`` are permuted within this many equal groups (its heads), or None."""
-        return heads_of(fqn, self.args)
-
-    def to_stored_rows(self, fqn: str, tensor: torch.Tensor) -> torch.Tensor:
-        heads = heads_of(fqn, self.args)
-        return permute_to_hf(tensor, heads) if heads else tensor
-
-    def from_stored_rows(self, tensor: torch.Tensor, groups: int) -> torch.Tensor:
-        """Whole groups of rows as stored -> ours."""
-        return permute_from_hf(tensor, groups)

@@ -21,5 +21,5 @@ LLAMA3 = decoder_family(
     hf.hf_config,
     hf.args_from_hf_config,
     shape_fields=SHAPE_FIELDS,
-    renamings={"torchtitan": TorchtitanNames()},
+    renamings={"torchtitan": lambda args: TorchtitanNames()},
 )

@@ -11,6 +11,8 @@ Tensor names: the shared decoder's, and in MoE layers ``layers.{i}.moe.router.ga
 fp32 ``layers.{i}.moe.expert_bias`` ``[experts]`` with ``load_balance = "bias"``. Hugging Face's
 are ``Qwen3MoeForCausalLM``'s as ``save_pretrained`` writes them: one tensor per expert,
 ``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight``, the router ``mlp.gate.weight``.
+torchtitan 0.3's (``routed_experts.inner_experts.w1_EFD`` ..., ``expert_bias_E``) are mapped by
+``torchtitan``.
 
 Balancing is HF's by default: the auxiliary loss at ``router_aux_loss_coef`` (in its
 sequence-wise form, ``models.common.moe``). The init recipe is torchtitan's, as for Qwen3.
@@ -26,6 +28,7 @@ from models.common import hf_config, moe_decoder_family
 from models.common.args import MoEDecoderArgs, check_int
 from models.common.decoder import DecoderOptions
 from models.common.hf_names import ExpertNames
+from models.qwen3_moe.torchtitan import Qwen3MoeTorchtitanNames
 
 ARCHITECTURE, MODEL_TYPE = "Qwen3MoeForCausalLM", "qwen3_moe"
 EXPERTS = ExpertNames("mlp", (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj")))
@@ -102,4 +105,13 @@ def args_from_config(cfg: dict) -> Qwen3MoeArgs:
     )
 
 
-QWEN3_MOE = moe_decoder_family("qwen3_moe", Qwen3MoeArgs, FLAVORS, (MODEL_TYPE,), config, args_from_config, EXPERTS)
+QWEN3_MOE = moe_decoder_family(
+    "qwen3_moe",
+    Qwen3MoeArgs,
+    FLAVORS,
+    (MODEL_TYPE,),
+    config,
+    args_from_config,
+    EXPERTS,
+    renamings={"torchtitan": Qwen3MoeTorchtitanNames},
+)

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from seedckpt.checkpoint.manifest import TensorInfo, dtype_name
 from seedckpt.checkpoint.safe_pickle import load_plain_values
 from seedckpt.utils.errors import SeedckptError, interrupted, write_failure
-from seedckpt.utils.tensors import local
+from seedckpt.utils.tensors import local, local_rows
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,28 @@ class RowWindow:
 
     dest: torch.Tensor
     start: int
+
+
+class GroupedRows:
+    """A load of ``wanted`` from a tensor stored with its rows permuted within ``groups`` equal
+    groups (RoPE heads in Hugging Face's order, as HF and torchtitan's Qwen3 store q and k): the
+    whole groups around this rank's rows are read (``window``; None: the rank holds no rows), then
+    ``finish`` puts them in our order and keeps the rank's rows."""
+
+    def __init__(self, wanted: torch.Tensor, groups: int):
+        self.wanted, self.group_rows = wanted, wanted.shape[0] // groups
+        self.lo, self.hi = local_rows(wanted) or (0, wanted.shape[0])
+        first, last = self.lo // self.group_rows, -(-self.hi // self.group_rows)
+        buffer = torch.empty(((last - first) * self.group_rows, *wanted.shape[1:]), dtype=wanted.dtype)
+        self.window = RowWindow(buffer, first * self.group_rows) if self.hi > self.lo else None
+
+    def finish(self, from_stored_rows) -> None:
+        """``from_stored_rows(rows, groups)``: whole groups of stored rows in our order."""
+        if self.window is None:
+            return
+        full = from_stored_rows(self.window.dest, self.window.dest.shape[0] // self.group_rows)
+        with torch.no_grad():
+            local(self.wanted).copy_(full[self.lo - self.window.start : self.hi - self.window.start])
 
 
 def widens(src: torch.dtype, dst: torch.dtype) -> bool:

@@ -51,11 +51,22 @@ class NameAdapter(Protocol):
     def from_stored_rows(self, tensor: torch.Tensor, groups: int) -> torch.Tensor:
         """Whole groups of stored rows (``row_groups``) in our order."""
 
+    def unkept_unless_zero(self, fqn: str) -> str | None:
+        """Why ``fqn`` has no place on the other side unless it is zero, where its zero is the same
+        model as its absence (an expert bias: a zero one routes as none); None for the others. Such
+        a tensor is left out once its values are read and found zero, else refused with the reason."""
+
+    def zero_filled(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """``{stored name: (shape, dtype)}``: tensors the other tool's model has and ours lacks,
+        written as zeros (zero being the same model as their absence)."""
+
 
 class ModelCodec(Protocol):
     """The caller's knowledge of a model family, for formats that record a model or rename it."""
 
-    renamings: dict  # {tool: NameAdapter}: other tools' DCP names, read as they are (torchtitan 0.3's)
+    def renamings(self, layout: ModelLayout | None) -> dict:
+        """``{tool: NameAdapter}``: other tools' DCP names for the model ``layout`` describes (None:
+        nobody described it), read as they are (torchtitan 0.3's)."""
 
     def recorded_layout(self, manifest: dict) -> ModelLayout | None:
         """The model a manifest records (None: it records none); ``ValueError`` if damaged."""

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from models.common.moe import moe_modules
 from models.family import BLOCKS
 from models.registry import family_of
 from seedckpt.checkpoint import ModelLayout, OpenedCheckpoint, TensorInfo
@@ -267,12 +268,19 @@ class OSFTLinear(nn.Module):
 
 def convert_to_osft(model: nn.Module, patterns: Iterable[str], ratio: float) -> list[str]:
     """Replace every target ``nn.Linear`` of ``model`` by an (uninitialized) ``OSFTLinear`` of the
-    same shape, on the same device (``meta`` before materialization); returns the targets' FQNs."""
+    same shape, on the same device (``meta`` before materialization); returns the targets' FQNs.
+
+    Mixtures of experts are frozen whole, router and experts (no gradient, not in the optimizer):
+    their 3-D expert weights are no target (one SVD per expert is not built), and training them
+    fully would forget what OSFT is chosen to keep. Their aux-loss-free bias stays too (a frozen
+    router's bias is not moved)."""
     targets = target_fqns(model, patterns)
     for fqn in targets:
         parent_name, _, child = fqn.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, OSFTLinear.like(getattr(parent, child), ratio))
+    for layer in moe_modules(model):
+        layer.requires_grad_(False)
     return targets
 
 

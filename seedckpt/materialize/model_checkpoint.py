@@ -30,7 +30,6 @@ class FamilyCodec:
 
     def __init__(self, family: ModelFamily):
         self.family = family
-        self.renamings = family.renamings
         self._shapes: dict[str, dict[str, tuple[int, ...]]] = {}  # by the model's args and OSFT settings, as JSON
 
     def layout(self, args, osft: OSFTSettings | None = None) -> ModelLayout:
@@ -76,6 +75,10 @@ class FamilyCodec:
                 f"{other.name!r}"
             )
         return self.layout(self.family.hf.args_from_config(config))
+
+    def renamings(self, layout: ModelLayout | None) -> dict:
+        args = layout.args if layout is not None else None
+        return {tool: names(args) for tool, names in self.family.renamings.items()}
 
     def hf_names(self, layout: ModelLayout):
         return self.family.hf.names(layout.args)

@@ -51,7 +51,7 @@ class ExpertBalancing:
         for i, layer in enumerate(self.layers):
             counts[i] = summed[offset : offset + counts[i].numel()]
             offset += counts[i].numel()
-            if layer.expert_bias is not None:
+            if layer.expert_bias is not None and layer.router.gate.weight.requires_grad:  # OSFT: frozen
                 update_expert_bias(layer, counts[i])
         ratios = [balance_summary(c) for c in counts]
         totals = torch.tensor([sum(ratios), len(ratios), summed[-1].item()], dtype=torch.float64, device=self.device)

@@ -1,7 +1,8 @@
 """DCP checkpoints: ours (read at the recorded raw positions) and foreign ones (the stock way).
 
 Other tools' names for the model's tensors (the caller's ``codec.renamings``: torchtitan 0.3's) are
-mapped to ours, so their checkpoints load as they are; our names never change. ``write`` streams
+mapped to ours, and rows they store in another order (torchtitan's Qwen3 q/k heads) put back in
+ours, so their checkpoints load as they are; our names never change. ``write`` streams
 any checkpoint into a DCP one through the one writer, optionally in another tool's names.
 """
 
@@ -17,7 +18,7 @@ import torch
 from seedckpt.checkpoint.atomic import refuse_partial
 from seedckpt.checkpoint.base import OpenedCheckpoint, WriteJob, recorded_layout
 from seedckpt.checkpoint.integrity import Checksums, ItemChecks, check_data_files, data_file, verify_item
-from seedckpt.checkpoint.load import copy_shared, load_state, one_destination_per_source
+from seedckpt.checkpoint.load import GroupedRows, copy_shared, load_state, one_destination_per_source
 from seedckpt.checkpoint.manifest import RAW_ITEMS_KEY, TOKENIZER_DIR, TensorInfo, is_model_key, read_manifest
 from seedckpt.checkpoint.model import ModelCodec, ModelLayout, NameAdapter
 from seedckpt.checkpoint.owned_reads import READ_THREADS, OwnedFileSystemReader
@@ -77,16 +78,15 @@ class DcpCheckpoint(OpenedCheckpoint):
         self.metadata = parse_dcp_metadata(data, path / ".metadata")
         check_data_files(path, self.metadata.storage_data, self.checksums.files if self.checksums else None)
         self.check_reads = verify and self.checksums is not None
-        # Our FQN -> the key stored, where a checkpoint uses another tool's names.
-        self.stored = _renamed(self.metadata.state_dict_metadata, codec.renamings.values() if codec else ())
+        recorded = recorded_layout(codec, manifest, path)
+        renamings = codec.renamings(recorded or layout).values() if codec else ()
+        # Our FQN -> the name adapter of the tool whose names the checkpoint is in (none: ours).
+        self.renamed = _renamed(self.metadata.state_dict_metadata, renamings)
+        self.stored = {fqn: names.to_stored(fqn) for fqn, names in self.renamed.items()}  # our FQN -> key
         ours = {key: fqn for fqn, key in self.stored.items()}
         self.all_tensors = {ours.get(k, k): v for k, v in tensor_infos(self.metadata).items()}
         super().__init__(
-            path,
-            {f: i for f, i in self.all_tensors.items() if is_model_key(f)},
-            manifest,
-            recorded_layout(codec, manifest, path),
-            layout,
+            path, {f: i for f, i in self.all_tensors.items() if is_model_key(f)}, manifest, recorded, layout
         )
         raw = (manifest or {}).get(RAW_ITEMS_KEY)
         self.raw_items = raw if isinstance(raw, dict) else {}
@@ -101,6 +101,20 @@ class DcpCheckpoint(OpenedCheckpoint):
         for fqn, source in self.aliases.items():
             self.stored[fqn] = self.stored.get(source, source)
             self.all_tensors[fqn] = self.all_tensors[source]
+        self._leave_out_zero_unkept()
+
+    def _leave_out_zero_unkept(self) -> None:
+        """Tensors stored in another tool's names that this model has no place for but whose zero is
+        the same model as their absence (torchtitan's expert bias, read into a model balanced without
+        one) are left out when their values are zero; any other value is refused with the fix."""
+        unused = [fqn for fqn in self.renamed if self.layout is not None and fqn not in self.layout.shapes]
+        for fqn in unused:
+            reason = self.renamed[fqn].unkept_unless_zero(fqn)
+            if reason is None:
+                continue
+            if self.read_tensor(fqn).count_nonzero():
+                raise SeedckptError(f"{self.path}: {reason}")
+            del self.infos[fqn], self.all_tensors[fqn]
 
     def _refuse_undeclared_ties(self, shared: dict[str, str]) -> None:
         """Two entries of ``.metadata`` at the same bytes are one tensor under two names, which only a
@@ -155,7 +169,9 @@ class DcpCheckpoint(OpenedCheckpoint):
         key = self.stored.get(fqn, fqn)
         out = {key: torch.empty(info.shape, dtype=info.dtype)}
         load_state(out, self.reader(), self.path, no_dist=True)
-        return out[key]
+        names = self.renamed.get(fqn)
+        groups = names.row_groups(fqn) if names is not None else None
+        return names.from_stored_rows(out[key], groups) if groups else out[key]
 
     def load(self, state_dict: dict) -> None:
         """Load ``state_dict`` (tensors, DTensors, ``RowWindow``s, training state) in place via DCP;
@@ -164,12 +180,28 @@ class DcpCheckpoint(OpenedCheckpoint):
         loads; they are handed back in ``state_dict``."""
         self.check_covers(state_dict)
         stored, shared = one_destination_per_source(state_dict, lambda key: self.stored.get(key, key))
-        load_state(stored, self.reader(), self.path)
+        permuted = self._grouped_rows(state_dict, stored)
+        load_state({k: v for k, v in stored.items() if v is not None}, self.reader(), self.path)
+        for key, grouped in permuted.items():
+            grouped.finish(self.renamed[key].from_stored_rows)
+            stored[self.stored[key]] = grouped.wanted
         copy_shared(state_dict, stored, shared)
         copies = {key for key, _ in shared}
         for key in state_dict:
             if key not in copies:
                 state_dict[key] = stored[self.stored.get(key, key)]
+
+    def _grouped_rows(self, state_dict: dict, stored: dict) -> dict[str, GroupedRows]:
+        """Tensors another tool stores with rows permuted in groups (torchtitan's Qwen3 q/k heads):
+        in ``stored``, each is replaced by the window of whole groups around this rank's rows (None:
+        it holds none), read and put back in order by the returned ``GroupedRows``."""
+        permuted = {}
+        for key, names in self.renamed.items():
+            groups = names.row_groups(key) if key in state_dict else None
+            if groups and stored.get(self.stored[key]) is state_dict[key]:
+                permuted[key] = GroupedRows(state_dict[key], groups)
+                stored[self.stored[key]] = permuted[key].window
+        return permuted
 
     def verify(self, on_bytes=lambda n: None) -> list[str]:
         """Read every item whole and check each piece against the checksums written with it; the
@@ -231,28 +263,33 @@ def _shared_bytes(metadata) -> dict[str, str]:
     }
 
 
-def _renamed(keys, renamings) -> dict[str, str]:
-    """``{our FQN: stored key}`` for the keys that one of the ``renamings`` maps to another name."""
-    stored = {}
-    for key in keys:
-        for names in renamings:
-            fqn = names.from_stored(key)
-            if fqn is not None and fqn != key:
-                stored[fqn] = key
-                break
-    return stored
+def _renamed(keys, renamings) -> dict:
+    """``{our FQN: name adapter}`` for every key of a checkpoint in another tool's names: those of the
+    first of the ``renamings`` that maps one of its keys to another name. Every key, since a name
+    that is ours may still hold rows in that tool's order (torchtitan's Qwen3 ``q_norm``)."""
+    for names in renamings:
+        ours = {key: names.from_stored(key) for key in keys}
+        if any(fqn is not None and fqn != key for key, fqn in ours.items()):
+            return {fqn: names for fqn in ours.values() if fqn is not None}
+    return {}
 
 
 def write(source: OpenedCheckpoint, dst: Path, job: WriteJob, names: NameAdapter | None = None) -> Path:
     """``source``'s tensors as a DCP checkpoint with ``job.manifest``, each read when the writer asks
-    for it (one tensor in memory at a time); ``names``: another tool's names instead of ours."""
+    for it (one tensor in memory at a time); ``names``: another tool's names (and row order) instead
+    of ours, with the zero tensors its model has and ours lacks."""
     fqn_of = {names.to_stored(f) if names else f: f for f in job.infos}
+    zeros = names.zero_filled() if names else {}
 
     def produce(key: str, start: int, stop: int) -> torch.Tensor:
+        if key in zeros:
+            return torch.zeros(zeros[key][0], dtype=zeros[key][1])[start:stop]
         job.on_bytes(job.infos[fqn_of[key]].nbytes)
-        return source.read_tensor(fqn_of[key])[start:stop]
+        tensor = source.read_tensor(fqn_of[key])
+        return (names.to_stored_rows(fqn_of[key], tensor) if names else tensor)[start:stop]
 
     state = {k: torch.empty(job.infos[f].shape, dtype=job.infos[f].dtype, device="meta") for k, f in fqn_of.items()}
+    state.update((k, torch.empty(shape, dtype=dtype, device="meta")) for k, (shape, dtype) in zeros.items())
     return write_checkpoint(
         dst,
         state,

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from seedckpt.checkpoint.atomic import atomic_output, write_json_synced
 from seedckpt.checkpoint.base import OpenedCheckpoint, WriteJob
 from seedckpt.checkpoint.formats.safetensors_file import read_safetensor, write_safetensors
-from seedckpt.checkpoint.load import RowWindow, copy_shared, load_state, one_destination_per_source, tensor_problems
+from seedckpt.checkpoint.load import GroupedRows, copy_shared, load_state, one_destination_per_source, tensor_problems
 from seedckpt.checkpoint.manifest import TensorInfo
 from seedckpt.checkpoint.model import ModelCodec, ModelLayout
 from seedckpt.checkpoint.owned_reads import OwnedHFReader
@@ -176,20 +176,15 @@ class HFCheckpoint(OpenedCheckpoint):
             if fqn_of[name] in self.slices:
                 whole += self._slices_into(fqn_of[name], wanted, by_name)
             elif groups:
-                window = _whole_groups(wanted, groups)
-                if window is not None:
-                    by_name[name] = window
-                    permuted.append((wanted, window, groups))
+                permuted.append(GroupedRows(wanted, groups))
+                if permuted[-1].window is not None:
+                    by_name[name] = permuted[-1].window
             else:
                 by_name[name] = wanted
         load_state(by_name, OwnedHFReader(self.path), self.path)
+        for grouped in permuted:
+            grouped.finish(self.names.from_stored_rows)
         with torch.no_grad():
-            for wanted, window, groups in permuted:
-                group_rows = wanted.shape[0] // groups
-                rows = window.dest.shape[0]
-                lo, hi = local_rows(wanted) or (0, wanted.shape[0])
-                full = self.names.from_stored_rows(window.dest, rows // group_rows)
-                local(wanted).copy_(full[lo - window.start : hi - window.start])
             for wanted, full in whole:
                 copy_full_into(wanted, full)
         copy_shared(state_dict, names, shared)
@@ -220,17 +215,6 @@ def _stacked(fqn: str, found: dict[int, tuple[Path, str, TensorInfo]], path: Pat
     return [found[e] for e in range(len(found))]
 
 
-def _whole_groups(wanted: torch.Tensor, groups: int) -> RowWindow | None:
-    """A buffer for the whole row groups that this rank's rows of ``wanted`` fall in (None: no rows)."""
-    lo, hi = local_rows(wanted) or (0, wanted.shape[0])
-    if hi <= lo:
-        return None
-    group_rows = wanted.shape[0] // groups
-    first, last = lo // group_rows, -(-hi // group_rows)
-    buffer = torch.empty(((last - first) * group_rows, *wanted.shape[1:]), dtype=wanted.dtype)
-    return RowWindow(buffer, first * group_rows)
-
-
 def write(source: OpenedCheckpoint, dst: Path, job: WriteJob) -> Path:
     """Shards of at most ``job.shard_bytes`` in HF's names and row order, the index, ``config.json``,
     ``job.generation_config`` and ``job.files`` (the tokenizer); published once the directory reads
@@ -239,7 +223,8 @@ def write(source: OpenedCheckpoint, dst: Path, job: WriteJob) -> Path:
         raise SeedckptError(f"{source.path}: writing Hugging Face files needs the model it holds")
     names = job.codec.hf_names(source.layout)
     try:
-        entries = _hf_entries(names, job.infos)  # hf name -> (our fqn, slice index or None, info)
+        kept = {fqn: info for fqn, info in job.infos.items() if not _zero_and_unkept(names, source, fqn)}
+        entries = _hf_entries(names, kept)  # hf name -> (our fqn, slice index or None, info)
     except ValueError as e:
         raise SeedckptError(f"{source.path}: {e}") from None
     shards: list[list[str]] = [[]]
@@ -282,6 +267,16 @@ def write(source: OpenedCheckpoint, dst: Path, job: WriteJob) -> Path:
         for name, file in job.files.items():
             shutil.copyfile(file, partial / name)
     return Path(dst)
+
+
+def _zero_and_unkept(names, source: OpenedCheckpoint, fqn: str) -> bool:
+    """Whether ``fqn`` is a tensor HF's layout has no place for but whose zero is the same model as
+    its absence (an expert bias at zero routes as none): left out, once its values are read and
+    found zero. Holding anything else, it is refused (``ValueError`` naming the choice)."""
+    reason = names.unkept_unless_zero(fqn)
+    if reason is not None and source.read_tensor(fqn).count_nonzero():
+        raise ValueError(reason)
+    return reason is not None
 
 
 def _hf_entries(names, infos: dict[str, TensorInfo]) -> dict[str, tuple[str, int | None, TensorInfo]]:

@@ -1,8 +1,9 @@
 """torchtitan's checkpoints: DCP with torchtitan 0.3's names, an adapter over the ``dcp`` format.
 
-Reading needs nothing here: the DCP reader maps every renaming the caller's codec knows
-(``codec.renamings``), so torchtitan's checkpoints open as ``dcp``. Writing uses torchtitan's names
-(``qkv_linear``, ``lm_head``), which its checkpointer loads as they are.
+Reading needs nothing here: the DCP reader maps every renaming the caller's codec knows for the
+model (``codec.renamings``), so torchtitan's checkpoints open as ``dcp``. Writing uses torchtitan's
+names, row order and the zero tensors its model has and ours may lack (a Qwen3-MoE's expert bias),
+which its checkpointer loads as they are.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def detect(path: Path) -> bool:
 
 
 def write(source: OpenedCheckpoint, dst: Path, job: WriteJob) -> Path:
-    names = (job.codec.renamings if job.codec is not None else {}).get("torchtitan")
+    names = (job.codec.renamings(source.layout) if job.codec is not None else {}).get("torchtitan")
     if names is None:
         raise SeedckptError("this model has no torchtitan names; convert --to dcp instead")
     return dcp.write(source, dst, job, names)
