@@ -7,10 +7,11 @@ shapes. The token dispatcher here is the only place the all-to-all lives; the mo
 
 1. every rank routes its own tokens (router and counts before dispatch: the balancing statistics
    stay the global batch's), sorts the (token, choice) slots by expert and calls its experts;
-2. the dispatcher exchanges counts, then sends each expert's slots to the rank owning it with
-   ``torch.distributed.nn.functional.all_to_all_single`` (uneven splits, autograd: backward is the
-   reverse all-to-all), and sorts what it received by local expert (stable: by source rank within
-   an expert);
+2. the dispatcher exchanges counts, then sends each expert's slots to the rank owning it with the
+   functional collectives' ``all_to_all_single`` (uneven splits, autograd: backward is the reverse
+   all-to-all; ``torch.distributed.nn.functional``'s, which torch 2.13 deprecates for it, warns at
+   every run), and sorts what it received by local expert (stable: by source rank within an
+   expert);
 3. the local experts run, the results go back by the reverse all-to-all, in the sender's order.
 
 A token's experts and its weighted sum are computed as in one process (the same routing, the same
@@ -32,10 +33,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.nn.functional import all_to_all_single
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from models.common.moe import GroupedExperts, moe_modules
 from seedckpt.utils.tensors import local, local_rows
@@ -62,7 +63,7 @@ class ExpertParallel(ParallelStyle):
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh | None) -> None:
     """Every MoE layer of a (stage) model, on ``meta`` or materialized."""
     for layer in moe_modules(model):
-        ExpertParallel(tp_mesh)._apply(layer.experts, ep_mesh)
+        parallelize_module(layer.experts, ep_mesh, ExpertParallel(tp_mesh))
 
 
 def dispatched_forward(
@@ -98,7 +99,7 @@ def _dispatch(x: torch.Tensor, counts: torch.Tensor, group) -> tuple[torch.Tenso
     recv = torch.empty_like(send)  # (source rank, my local experts)
     dist.all_to_all_single(recv, send, group=group)
     sent, received = send.sum(1).tolist(), recv.sum(1).tolist()  # a host sync: the splits size the exchange
-    rows = all_to_all_single(x.new_empty(sum(received), x.shape[1]), x.contiguous(), received, sent, group=group)
+    rows = all_to_all_single(x.contiguous(), received, sent, group)
     local_experts = torch.arange(send.shape[1], device=x.device).repeat(ep)
     order = local_experts.repeat_interleave(recv.flatten()).argsort(stable=True)
     return rows[order], recv.sum(0), _Route(sent, received, order)
@@ -108,8 +109,7 @@ def _combine(out: torch.Tensor, route: _Route, group) -> torch.Tensor:
     """The inverse of ``_dispatch``: the experts' outputs back to the ranks (and slots) they came from."""
     inverse = torch.empty_like(route.order)
     inverse[route.order] = torch.arange(route.order.numel(), device=route.order.device)
-    back = out.new_empty(sum(route.sent), out.shape[1])
-    return all_to_all_single(back, out[inverse].contiguous(), route.sent, route.received, group=group)
+    return all_to_all_single(out[inverse].contiguous(), route.sent, route.received, group)
 
 
 def _tp_share(x: torch.Tensor, counts: torch.Tensor, tp_mesh: DeviceMesh) -> tuple[torch.Tensor, torch.Tensor]:
