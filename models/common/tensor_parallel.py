@@ -15,7 +15,9 @@ work are divided by the TP degree instead of repeated. Off, the norms' weights a
 
 Qwen3's per-head q/k norms see each rank's own heads: they run as "sequence parallel" along the
 head dimension, which is exactly a per-head norm on the local heads. Qwen2's q/k/v biases are split
-with their weights by ``ColwiseParallel``.
+with their weights by ``ColwiseParallel``. A mixture-of-experts layer (Qwen3-MoE, Mixtral) is not
+split: it runs whole on every TP rank on the whole sequence (``_moe_plan``), unless expert
+parallelism spreads its experts over the TP ranks.
 """
 
 from __future__ import annotations
