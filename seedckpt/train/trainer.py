@@ -667,6 +667,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="job config TOML, e.g. configs/debug.toml")
     opts, overrides = parser.parse_known_args(argv)
     rank = int(os.environ.get("RANK", 0))
+    # DTensor's advice on the gradient norm's reductions over 2-D meshes (flatten the mesh dims) is
+    # the code's to act on, not the user's: one line per rank of each run under TP or EP
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     if rank != 0:
         quiet_library_logs()  # every rank sees the same data and config: rank 0 warns for all
     cfg = None
