@@ -194,6 +194,22 @@ def test_read_volume_is_bounded_by_the_rows_asked_for(tmp_path):
             assert read <= allowed, f"verify={verify} rows {start}+{rows}: read {read} for {window.dest.nbytes}"
 
 
+def test_a_load_hands_its_row_windows_back(debug_seed):
+    """``dcp.load`` writes its own value back into the dict it loads for every entry that is no
+    tensor -- None for a ``RowWindow`` --, and the destinations of a tied pair of windows (a grown
+    tied vocabulary) are copied from the source's window after the load: the window stays."""
+    from seedckpt.checkpoint import RowWindow
+    from seedckpt.checkpoint.load import load_state
+    from seedckpt.materialize.model_checkpoint import open_model_checkpoint
+
+    checkpoint = open_model_checkpoint(debug_seed)
+    window = RowWindow(torch.empty(3, 128), 5)
+    state = {"tok_embeddings.weight": window}
+    load_state(state, checkpoint.reader(), debug_seed, no_dist=True)
+    assert state["tok_embeddings.weight"] is window
+    assert torch.equal(window.dest, stock_tensors(debug_seed)["tok_embeddings.weight"][5:8])
+
+
 def test_foreign_checkpoint_loads_the_stock_way(tmp_path, debug_seed):
     """A checkpoint written by stock dcp.save (no recorded positions) still loads, bitwise."""
     import torch.distributed.checkpoint as dcp

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -218,47 +219,177 @@ def test_each_rank_reads_only_its_stage_and_rows(tmp_path):
                 assert start <= lo and hi <= stop, f"rank {rank} {name} {fqn}: rows {lo}..{hi} beyond {start}..{stop}"
 
 
-def _vocab_growth_worker(rank, world_size, checkpoint, vocab):
+# Four ranks at most; tp2 alone on two. (pp, dp_replicate, dp_shard, tp)
+GROWTH_LAYOUTS = {
+    "pp2 x dp_shard2": (2, 1, 2, 1),
+    "tp2": (1, 1, 1, 2),
+    "tp2 x dp_shard2": (1, 1, 2, 2),
+    "pp2 x tp2": (2, 1, 1, 2),
+    "dp_replicate2 x tp2": (1, 2, 1, 2),
+}
+GROWN_VOCAB = 128  # from 40: under tp2 x dp_shard2 two of the four 32-row blocks hold only new rows
+
+
+def _grown_args(sources: dict, name: str):
+    """The model of source ``name`` with the grown vocabulary (direct init: the untied model's)."""
     import dataclasses
 
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    return dataclasses.replace(open_model_checkpoint(sources[name] or sources["hf"]).args, vocab_size=GROWN_VOCAB)
 
-    from seedckpt.utils.tensors import local_rows
 
-    args = dataclasses.replace(open_model_checkpoint(checkpoint).args, vocab_size=vocab)
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp_shard"))
-    specs = plan_rank_stages(args, mesh.get_local_rank("pp"), 2)
+def _stage_blocks(args, checkpoint, specs, shard_fn=None) -> dict:
+    """Every tensor of the stage built from ``checkpoint`` (growing the vocabulary; ``None``: direct
+    init), as this rank's block of it: ``{fqn: (offsets of the block in the full tensor, block)}``."""
+    from seedckpt.utils.tensors import local, local_block
+
     [stage] = build_stages(
         args,
         specs,
         "cpu",
         checkpoint=checkpoint,
-        grow_vocab=True,
-        shard_fn=lambda m: fully_shard(m, mesh=mesh["dp_shard"]),
+        seed=7 if checkpoint is None else None,
+        grow_vocab=checkpoint is not None,
+        shard_fn=shard_fn,
     )
-    return {
-        fqn: (local_rows(t), t.to_local().clone())
-        for fqn, t in stage.state_dict().items()
-        if fqn in ("tok_embeddings.weight", "output.weight")
-    }
+    return {fqn: (local_block(t)[0], local(t).detach().clone()) for fqn, t in stage.state_dict().items()}
 
 
-@pytest.mark.parametrize("source", ["hf", "dcp"])
-def test_vocab_growth_across_pipeline_and_fsdp_shards(tmp_path, source):
-    hf = _hf_llama(tmp_path / "hf", 40, tie=False)
-    checkpoint = hf if source == "hf" else convert(hf, tmp_path / "dcp", "dcp", progress=False)
-    full = {f: open_model_checkpoint(checkpoint).read_tensor(f) for f in ("tok_embeddings.weight", "output.weight")}
-    seen = {f: [] for f in full}
-    for result in run_distributed(_vocab_growth_worker, 4, str(checkpoint), 128):
-        for fqn, ((lo, hi), rows) in result.items():
-            seen[fqn].append((lo, hi))
-            old = max(0, min(hi, 40) - lo)
-            assert torch.equal(rows[:old], full[fqn][lo : lo + old]), fqn  # bitwise the checkpoint's rows
-            mean = full[fqn].double().mean(0).float()
-            torch.testing.assert_close(rows[old:], mean.expand(hi - lo - old, -1), rtol=0, atol=1e-7)
-    for ranges in seen.values():  # the rank with rows 64..128 held only new rows
-        assert sorted(ranges) == [(0, 64), (0, 64), (64, 128), (64, 128)] or sorted(ranges) == [(0, 64), (64, 128)]
+def _growth_layout_worker(rank, world_size, sources, degrees):
+    """Each source's stage on this rank of the layout ``degrees``, parallelized as ``train.py`` does."""
+    from seedckpt.parallel.data_parallel import make_data_parallel
+    from seedckpt.parallel.parallelize import ParallelDims, parallelize_stage
+    from tests.conftest import tiny_config
+
+    dims = ParallelDims(*degrees)
+    mesh = dims.build_mesh("cpu")
+    cfg = tiny_config()  # what parallelize_stage reads besides the model: sequence parallel on, fp32, no AC
+    data_parallel = make_data_parallel(cfg, dims, mesh)
+    out = {}
+    for name, checkpoint in sources.items():
+        args = _grown_args(sources, name)
+        specs = plan_rank_stages(args, mesh.get_local_rank("pp"), dims.pp)
+        out[name] = _stage_blocks(
+            args, checkpoint, specs, lambda m: parallelize_stage(m, cfg, dims, mesh, data_parallel.shard_on_meta)
+        )
+    return out
+
+
+@pytest.fixture(scope="module")
+def growth_sources(tmp_path_factory):
+    """Untied and tied models with a vocabulary of 40, as HF directories and as DCP checkpoints (and
+    direct init, ``None``), and each one's stage built by one process, its vocabulary grown to 128."""
+    root = tmp_path_factory.mktemp("growth")
+    sources = {}
+    for tied in ("", "tied "):
+        hf = _hf_llama(root / f"{tied}hf", 40, tie=bool(tied))
+        sources[f"{tied}hf"] = str(hf)
+        sources[f"{tied}dcp"] = str(convert(hf, root / f"{tied}dcp", "dcp", progress=False))
+    sources["direct init"] = None
+    one_process = {}
+    for name, checkpoint in sources.items():
+        args = _grown_args(sources, name)
+        blocks = _stage_blocks(args, checkpoint, plan_rank_stages(args, 0, 1))
+        one_process[name] = {fqn: block for fqn, (_, block) in blocks.items()}
+    return sources, one_process
+
+
+def test_one_process_grows_the_vocabulary_with_the_mean_of_the_old_rows(growth_sources):
+    sources, one_process = growth_sources
+    for name, checkpoint in sources.items():
+        if checkpoint is None:
+            continue
+        reader = open_model_checkpoint(checkpoint)
+        for fqn in ("tok_embeddings.weight", "output.weight"):
+            grown, old = one_process[name][fqn], reader.read_tensor(fqn)
+            assert torch.equal(grown[:40], old), (name, fqn)  # bitwise the checkpoint's rows
+            mean = old.double().mean(0).float()
+            torch.testing.assert_close(grown[40:], mean.expand(GROWN_VOCAB - 40, -1), rtol=0, atol=1e-7)
+        if name.startswith("tied"):
+            assert torch.equal(one_process[name]["output.weight"], one_process[name]["tok_embeddings.weight"])
+
+
+@pytest.mark.parametrize("layout", GROWTH_LAYOUTS)
+def test_every_layout_loads_a_grown_vocabulary_bitwise_like_one_process(growth_sources, layout):
+    """Every tensor of every rank's block, untied and tied, read from HF and DCP (and direct init),
+    equals one process's bitwise; the blocks cover each tensor. Under tp2 x dp_shard2 the vocabulary
+    is split over two mesh dimensions (FSDP's ``_StridedShard`` and TP's ``Shard``): the mean of the
+    old rows summed over only one of them gave the new rows other values."""
+    sources, one_process = growth_sources
+    degrees = GROWTH_LAYOUTS[layout]
+    results = run_distributed(_growth_layout_worker, math.prod(degrees), sources, degrees)
+    for name, reference in one_process.items():
+        covered = {fqn: torch.zeros(t.shape, dtype=torch.bool) for fqn, t in reference.items()}
+        for rank, result in enumerate(results):
+            for fqn, (offsets, block) in result[name].items():
+                where = tuple(slice(o, o + n) for o, n in zip(offsets, block.shape))
+                assert torch.equal(block, reference[fqn][where]), f"{layout}, rank {rank}, {name}: {fqn}"
+                covered[fqn][where] = True
+        assert all(mask.all() for mask in covered.values()), f"{layout}, {name}: tensors not covered"
+
+
+# SFT of a debug checkpoint (vocabulary 512) on the shipped chats, whose tokenizer has 600 tokens.
+SHIPPED = REPO / "configs" / "sft_demo"
+TP2 = ["--parallelism.tensor_parallel_degree", "2"]
+GROWN_SFT_LAYOUTS = {  # four ranks each, global batch 8
+    "tp2 x dp_shard2": [*TP2, "--parallelism.pipeline_parallel_degree", "1", "--training.local_batch_size", "4"],
+    "pp2 x tp2": [*TP2, "--parallelism.data_parallel_shard_degree", "1", "--training.local_batch_size", "8"],
+    "dp_replicate2 x tp2": [
+        *TP2,
+        "--parallelism.pipeline_parallel_degree",
+        "1",
+        "--parallelism.data_parallel_replicate_degree",
+        "2",
+        "--training.local_batch_size",
+        "4",
+    ],
+    "pp2 x dp_shard2": PP2_DP2,
+}
+
+
+@pytest.fixture(scope="module")
+def one_process_step(tmp_path_factory, debug_seed, tied_seed):
+    """``(tied, mode)`` -> step 1's loss and gradient norm of one process (each run once)."""
+    runs = {}
+
+    def step(tied: bool, mode: str) -> tuple[float, float]:
+        if (tied, mode) not in runs:
+            run_dir = tmp_path_factory.mktemp("one_process")
+            runs[tied, mode] = _grown_sft_step(run_dir, tied_seed if tied else debug_seed, mode, 1, SINGLE)
+        return runs[tied, mode]
+
+    return step
+
+
+def _grown_sft_step(run_dir: Path, pretrained: Path, mode: str, nproc: int, layout: list[str]) -> tuple[float, float]:
+    step_1 = ["--training.steps", "1", "--checkpoint.enable", "false", "--finetune.mode", mode]
+    sft(run_dir, pretrained, SHIPPED / "tokenizer", SHIPPED / "chats.jsonl", nproc, *layout, *step_1)
+    [row] = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return row["loss"], row["grad_norm"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layout, tied, mode",
+    [
+        ("tp2 x dp_shard2", False, "sft"),
+        ("pp2 x tp2", True, "sft"),
+        ("dp_replicate2 x tp2", True, "sft"),
+        ("pp2 x dp_shard2", False, "osft"),
+    ],
+)
+def test_a_grown_vocabulary_trains_like_one_process(
+    tmp_path, debug_seed, tied_seed, one_process_step, layout, tied, mode
+):
+    """Step 1 of fine-tuning with the vocabulary grown from 512 to 600: the loss and the gradient
+    norm of each layout within 1e-5 of one process's (tied and untied, SFT and OSFT where it runs).
+    Under tp2 x dp_shard2 the new rows' mean was summed over the TP ranks only, so the step trained
+    another model; under pp2 x tp2 with tied embeddings the embedding's gradient is replicated while
+    its output copy's is split by rows, and the tied pair's gradient sum failed."""
+    pretrained = tied_seed if tied else debug_seed
+    loss, norm = _grown_sft_step(tmp_path, pretrained, mode, 4, GROWN_SFT_LAYOUTS[layout])
+    want_loss, want_norm = one_process_step(tied, mode)
+    assert abs(loss - want_loss) <= 1e-5 * want_loss, (loss, want_loss)
+    assert abs(norm - want_norm) <= 1e-5 * want_norm, (norm, want_norm)
 
 
 def _tokenizer_with_max_length(tokenizer: Path, to: Path, model_max_length: int) -> Path:

@@ -157,11 +157,15 @@ def load_state(state_dict: dict, reader, where, no_dist: bool = False) -> None:
 
     Collective across the default process group when one is initialized (unless ``no_dist``).
     """
+    planner = RowWindowLoadPlanner(state_dict)
     try:
         with quiet_single_process_dcp():
-            dcp.load(state_dict, storage_reader=reader, planner=RowWindowLoadPlanner(state_dict), no_dist=no_dist)
+            dcp.load(state_dict, storage_reader=reader, planner=planner, no_dist=no_dist)
     except CheckpointException as e:  # a BaseException carrying each failed rank's exception
         raise root_cause(e, f"reading {where}") from None
+    # dcp.load writes back its own value of every entry that is no tensor -- None for a window --,
+    # and a tied destination is copied from its source's window afterwards (``copy_shared``).
+    state_dict.update(planner.windows)
 
 
 def root_cause(error: CheckpointException, doing: str, writing: bool = False) -> SeedckptError | KeyboardInterrupt:

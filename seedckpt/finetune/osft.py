@@ -45,14 +45,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from models.common.moe import moe_modules
 from models.family import BLOCKS
 from models.registry import family_of
 from seedckpt.checkpoint import ModelLayout, OpenedCheckpoint, TensorInfo
 from seedckpt.utils.errors import SeedckptError
-from seedckpt.utils.tensors import copy_full_into
+from seedckpt.utils.tensors import copy_full_into, splitting_groups
 
 FROZEN = ("U_high", "S_high", "V_high")
 TRAINABLE = ("U_low", "S_low", "V_low")
@@ -341,17 +341,6 @@ def fill_factors(
     return done
 
 
-def _row_sum_groups(tensor: torch.Tensor) -> list:
-    """The process groups over which ``tensor``'s rows are split (FSDP2 ``Shard(0)`` mesh dims)."""
-    if not isinstance(tensor, DTensor):
-        return []
-    return [
-        tensor.device_mesh.get_group(dim)
-        for dim, p in enumerate(tensor.placements)
-        if isinstance(p, Shard) and p.dim == 0
-    ]
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -360,7 +349,7 @@ def _coefficients(basis: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """basis^T values for row-sharded ``basis`` (a x k) and ``values`` (a x j) sharded alike: the
     local rows' product, summed over the shards."""
     coefficients = _local(basis).T @ _local(values)
-    for group in _row_sum_groups(basis):
+    for group in splitting_groups(basis, 0):
         dist.all_reduce(coefficients, group=group)
     return coefficients
 

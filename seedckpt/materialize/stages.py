@@ -11,7 +11,7 @@ still on ``meta``: nothing is allocated yet. Then ``load_stages``, in order:
 3. parameters and persistent buffers are loaded by FQN through DCP (each rank reads only the
    tensors it owns) -- or, for direct init, filled by ``seedckpt.materialize.init_recipe``. Fine-tuning may grow the
    vocabulary: the checkpoint's rows are loaded and every new row is set to the mean of the old
-   ones (Mini Trainer's rule), computed across the FSDP shards. OSFT's target layers are
+   ones (Mini Trainer's rule), computed across the ranks that split the rows. OSFT's target layers are
    ``OSFTLinear`` from the start (on ``meta``); their SVD factors are loaded, or computed from the
    dense weights by a distributed SVD across the ranks that hold the stage (``osft``);
 4. ``verify_initialized`` scans every local tensor: any NaN poison left means some tensor was
@@ -28,7 +28,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
 
 from models.registry import family_of
 from seedckpt.checkpoint import OpenedCheckpoint, RowWindow
@@ -37,7 +36,14 @@ from seedckpt.materialize.init_recipe import init_model
 from seedckpt.materialize.model_checkpoint import check_args_match, open_model_checkpoint
 from seedckpt.parallel.pipeline import StageSpec
 from seedckpt.utils.errors import SeedckptError
-from seedckpt.utils.tensors import all_finite, local, local_rows, nonpersistent_buffers, state_tensors
+from seedckpt.utils.tensors import (
+    all_finite,
+    local,
+    local_block,
+    nonpersistent_buffers,
+    splitting_groups,
+    state_tensors,
+)
 
 
 def build_stage_model(args, spec: StageSpec) -> nn.Module:
@@ -94,29 +100,29 @@ def verify_initialized(modules: Sequence[nn.Module]) -> None:
 
 def _checkpoint_rows(tensor: torch.Tensor, old_rows: int) -> RowWindow | None:
     """The part of this rank's rows of ``tensor`` that exists in a checkpoint with ``old_rows`` rows."""
-    lo, hi = local_rows(tensor) or (0, tensor.shape[0])
-    keep = min(hi, old_rows) - lo
-    return RowWindow(local(tensor)[:keep], lo) if keep > 0 else None
+    start = local_block(tensor)[0][0]
+    keep = old_rows - start
+    return RowWindow(local(tensor)[:keep], start) if keep > 0 else None
 
 
 def _fill_new_rows_with_mean(tensors, old_rows: int) -> None:
     """Rows ``>= old_rows`` := the mean of rows ``< old_rows``. Each rank sums the old rows it holds
-    (in float64) and the sums are all-reduced over the mesh dimensions that shard the rows, so a
-    rank holding only new rows gets the same mean as everyone else."""
+    (in float64) and the sums are all-reduced over every mesh dimension that splits the rows (under
+    TP x FSDP two: FSDP's and TP's), so a rank holding only new rows gets the same mean as everyone
+    else. The float64 sum's rounding, which depends on how the layout groups the partial sums, lies
+    far below float32's precision: every layout gives the new rows the same float32 values."""
     seen = set()
     with torch.no_grad():
         for tensor in tensors:
             if id(tensor) in seen:  # tied: embedding and output are one parameter
                 continue
             seen.add(id(tensor))
-            lo, hi = local_rows(tensor) or (0, tensor.shape[0])
             rows = local(tensor)
-            total = rows[: max(0, min(hi, old_rows) - lo)].double().sum(0)
-            if isinstance(tensor, DTensor):
-                for dim, placement in enumerate(tensor.placements):
-                    if isinstance(placement, Shard):
-                        dist.all_reduce(total, group=tensor.device_mesh.get_group(dim))
-            rows[max(0, old_rows - lo) :] = (total / old_rows).to(rows.dtype)
+            old_here = max(0, old_rows - local_block(tensor)[0][0])  # the first this many are old rows
+            total = rows[:old_here].double().sum(0)
+            for group in splitting_groups(tensor, 0):
+                dist.all_reduce(total, group=group)
+            rows[old_here:] = (total / old_rows).to(rows.dtype)
 
 
 def build_stages(

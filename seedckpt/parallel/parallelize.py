@@ -22,6 +22,7 @@ from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+from torch.distributed.tensor import DTensor
 
 from models.common.moe import moe_modules
 from models.registry import family_of
@@ -414,7 +415,7 @@ class TiedEmbeddings:
                     self.group = group
 
     def sync_grads(self) -> None:
-        grads = [local(p.grad) for p in self.copies if p.grad is not None]
+        grads = [local(_grad_laid_out_as_param(p)) for p in self.copies if p.grad is not None]
         if not grads:
             return
         total = grads[0].clone()
@@ -424,3 +425,15 @@ class TiedEmbeddings:
             dist.all_reduce(total, group=self.group)
         for g in grads:
             g.copy_(total)
+
+
+def _grad_laid_out_as_param(param: nn.Parameter) -> torch.Tensor:
+    """``param.grad``, redistributed (in place) to ``param``'s placements if it has others.
+
+    Under tensor parallelism DTensor's embedding backward leaves the embedding's gradient
+    ``Replicate`` while the parameter is ``Shard(0)`` (pp2 x tp2, torch 2.13): its local part is the
+    whole matrix, not the rows the output copy's gradient holds. Replicate to Shard is a local slice."""
+    grad = param.grad
+    if isinstance(grad, DTensor) and grad.placements != param.placements:
+        param.grad = grad = grad.redistribute(param.device_mesh, param.placements)
+    return grad

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 
 def state_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -58,12 +60,43 @@ def copy_full_into(tensor: torch.Tensor, full: torch.Tensor) -> None:
     tensor.copy_(full)
 
 
+def local_block(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(offsets, sizes)``: where in the full tensor the block this rank holds of ``tensor`` sits
+    (the whole tensor when it is a plain one).
+
+    Read from DCP's own chunk of the shard, which places it whatever the mesh dimensions that split
+    it (FSDP2 over tensor parallelism's rows: ``_StridedShard`` then ``Shard``), not from the rank's
+    coordinate on one of them."""
+    if not isinstance(tensor, DTensor):
+        return (0,) * tensor.dim(), tuple(tensor.shape)
+    [chunk] = tensor.__create_chunk_list__()
+    return tuple(chunk.offsets), tuple(chunk.sizes)
+
+
 def local_rows(tensor: torch.Tensor) -> tuple[int, int] | None:
     """``(start, stop)`` rows of the full tensor that this rank's shard holds, when the shard is a
     block of whole rows (FSDP2's dim-0 sharding); ``None`` otherwise, or for a plain tensor."""
     if not isinstance(tensor, DTensor) or tensor.dim() == 0:
         return None
-    [chunk] = tensor.__create_chunk_list__()  # what DCP uses to locate a shard
-    if any(chunk.offsets[1:]) or tuple(chunk.sizes[1:]) != tuple(tensor.shape[1:]):
+    offsets, sizes = local_block(tensor)
+    if any(offsets[1:]) or sizes[1:] != tuple(tensor.shape[1:]):
         return None
-    return chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0]
+    return offsets[0], offsets[0] + sizes[0]
+
+
+def splitting_groups(tensor: torch.Tensor, dim: int) -> list[ProcessGroup]:
+    """The process groups of the mesh dimensions that split ``tensor`` along ``dim``: this rank's
+    block summed along ``dim`` and all-reduced over each of them is the full tensor's sum along
+    ``dim`` (for the block's part of the other dimensions).
+
+    ``_StridedShard`` counts: it is FSDP2's placement on the data-parallel dimension when tensor
+    parallelism already splits ``dim`` (the vocabulary rows of an embedding under TP x FSDP). In
+    torch 2.13 it is no subclass of ``Shard`` and its ``is_shard()`` is False, so a test for ``Shard``
+    alone sums over the TP ranks only and misses the FSDP shards."""
+    if not isinstance(tensor, DTensor):
+        return []
+    return [
+        tensor.device_mesh.get_group(mesh_dim)
+        for mesh_dim, placement in enumerate(tensor.placements)
+        if isinstance(placement, (Shard, _StridedShard)) and placement.dim == dim
+    ]
