@@ -14,6 +14,11 @@ Three measurements, each printed as one JSON line on stdout:
 * ``seed_workers`` (with ``--workers-sweep``): the product with ``--workers 1, 2, 4, ...`` up to the
   usable cores, each pinned to that many cores with ``taskset``, and ``speedup_vs_1_worker``
   against the 1-worker run of the same sweep.
+* ``seed_layers`` (with ``--n-layers 2,4``): the product on ``--model``'s flavor cut to each layer
+  count (``--model.n_layers``), and a last line with the peak RSS's growth from the first count to
+  the last against the bytes'. ``--model qwen3_moe --flavor 235B-A22B --n-layers 2,4 --dtype
+  bfloat16``: a mixture of experts whose every expert weight is one 3.2 GB tensor per layer (in
+  fp32), whose seed must stream within tensors.
 * ``naive_baseline``: what torchtitan does -- build the full model on CPU (paying for the default
   ``nn.Linear`` init), run the same per-tensor recipe over it (``seedckpt.materialize.init_recipe.init_model``) and
   save ``model.state_dict()`` with stock ``torch.distributed.checkpoint.save``. Skip it with
@@ -69,6 +74,10 @@ def main() -> None:
         help="do not run the naive baseline (for flavors that do not fit in RAM)",
     )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--model", default="llama3", help="model family (default: llama3)")
+    parser.add_argument(
+        "--n-layers", help="comma-separated layer counts: seed the flavor cut to each (no naive baseline)"
+    )
     parser.add_argument(
         "--workers-sweep",
         action="store_true",
@@ -83,6 +92,9 @@ def run_all(opts: argparse.Namespace, out_dir: Path) -> None:
     disk_gb_per_s = disk_write_bandwidth(out_dir / "disk_write.bin")
     emit({"benchmark": "disk_write", "gb_per_s": disk_gb_per_s, "bytes": DISK_TEST_BYTES})
 
+    if opts.n_layers:
+        seed_layers(opts, out_dir / "layers")
+        return
     labels = {"benchmark": "seed", "flavor": opts.flavor, "dtype": opts.dtype}
     seedckpt_dir = out_dir / "seedckpt"
     product = measure(seed_command(opts, seedckpt_dir), seedckpt_dir, **labels, impl="seedckpt")
@@ -118,6 +130,8 @@ def seed_command(opts: argparse.Namespace, output: Path, *extra: str) -> list[st
         "create_seed_checkpoint.py",
         "--config",
         "configs/debug.toml",
+        "--model.name",
+        opts.model,
         "--model.flavor",
         opts.flavor,
         "--output",
@@ -130,6 +144,34 @@ def seed_command(opts: argparse.Namespace, output: Path, *extra: str) -> list[st
         "--quiet",
         *extra,
     ]
+
+
+def seed_layers(opts: argparse.Namespace, output: Path) -> None:
+    """The seed cut to each of ``--n-layers``: its peak RSS should not grow with the layers."""
+    rows = []
+    for layers in map(int, opts.n_layers.split(",")):
+        line = measure(
+            seed_command(opts, output, "--model.n_layers", str(layers)),
+            output,
+            benchmark="seed_layers",
+            model=opts.model,
+            flavor=opts.flavor,
+            dtype=opts.dtype,
+            n_layers=layers,
+        )
+        rows.append(line)
+        emit(line)
+        remove(output)
+    emit(
+        {
+            "benchmark": "seed_layers",
+            "model": opts.model,
+            "flavor": opts.flavor,
+            "n_layers": [row["n_layers"] for row in rows],
+            "peak_rss_growth": rows[-1]["peak_rss_gib"] / rows[0]["peak_rss_gib"],
+            "bytes_growth": rows[-1]["bytes_written"] / rows[0]["bytes_written"],
+        }
+    )
 
 
 def sweep_workers(opts: argparse.Namespace, output: Path, disk_gb_per_s: float) -> None:

@@ -16,7 +16,14 @@ import pytest
 import torch
 
 from seedckpt.checkpoint import DcpCheckpoint
-from seedckpt.checkpoint.integrity import PIECE_BYTES, ItemChecks, PieceHasher
+from seedckpt.checkpoint.integrity import (
+    MIN_PIECE_BYTES,
+    PIECE_BYTES,
+    ItemChecks,
+    PieceHasher,
+    band_checks,
+    piece_bytes,
+)
 from seedckpt.cli.main import main as cli
 from seedckpt.materialize.model_checkpoint import open_model_checkpoint
 from seedckpt.utils.errors import SeedckptError
@@ -159,18 +166,21 @@ def test_skipping_verification_loads_corrupt_bytes(tmp_path, debug_seed):
     """``--no-verify`` / ``checkpoint.verify_checksums = false`` really turns the check off."""
     path = tmp_path / "seed"
     shutil.copytree(debug_seed, path)
-    checkpoint = DcpCheckpoint(path)
-    info = next(i for idx, i in checkpoint.metadata.storage_data.items() if idx.fqn == "output.weight")
-    data = path / info.relative_path
-    with open(data, "r+b") as f:  # a byte in the middle of output.weight's raw data
-        f.seek(info.offset + info.length // 2)
-        byte = f.read(1)
-        f.seek(info.offset + info.length // 2)
-        f.write(bytes([byte[0] ^ 0x80]))
+    _flip_middle_of(path, "output.weight")
     with pytest.raises(SeedckptError, match="output.weight .*corrupt"):
         open_model_checkpoint(path).read_tensor("output.weight")
     damaged = open_model_checkpoint(path, verify=False).read_tensor("output.weight")
     assert not torch.equal(damaged, open_model_checkpoint(debug_seed).read_tensor("output.weight"))
+
+
+def _flip_middle_of(path: Path, fqn: str) -> None:
+    """Flip a byte in the middle of ``fqn``'s (first) item."""
+    info = next(i for idx, i in DcpCheckpoint(path).metadata.storage_data.items() if idx.fqn == fqn)
+    with open(path / info.relative_path, "r+b") as f:
+        f.seek(info.offset + info.length // 2)
+        byte = f.read(1)
+        f.seek(info.offset + info.length // 2)
+        f.write(bytes([byte[0] ^ 0x80]))
 
 
 def test_pieces_align_with_the_raw_data_and_reads_cover_what_they_touch():
@@ -180,7 +190,7 @@ def test_pieces_align_with_the_raw_data_and_reads_cover_what_they_touch():
     hasher = PieceHasher("f", 1000)
     payload = os.urandom(head + nbytes + tail)
     hasher.update(memoryview(payload)[:head])
-    hasher.mark_start()
+    hasher.mark_start(PIECE_BYTES)
     hasher.update(memoryview(payload)[head:])
     item = hasher.finish()
     start = 1000 + head
@@ -192,6 +202,50 @@ def test_pieces_align_with_the_raw_data_and_reads_cover_what_they_touch():
     assert item.covering(start, start + quarter, start + nbytes) == (0, 2)  # + the header
     assert item.covering(start + 3 * quarter, start + nbytes, start + nbytes) == (4, 6)  # its piece + the tail
     assert item.covering(start + 10, start + 20, start + nbytes) == (1, 2)  # unaligned: the piece around it
+
+
+def test_pieces_and_tiles_are_sized_to_the_tensor_not_the_item():
+    """At least 64 pieces and 64 tiles to a tensor, however small (down to 4 KiB pieces), 1 MiB
+    pieces from 64 MiB up; a shard's items take its tensor's sizes, so sharding adds no CRCs."""
+    assert piece_bytes(2**20) == 16 << 10 and piece_bytes(100) == MIN_PIECE_BYTES
+    assert piece_bytes(64 << 20) == piece_bytes(4 << 30) == PIECE_BYTES
+    matrix = torch.zeros(512, 512)
+    tiles = band_checks(memoryview(matrix.numpy()).cast("B"), matrix.shape, 4, 512)
+    assert (tiles.bands, tiles.rows_per_tile, len(tiles.crcs)) == (8, 64, 64)
+    quarter = matrix[:128]  # an FSDP shard's item: its tiles stay the tensor's
+    assert band_checks(memoryview(quarter.numpy()).cast("B"), quarter.shape, 4, 512).rows_per_tile == 64
+    embedding = torch.zeros(8192, 2048)  # a 64 MiB block: tiles of 256 KiB, as before
+    assert band_checks(memoryview(embedding.numpy()).cast("B"), embedding.shape, 4, 8192).rows_per_tile == 256
+
+
+def _as_format_1(path: Path) -> None:
+    """Rewrite a checkpoint's checksums as format version 1 recorded them: 1 MiB pieces from the raw
+    bytes' start in every item, one ``piece_bytes`` for all, four fields an item."""
+    manifest = json.loads((path / "seedckpt.json").read_text())
+    record = manifest["checksums"]
+    for file, entries in record["items"].items():
+        data = memoryview((path / file).read_bytes())
+        for k, (offset, length, start, _, _) in enumerate(entries):
+            hasher = PieceHasher(file, offset)
+            hasher.update(data[offset:start])
+            hasher.mark_start(PIECE_BYTES)
+            hasher.update(data[start : offset + length])
+            entries[k] = [offset, length, start, list(hasher.finish().crcs)]
+    record["piece_bytes"] = PIECE_BYTES
+    manifest["format_version"] = 1
+    (path / "seedckpt.json").write_text(json.dumps(manifest))
+
+
+def test_a_format_1_checkpoint_loads_verifies_and_catches_a_flip(tmp_path, debug_seed):
+    old = tmp_path / "old"
+    shutil.copytree(debug_seed, old)
+    _as_format_1(old)
+    assert DcpCheckpoint(old).verify() == []
+    expected = open_model_checkpoint(debug_seed).read_tensor("output.weight")
+    assert torch.equal(open_model_checkpoint(old).read_tensor("output.weight"), expected)
+    _flip_middle_of(old, "output.weight")
+    with pytest.raises(SeedckptError, match="output.weight .*corrupt"):
+        open_model_checkpoint(old).read_tensor("output.weight")
 
 
 # -- broken files: one line, exit 2, from every command ---------------------------------------------

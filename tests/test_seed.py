@@ -41,7 +41,7 @@ def test_manifest_describes_the_checkpoint(debug_seed):
     assert manifest["kind"] == "seed" and manifest["seed"] == 0 and manifest["dtype"] == "float32"
     assert manifest["model"]["name"] == "llama3" and manifest["model"]["args"]["n_layers"] == 6
     assert manifest["num_params"] == sum(t.numel() for t in state.values())
-    assert manifest["torch_version"] == torch.__version__ and manifest["format_version"] == 1
+    assert manifest["torch_version"] == torch.__version__ and manifest["format_version"] == 2
     assert all(not fqn.startswith("model.") for fqn in state)  # flat FQNs
 
 

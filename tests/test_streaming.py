@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from seedckpt.checkpoint import DcpCheckpoint
+from seedckpt.checkpoint import DcpCheckpoint, LazySavePlanner, make_manifest, write_checkpoint
 from seedckpt.checkpoint.writer import BlockPool
-from seedckpt.materialize.init_recipe import CHUNK_NUMEL, init_model
-from seedckpt.materialize.seed import BLOCK_NUMEL, block_rows, create_seed_checkpoint
+from seedckpt.materialize.init_recipe import CHUNK_NUMEL, TensorInit, generate, generate_flat, init_model
+from seedckpt.materialize.seed import BLOCK_NUMEL, block_numel, block_rows, blocks, create_seed_checkpoint
 from seedckpt.materialize.stages import build_stages
 from seedckpt.parallel.pipeline import plan_rank_stages
 from seedckpt.utils.errors import SeedckptError
@@ -30,8 +30,17 @@ REPO = Path(__file__).resolve().parents[1]
 def test_block_rows_cover_whole_generator_chunks():
     assert block_rows(torch.Size([128256, 2048])) * 2048 == BLOCK_NUMEL
     rows = block_rows(torch.Size([4096, 14336]))  # Llama-3 8B w2: 14336 = 7 * 2048
-    assert (rows * 14336) % CHUNK_NUMEL == 0 and rows * 14336 <= 4 * BLOCK_NUMEL
+    assert (rows * 14336) % CHUNK_NUMEL == 0 and rows * 14336 <= BLOCK_NUMEL
     assert block_rows(torch.Size([10, 4097])) >= 1  # no alignment possible: still a valid block
+    # Qwen3-235B-A22B's w1: two experts a block; DeepSeek-V3's with 16 workers' block size (8 Mi
+    # elements, an expert is 14 Mi): half an expert, 7 whole chunks
+    assert blocks(torch.Size([128, 1536, 4096]))[1] == ([2, 0, 0], [2, 1536, 4096])
+    assert block_numel(16) == 8 * CHUNK_NUMEL
+    assert blocks(torch.Size([256, 2048, 7168]), block_numel(16))[:3] == [
+        ([0, 0, 0], [1, 1024, 7168]),
+        ([0, 1024, 0], [1, 1024, 7168]),
+        ([1, 0, 0], [1, 1024, 7168]),
+    ]
 
 
 def test_streaming_seed_equals_naive_full_model_seed(tmp_path):
@@ -67,8 +76,8 @@ def test_unaligned_blocks_equal_the_naive_seed(tmp_path, monkeypatch):
         assert torch.equal(got[fqn], t), fqn
 
 
-def test_block_buffers_are_reused_by_size_and_bounded():
-    pool = BlockPool(keep=2)
+def test_block_buffers_are_reused_by_size_and_bounded_in_bytes():
+    pool = BlockPool(keep_bytes=8000)
     block = pool.take(1000, torch.float32)
     address = block.data_ptr()
     pool.give(block)
@@ -77,10 +86,36 @@ def test_block_buffers_are_reused_by_size_and_bounded():
     assert pool.take(1000, torch.float32).data_ptr() != address  # in use: a new buffer
     assert pool.take(2000, torch.bfloat16).untyped_storage().nbytes() == 4000  # same bytes, other dtype
     pool.give(torch.zeros(10)[:5])  # a view of a larger buffer is never pooled (it would be written whole)
-    assert 20 not in pool.idle and 40 not in pool.idle
-    for _ in range(4):
-        pool.give(torch.empty(10))
-    assert len(pool.idle[40]) == 2
+    assert pool.idle == []
+    for numel in (1000, 1000, 500, 250):  # whatever the sizes, idle bytes stay within 8000: the oldest go
+        pool.give(torch.empty(numel))
+    assert [storage.nbytes() for storage in pool.idle] == [4000, 2000, 1000]
+
+
+def test_a_tensor_many_times_the_block_budget_is_written_in_blocks_within_it(tmp_path):
+    """A grouped expert weight whose every expert is 4x the block budget (the whole tensor 12x): the
+    writer is handed, and writes, blocks of at most the budget, cut within the experts, each
+    generated into a buffer of its own size; stock ``dcp.load`` reads back ``generate``'s tensor."""
+    budget, shape, spec = 1000, torch.Size([3, 40, 100]), TensorInit("trunc_normal", std=0.02, cutoff=3.0)
+    allocated = []
+
+    def allocate(numel, dtype):
+        allocated.append(numel)
+        return torch.empty(numel, dtype=dtype)
+
+    def produce(fqn, start, stop):
+        return generate_flat(spec, 7, fqn, shape.numel(), start, stop, allocate=allocate)
+
+    state = {"layers.0.moe.experts.w1": torch.empty(shape, device="meta")}
+    planner = LazySavePlanner(produce, lambda s: blocks(s, budget))
+    path = write_checkpoint(tmp_path / "experts", state, make_manifest("seed", "qwen3_moe", None, {}), planner=planner)
+    chunks = DcpCheckpoint(path).metadata.state_dict_metadata["layers.0.moe.experts.w1"].chunks
+    assert sorted((c.offsets[0], c.offsets[1]) for c in chunks) == [(e, r) for e in range(3) for r in range(0, 40, 10)]
+    assert {tuple(c.sizes) for c in chunks} == {(1, 10, 100)}
+    written = [nbytes for entries in DcpCheckpoint(path).manifest["raw_items"].values() for _, _, nbytes in entries]
+    assert sorted(written) == [4 * budget] * 12 and allocated == [budget] * 12
+    got = stock_load(path)["layers.0.moe.experts.w1"]
+    assert torch.equal(got, generate(spec, shape, 7, "layers.0.moe.experts.w1"))
 
 
 def test_fsdp_shard_reads_only_overlapping_blocks(tmp_path):

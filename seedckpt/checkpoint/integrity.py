@@ -7,9 +7,19 @@ CRC32C of each piece goes into the manifest (``checksums``).
 
 Why pieces, not whole items: a rank reads only the rows it owns (``owned_reads``), and a check must not
 force it to read the whole item. The cuts fall at the start of the tensor's raw bytes and every
-``PIECE_BYTES`` after it, so an FSDP shard of a power-of-two split reads no byte more than it
-owns; an unaligned request reads at most one extra piece at each end. The bytes before the raw
-data (the zip and pickle records) form a head piece, checked by the rank that reads the first rows.
+piece after it, so an FSDP shard of a power-of-two split reads no byte more than it owns; an
+unaligned request reads at most one extra piece at each end. The bytes before the raw data (the zip
+and pickle records) form a head piece, checked by the rank that reads the first rows.
+
+Why pieces sized to the tensor (``piece_bytes``): a tensor's items are cut into pieces of a power
+of two giving the whole tensor at least ``MIN_PIECES`` of them (``MIN_PIECE_BYTES`` to
+``PIECE_BYTES``), so any slice of 1/64 of a tensor or more is checked on about its own bytes,
+however small the tensor and however it was sharded when written. With 1 MiB pieces whatever the
+tensor, a dim-512 model's 1 MiB matrices were one piece each: a tp2 x dp_shard2 rank read 2.86x the
+bytes it owned, a dp_shard4 rank 3.27x (``benchmarks/tp_read.py``). Sized to the tensor, not to the
+item, the CRCs grow by at most ``MIN_PIECES`` per tensor: tensors of 64 MiB and more keep 1 MiB
+pieces however many ranks write them, so a large model's manifest is no larger than before.
+Checkpoints of format version 1 have ``PIECE_BYTES`` pieces throughout, recorded once for all.
 
 Why bands too: a tensor-parallel rank that holds a slice of the columns of each row (a rowwise
 ``Shard(1)``: ``wo``, ``w2``) asks for one short segment per row, and each 1 MiB piece it touches
@@ -17,7 +27,9 @@ would have to be read whole (measured on Llama 3.2 1B, tp4: 1.8x the bytes owned
 of two or more dimensions also gets *tiles*: up to ``MAX_BANDS`` equal column bands of
 ``rows_per_tile`` rows, each tile about ``TILE_BYTES``, their CRC32C recorded apart (``bands``).
 A column slice that follows the bands (TP degrees dividing their count) is checked by reading only
-its own columns, and rows to the tiles' edges.
+its own columns, and rows to the tiles' edges. A tensor of ``MIN_PIECES`` rows or more has at least
+that many tiles (``MIN_PIECES / bands`` rows of tiles), for the same reason as the pieces: a
+dim-512 model's ``[512, 512]`` ``wo`` was one row of tiles, read whole by each FSDP shard.
 
 Why CRC32C (``crc32c`` package, SSE4.2): computed in hardware, several times ``zlib.crc32``'s speed on
 one core (``benchmarks/checksums.py``), and the standard storage checksum.
@@ -38,15 +50,28 @@ from seedckpt.utils.errors import SeedckptError
 from seedckpt.utils.files import pread_into
 
 ALGORITHM = "crc32c"
-PIECE_BYTES = 1 << 20
+PIECE_BYTES = 1 << 20  # the largest piece (format version 1: every piece)
+MIN_PIECE_BYTES = 4 << 10
+MIN_PIECES = 64  # pieces (and tile rows) an item is cut into at least, down to MIN_PIECE_BYTES
 TILE_BYTES = 256 << 10
 MAX_BANDS = 8
-# manifest: {"algorithm", "piece_bytes", "metadata", "files", "items", "bands"}
+# manifest: {"algorithm", "metadata", "files", "items", "bands"} (version 1: and "piece_bytes")
 CHECKSUMS_KEY = "checksums"
 
 
 def crc(data, value: int = 0) -> int:
     return crc32c.crc32c(data, value)
+
+
+def _power_of_two_below(n: int) -> int:
+    """The largest power of two <= ``n`` (1 for ``n`` < 1)."""
+    return 1 << max(n.bit_length() - 1, 0)
+
+
+def piece_bytes(tensor_nbytes: int) -> int:
+    """The piece size of the items of a tensor of ``tensor_nbytes`` (all its shards): a power of two
+    cutting it into at least ``MIN_PIECES`` pieces, within ``[MIN_PIECE_BYTES, PIECE_BYTES]``."""
+    return max(MIN_PIECE_BYTES, min(PIECE_BYTES, _power_of_two_below(tensor_nbytes // MIN_PIECES)))
 
 
 @dataclass(frozen=True)
@@ -76,16 +101,18 @@ class BandChecks:
         return self.row_bytes // self.bands
 
 
-def band_checks(raw: memoryview, shape, itemsize: int) -> BandChecks | None:
-    """The tiles of a row-major tensor's bytes ``raw`` (``None`` for fewer than two dimensions, or
-    columns that do not split into at least two equal bands)."""
+def band_checks(raw: memoryview, shape, itemsize: int, tensor_rows: int) -> BandChecks | None:
+    """The tiles of a row-major tensor's bytes ``raw`` of ``shape``, a shard of a tensor of
+    ``tensor_rows`` rows (``None`` for fewer than two dimensions, or columns that do not split into
+    at least two equal bands)."""
     if len(shape) < 2 or not shape[0]:
         return None
     bands = next((b for b in (MAX_BANDS, 4, 2) if shape[1] % b == 0), 1)
     if bands == 1:
         return None
     row_bytes = math.prod(shape[1:]) * itemsize
-    rows_per_tile = max(1, TILE_BYTES * bands // row_bytes)
+    whole_tensor = _power_of_two_below(tensor_rows * bands // MIN_PIECES)  # >= MIN_PIECES tiles in the tensor
+    rows_per_tile = max(1, min(TILE_BYTES * bands // row_bytes, whole_tensor))
     table = np.frombuffer(raw, np.uint8).reshape(shape[0], bands, row_bytes // bands)
     crcs = []
     for first in range(0, shape[0], rows_per_tile):
@@ -156,11 +183,13 @@ class PieceHasher:
         self.value = 0
         self.bands: BandChecks | None = None  # set by the writer from the tensor it writes
 
-    def mark_start(self) -> None:
-        if self.crcs or self.pos == self.offset:  # no head (or an implausibly long one: plain pieces)
+    def mark_start(self, piece: int) -> None:
+        """The raw tensor bytes begin here, cut into pieces of ``piece`` bytes (``piece_bytes``)."""
+        if self.crcs:  # an implausibly long head: plain pieces
             return
-        self._close()
-        self.start, self.next_cut = self.pos, self.pos + self.piece
+        if self.pos > self.offset:
+            self._close()
+        self.piece, self.start, self.next_cut = piece, self.pos, self.pos + piece
 
     def update(self, view: memoryview) -> None:
         while view.nbytes:
@@ -185,11 +214,11 @@ class PieceHasher:
 
 
 def checksums_record(items: list[ItemChecks], metadata_crc: int, file_sizes: dict[str, int]) -> dict:
-    """The manifest's ``checksums`` entry."""
+    """The manifest's ``checksums`` entry (format version 2: each item's piece size in its entry)."""
     by_file: dict[str, list] = {}
     bands: dict[str, list] = {}
     for item in sorted(items, key=lambda i: (i.file, i.offset)):
-        by_file.setdefault(item.file, []).append([item.offset, item.length, item.start, list(item.crcs)])
+        by_file.setdefault(item.file, []).append([item.offset, item.length, item.start, item.piece, list(item.crcs)])
         if item.bands is not None:
             b = item.bands
             bands.setdefault(item.file, []).append(
@@ -197,7 +226,6 @@ def checksums_record(items: list[ItemChecks], metadata_crc: int, file_sizes: dic
             )
     return {
         "algorithm": ALGORITHM,
-        "piece_bytes": PIECE_BYTES,
         "metadata": metadata_crc,
         "files": file_sizes,
         "items": by_file,
@@ -222,7 +250,7 @@ class Checksums:
         try:
             if record["algorithm"] != ALGORITHM:
                 raise ValueError(f"unknown algorithm {record['algorithm']!r}")
-            piece = int(record["piece_bytes"])
+            recorded = _item_entries(record, manifest.get("format_version", 1))
             bands = {
                 (file, int(offset)): BandChecks(
                     int(rows), int(count), int(row_bytes), int(num_rows), tuple(map(int, crcs))
@@ -231,17 +259,16 @@ class Checksums:
                 for offset, rows, count, row_bytes, num_rows, crcs in entries
             }
             items = {}
-            for file, entries in record["items"].items():
-                for offset, length, start, crcs in entries:
-                    items[(file, int(offset))] = ItemChecks(
-                        file,
-                        int(offset),
-                        int(length),
-                        int(start),
-                        tuple(int(c) for c in crcs),
-                        piece,
-                        bands.get((file, int(offset))),
-                    )
+            for file, offset, length, start, piece, crcs in recorded:
+                items[(file, int(offset))] = ItemChecks(
+                    file,
+                    int(offset),
+                    int(length),
+                    int(start),
+                    tuple(int(c) for c in crcs),
+                    int(piece),
+                    bands.get((file, int(offset))),
+                )
             return cls(items, int(record["metadata"]), {str(f): int(n) for f, n in record["files"].items()})
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise SeedckptError(f"{where}: the manifest's checksums are damaged ({e!r})") from None
@@ -253,6 +280,15 @@ class Checksums:
                 f"{where}/.metadata is corrupt: CRC32C {got:08x}, {self.metadata:08x} was written; "
                 "the checkpoint is damaged -- restore or write it again"
             )
+
+
+def _item_entries(record: dict, version) -> list[tuple]:
+    """``(file, offset, length, start, piece, crcs)`` of every recorded item: format version 1 has
+    one piece size for all (``piece_bytes``), later versions one per item entry."""
+    if version == 1:
+        piece = record["piece_bytes"]
+        return [(file, *entry[:3], piece, entry[3]) for file, entries in record["items"].items() for entry in entries]
+    return [(file, *entry) for file, entries in record["items"].items() for entry in entries]
 
 
 def data_file(root: Path, name: str) -> Path:

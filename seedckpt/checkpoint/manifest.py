@@ -20,7 +20,7 @@ from seedckpt.utils.errors import SeedckptError
 from seedckpt.utils.version import VERSION
 
 MANIFEST_NAME = "seedckpt.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: checksum pieces sized per item (``integrity.piece_bytes``); 1: 1 MiB pieces
 RAW_ITEMS_KEY = "raw_items"  # {file: [[item offset, raw data offset, raw nbytes], ...]} (``writer``)
 TOKENIZER_DIR = "tokenizer"  # a fine-tuning checkpoint's copy of its tokenizer files
 

@@ -413,8 +413,13 @@ def _plan(opts, overrides) -> int:
         f"{plan['model']} {plan['flavor']}: {plan['total_params']:,} params, {_gib(plan['total_bytes'])}; "
         f"pp={plan['pipeline_parallel_degree']} x {plan['stages_per_rank']} stage(s)/rank, "
         f"dp_shard={plan['data_parallel_shard_degree']}, dp_replicate={plan['data_parallel_replicate_degree']}, "
-        f"tp={plan['tensor_parallel_degree']}"
+        f"tp={plan['tensor_parallel_degree']}, ep={plan['expert_parallel_degree']}"
     )
+    if plan["experts"]:
+        print(
+            f"  experts: {plan['experts']} per MoE layer, {plan['experts_per_ep_rank']} per EP rank; "
+            f"each GPU stores {plan['expert_rows_per_gpu']} of them (FSDP2 over the ranks holding the same ones)"
+        )
     print(f"  {'stage':>5} {'pp_rank':>7}  {'layers':<12} {'extra':<12} {'params':>16} {'bytes':>12}")
     for s in plan["stages"]:
         extra = "+".join(x for x, on in (("embed", s["has_embeddings"]), ("output", s["has_output"])) if on)
@@ -422,11 +427,15 @@ def _plan(opts, overrides) -> int:
             f"  {s['stage']:>5} {s['pp_rank']:>7}  {_span(s['layers']):<12} {extra:<12} "
             f"{s['params']:>16,} {_gib(s['param_bytes']):>12}"
         )
-    print(f"  {'pp_rank':>7} {'stages':<10} {'params':>16} {'bytes':>12} {'per GPU':>13} {'train/GPU':>12}")
+    print(
+        f"  {'pp_rank':>7} {'stages':<10} {'params':>16} {'bytes':>12} {'per GPU':>13} {'experts/GPU':>12} "
+        f"{'train/GPU':>12}"
+    )
     for r in plan["ranks"]:
         print(
             f"  {r['pp_rank']:>7} {str(r['stages']):<10} {r['params']:>16,} {_gib(r['param_bytes']):>12} "
-            f"{_gib(r['param_bytes_per_dp_shard']):>13} {_gib(r['train_state_bytes_per_gpu']):>12}"
+            f"{_gib(r['param_bytes_per_dp_shard']):>13} {_gib(r['expert_bytes_per_gpu']):>12} "
+            f"{_gib(r['train_state_bytes_per_gpu']):>12}"
         )
     if plan["fsdp_impl"] == "manual":
         print(
@@ -436,7 +445,7 @@ def _plan(opts, overrides) -> int:
     else:
         print(
             "  train/GPU = fp32 params + grads + AdamW moments (16 B/param) of the TP rank's part, sharded over "
-            "dp_shard; activations not included"
+            "dp_shard (experts: the GPU's share); activations not included"
         )
     return 0
 

@@ -111,21 +111,24 @@ def generate_flat(
     """Elements ``[start, stop)`` of the flattened fp32 tensor ``fqn`` of ``numel`` elements.
 
     Only the generator chunks that overlap the range are drawn, each over its full length (a
-    chunk's values depend on its length, so the last chunk ends at ``numel``, never at ``stop``); a
-    range on chunk boundaries wastes nothing, which is how the streaming seed writer cuts blocks.
-    ``allocate(numel, dtype=)`` provides the buffer (the seed writer reuses its blocks' buffers).
+    chunk's values depend on its length, so the last chunk ends at ``numel``, never at ``stop``):
+    the chunks inside the range straight into the result, the one or two it cuts into a scratch
+    chunk, of which only the overlap is kept. So the memory is the range plus at most one chunk;
+    a range on chunk boundaries draws nothing it does not keep, which is how the streaming seed
+    writer cuts blocks. ``allocate(numel, dtype=)`` provides the result (the seed writer reuses its
+    blocks' buffers).
     """
     if stop <= start:
         return torch.empty(0)
-    first, last = start // CHUNK_NUMEL, (stop - 1) // CHUNK_NUMEL
-    base = first * CHUNK_NUMEL
-    out = allocate(min(numel, (last + 1) * CHUNK_NUMEL) - base, dtype=torch.float32)
-    for chunk in range(first, last + 1):
-        part = out[(chunk - first) * CHUNK_NUMEL : (chunk - first + 1) * CHUNK_NUMEL]
-        spec.fill_chunk(part, None if spec.kind in ("ones", "zeros") else chunk_generator(seed, fqn, chunk))
-    if start == base and out.numel() == stop - start:
-        return out
-    return out[start - base : stop - base].clone()
+    out = allocate(stop - start, dtype=torch.float32)
+    for chunk in range(start // CHUNK_NUMEL, (stop - 1) // CHUNK_NUMEL + 1):
+        lo, hi = chunk * CHUNK_NUMEL, min(numel, (chunk + 1) * CHUNK_NUMEL)
+        kept = out[max(lo, start) - start : min(hi, stop) - start]
+        whole = kept if kept.numel() == hi - lo else torch.empty(hi - lo)
+        spec.fill_chunk(whole, None if spec.kind in ("ones", "zeros") else chunk_generator(seed, fqn, chunk))
+        if whole is not kept:
+            kept.copy_(whole[max(lo, start) - lo : min(hi, stop) - lo])
+    return out
 
 
 class Initializer:

@@ -5,6 +5,11 @@ stage that owns it, as the model's family says: the embedding to the first stage
 and output to the last, block ``i`` to the stage whose layers include ``i``. Under tensor
 parallelism a rank holds ``1/tp`` of each tensor the family's plan splits and the whole of the
 others (the norms), before FSDP shards what it holds over ``dp_shard``.
+
+A mixture of experts' grouped expert weights (``[experts, ...]``) are whole on every TP rank and
+sharded by FSDP2 along the experts: over ``dp_shard`` without expert parallelism; with it, each EP
+rank holds ``experts / ep`` of them, FSDP-sharded over the ``dp_shard x tp / ep`` ranks that hold
+the same ones. FSDP2 pads dim-0 shards to equal chunks, so a GPU holds the rows of the largest.
 """
 
 from __future__ import annotations
@@ -13,8 +18,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from models.common.moe import moe_modules
 from seedckpt.config.job_config import DTYPES, JobConfig
 from seedckpt.config.resolve import ResolvedRun
+from seedckpt.parallel.parallelize import ParallelDims
 from seedckpt.parallel.pipeline import split_layers, stage_ids_for_rank
 from seedckpt.utils.tensors import state_tensors
 
@@ -33,6 +40,8 @@ class StagePlan:
     params: int
     param_bytes: int
     params_per_tp_rank: int  # = params without tensor parallelism
+    expert_params: int  # of ``params``, the routed experts' (0 for a dense model)
+    expert_params_per_gpu: int  # the experts' parameters on each GPU: EP's share, FSDP-sharded
 
 
 @dataclass
@@ -41,20 +50,43 @@ class RankPlan:
     stages: list[int]
     params: int
     param_bytes: int
-    param_bytes_per_dp_shard: int  # on each GPU: the TP rank's part, sharded over dp_shard
+    param_bytes_per_dp_shard: int  # on each GPU: the TP rank's part, sharded over dp_shard (experts: EP too)
+    expert_bytes_per_gpu: int  # of param_bytes_per_dp_shard, the routed experts'
     train_state_bytes_per_gpu: int  # params + grads + AdamW moments per GPU (see train_state_bytes)
 
 
-def train_state_bytes(cfg: JobConfig, params: int, dp_shard: int) -> int:
-    """Parameters, gradients and AdamW moments per GPU. FSDP2 shards all of it over ``dp_shard``.
-    Manual FSDP shards only the fp32 master copy and the moments: the gathered parameters (in
-    ``mixed_precision_param``) and the gradient buffer (in ``mixed_precision_reduce``) are whole
-    on every rank."""
+def train_state_bytes(cfg: JobConfig, params: int, dp_shard: int, experts: tuple[int, int] = (0, 0)) -> int:
+    """Parameters, gradients and AdamW moments per GPU. FSDP2 shards all of it: the dense
+    parameters over ``dp_shard``; ``experts``: (the routed experts' among ``params``, those one GPU
+    holds). Manual FSDP shards only the fp32 master copy and the moments over ``dp_shard``: the
+    gathered parameters (in ``mixed_precision_param``) and the gradient buffer (in
+    ``mixed_precision_reduce``) are whole on every rank."""
     if cfg.parallelism.fsdp_impl == "manual":
         train = cfg.training
         whole = DTYPES[train.mixed_precision_param].itemsize + DTYPES[train.mixed_precision_reduce].itemsize
         return params * whole + -(-params * SHARDED_BY_MANUAL_FSDP // dp_shard)
-    return -(-params * TRAIN_BYTES_PER_PARAM // dp_shard)
+    return per_gpu(params, experts, dp_shard, TRAIN_BYTES_PER_PARAM)
+
+
+def per_gpu(params: int, experts: tuple[int, int], dp_shard: int, unit: int) -> int:
+    """Bytes on one GPU at ``unit`` bytes a parameter: the dense ones of ``params`` sharded over
+    ``dp_shard``, and the ``experts`` (held, on one GPU) as EP and FSDP place them."""
+    return -(-(params - experts[0]) * unit // dp_shard) + experts[1] * unit
+
+
+def expert_rows_per_gpu(experts: int, dims: ParallelDims) -> int:
+    """Of a grouped expert weight's ``experts`` rows, the most one GPU holds (module docstring)."""
+    if dims.ep > 1:
+        return -(-(experts // dims.ep) // dims.efsdp)
+    return -(-experts // dims.dp_shard)
+
+
+def expert_weights(model) -> set[str]:
+    """The FQNs of the grouped expert weights of a (meta) model."""
+    names = {id(m): name for name, m in model.named_modules()}
+    return {
+        f"{names[id(layer.experts)]}.{p}" for layer in moe_modules(model) for p, _ in layer.experts.named_parameters()
+    }
 
 
 def make_plan(run: ResolvedRun) -> dict:
@@ -71,32 +103,33 @@ def make_plan(run: ResolvedRun) -> dict:
     counts = [0] * num_stages
     nbytes = [0] * num_stages
     per_tp_rank = [0] * num_stages
-    tp, plan = dims.tp, run.family.tensor_parallel
+    experts, experts_per_gpu = [0] * num_stages, [0] * num_stages
+    tp, plan, grouped = dims.tp, run.family.tensor_parallel, expert_weights(model)
     for fqn, t in state_tensors(model).items():
         stage = run.family.stage_of(fqn, stage_of_layer, num_stages)
         counts[stage] += t.numel()
         nbytes[stage] += t.numel() * t.element_size()
         per_tp_rank[stage] += t.numel() // tp if tp > 1 and plan.splits(fqn) else t.numel()
+        if fqn in grouped:
+            experts[stage] += t.numel()
+            experts_per_gpu[stage] += expert_rows_per_gpu(t.shape[0], dims) * t[0].numel()
     stages = [
-        StagePlan(s, owner[s], list(layers[s]), s == 0, s == num_stages - 1, counts[s], nbytes[s], per_tp_rank[s])
+        StagePlan(
+            s,
+            owner[s],
+            list(layers[s]),
+            s == 0,
+            s == num_stages - 1,
+            counts[s],
+            nbytes[s],
+            per_tp_rank[s],
+            experts[s],
+            experts_per_gpu[s],
+        )
         for s in range(num_stages)
     ]
-    ranks = []
-    for r in range(pp):
-        mine = [s for s in stages if s.pp_rank == r]
-        params = sum(s.params for s in mine)
-        on_gpu = sum(s.params_per_tp_rank for s in mine)  # one dtype throughout: bytes scale alike
-        param_bytes = sum(s.param_bytes for s in mine)
-        ranks.append(
-            RankPlan(
-                r,
-                [s.stage for s in mine],
-                params,
-                param_bytes,
-                -(-param_bytes * on_gpu // params // dp_shard),
-                train_state_bytes(cfg, on_gpu, dp_shard),
-            )
-        )
+    ranks = [_rank_plan(cfg, r, [s for s in stages if s.pp_rank == r], dp_shard) for r in range(pp)]
+    n_experts = next((model.get_parameter(fqn).shape[0] for fqn in sorted(grouped)), None)
     return {
         "model": cfg.model.name,
         "flavor": cfg.model.flavor,
@@ -108,7 +141,30 @@ def make_plan(run: ResolvedRun) -> dict:
         "data_parallel_shard_degree": dp_shard,
         "data_parallel_replicate_degree": dims.dp_replicate,
         "tensor_parallel_degree": tp,
+        "expert_parallel_degree": dims.ep,
+        "experts": n_experts,  # per MoE layer (None: a dense model)
+        "experts_per_ep_rank": n_experts // dims.ep if n_experts else None,
+        "expert_rows_per_gpu": expert_rows_per_gpu(n_experts, dims) if n_experts else None,
         "fsdp_impl": par.fsdp_impl,
         "stages": [asdict(s) for s in stages],
         "ranks": [asdict(r) for r in ranks],
     }
+
+
+def _rank_plan(cfg: JobConfig, pp_rank: int, mine: list[StagePlan], dp_shard: int) -> RankPlan:
+    """A pipeline rank's totals over its stages ``mine``; per GPU, the dense part (the TP rank's)
+    sharded over ``dp_shard`` and the experts' share. One dtype throughout: bytes scale alike."""
+    params = sum(s.params for s in mine)
+    param_bytes = sum(s.param_bytes for s in mine)
+    on_gpu = sum(s.params_per_tp_rank for s in mine)
+    experts = (sum(s.expert_params for s in mine), sum(s.expert_params_per_gpu for s in mine))
+    itemsize = param_bytes // params
+    return RankPlan(
+        pp_rank,
+        [s.stage for s in mine],
+        params,
+        param_bytes,
+        per_gpu(on_gpu, experts, dp_shard, itemsize),
+        experts[1] * itemsize,
+        train_state_bytes(cfg, on_gpu, dp_shard, experts),
+    )

@@ -2,15 +2,19 @@
 
 The model is built on ``meta`` and run through every ``init_weights`` without allocating, which
 yields each tensor's recipe by FQN. Nothing else is materialized up front: a ``LazySavePlanner``
-cuts every tensor into row blocks (DCP "chunks", exactly as a sharded save would) and generates a
-block only when the writer asks for it, from (seed, FQN, recipe) via ``seedckpt.materialize.init_recipe`` -- the same
-function a rank uses to initialize its stage directly, so the values are bitwise identical. The
-``StreamingFileSystemWriter`` keeps only a few blocks in flight, so peak memory is bounded by the
-block size times the blocks in flight (``IN_FLIGHT_BYTES``, whatever the worker count), not by the
-model: a 405B seed needs no more RAM than a 1B one. Every usable core works (``--workers``): each
-worker writes its own data file, generating the next block on a thread (torch ops, checksums and
-writes release the GIL) while the previous one is written, so seeding runs at the speed of all the
-cores' RNG or of the disk, whichever is slower.
+cuts every tensor into blocks (DCP "chunks", exactly as a sharded save would; ``blocks``) and
+generates a block only when the writer asks for it, from (seed, FQN, recipe) via
+``seedckpt.materialize.init_recipe`` -- the same function a rank uses to initialize its stage
+directly, so the values are bitwise identical. A block is whole rows, or part of one row where a
+single row exceeds the block size (one expert of a grouped expert weight can), so no tensor is
+ever held whole. The ``StreamingFileSystemWriter`` keeps only a few blocks in flight, and the
+idle buffers kept for reuse are bounded in bytes, so peak memory is bounded by the block size times
+the blocks in flight (``IN_FLIGHT_BYTES``, whatever the worker count), not by the model: a 405B
+seed needs no more RAM than a 1B one, nor a mixture of experts with 3 GB expert tensors
+(``benchmarks/seed.py --n-layers``). Every usable core works (``--workers``): each worker writes
+its own data file, generating the next block on a thread (torch ops, checksums and writes release
+the GIL) while the previous one is written, so seeding runs at the speed of all the cores' RNG or
+of the disk, whichever is slower.
 
 Everything runs on the CPU; the command line also hides GPUs (``CUDA_VISIBLE_DEVICES=""``) so a
 GPU host does not even create a CUDA context. The result is an ordinary DCP checkpoint plus
@@ -21,6 +25,7 @@ every block in fp32 and casts it, so a bf16 seed is exactly the fp32 seed rounde
 from __future__ import annotations
 
 import gc
+import itertools
 import math
 import os
 import shutil
@@ -39,7 +44,8 @@ from seedckpt.utils.tensors import state_tensors
 
 BLOCK_NUMEL = 16 * CHUNK_NUMEL  # target elements per written block (64 MiB in fp32)
 # Generated blocks in flight are bounded by this many fp32 bytes, whatever the worker count: each
-# worker holds two blocks (one generated, one written), so more workers write smaller blocks.
+# worker holds two blocks (one generated, one written), so more workers write smaller blocks. The
+# buffers kept idle for reuse are bounded by as many bytes again.
 IN_FLIGHT_BYTES = 1 << 30
 
 
@@ -65,17 +71,35 @@ def ensure_single_process() -> None:
 
 
 def block_rows(shape: torch.Size, target: int = BLOCK_NUMEL) -> int:
-    """Rows per block of about ``target`` elements: whole generator chunks per block where the row
-    width allows it.
+    """Rows per block of at most ``target`` elements (one row when a row is larger): whole
+    generator chunks per block where the row width allows it.
 
     A block of ``r`` rows spans elements ``[k*r*w, (k+1)*r*w)``; when ``r*w`` is a multiple of
     ``CHUNK_NUMEL`` every block starts on a chunk boundary and no random number is drawn twice.
+    Otherwise each block draws the chunks at its two ends whole, but holds only its own elements.
     """
     width = math.prod(shape[1:])
     aligned = CHUNK_NUMEL // math.gcd(width, CHUNK_NUMEL)  # fewest rows spanning whole chunks
-    if aligned * width <= 4 * target:
-        return aligned * max(1, target // (aligned * width))
+    if aligned * width <= target:
+        return aligned * (target // (aligned * width))
     return max(1, target // width)
+
+
+def blocks(shape: torch.Size, target: int = BLOCK_NUMEL) -> list[tuple[list[int], list[int]]]:
+    """``shape`` cut into blocks ``(offsets, sizes)`` of at most ``target`` elements, each a run of
+    consecutive row-major elements: rows of the first dimension whose single slice fits in
+    ``target``, at one index of the dimensions before it.
+
+    So a block never exceeds the target because one row does: DeepSeek-V3's ``w1`` holds 256
+    experts of 2048 x 7168 elements (59 MB in fp32), cut within each expert when the target is
+    smaller (many workers share ``IN_FLIGHT_BYTES``)."""
+    dim = next(d for d in range(len(shape)) if d == len(shape) - 1 or math.prod(shape[d + 1 :]) <= target)
+    rows, inner = block_rows(shape[dim:], target), list(shape[dim + 1 :])
+    return [
+        ([*outer, first] + [0] * len(inner), [1] * dim + [min(rows, shape[dim] - first), *inner])
+        for outer in itertools.product(*map(range, shape[:dim]))
+        for first in range(0, shape[dim], rows)
+    ]
 
 
 def check_free_space(output: Path, nbytes: int) -> None:
@@ -125,18 +149,14 @@ def create_seed_checkpoint(
         sum(t.numel() for t in state.values()) * torch_dtype.itemsize, f"seed {cfg.model.flavor}", enabled=progress
     )
 
-    pool = BlockPool(keep=2 * workers + 2)  # two blocks in flight per worker
     target = block_numel(workers)
+    pool = BlockPool(keep_bytes=2 * workers * target * 4)
 
-    def produce(fqn: str, row_start: int, row_stop: int) -> torch.Tensor:
-        shape = state[fqn].shape
-        width = math.prod(shape[1:])
+    def produce(fqn: str, start: int, stop: int) -> torch.Tensor:
         spec = specs[fqn]
-        block = generate_flat(
-            spec, seed, spec.key_for(fqn), shape.numel(), row_start * width, row_stop * width, allocate=pool.take
-        )
+        block = generate_flat(spec, seed, spec.key_for(fqn), state[fqn].numel(), start, stop, allocate=pool.take)
         bar.update(block.numel() * torch_dtype.itemsize)
-        return block.view(row_stop - row_start, *shape[1:])
+        return block
 
     manifest = make_manifest(
         "seed",
@@ -161,7 +181,7 @@ def create_seed_checkpoint(
             state,
             manifest,
             force=force,
-            planner=LazySavePlanner(produce, lambda shape: block_rows(shape, target), pool),
+            planner=LazySavePlanner(produce, lambda shape: blocks(shape, target), pool),
             lookahead=1,
             parallel_files=workers,
             resolvers=1,

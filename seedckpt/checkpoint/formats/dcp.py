@@ -283,10 +283,11 @@ def write(source: OpenedCheckpoint, dst: Path, job: WriteJob, names: NameAdapter
 
     def produce(key: str, start: int, stop: int) -> torch.Tensor:
         if key in zeros:
-            return torch.zeros(zeros[key][0], dtype=zeros[key][1])[start:stop]
+            return torch.zeros(zeros[key][0], dtype=zeros[key][1]).reshape(-1)[start:stop]
         job.on_bytes(job.infos[fqn_of[key]].nbytes)
         tensor = source.read_tensor(fqn_of[key])
-        return (names.to_stored_rows(fqn_of[key], tensor) if names else tensor)[start:stop]
+        tensor = names.to_stored_rows(fqn_of[key], tensor) if names else tensor
+        return tensor.reshape(-1)[start:stop]  # one block: the whole tensor
 
     state = {k: torch.empty(job.infos[f].shape, dtype=job.infos[f].dtype, device="meta") for k, f in fqn_of.items()}
     state.update((k, torch.empty(shape, dtype=dtype, device="meta")) for k, (shape, dtype) in zeros.items())
