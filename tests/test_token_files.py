@@ -4,12 +4,16 @@ under an address-space cap smaller than the file; damage and bad input refused i
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -304,10 +308,200 @@ def test_progress_counts_the_bytes_read_from_each_source(tmp_path, corpus, monke
     files = [corpus / "a.jsonl", corpus / "b.jsonl.gz", corpus / "plain.txt", tmp_path / "c.parquet", big]
     blocks = list(_blocks(files))
     assert sum(size for _, size in blocks) == sum(f.stat().st_size for f in files)
-    assert sum(len(t) for texts, _ in blocks for t in texts) > 20 * big.stat().st_size
-    assert all(len(texts) for texts, _ in blocks) and max(sum(map(len, t)) for t, _ in blocks) < 2 * BLOCK_CHARS
+    assert sum(len(text) for items, _ in blocks for text, _ in items) > 20 * big.stat().st_size
+    assert (
+        all(items for items, _ in blocks) and max(sum(len(t) for t, _ in items) for items, _ in blocks) <= BLOCK_CHARS
+    )
 
     chats = tmp_path / "chats.jsonl.gz"
     with gzip.open(chats, "wt") as f:
         f.writelines(json.dumps(c) + "\n" for c in make_chats(10, seed=5))
     assert sum(size for _, size in _sft_blocks(str(chats), 300)) == chats.stat().st_size
+
+
+@pytest.fixture(scope="module")
+def lines(tmp_path_factory):
+    """3 MiB of plain text, 12 of DOCS' words a line: one document, too large to encode whole under
+    the cap below."""
+    rng = np.random.default_rng(0)
+    words = np.array(sorted({w for d in DOCS for w in d.split()}))
+    text = "".join(" ".join(row) + "\n" for row in rng.choice(words, (48_000, 12)))
+    path = tmp_path_factory.mktemp("lines") / "lines.txt"
+    path.write_text(text)
+    return path
+
+
+def test_cut_pieces_end_before_a_space_so_the_pieces_ids_are_the_whole_texts():
+    """The rule: pieces of at most the bound that join back to the text, each cut before its last space
+    after a non-space, else before such a whitespace, else at the bound; cut before spaces, the pieces'
+    ids joined are the whole text's for GPT-2's and Llama 3's byte-level pre-tokenizers and metaspace."""
+    import io
+    import random
+
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
+
+    from seedckpt.data.sources import cut_pieces
+
+    def cut(text: str, limit: int) -> list[str]:
+        return list(cut_pieces(io.StringIO(text), limit))
+
+    assert cut("ab cd  ef\ngh", 5) == ["ab", " cd", "  ef", "\ngh"]
+    assert cut("abcdefgh ij", 5) == ["abcde", "fgh", " ij"]  # no whitespace within the bound
+    assert cut("北京是首都\n东京", 7) == ["北京是首都", "\n东京"]  # no space: before the line break
+    assert cut("", 5) == [] and cut("   ", 2) == ["  ", " "]
+
+    rng = random.Random(0)
+    text = "".join(d + rng.choice([" ", "  ", "\n", ".\n\n", "\t", ",\n", "!\n "]) for d in DOCS * 4)
+    llama3 = (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+        r"\s*[\r\n]+|\s+(?!\S)|\s+"
+    )
+    for pre_tokenizer in (
+        pre_tokenizers.ByteLevel(add_prefix_space=True),
+        pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(llama3), "isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        ),
+        pre_tokenizers.Metaspace(prepend_scheme="always"),
+    ):
+        bpe = Tokenizer(models.BPE())
+        bpe.pre_tokenizer = pre_tokenizer
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+        bpe.train_from_iterator(
+            [text], trainers.BpeTrainer(vocab_size=400, show_progress=False, initial_alphabet=alphabet)
+        )
+        for limit in (24, 61, 200):
+            pieces = cut(text, limit)
+            assert "".join(pieces) == text and max(map(len, pieces)) <= limit
+            assert all(p[0] == " " and not q[-1].isspace() for q, p in zip(pieces, pieces[1:]))
+            joined = [i for p in pieces for i in bpe.encode(p).ids]
+            assert joined == bpe.encode(text).ids, (pre_tokenizer, limit)
+
+
+def test_documents_in_small_pieces_and_blocks_give_the_same_ids_and_a_huge_jsonl_line_is_refused(
+    tmp_path, tokenizer, corpus, capsys, monkeypatch
+):
+    """JSONL, JSONL.gz and plain text cut into 16-character pieces in 64-character blocks: the same ids
+    and document count as each document encoded whole (``kind = "text"`` reads them the same way);
+    a JSONL line over 16 MiB is one line naming it, and nothing is left behind."""
+    from seedckpt.data import sources
+    from seedckpt.data import tokenize as tokenizing
+    from seedckpt.data.sources import TextData
+
+    monkeypatch.setattr(sources, "PIECE_CHARS", 16)
+    monkeypatch.setattr(tokenizing, "BLOCK_CHARS", 64)
+    files = [corpus / "a.jsonl", corpus / "b.jsonl.gz", corpus / "plain.txt"]
+    assert tokenize(",".join(map(str, files)), tokenizer, tmp_path / "t", "--workers", "2", "--quiet") == 0
+    expected = _expected(tokenizer, [*DOCS, DOCS[0]])
+    assert np.fromfile(tmp_path / "t" / "tokens.bin", dtype="<u4").tolist() == expected
+    assert json.loads((tmp_path / "t" / "tokens.json").read_text())["documents"] == len(DOCS) + 1
+    as_text = TextData.tokenized(",".join(map(str, files)), str(tokenizer), 512, 8, seed=0)
+    assert as_text.tokens.tolist() == expected
+
+    huge = tmp_path / "huge" / "huge.jsonl"
+    huge.parent.mkdir()
+    huge.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": "word " * (4 << 20)}) + "\n")
+    capsys.readouterr()
+    assert tokenize(huge, tokenizer, huge.parent / "t", "--quiet") == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{huge}:2: line longer than 16 MiB; split the record" in err and len(err.splitlines()) == 1, err
+    assert sorted(p.name for p in huge.parent.iterdir()) == ["huge.jsonl"]
+
+
+# A tokenizer worker (spawned through ``multiprocessing.set_executable``) runs under an address-space
+# cap of HEADROOM MiB above this process's once it has what a worker loads: the imports and the tokenizer.
+CAPPED_WORKERS = """
+import multiprocessing, os, sys
+from seedckpt.cli.main import main
+from seedckpt.data.tokenizer import load_tokenizer
+import seedckpt.data.tokenize
+source, tokenizer, output, capped, headroom = sys.argv[1:]
+load_tokenizer(tokenizer)
+kib = int(next(l for l in open("/proc/self/status") if l.startswith("VmSize")).split()[1]) + int(headroom) * 1024
+with open(capped, "w") as f:
+    f.write(f'#!/bin/sh\\nulimit -v {kib}\\nexec {sys.executable} "$@"\\n')
+os.chmod(capped, 0o755)
+multiprocessing.set_executable(capped)
+sys.exit(main(["tokenize", source, "--tokenizer", tokenizer, "--output", output, "--workers", "1", "--quiet"]))
+"""
+ENCODE_WHOLE = """
+import sys
+from seedckpt.data.tokenizer import load_tokenizer
+import seedckpt.data.tokenize
+tokenizer = load_tokenizer(sys.argv[1])
+text = open(sys.argv[2]).read()
+print("loaded", flush=True)
+tokenizer(text, add_special_tokens=False)
+"""
+
+
+def test_a_plain_text_file_larger_than_a_workers_memory_cap_tokenizes_in_pieces(tmp_path, tokenizer, lines):
+    """3 MiB of 12-word lines (one document) tokenized by a worker capped (RLIMIT_AS) at 256 MiB above
+    its footprint once loaded: encoded whole the text needs ~200 bytes a character, and a process under
+    the same cap fails to (a worker dying so once hung the command); pieces and blocks fit. This
+    byte-level BPE ends a pre-token at each line break, so the ids are the lines' ids joined, then eos."""
+    capped, out = tmp_path / "capped-python", tmp_path / "tokens"
+    driver = [sys.executable, "-c", CAPPED_WORKERS, str(lines), str(tokenizer), str(out), str(capped), "256"]
+    run = subprocess.run(driver, cwd=REPO, capture_output=True, text=True, timeout=HANG_S)
+    assert run.returncode == 0, run.stderr[-2000:]
+    whole = subprocess.run(
+        [str(capped), "-c", ENCODE_WHOLE, str(tokenizer), str(lines)], cwd=REPO, capture_output=True, timeout=HANG_S
+    )
+    assert whole.stdout == b"loaded\n" and whole.returncode != 0, whole.stderr[-2000:]
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    text = lines.read_text().splitlines(keepends=True)
+    expected = [t for k in range(0, len(text), 4096) for ids in tok(text[k : k + 4096])["input_ids"] for t in ids]
+    assert np.fromfile(out / "tokens.bin", dtype="<u4").tolist() == [*expected, tok.eos_token_id]
+    assert json.loads((out / "tokens.json").read_text())["documents"] == 1
+
+
+def _worker_pids(pid: int) -> list[int]:
+    """The tokenizer workers of process ``pid``: its children started by ``multiprocessing``'s spawn."""
+    children = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):
+            children += map(int, open(f"/proc/{pid}/task/{task}/children").read().split())
+    return [c for c in children if b"spawn_main" in _read(f"/proc/{c}/cmdline")]
+
+
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def test_a_worker_killed_mid_run_ends_the_command_in_one_line_leaving_nothing(tmp_path, tokenizer, lines):
+    """A worker SIGKILLed (as the OOM killer does) once the first block is written: the command exits 2
+    with one line saying what happened and what to do, the other worker is gone, and neither the
+    partial directory nor the lock is left (``multiprocessing.Pool`` waited forever for the lost block)."""
+    out = tmp_path / "tokens"
+    command = ["-m", "seedckpt.cli.main", "tokenize", str(lines), "--tokenizer", str(tokenizer), "--output", str(out)]
+    proc = subprocess.Popen(
+        [sys.executable, *command, "--workers", "2", "--quiet"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + HANG_S
+        while not any(p.stat().st_size for p in tmp_path.glob(".tokens.*.partial/tokens.bin")):
+            assert proc.poll() is None and time.monotonic() < deadline, f"no block written; exit {proc.poll()}"
+            time.sleep(0.01)
+        workers = _worker_pids(proc.pid)
+        assert len(workers) == 2
+        os.kill(workers[0], signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=HANG_S)
+    finally:
+        proc.kill()  # a command that hangs (as it did) must not outlive the test
+    err = stderr.decode().strip()
+    assert proc.returncode == 2 and len(err.splitlines()) == 1 and not stdout, err
+    assert "tokenize: error: a tokenizer worker process ended abruptly" in err and "fewer --workers" in err
+    assert list(tmp_path.iterdir()) == []
+    assert all(_read(f"/proc/{pid}/stat").split(b") ")[-1][:1] in (b"", b"Z") for pid in workers)
