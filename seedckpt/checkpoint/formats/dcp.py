@@ -181,7 +181,13 @@ class DcpCheckpoint(OpenedCheckpoint):
         self.check_covers(state_dict)
         stored, shared = one_destination_per_source(state_dict, lambda key: self.stored.get(key, key))
         permuted = self._grouped_rows(state_dict, stored)
-        load_state({k: v for k, v in stored.items() if v is not None}, self.reader(), self.path)
+        # a permuted tensor's window is None where this rank holds none of its rows: nothing to read;
+        # every other entry (training state passed as None included) is loaded, and DCP's values
+        # for non-tensor entries come back through ``loading``
+        absent = {self.stored[key] for key, grouped in permuted.items() if grouped.window is None}
+        loading = {k: v for k, v in stored.items() if k not in absent}
+        load_state(loading, self.reader(), self.path)
+        stored.update(loading)
         for key, grouped in permuted.items():
             grouped.finish(self.renamed[key].from_stored_rows)
             stored[self.stored[key]] = grouped.wanted
