@@ -267,6 +267,13 @@ PARTS = [
         "Qwen3-30B-A3B's MoE layer: grouped GEMM faster than the per-expert loop, near a dense FFN of its active size",
     ),
     Part(
+        "moe_ep_share",
+        "cpu",
+        ["benchmarks/moe.py", "--ep", "4"],
+        300,
+        "the all-to-all's share of a dp_shard 4 x ep 4 step (gloo, profiled), the same trace's span",
+    ),
+    Part(
         "moe_block",
         "cpu",
         ["benchmarks/moe.py"],
