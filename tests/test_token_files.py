@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -145,6 +146,27 @@ def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, tokenizer, corpus, c
     assert "exists; choose a new output directory" in capsys.readouterr().err
 
 
+def test_a_directory_read_in_part_names_what_it_skipped_and_one_with_nothing_is_refused(
+    tmp_path, tokenizer, corpus, capsys
+):
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "a.jsonl").write_bytes((corpus / "a.jsonl").read_bytes())
+    for name in ("notes.txt", "blob.bin", "logo.png"):
+        (mixed / name).write_bytes(b"not read")
+    skipped = (
+        f"data.path {mixed}: read its 1 *.jsonl, *.jsonl.gz, *.parquet file(s); skipped blob.bin, logo.png, notes.txt"
+    )
+    with pytest.warns(UserWarning, match=re.escape(skipped)) as caught:
+        assert tokenize(mixed, tokenizer, tmp_path / "tokens", "--quiet") == 0
+    # the command prints its warnings as one line each, like its errors
+    assert warnings.formatwarning(caught[0].message, UserWarning, "x.py", 1) == f"warning: {skipped}\n"
+    (mixed / "a.jsonl").unlink()
+    assert tokenize(mixed, tokenizer, tmp_path / "none", "--quiet") == 2
+    assert "is a directory without *.jsonl, *.jsonl.gz, *.parquet files" in capsys.readouterr().err
+    assert not (tmp_path / "none").exists()
+
+
 def test_training_reads_windows_of_the_token_file(tmp_path, tokenizer, corpus, debug_seed):
     from seedckpt.data.token_files import TokenFileData
 
@@ -153,6 +175,8 @@ def test_training_reads_windows_of_the_token_file(tmp_path, tokenizer, corpus, d
     steps = ["--training.steps", "2", "--data.kind", "tokens", "--data.path", str(out)]
     run = torchrun(tmp_path / "run", debug_seed, 1, "--parallelism.pipeline_parallel_degree", "1", *steps)
     assert f"data: tokens {out}" in run.stdout and len(losses(tmp_path / "run")) == 2
+    # configs/debug.toml's 3 warmup steps in a 2-step run: the one warning line that says so
+    assert "warning: training.warmup_steps = 3 is longer than the run's 2 steps" in run.stdout
     ids = torch.from_numpy(np.fromfile(out / "tokens.bin", dtype="<u4").astype(np.int64))
     data = TokenFileData(str(out), 512, 16, seed=3)
     batch = data.global_batch(7, 4)

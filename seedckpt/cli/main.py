@@ -13,6 +13,7 @@ import os
 import sys
 import textwrap
 import time
+import warnings
 from pathlib import Path
 
 from seedckpt.utils.errors import SeedckptError
@@ -219,12 +220,18 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """A command's warnings as one line each, like its errors (not Python's file:line + source)."""
+    return f"warning: {message}\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["launch"]:  # torchrun's own arguments, parsed by torchrun's parser
         from seedckpt.cli.launch import main as launch
 
         return launch(argv[1:])
+    warnings.formatwarning = _one_line_warning
     parser = _parser()
     opts, rest = parser.parse_known_args(argv)
     if rest and opts.command in ("inspect", "verify", "convert", "diff", "tokenize"):

@@ -23,6 +23,7 @@ import importlib.util
 import io
 import json
 import re
+import warnings
 import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -115,9 +116,16 @@ def data_files(path: str | list[str], suffixes: tuple[str, ...]) -> list[Path]:
         p = Path(part)
         if p.is_dir():
             found = sorted(f for suffix in suffixes for f in p.glob(f"*{suffix}"))
+            names = ", ".join(f"*{suffix}" for suffix in suffixes)
             if not found:
-                names = ", ".join(f"*{suffix}" for suffix in suffixes)
                 raise SeedckptError(f"data.path {p} is a directory without {names} files")
+            skipped = sorted(f.name for f in p.iterdir() if f not in found)
+            if skipped:  # a directory read in part says so: a .txt or .bin beside the data is not data
+                more = f" and {len(skipped) - 5} more" if len(skipped) > 5 else ""
+                warnings.warn(
+                    f"data.path {p}: read its {len(found)} {names} file(s); skipped {', '.join(skipped[:5])}{more}",
+                    stacklevel=2,
+                )
             files += found
         elif p.is_file():
             files.append(p)

@@ -261,6 +261,12 @@ class Trainer:
                 f"{f' over the last {sched.decay_ratio:g} of the steps' if sched.decay_type == 'wsd' else ''}"
                 f"{f' to {sched.min_lr_factor:g} x lr' if sched.decay_type != 'constant' else ''}"
             )
+            if train.warmup_steps > train.steps:
+                self.log(
+                    f"warning: training.warmup_steps = {train.warmup_steps} is longer than the run's "
+                    f"{train.steps} steps: the learning rate never reaches training.lr = {train.lr}; "
+                    f"set training.warmup_steps <= {train.steps}"
+                )
             if start.step:
                 excluded = frozenset(ckpt.exclude_from_loading)
                 self.state.load(start.checkpoint, excluded)
