@@ -176,3 +176,18 @@ def test_a_seed_larger_than_the_free_space_is_refused_before_writing(tmp_path, m
     assert f"the seed needs 4.7 MiB at {out}, but {tmp_path} has 1.0 MiB free" in err, err
     assert "--dtype bfloat16" in err and len(err.splitlines()) == 1
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) in ([], ["deep"])
+
+
+def test_a_seed_reads_only_the_model_of_its_config(tmp_path):
+    """Fine-tuning's source, the data, the tokenizer and the parallel layout are a run's, not a seed's:
+    none of them need exist or fit for ``seedckpt seed`` (which resolved them all before)."""
+    from seedckpt.checkpoint import DcpCheckpoint
+
+    cfg = tiny_config(
+        *["--finetune.mode", "sft", "--finetune.pretrained", str(tmp_path / "no-such-model")],
+        *["--data.kind", "chat", "--data.path", str(tmp_path / "no-such.jsonl")],
+        *["--data.tokenizer", str(tmp_path / "no-such-tokenizer")],
+        *["--parallelism.pipeline_parallel_degree", "5"],  # 6 layers do not split over 5 stages
+    )
+    path = create_seed_checkpoint(cfg, tmp_path / "seed", seed=0, progress=False, workers=1)
+    assert DcpCheckpoint(path).verify() == []

@@ -36,7 +36,6 @@ import torch
 from seedckpt.checkpoint import LazySavePlanner, check_destination, make_manifest, write_checkpoint
 from seedckpt.checkpoint.writer import BlockPool
 from seedckpt.config.job_config import DTYPES, JobConfig
-from seedckpt.config.resolve import default_world_size, resolve
 from seedckpt.materialize.init_recipe import CHUNK_NUMEL, RECIPE_VERSION, generate_flat, init_model
 from seedckpt.utils.errors import SeedckptError
 from seedckpt.utils.progress import Progress
@@ -138,12 +137,13 @@ def create_seed_checkpoint(
         raise SeedckptError(f"--dtype {dtype} is not supported; choose one of {sorted(DTYPES)}")
     output = check_destination(output, force)
     torch_dtype = DTYPES[dtype]
-    run = resolve(cfg, default_world_size(cfg), local_world_size=0)
+    # The model is all a seed needs: not the fine-tuning source, the data, the tokenizer or the layout.
+    family, args = cfg.model_family(), cfg.model_args()
     with torch.device("meta"):
-        model = run.family.model(run.args)
+        model = family.model(args)
     specs = init_model(model, seed, materialize=False)
     state = {fqn: torch.empty(t.shape, dtype=torch_dtype, device="meta") for fqn, t in state_tensors(model).items()}
-    tied = run.family.tied_weights(run.args)
+    tied = family.tied_weights(args)
     check_free_space(output, sum(t.numel() * t.element_size() for fqn, t in state.items() if fqn not in tied))
     bar = Progress(
         sum(t.numel() for t in state.values()) * torch_dtype.itemsize, f"seed {cfg.model.flavor}", enabled=progress
@@ -162,7 +162,7 @@ def create_seed_checkpoint(
         "seed",
         cfg.model.name,
         cfg.model.flavor,
-        run.args.to_dict(),
+        args.to_dict(),
         seed=seed,
         dtype=dtype,
         init={"recipe": RECIPE_VERSION, "chunk_numel": CHUNK_NUMEL},
