@@ -209,18 +209,21 @@ def test_hf_export_refuses_a_trained_bias_in_one_line_and_takes_a_zero_one(titan
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name,ep", [("qwen3_moe", "2"), ("mixtral", "1")], ids=["qwen3_moe-ep2", "mixtral"])
 def test_sft_from_an_hf_mixture_of_experts_on_pp2_x_dp_shard2_exports_what_transformers_computes(
-    tmp_path, chat_inputs, name
+    tmp_path, chat_inputs, name, ep
 ):
-    """SFT from the family's HF directory on pp=2 x dp_shard=2 (each rank reads only its experts'
-    HF tensors: ``test_expert_checkpoints``): the masked loss falls, the aux loss is reported, and
-    the end-of-run HF export loads in transformers with our checkpoint's logits."""
+    """SFT from the family's HF directory on pp=2 x dp_shard=2, Qwen3-MoE's experts expert-parallel
+    over the two DP ranks (each rank reads only its experts' HF tensors: ``test_expert_checkpoints``):
+    the masked loss falls, the aux loss is reported, and the end-of-run HF export loads in
+    transformers with our checkpoint's logits."""
     tokenizer, chats, tokenizer_vocab = chat_inputs
     hf = _hf_moe(name, tmp_path / "hf", -(-tokenizer_vocab // 8) * 8, dense=(1,))
     export = ["--checkpoint.export_at_end", "hf", "--checkpoint.export_dtype", "float32"]
     steps = ["--training.steps", "6", "--checkpoint.interval", "6"]
-    sft(tmp_path / "run", hf, tokenizer, chats, 4, *PP2_DP2, *export, *steps)
+    sft(
+        tmp_path / "run", hf, tokenizer, chats, 4, *PP2_DP2, "--parallelism.expert_parallel_degree", ep, *export, *steps
+    )
     loss = losses(tmp_path / "run")
     assert len(loss) == 6 and loss[-1] < loss[0] - 0.3, loss
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
