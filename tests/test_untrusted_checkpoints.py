@@ -77,7 +77,7 @@ def craft(step: Path, to: Path, key: str, forge_checksums: bool) -> Path:
     checksums = manifest["checksums"]
     checksums["metadata"] = crc(data)
     if forge_checksums:
-        checksums["items"][PAYLOAD] = [[0, len(payload), 0, [crc(payload)]]]
+        checksums["items"][PAYLOAD] = [[0, len(payload), 0, len(payload), [crc(payload)]]]  # one piece
         checksums["files"][PAYLOAD] = len(payload)
     manifest.pop("raw_items")  # every item is read the stock way, the RNG tensor included
     (to / MANIFEST_NAME).write_text(json.dumps(manifest))

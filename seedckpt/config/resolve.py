@@ -10,6 +10,7 @@ plan`` and ``seedckpt seed``; nothing changes the config afterwards.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, replace
 
@@ -78,15 +79,13 @@ def keep_global_batch(cfg: JobConfig, dims: ParallelDims, start: Start) -> tuple
 
 
 def default_world_size(cfg: JobConfig) -> int:
-    """The world the config's degrees describe, ``data_parallel_shard_degree = -1`` counting as 1
-    (``seedckpt plan`` without ``--world-size``, ``seedckpt seed``)."""
+    """The smallest world the config's degrees describe (``seedckpt plan`` without ``--world-size``):
+    ``data_parallel_shard_degree = -1`` counts as the least shard degree that lets the expert-parallel
+    degree divide ``dp_shard x tp`` (1 without experts)."""
     par = cfg.parallelism
-    return (
-        par.pipeline_parallel_degree
-        * par.data_parallel_replicate_degree
-        * max(1, par.data_parallel_shard_degree)
-        * par.tensor_parallel_degree
-    )
+    tp, ep = par.tensor_parallel_degree, par.expert_parallel_degree
+    shard = par.data_parallel_shard_degree if par.data_parallel_shard_degree > 0 else ep // math.gcd(ep, tp)
+    return par.pipeline_parallel_degree * par.data_parallel_replicate_degree * shard * tp
 
 
 def choose_device(requested: str, local_ranks: int, gpus: int) -> str:
