@@ -75,7 +75,7 @@ def dispatched_forward(
     if tp_mesh is not None:
         x, counts = _tp_share(x, counts, tp_mesh)
     received, local_counts, route = _dispatch(x, counts, ep_mesh.get_group())
-    out = experts.compute(received, local_counts, local(experts.w1), local(experts.w2), local(experts.w3))
+    out = experts.compute(received, local_counts, **{n: local(w) for n, w in experts.named_parameters()})
     out = _combine(out, route, ep_mesh.get_group())
     return out if tp_mesh is None else _tp_gather(out, slots, tp_mesh)
 
