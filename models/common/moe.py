@@ -242,11 +242,6 @@ def update_expert_bias(layer: MoE, counts: torch.Tensor) -> None:
         layer.expert_bias += (delta - delta.mean()).to(layer.expert_bias.dtype)
 
 
-def active_ffn_parameters(dim: int, options: MoEOptions) -> int:
-    """The routed-expert parameters one token uses in one MoE layer (``top_k`` experts), and the router."""
-    return options.top_k * 3 * dim * options.ffn_dim + dim * options.n_experts
-
-
 def balance_summary(counts: torch.Tensor) -> float:
     """max / mean tokens per expert of one layer's ``counts`` (1.0: perfectly balanced)."""
     mean = counts.float().mean()
