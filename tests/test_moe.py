@@ -57,6 +57,27 @@ def test_grouped_mm_equals_the_per_expert_loop_forward_and_backward(dtype):
         assert torch.allclose(a.float(), b.float(), atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.cuda
+def test_grouped_mm_on_cuda_equals_the_cpus_loop():
+    """bf16 on the GPU (torch._grouped_mm where the card has it, sm90 and newer) against the fp32
+    per-expert loop on the CPU: the output and every gradient within bf16's precision."""
+    reference = _experts()
+    counts = torch.tensor([5, 0, 9, 1, 0, 3])
+    x = torch.randn(int(counts.sum()), 8, generator=torch.Generator().manual_seed(1))
+    results = []
+    for experts, device, dtype in ((reference, "cpu", torch.float32), (_experts(), "cuda", torch.bfloat16)):
+        experts = experts.to(device, dtype)
+        experts.use_grouped_mm = device == "cuda"
+        inputs = x.to(device, dtype).requires_grad_()
+        out = experts(inputs, counts.to(device))
+        out.sum().backward()
+        results.append([t.detach().float().cpu() for t in (out, inputs.grad, *(w.grad for w in experts.parameters()))])
+    if torch.cuda.get_device_capability()[0] >= 9:
+        assert grouped_mm_applies(x.cuda().bfloat16(), *(w.cuda().bfloat16() for w in (reference.w1, reference.w2)))
+    for a, b in zip(*results):
+        assert torch.allclose(a, b, atol=3e-2, rtol=3e-2), (a - b).abs().max()
+
+
 def test_grouped_mm_is_skipped_where_it_does_not_apply():
     """Rows of 6 floats (24 bytes) are not 16-byte aligned: the loop runs, and gives the answer."""
     experts = _experts(dim=6)
@@ -227,3 +248,29 @@ def test_bias_balancing_trains_and_resumes_bitwise(tmp_path):
     assert len(biases) == 3 and any(a[k].abs().max() > 0 for k in biases)  # layer 0 is dense; they moved
     for key in a:
         assert torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.cuda
+def test_one_gpu_trains_the_moe_model_the_cpu_trains(tmp_path, moe_seed):
+    """Routing, grouped GEMM, the aux loss and the balance metrics on CUDA: ten bf16 steps of the
+    same run on either device, losses within bf16's drift."""
+    from tests.test_device import assert_close_in_bf16
+    from tests.test_device import train as train_one
+
+    runs = {}
+    for device in ("cpu", "cuda"):
+        run = tmp_path / device
+        proc = train_one(
+            run,
+            moe_seed,
+            "--model.name",
+            "qwen3_moe",
+            "--job.device",
+            device,
+            "--training.mixed_precision_param",
+            "bfloat16",
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[device] = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert_close_in_bf16(runs["cuda"], runs["cpu"])
+    assert all(r["moe_aux_loss"] >= 2.0 - 1e-2 for r in runs["cuda"])
