@@ -68,7 +68,7 @@ def test_grouped_mm_on_cuda_equals_the_cpus_loop():
     for experts, device, dtype in ((reference, "cpu", torch.float32), (_experts(), "cuda", torch.bfloat16)):
         experts = experts.to(device, dtype)
         experts.use_grouped_mm = device == "cuda"
-        inputs = x.to(device, dtype).requires_grad_()
+        inputs = x.to(device, dtype, copy=True).requires_grad_()
         out = experts(inputs, counts.to(device))
         out.sum().backward()
         results.append([t.detach().float().cpu() for t in (out, inputs.grad, *(w.grad for w in experts.parameters()))])
