@@ -95,6 +95,9 @@ class DecoderOptions:
     # Positions each token attends back to, itself included (Mistral's sliding window); None: all.
     # Not implemented: within it attention is full attention, so a longer input is refused.
     attention_window: int | None = None
+    # The blocks' attention module, built as ``attention(args, init_std)`` and called as ``Attention``
+    # is; None: ``Attention`` (DeepSeek-V3's multi-head latent attention is its family's own)
+    attention: Callable[..., nn.Module] | None = None
 
 
 def tied_weights(args) -> dict[str, str]:
@@ -270,8 +273,8 @@ class TransformerBlock(nn.Module):
         super().__init__()
         init_std = 0.02 / math.sqrt(2 * (layer_id + 1))  # torchtitan: depth-scaled output projections
         self.residual_multiplier = args.decoder_options.residual_multiplier
-        self.attention = Attention(args, init_std)
         options = args.decoder_options
+        self.attention = (options.attention or Attention)(args, init_std)
         moe = options.moe if layer_id in options.moe_layers else None
         self.feed_forward = FeedForward(args, init_std) if moe is None else None
         self.moe = MoE(args.dim, moe, init_std) if moe is not None else None
