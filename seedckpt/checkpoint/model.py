@@ -11,6 +11,7 @@ load.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -29,15 +30,30 @@ class ModelLayout:
     flavor: str | None = None  # the released shapes the args match, if any
 
 
+@dataclass(frozen=True)
+class StoredParts:
+    """A stored tensor that is not one of ours as it is, but holds ``fqns`` rearranged: another
+    tool's experts stored transposed, or two of our tensors fused into one (gpt-oss's gate and up
+    projections, interleaved). Dim 0 is the experts' on both sides, so any block of stored dim-0
+    rows gives the same rows of each of ours: ``split(rows) -> (ours, ...)`` (one per ``fqns``, in
+    order) and ``join((ours, ...)) -> rows``, its inverse. A rank then reads only its experts."""
+
+    fqns: tuple[str, ...]
+    split: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
+    join: Callable[[tuple[torch.Tensor, ...]], torch.Tensor]
+
+
 class NameAdapter(Protocol):
     """Another tool's names (and row order) for a model's tensors."""
 
     def to_stored(self, fqn: str) -> str: ...
 
-    def from_stored(self, name: str) -> str | tuple[str, int] | None:
+    def from_stored(self, name: str) -> str | tuple[str, int] | StoredParts | None:
         """Our FQN for a stored name; ``(fqn, index)`` for a stored tensor that is slice ``index``
         along dim 0 of our ``fqn`` (another tool stores one tensor per expert where we store a
-        layer's experts as one 3-D tensor); None for stored tensors the model does not keep."""
+        layer's experts as one 3-D tensor); ``StoredParts`` for one that holds ours rearranged
+        (``to_stored`` of each of its ``fqns`` is its name); None for stored tensors the model does
+        not keep."""
 
     def stacked_names(self, fqn: str, count: int) -> list[str] | None:
         """The stored names of ``fqn``'s ``count`` dim-0 slices, when it is stored one slice per

@@ -21,9 +21,16 @@ from torch.distributed.tensor import DTensor
 from seedckpt.checkpoint.atomic import atomic_output, write_json_synced
 from seedckpt.checkpoint.base import OpenedCheckpoint, WriteJob
 from seedckpt.checkpoint.formats.safetensors_file import read_safetensor, write_safetensors
-from seedckpt.checkpoint.load import GroupedRows, copy_shared, load_state, one_destination_per_source, tensor_problems
+from seedckpt.checkpoint.load import (
+    GroupedRows,
+    RowWindow,
+    copy_shared,
+    load_state,
+    one_destination_per_source,
+    tensor_problems,
+)
 from seedckpt.checkpoint.manifest import TensorInfo
-from seedckpt.checkpoint.model import ModelCodec, ModelLayout
+from seedckpt.checkpoint.model import ModelCodec, ModelLayout, StoredParts
 from seedckpt.checkpoint.owned_reads import OwnedHFReader
 from seedckpt.checkpoint.safetensors_header import SAFETENSORS_DTYPES, safetensors_header
 from seedckpt.checkpoint.untrusted import read_json
@@ -82,6 +89,7 @@ class HFCheckpoint(OpenedCheckpoint):
         self.spans: dict[str, tuple[int, int]] = {}  # our fqn -> its bytes in its file
         # our fqn -> {index: (file, hf name, info)}: a tensor stored one dim-0 slice (expert) per entry
         pieces: dict[str, dict[int, tuple[Path, str, TensorInfo]]] = {}
+        self.parts: dict[str, tuple[StoredParts, int]] = {}  # our fqn -> the stored tensor holding it, its place
         infos = {}
         for file in files:
             if not isinstance(file, str) or Path(file).name != file or not (path / file).is_file():
@@ -92,6 +100,12 @@ class HFCheckpoint(OpenedCheckpoint):
                 info = TensorInfo(tuple(entry["shape"]), SAFETENSORS_DTYPES[entry["dtype"]])
                 if isinstance(fqn, tuple):
                     pieces.setdefault(fqn[0], {})[fqn[1]] = (path / file, name, info)
+                    continue
+                if isinstance(fqn, StoredParts):
+                    for k, (ours, shape) in enumerate(zip(fqn.fqns, _split_shapes(fqn, info.shape))):
+                        self.parts[ours] = (fqn, k)
+                        self.location[ours] = (path / file, name)
+                        infos[ours] = TensorInfo(shape, info.dtype)
                     continue
                 if fqn is None:
                     continue
@@ -154,6 +168,9 @@ class HFCheckpoint(OpenedCheckpoint):
             return torch.stack([read_safetensor(file, name) for file, name, _ in self.slices[fqn]])
         file, name = self.location[fqn]
         tensor = read_safetensor(file, name)
+        if fqn in self.parts:
+            parts, k = self.parts[fqn]
+            return parts.split(tensor)[k].contiguous()
         groups = self.names.row_groups(fqn)
         return self.names.from_stored_rows(tensor, groups) if groups else tensor
 
@@ -168,9 +185,14 @@ class HFCheckpoint(OpenedCheckpoint):
             problems += [f"{fqn}: missing"] if info is None else tensor_problems(fqn, info, wanted)
         if problems:
             raise SeedckptError(f"{self.path} does not cover the model: " + "; ".join(problems))
-        names, shared = one_destination_per_source(state_dict, lambda fqn: self.location[fqn][1])
-        fqn_of = {self.location[fqn][1]: fqn for fqn in state_dict}
+        fused: dict[str, dict] = {}  # stored name -> {our fqn: destination} of the tensors it holds
+        for fqn in [fqn for fqn in state_dict if fqn in self.parts]:
+            fused.setdefault(self.location[fqn][1], {})[fqn] = state_dict[fqn]
+        plain = {fqn: wanted for fqn, wanted in state_dict.items() if fqn not in self.parts}
+        names, shared = one_destination_per_source(plain, lambda fqn: self.location[fqn][1])
+        fqn_of = {self.location[fqn][1]: fqn for fqn in plain}
         by_name, permuted, whole = {}, [], []
+        split = [_PartsRead(self.parts[next(iter(d))][0], d, self.infos, name, by_name) for name, d in fused.items()]
         for name, wanted in names.items():
             groups = self.names.row_groups(fqn_of[name])
             if fqn_of[name] in self.slices:
@@ -184,6 +206,8 @@ class HFCheckpoint(OpenedCheckpoint):
         load_state(by_name, OwnedHFReader(self.path), self.path)
         for grouped in permuted:
             grouped.finish(self.names.from_stored_rows)
+        for read in split:
+            read.finish()
         with torch.no_grad():
             for wanted, full in whole:
                 copy_full_into(wanted, full)
@@ -202,6 +226,48 @@ class HFCheckpoint(OpenedCheckpoint):
         lo, hi = rows or (0, len(parts))
         by_name.update((parts[e][1], local(wanted)[e - lo]) for e in range(lo, hi))
         return []
+
+
+def _split_shapes(parts: StoredParts, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    return [tuple(t.shape) for t in parts.split(torch.empty(shape, device="meta"))]
+
+
+class _PartsRead:
+    """A load of ``wanted`` ({our fqn: destination}), some of the tensors ``parts`` rearranges from
+    the stored tensor ``name``: the stored experts (dim-0 rows) that this rank's destinations hold
+    are requested (``by_name``), then split into them. A destination that is not a block of whole
+    rows takes every expert."""
+
+    def __init__(self, parts: StoredParts, wanted: dict, infos: dict, name: str, by_name: dict):
+        self.parts, self.wanted = parts, wanted
+        experts = infos[parts.fqns[0]].shape[0]
+        spans = [local_rows(t) or (None if isinstance(t, DTensor) else (0, experts)) for t in wanted.values()]
+        whole = None in spans or not spans
+        self.lo = 0 if whole else min(lo for lo, _ in spans)
+        hi = experts if whole else max(hi for _, hi in spans)
+        shape = (hi - self.lo, *_joined_shape(parts, infos)[1:])
+        self.buffer = torch.empty(shape, dtype=next(iter(wanted.values())).dtype)
+        if hi > self.lo:
+            by_name[name] = RowWindow(self.buffer, self.lo) if (self.lo, hi) != (0, experts) else self.buffer
+
+    def finish(self) -> None:
+        ours = dict(zip(self.parts.fqns, self.parts.split(self.buffer)))
+        with torch.no_grad():
+            for fqn, wanted in self.wanted.items():
+                rows = local_rows(wanted)
+                if rows is None and isinstance(wanted, DTensor):
+                    copy_full_into(wanted, ours[fqn])
+                elif local(wanted).shape[0]:
+                    lo, hi = rows or (0, wanted.shape[0])
+                    local(wanted).copy_(ours[fqn][lo - self.lo : hi - self.lo])
+
+
+def _joined_shape(parts: StoredParts, infos: dict) -> tuple[int, ...]:
+    """The stored shape of the tensor ``parts`` joins from ours (``infos``: ours by FQN)."""
+    missing = [fqn for fqn in parts.fqns if fqn not in infos]
+    if missing:
+        raise ValueError(f"{', '.join(missing)} missing: {' and '.join(parts.fqns)} are stored as one tensor")
+    return tuple(parts.join(tuple(torch.empty(infos[fqn].shape, device="meta") for fqn in parts.fqns)).shape)
 
 
 def _stacked(fqn: str, found: dict[int, tuple[Path, str, TensorInfo]], path: Path) -> list:
@@ -239,6 +305,8 @@ def write(source: OpenedCheckpoint, dst: Path, job: WriteJob) -> Path:
 
     def read_hf_layout(hf_name: str) -> torch.Tensor:
         fqn, index, _ = entries[hf_name]
+        if isinstance(fqn, StoredParts):
+            return fqn.join(tuple(source.read_tensor(ours) for ours in fqn.fqns)).contiguous()
         if index is None:
             return names.to_stored_rows(fqn, source.read_tensor(fqn))
         if last[0] != fqn:
@@ -279,14 +347,20 @@ def _zero_and_unkept(names, source: OpenedCheckpoint, fqn: str) -> bool:
     return reason is not None
 
 
-def _hf_entries(names, infos: dict[str, TensorInfo]) -> dict[str, tuple[str, int | None, TensorInfo]]:
+def _hf_entries(names, infos: dict[str, TensorInfo]) -> dict:
     """Each HF tensor to write: ``{hf name: (our fqn, dim-0 slice index or None, its info)}``; a
-    grouped expert weight becomes one HF tensor per expert, as ``transformers`` stores them."""
+    grouped expert weight becomes one HF tensor per expert, as ``transformers`` stores them, and
+    tensors HF stores rearranged in one (``StoredParts``) become it: ``(parts, None, its info)``."""
     entries = {}
     for fqn, info in infos.items():
         stacked = names.stacked_names(fqn, info.shape[0]) if info.shape else None
         if stacked is None:
-            entries[names.to_stored(fqn)] = (fqn, None, info)
+            name = names.to_stored(fqn)
+            parts = names.from_stored(name)
+            if isinstance(parts, StoredParts):
+                entries[name] = (parts, None, TensorInfo(_joined_shape(parts, infos), info.dtype))
+            else:
+                entries[name] = (fqn, None, info)
             continue
         part = TensorInfo(info.shape[1:], info.dtype)
         entries.update((name, (fqn, e, part)) for e, name in enumerate(stacked))

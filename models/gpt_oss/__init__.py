@@ -1,0 +1,161 @@
+"""gpt-oss (20B, 120B): a mixture of experts in every layer, attention sinks, alternating windows.
+
+What sets it apart from the other decoder families, each a switch of the shared decoder:
+
+* attention: q, k, v and o carry biases; every head has a learned sink logit that joins each
+  query's softmax and takes probability mass without a value; the layers alternate a sliding window
+  of ``sliding_window`` positions and full attention (``layer_types``, HF's list); RoPE is YaRN
+  (``rope_scaling``), with its attention factor;
+* every layer's feed-forward is ``n_experts`` experts of width ``moe_ffn_dim``, each with biases and
+  a clamped SwiGLU (``swiglu_alpha``, ``swiglu_limit``; ``(up + 1)`` times the gate's GLU); the
+  router has a bias, takes the ``top_k`` logits and a softmax over those alone.
+
+Tensor names: the shared decoder's, plus ``layers.{i}.attention.sinks`` ``[n_heads]`` and the
+attention biases (``attention.{wq,wk,wv,wo}.bias``); in every layer ``moe.router.gate.{weight,bias}``,
+``moe.experts.{w1,w3}`` ``[experts, moe_ffn_dim, dim]``, ``moe.experts.w2`` ``[experts, dim,
+moe_ffn_dim]`` and their biases ``moe.experts.{b1,b3}`` ``[experts, moe_ffn_dim]``, ``moe.experts.b2``
+``[experts, dim]``. Hugging Face's are ``GptOssForCausalLM``'s, fused and transposed (``hf``).
+
+Balancing is HF's auxiliary loss at ``router_aux_loss_coef``. The init recipe is HF's (``normal``,
+std ``initializer_range``: weights, sinks and the router's bias; the other biases zero).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from models.common import decoder_family, hf_config, moe_flops_per_token
+from models.common.args import MOE_SHAPE_FIELDS, MoEDecoderArgs, check_float, check_int
+from models.common.decoder import DecoderOptions
+from models.gpt_oss.hf import GptOssNames
+
+ARCHITECTURE, MODEL_TYPE = "GptOssForCausalLM", "gpt_oss"
+LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def alternating(n_layers: int) -> list[str]:
+    """gpt-oss's layers: windowed first, then full, in turn (HF's default ``layer_types``)."""
+    return [LAYER_TYPES[i % 2] for i in range(n_layers)]
+
+
+@dataclass
+class GptOssArgs(MoEDecoderArgs):
+    sliding_window: int = 128  # positions a ``sliding_attention`` layer's token attends back to
+    layer_types: list[str] = field(default_factory=list)  # one of LAYER_TYPES per layer; []: alternating
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_int("sliding_window", self.sliding_window)
+        self.layer_types = list(self.layer_types) or alternating(self.n_layers)
+        if len(self.layer_types) != self.n_layers or not set(self.layer_types) <= set(LAYER_TYPES):
+            raise ValueError(
+                f"layer_types = {self.layer_types!r}; it must name {self.n_layers} layers (n_layers), each "
+                f"{' or '.join(map(repr, LAYER_TYPES))}"
+            )
+        if self.mlp_only_layers or self.decoder_sparse_step != 1:
+            raise ValueError(
+                "gpt-oss has a mixture of experts in every layer: leave mlp_only_layers empty and decoder_sparse_step 1"
+            )
+        self.swiglu_alpha = check_float("swiglu_alpha", self.swiglu_alpha)
+        self.swiglu_limit = check_float("swiglu_limit", self.swiglu_limit)
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        return tuple(self.sliding_window if kind == "sliding_attention" else None for kind in self.layer_types)
+
+    @property
+    def decoder_options(self) -> DecoderOptions:
+        return DecoderOptions(
+            init="normal",
+            init_std=self.initializer_range,
+            moe=self.moe_options("normal", self.initializer_range),
+            moe_layers=self.moe_layers,
+        )
+
+
+def _gpt_oss(n_layers: int, n_experts: int) -> GptOssArgs:
+    return GptOssArgs(
+        dim=2880,
+        n_layers=n_layers,
+        n_heads=64,
+        n_kv_heads=8,
+        head_dim=64,
+        ffn_dim=2880,
+        vocab_size=201088,
+        norm_eps=1e-5,
+        rope_theta=150000.0,
+        max_seq_len=131072,
+        n_experts=n_experts,
+        top_k=4,
+        moe_ffn_dim=2880,
+    )
+
+
+FLAVORS = {
+    "debug": GptOssArgs(
+        dim=128,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=4,
+        head_dim=16,
+        ffn_dim=128,
+        vocab_size=512,
+        norm_eps=1e-5,
+        rope_theta=150000.0,
+        max_seq_len=512,
+        n_experts=8,
+        top_k=2,
+        moe_ffn_dim=128,
+        sliding_window=16,
+    ),
+    "20B": _gpt_oss(24, 32),
+    "120B": _gpt_oss(36, 128),
+}
+
+
+def config(args: GptOssArgs, dtype: torch.dtype) -> dict:
+    moe = hf_config.moe_config(args)
+    del moe["norm_topk_prob"]  # gpt-oss's softmax over the chosen logits is normalized by definition
+    return {
+        **hf_config.decoder_config(args, dtype, ARCHITECTURE, MODEL_TYPE),
+        **moe,
+        "intermediate_size": args.moe_ffn_dim,
+        "num_local_experts": args.n_experts,
+        "attention_bias": True,
+        "attention_dropout": 0.0,
+        "sliding_window": args.sliding_window,
+        "layer_types": list(args.layer_types),
+        "swiglu_alpha": args.swiglu_alpha,
+        "swiglu_limit": args.swiglu_limit,
+    }
+
+
+def args_from_config(cfg: dict) -> GptOssArgs:
+    hf_config.refuse(cfg, "gpt-oss", hidden_act="silu", attention_bias=True, attention_dropout=0.0)
+    fields = hf_config.decoder_fields(cfg)
+    return GptOssArgs(
+        **fields,
+        **{k: v for k, v in hf_config.moe_fields(cfg).items() if k != "norm_topk_prob"},
+        moe_ffn_dim=fields["ffn_dim"],
+        sliding_window=hf_config.read(cfg, "sliding_window", check_int, 128),
+        layer_types=cfg.get("layer_types") or [],  # checked by the args, under the same name
+        swiglu_alpha=hf_config.read(cfg, "swiglu_alpha", check_float, 1.702),
+        swiglu_limit=hf_config.read(cfg, "swiglu_limit", check_float, 7.0),
+    )
+
+
+GPT_OSS = decoder_family(
+    "gpt_oss",
+    GptOssArgs,
+    FLAVORS,
+    (MODEL_TYPE,),
+    config,
+    args_from_config,
+    shape_fields=MOE_SHAPE_FIELDS,
+    names=GptOssNames,
+    flops_per_token=moe_flops_per_token,
+)
