@@ -5,7 +5,9 @@ one process, bias balancing resumed bitwise."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -173,6 +175,233 @@ def test_flops_count_the_active_parameters():
     active = (family.flops_per_token(args, 4096) - attention) // 6
     # 30,532,122,624 parameters less 48 layers x 120 idle experts x 3 x 2048 x 768: the "A3B"
     assert active == 3_353_032_704
+
+
+# --- DeepSeek-V3 and gpt-oss against transformers' modules ------------------------------------------
+def _seeded(module: torch.nn.Module, seed: int, std: float = 0.3) -> None:
+    """Every parameter and buffer of ``module`` drawn from a normal of its own seed (biases non-zero)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for t in [*module.parameters(), *module.buffers()]:
+            t.normal_(0, std, generator=generator)
+
+
+def _deepseek_v3(**overrides):
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    config = dict(hidden_size=8, moe_intermediate_size=12, n_routed_experts=16, num_experts_per_tok=4)
+    config.update(n_group=4, topk_group=2, n_shared_experts=2, routed_scaling_factor=2.5, norm_topk_prob=True)
+    config.update(overrides)
+    theirs = DeepseekV3MoE(DeepseekV3Config(**config)).float()
+    _seeded(theirs, 11)
+    c = theirs.config
+    options = MoEOptions(
+        n_experts=c.n_routed_experts,
+        top_k=c.num_experts_per_tok,
+        ffn_dim=c.moe_intermediate_size,
+        score_func="sigmoid",
+        norm_topk_prob=c.norm_topk_prob,
+        route_scale=c.routed_scaling_factor,
+        n_group=c.n_group,
+        topk_group=c.topk_group,
+        n_shared_experts=c.n_shared_experts,
+        load_balance="bias",
+    )
+    ours = MoE(c.hidden_size, options, init_std=0.02)
+    ffn = c.moe_intermediate_size
+    with torch.no_grad():
+        ours.router.gate.weight.copy_(theirs.gate.weight)
+        ours.expert_bias.copy_(theirs.gate.e_score_correction_bias)
+        ours.experts.w1.copy_(theirs.experts.gate_up_proj[:, :ffn])
+        ours.experts.w3.copy_(theirs.experts.gate_up_proj[:, ffn:])
+        ours.experts.w2.copy_(theirs.experts.down_proj)
+        for mine, hf in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj")):
+            getattr(ours.shared_experts, mine).weight.copy_(getattr(theirs.shared_experts, hf).weight)
+    return ours, theirs
+
+
+def _by_expert(chosen: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's chosen experts in index order, and their weights in that order."""
+    order = chosen.argsort(-1)
+    return chosen.gather(-1, order), weights.gather(-1, order)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"n_group": 1, "topk_group": 1, "norm_topk_prob": False}])
+def test_grouped_sigmoid_routing_and_shared_experts_are_deepseek_v3s(overrides):
+    """``DeepseekV3TopkRouter`` with a non-zero correction bias: the same experts, weights within
+    1e-6 (from the uncorrected sigmoid scores, renormalized, times the scaling factor); the whole
+    ``DeepseekV3MoE`` (shared experts 2 x 12 wide) within 1e-5, on the grouped GEMM and the loop."""
+    ours, theirs = _deepseek_v3(**overrides)
+    x = torch.randn(3, 40, 8, generator=torch.Generator().manual_seed(12))
+    _, their_weights, their_chosen = theirs.gate(x)
+    _, chosen, weights = ours.router(x.reshape(-1, 8), ours.expert_bias)
+    mine, theirs_sorted = _by_expert(chosen, weights), _by_expert(their_chosen, their_weights)
+    assert torch.equal(mine[0], theirs_sorted[0])
+    assert torch.allclose(mine[1], theirs_sorted[1], atol=1e-6, rtol=0)
+    if theirs.config.n_group > 1:  # the groups did restrict the choice
+        free = Router(8, dataclasses.replace(ours.options, n_group=1, topk_group=1))
+        free.load_state_dict(ours.router.state_dict())
+        assert not torch.equal(free(x.reshape(-1, 8), ours.expert_bias)[1].sort(-1).values, mine[0])
+    want = theirs(x)
+    for grouped in (True, False):
+        ours.experts.use_grouped_mm = grouped
+        assert torch.allclose(ours(x), want, atol=1e-5, rtol=1e-5)
+
+
+def test_grouped_routing_breaks_group_ties_by_index():
+    """Every score equal: the first ``topk_group`` groups are kept, their first experts chosen."""
+    router = Router(4, MoEOptions(n_experts=8, top_k=3, ffn_dim=8, score_func="sigmoid", n_group=4, topk_group=2))
+    with torch.no_grad():
+        router.gate.weight.zero_()
+    _, chosen, _ = router(torch.randn(5, 4))
+    assert chosen.tolist() == [[0, 1, 2]] * 5
+    with torch.no_grad():
+        router.gate.weight[7] = 1.0  # group 3's expert 7 wins outright: group 3, then group 0 (index order)
+    _, chosen, _ = router(torch.ones(2, 4))
+    assert chosen.tolist() == [[7, 0, 1]] * 2
+
+
+def _gpt_oss(limit: float):
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    config = GptOssConfig(hidden_size=8, intermediate_size=12, num_local_experts=6, num_experts_per_tok=2)
+    config.swiglu_limit = limit
+    theirs = GptOssMLP(config).float()
+    _seeded(theirs, 13)
+    options = MoEOptions(
+        n_experts=6,
+        top_k=2,
+        ffn_dim=12,
+        score_func="softmax_topk",
+        router_bias=True,
+        expert_bias_terms=True,
+        activation="clamped_swiglu",
+        swiglu_alpha=config.swiglu_alpha,
+        swiglu_limit=limit,
+    )
+    ours = MoE(8, options, init_std=0.02)
+    experts = theirs.experts
+    with torch.no_grad():  # HF's gate/up are interleaved along the last dim of [E, D, 2F]
+        ours.router.gate.weight.copy_(theirs.router.weight)
+        ours.router.gate.bias.copy_(theirs.router.bias)
+        ours.experts.w1.copy_(experts.gate_up_proj[..., ::2].transpose(1, 2))
+        ours.experts.w3.copy_(experts.gate_up_proj[..., 1::2].transpose(1, 2))
+        ours.experts.b1.copy_(experts.gate_up_proj_bias[:, ::2])
+        ours.experts.b3.copy_(experts.gate_up_proj_bias[:, 1::2])
+        ours.experts.w2.copy_(experts.down_proj.transpose(1, 2))
+        ours.experts.b2.copy_(experts.down_proj_bias)
+    return ours, theirs
+
+
+def test_softmax_topk_routing_biases_and_clamped_swiglu_are_gpt_oss():
+    """``GptOssTopKRouter`` (a bias, top-k of the logits, softmax over the k): the same experts and
+    weights within 1e-6; ``GptOssMLP`` (expert biases, the clamped SwiGLU, a limit low enough to
+    clamp) within 1e-5 forward, and its gradients, on the grouped GEMM and the per-expert loop."""
+    ours, theirs = _gpt_oss(limit=0.5)
+    x = torch.randn(2, 30, 8, generator=torch.Generator().manual_seed(14))
+    _, their_weights, their_chosen = theirs.router(x.reshape(-1, 8))
+    scores, chosen, weights = ours.router(x.reshape(-1, 8))
+    assert torch.equal(chosen, their_chosen)
+    assert torch.allclose(weights, their_weights, atol=1e-6, rtol=0)
+    assert torch.allclose(scores.sum(-1), torch.ones(60))  # the aux loss sees all experts' softmax
+    gate = x.reshape(-1, 8) @ ours.experts.w1[0].T + ours.experts.b1[0]
+    assert (gate > 0.5).any() and (gate.abs() > 0.5).any()  # the clamps bite
+    inputs = x.clone().requires_grad_()
+    want = theirs(inputs)[0]
+    want.square().sum().backward()
+    want_grads = (inputs.grad, theirs.router.weight.grad, theirs.experts.down_proj_bias.grad)
+    assert grouped_mm_applies(x, ours.experts.w1, ours.experts.w2)
+    for grouped in (True, False):
+        ours.zero_grad()
+        ours.experts.use_grouped_mm = grouped
+        inputs = x.clone().requires_grad_()
+        out = ours(inputs)
+        assert torch.allclose(out, want, atol=1e-5, rtol=1e-5)
+        out.square().sum().backward()
+        got = (inputs.grad, ours.router.gate.weight.grad, ours.experts.b2.grad)
+        for a, b in zip(got, want_grads):
+            assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_moe_init_recipes():
+    """torchtitan 0.3's: DeepSeek-V3's router at the layer's depth-scaled std, experts' w1 and the
+    shared experts' w1 at 0.02, w2/w3 depth-scaled; gpt-oss's every expert tensor (biases too)
+    depth-scaled, its router bias zero. HF's (``normal``): expert biases zero, the router's bias
+    normal. Each expert's slice is a fixed range of the whole tensor's values."""
+    from seedckpt.materialize.init_recipe import init_model
+
+    depth = 0.02 / 6**0.5  # layer 2
+    deepseek = MoEOptions(n_experts=4, top_k=2, ffn_dim=8, n_shared_experts=1, router_depth_init=True)
+    specs = init_model(MoE(8, deepseek, init_std=depth), seed=0, materialize=False)
+    stds = {fqn: (spec.kind, spec.std) for fqn, spec in specs.items()}
+    assert stds == {
+        "router.gate.weight": ("trunc_normal", depth),
+        "experts.w1": ("trunc_normal", 0.02),
+        "experts.w2": ("trunc_normal", depth),
+        "experts.w3": ("trunc_normal", depth),
+        "shared_experts.w1.weight": ("trunc_normal", 0.02),
+        "shared_experts.w2.weight": ("trunc_normal", depth),
+        "shared_experts.w3.weight": ("trunc_normal", depth),
+    }
+    gpt_oss = dict(n_experts=4, top_k=2, ffn_dim=8, router_bias=True, expert_bias_terms=True)
+    layer = MoE(8, MoEOptions(**gpt_oss, router_depth_init=True, expert_depth_init=True), init_std=depth)
+    specs = init_model(layer, seed=0, materialize=False)
+    assert specs["router.gate.bias"].kind == "zeros"
+    assert {fqn: s.std for fqn, s in specs.items() if fqn.startswith("experts.")} == {
+        f"experts.{n}": depth for n in ("w1", "w2", "w3", "b1", "b2", "b3")
+    }
+    hf = init_model(MoE(8, MoEOptions(**gpt_oss, init="normal"), init_std=depth), seed=0, materialize=False)
+    assert [hf[f"experts.{n}"].kind for n in ("b1", "b2", "b3")] == ["zeros"] * 3
+    assert (hf["router.gate.bias"].kind, hf["router.gate.bias"].std) == ("normal", 0.02)
+    init_model(layer, seed=0)
+    wider = MoE(8, MoEOptions(**{**gpt_oss, "n_experts": 8}, expert_depth_init=True), init_std=depth)
+    init_model(wider, seed=0)
+    for name in ("w1", "b1", "b2"):  # the first four experts of eight are the four experts' values
+        assert torch.equal(getattr(wider.experts, name)[:4], getattr(layer.experts, name)), name
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"n_group": 3}, "n_group = 3 must be >= 1 and divide n_experts = 8"),
+        ({"n_group": 8}, "n_group = 8 leaves one expert per group"),
+        ({"n_group": 4, "topk_group": 5}, "topk_group = 5; it must be between 1 and n_group = 4"),
+        ({"n_group": 4, "topk_group": 1, "top_k": 3}, "top_k = 3 exceeds the experts of topk_group = 1 groups (2)"),
+        ({"score_func": "sparsemax"}, "score_func = 'sparsemax'; choose one of softmax, sigmoid, softmax_topk"),
+        ({"activation": "gelu"}, "activation = 'gelu'; choose one of silu, clamped_swiglu"),
+    ],
+)
+def test_moe_options_refuse_what_the_block_cannot_run(fields, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        MoEOptions(**{"n_experts": 8, "top_k": 2, "ffn_dim": 8, **fields})
+
+
+def test_flops_count_shared_experts_and_expert_biases_as_active():
+    """Shared experts run for every token: active; each idle routed expert's biases are idle too."""
+    from dataclasses import dataclass
+
+    from models.common import moe_flops_per_token
+    from models.common.args import MoEDecoderArgs
+    from models.common.decoder import DecoderOptions, Transformer
+    from models.family import decoder_flops_per_token
+
+    @dataclass
+    class Args(MoEDecoderArgs):
+        @property
+        def decoder_options(self) -> DecoderOptions:
+            moe = self.moe_options("torchtitan", 0.02, n_shared_experts=2, expert_bias_terms=True)
+            return DecoderOptions(moe=moe, moe_layers=self.moe_layers)
+
+    args = Args(dim=16, n_layers=3, n_heads=2, ffn_dim=32, vocab_size=64, n_experts=8, top_k=2, moe_ffn_dim=8)
+    with torch.device("meta"):
+        model = Transformer(args)
+    total = sum(p.numel() for p in model.parameters())
+    idle = sum(p[2:].numel() for block in model.layers.values() for p in block.moe.experts.parameters())
+    shared = sum(p.numel() for block in model.layers.values() for p in block.moe.shared_experts.parameters())
+    assert shared == 3 * 3 * 16 * 16  # 3 layers of w1, w2, w3 of 2 x 8 wide
+    assert moe_flops_per_token(args, 32) == decoder_flops_per_token(Transformer, args, 32, total - idle)
 
 
 # --- training under torchrun ------------------------------------------------------------------------

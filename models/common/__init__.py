@@ -86,9 +86,12 @@ def moe_decoder_family(
 
 def moe_flops_per_token(args, seq_len: int, num_params: int | None = None) -> int:
     """The decoder's FLOPs per token counting only the parameters a token uses: each MoE layer's
-    ``top_k`` experts of ``n_experts`` (MFU of a mixture of experts is against its active size)."""
+    router, shared experts and ``top_k`` routed experts of ``n_experts`` (MFU of a mixture of
+    experts is against its active size)."""
     if num_params is None:
         with torch.device("meta"):
             num_params = sum(p.numel() for p in Transformer(args).parameters())
-    idle = len(args.moe_layers) * (args.n_experts - args.top_k) * 3 * args.dim * args.moe_ffn_dim
+    options = args.decoder_options
+    moe = options.moe
+    idle = len(options.moe_layers) * (moe.n_experts - moe.top_k) * moe.expert_numel(args.dim)
     return decoder_flops_per_token(Transformer, args, seq_len, num_params - idle)

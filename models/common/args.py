@@ -152,7 +152,12 @@ class MoEDecoderArgs(DecoderArgs):
             i for i in range(self.n_layers) if i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
         )
 
-    def moe_options(self, init: str, init_std: float, score_func: str = "softmax") -> MoEOptions:
+    def moe_options(self, init: str, init_std: float, score_func: str = "softmax", **routing) -> MoEOptions:
+        """The MoE block's options from these args; ``routing``: any other ``MoEOptions`` field
+        the family sets from fields of its own (DeepSeek-V3's ``n_group``, ``topk_group``,
+        ``n_shared_experts``, ``route_scale``; gpt-oss's ``router_bias``, ``expert_bias_terms``,
+        ``activation`` ...). ``MoEOptions`` refuses a combination it cannot run in one line naming
+        the field, so a family's ``__post_init__`` calling this checks them at the door."""
         return MoEOptions(
             n_experts=self.n_experts,
             top_k=self.top_k,
@@ -164,6 +169,7 @@ class MoEDecoderArgs(DecoderArgs):
             bias_update_rate=float(self.bias_update_rate),
             init=init,
             init_std=init_std,
+            **routing,
         )
 
 

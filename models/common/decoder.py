@@ -74,7 +74,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from models.common.moe import TRUNC_BOUND, MoE, MoEOptions
+from models.common.feed_forward import TRUNC_BOUND, FeedForward
+from models.common.moe import MoE, MoEOptions
 from seedckpt.utils.errors import SeedckptError
 
 
@@ -244,30 +245,6 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
-class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
-
-    def __init__(self, args, init_std: float):
-        super().__init__()
-        self.options = args.decoder_options
-        self.init_std = init_std
-        self.w1 = nn.Linear(args.dim, args.ffn_hidden_dim, bias=False)
-        self.w2 = nn.Linear(args.ffn_hidden_dim, args.dim, bias=False)
-        self.w3 = nn.Linear(args.dim, args.ffn_hidden_dim, bias=False)
-
-    def init_weights(self, init) -> None:
-        if self.options.init == "normal":
-            for linear in (self.w1, self.w2, self.w3):
-                init.normal_(linear.weight, std=self.options.init_std)
-            return
-        init.trunc_normal_(self.w1.weight, std=0.02, cutoff=TRUNC_BOUND / 0.02)
-        for linear in (self.w2, self.w3):
-            init.trunc_normal_(linear.weight, std=self.init_std, cutoff=TRUNC_BOUND / self.init_std)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args):
         super().__init__()
@@ -276,7 +253,7 @@ class TransformerBlock(nn.Module):
         options = args.decoder_options
         self.attention = (options.attention or Attention)(args, init_std)
         moe = options.moe if layer_id in options.moe_layers else None
-        self.feed_forward = FeedForward(args, init_std) if moe is None else None
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim, options, init_std) if moe is None else None
         self.moe = MoE(args.dim, moe, init_std) if moe is not None else None
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)

@@ -2,16 +2,45 @@
 
 Three parts, each small (torchtitan's split):
 
-* ``Router`` -- scores every token against every expert in float32 (softmax or sigmoid), picks
-  each token's ``top_k`` experts and their weights. Routing is dropless: every token reaches its
-  ``top_k`` experts, no capacity factor. Ties are broken by expert index (a stable sort), so the
-  same token picks the same experts whatever batch, micro-batch or rank it is computed in.
-* ``GroupedExperts`` -- every expert's SwiGLU weights as one 3-D tensor per projection, global
-  shapes ``w1``/``w3`` ``[experts, ffn, dim]`` and ``w2`` ``[experts, dim, ffn]``, so the experts an
-  expert-parallel rank owns are one contiguous dim-0 slice of each. Tokens arrive sorted by expert
-  with per-expert counts; the three matmuls are ``torch._grouped_mm`` where it applies (CPU with
-  16-byte-aligned rows; CUDA bf16 on sm90+) and a loop over the experts elsewhere, tested equal.
-* ``MoE`` -- routes, runs the experts, weighs and sums each token's ``top_k`` outputs.
+* ``Router`` -- scores every token against every expert in float32, picks each token's ``top_k``
+  experts and their weights (``MoEOptions.score_func``):
+
+  - ``softmax`` (Qwen3-MoE, Mixtral) or ``sigmoid`` (DeepSeek-V3) scores; the experts with the
+    highest scores are chosen, weighed by their scores, renormalized to sum to one when
+    ``norm_topk_prob``;
+  - ``softmax_topk`` (gpt-oss): the experts with the highest logits are chosen and weighed by a
+    softmax over the chosen logits alone (the scores the auxiliary loss sees are the softmax over
+    all experts).
+
+  With ``n_group`` > 1 (DeepSeek-V3's group-limited routing) the experts form ``n_group`` equal
+  groups of consecutive experts; each group is ranked by the sum of its two best scores, and only
+  the ``topk_group`` best groups' experts can be chosen. The weights are multiplied by
+  ``route_scale`` (DeepSeek-V3's ``routed_scaling_factor``). ``router_bias`` gives the gate a bias
+  (gpt-oss). Routing is dropless: every token reaches its ``top_k`` experts, no capacity factor.
+  Ties are broken by expert index (stable sorts, groups too), so the same token picks the same
+  experts whatever batch, micro-batch or rank it is computed in.
+* ``GroupedExperts`` -- every expert's gated feed-forward as one 3-D tensor per projection, global
+  shapes ``w1`` (gate) / ``w3`` (up) ``[experts, ffn, dim]`` and ``w2`` (down) ``[experts, dim,
+  ffn]``, and with ``expert_bias_terms`` their biases ``b1`` / ``b3`` ``[experts, ffn]`` and ``b2``
+  ``[experts, dim]``, so the experts an expert-parallel rank owns are one contiguous dim-0 slice of
+  each. The activation (``activation``) is ``silu``: ``w2(silu(w1 x) * w3 x)``, or gpt-oss's
+  ``clamped_swiglu``: the gate clamped above at ``swiglu_limit``, the up projection to
+  ``+-swiglu_limit``, then ``(up + 1) * gate * sigmoid(swiglu_alpha * gate)``. Tokens arrive
+  sorted by expert with per-expert counts; the three matmuls are ``torch._grouped_mm`` where it
+  applies (CPU with 16-byte-aligned rows; CUDA bf16 on sm90+) and a loop over the experts
+  elsewhere, tested equal.
+* ``MoE`` -- routes, runs the experts, weighs and sums each token's ``top_k`` outputs, and adds
+  the shared experts' output when ``n_shared_experts`` > 0 (DeepSeek-V3): one dense SwiGLU
+  (``models.common.feed_forward``) of width ``n_shared_experts * ffn_dim`` that every token runs,
+  ``moe.shared_experts.{w1,w2,w3}`` (torchtitan's names).
+
+Init (``MoEOptions.init``): ``normal`` is HF's (every weight normal at ``init_std``; the experts'
+biases zero, the router's bias normal). ``torchtitan`` is torchtitan 0.3's truncated normals:
+the router's gate at 0.02, or with ``router_depth_init`` at the layer's depth-scaled std
+(DeepSeek-V3, gpt-oss), its bias zero; the experts' ``w1`` at 0.02 and ``w2``/``w3`` at the
+depth-scaled std, or with ``expert_depth_init`` every expert tensor, biases included, at the
+depth-scaled std (gpt-oss); the shared experts as a dense feed-forward. Each tensor is drawn whole
+in order, so an expert's slice is a fixed range of its values.
 
 Balancing (``MoEOptions.load_balance``):
 
@@ -24,9 +53,9 @@ Balancing (``MoEOptions.load_balance``):
   per row, the statistics are the same in every layout. Its gradient is added in backward at the
   layer that computes it (``_AddAuxGradient``), so it needs no path through the pipeline's output.
 * ``bias`` -- aux-loss-free balancing (DeepSeek-V3): a persistent fp32 ``expert_bias`` is added to
-  the scores to *choose* experts (never to weigh them), and moved before each optimizer step by
-  ``bias_update_rate * sign(mean - count)`` from the step's counts over the whole global batch
-  (``update_expert_bias``).
+  the scores (``softmax_topk``: the logits) to *choose* experts (never to weigh them), and moved
+  before each optimizer step by ``bias_update_rate * sign(mean - count)`` from the step's counts
+  over the whole global batch (``update_expert_bias``).
 * ``none`` -- neither.
 
 Every MoE layer records, per forward, the tokens each expert received and its auxiliary loss
@@ -44,8 +73,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Absolute bound of ``nn.init.trunc_normal_``'s defaults (a=-2, b=2), which torchtitan keeps.
-TRUNC_BOUND = 2.0
+from models.common.feed_forward import TRUNC_BOUND, FeedForward
+
+SCORE_FUNCS = ("softmax", "sigmoid", "softmax_topk")
+ACTIVATIONS = ("silu", "clamped_swiglu")
 
 
 @dataclass(frozen=True)
@@ -53,41 +84,103 @@ class MoEOptions:
     n_experts: int
     top_k: int
     ffn_dim: int  # each routed expert's hidden width
-    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    score_func: Literal["softmax", "sigmoid", "softmax_topk"] = "softmax"
     norm_topk_prob: bool = True  # renormalize the chosen experts' scores to sum to one
     route_scale: float = 1.0  # multiplies the routing weights
+    n_group: int = 1  # groups of consecutive experts (group-limited routing when > 1)
+    topk_group: int = 1  # the groups whose experts can be chosen
+    router_bias: bool = False  # a bias on the router's gate
+    n_shared_experts: int = 0  # a dense SwiGLU of width n_shared_experts * ffn_dim beside the experts
+    expert_bias_terms: bool = False  # biases on every expert's three projections
+    activation: Literal["silu", "clamped_swiglu"] = "silu"
+    swiglu_alpha: float = 1.702  # clamped_swiglu: the sigmoid's slope
+    swiglu_limit: float = 7.0  # clamped_swiglu: the clamp
     load_balance: Literal["aux_loss", "bias", "none"] = "aux_loss"
     aux_loss_coef: float = 0.001
     bias_update_rate: float = 0.001
     init: Literal["torchtitan", "normal"] = "torchtitan"
     init_std: float = 0.02  # ``normal``: the std of every weight
+    router_depth_init: bool = False  # torchtitan: the gate at the layer's depth-scaled std, not 0.02
+    expert_depth_init: bool = False  # torchtitan: every expert tensor at the depth-scaled std
+
+    def __post_init__(self):
+        """One line naming the field for a choice the block cannot run."""
+        if self.score_func not in SCORE_FUNCS:
+            raise ValueError(f"score_func = {self.score_func!r}; choose one of {', '.join(SCORE_FUNCS)}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation = {self.activation!r}; choose one of {', '.join(ACTIVATIONS)}")
+        if self.n_group < 1 or self.n_experts % self.n_group:
+            raise ValueError(f"n_group = {self.n_group} must be >= 1 and divide n_experts = {self.n_experts}")
+        if self.n_group > 1 and self.n_experts // self.n_group < 2:
+            raise ValueError(
+                f"n_group = {self.n_group} leaves one expert per group; a group is ranked by its two best "
+                "experts, so use at most n_experts / 2 groups"
+            )
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"topk_group = {self.topk_group}; it must be between 1 and n_group = {self.n_group}")
+        if self.top_k > self.topk_group * (self.n_experts // self.n_group):
+            raise ValueError(
+                f"top_k = {self.top_k} exceeds the experts of topk_group = {self.topk_group} groups "
+                f"({self.topk_group * (self.n_experts // self.n_group)}); raise topk_group or lower top_k"
+            )
+        if self.n_shared_experts < 0:
+            raise ValueError(f"n_shared_experts = {self.n_shared_experts}; it must be >= 0")
+
+    def expert_numel(self, dim: int) -> int:
+        """The parameters of one routed expert."""
+        return 3 * dim * self.ffn_dim + (2 * self.ffn_dim + dim if self.expert_bias_terms else 0)
+
+
+def _trunc_normal(init, tensor: torch.Tensor, std: float) -> None:
+    init.trunc_normal_(tensor, std=std, cutoff=TRUNC_BOUND / std)
 
 
 class Router(nn.Module):
-    def __init__(self, dim: int, options: MoEOptions):
+    def __init__(self, dim: int, options: MoEOptions, init_std: float = 0.02):
+        """``init_std``: the layer's depth-scaled std (``router_depth_init``)."""
         super().__init__()
         self.options = options
-        self.gate = nn.Linear(dim, options.n_experts, bias=False)
+        self.init_std = init_std
+        self.gate = nn.Linear(dim, options.n_experts, bias=options.router_bias)
 
     def init_weights(self, init) -> None:
-        std = self.options.init_std if self.options.init == "normal" else 0.02
         if self.options.init == "normal":
-            init.normal_(self.gate.weight, std=std)
-        else:
-            init.trunc_normal_(self.gate.weight, std=std, cutoff=TRUNC_BOUND / std)
+            for p in self.gate.parameters():
+                init.normal_(p, std=self.options.init_std)
+            return
+        _trunc_normal(init, self.gate.weight, self.init_std if self.options.router_depth_init else 0.02)
+        if self.gate.bias is not None:
+            init.zeros_(self.gate.bias)
 
     def forward(self, x: torch.Tensor, expert_bias: torch.Tensor | None = None):
         """``x`` (tokens, dim) -> (scores (tokens, experts) fp32, chosen experts (tokens, top_k),
         their routing weights (tokens, top_k) fp32)."""
-        logits = F.linear(x.float(), self.gate.weight.float())
-        scores = logits.softmax(-1) if self.options.score_func == "softmax" else logits.sigmoid()
-        ranked = scores if expert_bias is None else scores + expert_bias
-        # A stable descending sort: equal scores keep expert order, so ties never depend on the layout.
-        chosen = ranked.sort(dim=-1, descending=True, stable=True).indices[:, : self.options.top_k]
-        weights = scores.gather(-1, chosen)
-        if self.options.norm_topk_prob:
-            weights = weights / weights.sum(-1, keepdim=True)
-        return scores, chosen, weights * self.options.route_scale
+        options = self.options
+        bias = None if self.gate.bias is None else self.gate.bias.float()
+        logits = F.linear(x.float(), self.gate.weight.float(), bias)
+        scores = logits.sigmoid() if options.score_func == "sigmoid" else logits.softmax(-1)
+        ranked = logits if options.score_func == "softmax_topk" else scores
+        chosen = self._choose(ranked if expert_bias is None else ranked + expert_bias)
+        if options.score_func == "softmax_topk":
+            weights = logits.gather(-1, chosen).softmax(-1)
+        else:
+            weights = scores.gather(-1, chosen)
+            if options.norm_topk_prob:
+                weights = weights / weights.sum(-1, keepdim=True)
+        return scores, chosen, weights * options.route_scale
+
+    def _choose(self, ranked: torch.Tensor) -> torch.Tensor:
+        """Each token's ``top_k`` experts by ``ranked`` (tokens, experts), within its ``topk_group``
+        best groups. Stable descending sorts: equal values keep expert (group) order, so ties
+        never depend on the layout."""
+        options = self.options
+        if options.n_group > 1:
+            grouped = ranked.unflatten(-1, (options.n_group, -1))
+            group_scores = grouped.sort(dim=-1, descending=True).values[..., :2].sum(-1)
+            kept = group_scores.sort(dim=-1, descending=True, stable=True).indices[:, : options.topk_group]
+            dropped = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, kept, False)
+            ranked = grouped.masked_fill(dropped[..., None], -math.inf).flatten(1)
+        return ranked.sort(dim=-1, descending=True, stable=True).indices[:, : options.top_k]
 
 
 def grouped_mm_applies(x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -107,7 +200,7 @@ def grouped_mm_applies(x: torch.Tensor, *weights: torch.Tensor) -> bool:
 
 
 class GroupedExperts(nn.Module):
-    """``n_experts`` SwiGLU experts, ``w2(silu(w1 x) * w3 x)`` each, as three 3-D weights."""
+    """``n_experts`` gated experts, ``w2(act(w1 x, w3 x))`` each (biases optional), as 3-D tensors."""
 
     def __init__(self, dim: int, options: MoEOptions, init_std: float):
         super().__init__()
@@ -117,7 +210,14 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(experts, ffn, dim))
         self.w2 = nn.Parameter(torch.empty(experts, dim, ffn))
         self.w3 = nn.Parameter(torch.empty(experts, ffn, dim))
+        if options.expert_bias_terms:
+            self.b1 = nn.Parameter(torch.empty(experts, ffn))
+            self.b2 = nn.Parameter(torch.empty(experts, dim))
+            self.b3 = nn.Parameter(torch.empty(experts, ffn))
         self.use_grouped_mm = True  # False: the per-expert loop (tests compare the two)
+
+    def biases(self) -> list[torch.Tensor]:
+        return [self.b1, self.b2, self.b3] if self.options.expert_bias_terms else []
 
     def init_weights(self, init) -> None:
         """Per tensor, like the dense feed-forward's ``w1``/``w2``/``w3``: each expert's slice is a
@@ -125,27 +225,41 @@ class GroupedExperts(nn.Module):
         if self.options.init == "normal":
             for w in (self.w1, self.w2, self.w3):
                 init.normal_(w, std=self.options.init_std)
+            for b in self.biases():
+                init.zeros_(b)
             return
-        init.trunc_normal_(self.w1, std=0.02, cutoff=TRUNC_BOUND / 0.02)
-        for w in (self.w2, self.w3):
-            init.trunc_normal_(w, std=self.init_std, cutoff=TRUNC_BOUND / self.init_std)
+        _trunc_normal(init, self.w1, self.init_std if self.options.expert_depth_init else 0.02)
+        for w in (self.w2, self.w3, *self.biases()):
+            _trunc_normal(init, w, self.init_std)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x`` (tokens, dim) sorted by expert, ``counts`` (experts,) tokens per expert -> (tokens, dim)."""
-        return self.compute(x, counts, self.w1, self.w2, self.w3)
+        return self.compute(x, counts, **dict(self.named_parameters()))
 
-    def compute(self, x: torch.Tensor, counts: torch.Tensor, w1, w2, w3) -> torch.Tensor:
+    def compute(self, x: torch.Tensor, counts: torch.Tensor, w1, w2, w3, b1=None, b2=None, b3=None) -> torch.Tensor:
         """``forward`` with the weights given: a parallel plan passes the block of experts it holds
         (``counts`` then counts the tokens of those experts only)."""
         if self.use_grouped_mm and grouped_mm_applies(x, w1, w2):
             offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-            hidden = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
-            hidden = hidden * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
-            return _ContiguousGradient.apply(torch._grouped_mm(hidden, w2.transpose(-2, -1), offs=offsets))
+
+            def project(h, w, b):
+                out = torch._grouped_mm(h, w.transpose(-2, -1), offs=offsets)
+                return out if b is None else out + b.repeat_interleave(counts, dim=0, output_size=h.shape[0])
+
+            hidden = self._activation(project(x, w1, b1), project(x, w3, b3))
+            return _ContiguousGradient.apply(project(hidden, w2, b2))
         outputs = []
         for e, part in enumerate(x.split(counts.tolist())):
-            outputs.append(F.linear(F.silu(F.linear(part, w1[e])) * F.linear(part, w3[e]), w2[e]))
+            gate, up = (F.linear(part, w[e], None if b is None else b[e]) for w, b in ((w1, b1), (w3, b3)))
+            outputs.append(F.linear(self._activation(gate, up), w2[e], None if b2 is None else b2[e]))
         return torch.cat(outputs) if outputs else x[:0]
+
+    def _activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.options.activation == "silu":
+            return F.silu(gate) * up
+        limit = self.options.swiglu_limit
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.options.swiglu_alpha))
 
 
 class _ContiguousGradient(torch.autograd.Function):
@@ -194,8 +308,10 @@ class MoE(nn.Module):
     def __init__(self, dim: int, options: MoEOptions, init_std: float):
         super().__init__()
         self.options = options
-        self.router = Router(dim, options)
+        self.router = Router(dim, options, init_std)
         self.experts = GroupedExperts(dim, options, init_std)
+        shared = options.n_shared_experts * options.ffn_dim
+        self.shared_experts = FeedForward(dim, shared, options, init_std) if shared else None
         if options.load_balance == "bias":
             self.register_buffer("expert_bias", torch.empty(options.n_experts, dtype=torch.float32))
         else:
@@ -220,6 +336,8 @@ class MoE(nn.Module):
         routed = self.experts(flat[token_of_slot], counts)
         routed = routed * weights.flatten()[order].to(routed.dtype)[:, None]
         out = torch.zeros_like(flat).index_add_(0, token_of_slot, routed.to(flat.dtype))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
         aux = sequence_balance_loss(scores, chosen, bsz) if self.options.load_balance == "aux_loss" else None
         if not in_backward():
             self.routed.append((counts.detach(), None if aux is None else aux.detach()))

@@ -17,7 +17,8 @@ Qwen3's per-head q/k norms see each rank's own heads: they run as "sequence para
 head dimension, which is exactly a per-head norm on the local heads. Qwen2's q/k/v biases are split
 with their weights by ``ColwiseParallel``. A mixture-of-experts layer (Qwen3-MoE, Mixtral) is not
 split: it runs whole on every TP rank on the whole sequence (``_moe_plan``), unless expert
-parallelism spreads its experts over the TP ranks.
+parallelism spreads its experts over the TP ranks; only its shared experts (DeepSeek-V3), a dense
+SwiGLU, are split as the dense feed-forward is.
 """
 
 from __future__ import annotations
@@ -96,10 +97,13 @@ def tensor_parallel_sizes(args) -> dict[str, int]:
     """What the TP degree must divide: heads and KV heads (whole heads per rank), the feed-forward
     width of the dense layers, if any, and the vocabulary (equal slices)."""
     dense = len(getattr(args, "moe_layers", ())) < args.n_layers  # mixtures of experts are not split
+    moe = args.decoder_options.moe
+    shared = moe.n_shared_experts * moe.ffn_dim if moe is not None else 0  # split like a dense layer
     return {
         "model.n_heads": args.n_heads,
         "model.n_kv_heads": args.n_kv_heads,
         **({"the feed-forward width": args.ffn_hidden_dim} if dense else {}),
+        **({"the shared experts' width (n_shared_experts x moe_ffn_dim)": shared} if shared else {}),
         "model.vocab_size": args.vocab_size,
     }
 
@@ -127,7 +131,7 @@ def parallelize_decoder(model: nn.Module, mesh: DeviceMesh, sequence_parallel: b
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=between),
             "ffn_norm": norm,
-            **(_dense_ffn_plan(between) if block.moe is None else _moe_plan(between)),
+            **(_dense_ffn_plan(between) if block.moe is None else _moe_plan(between, block.moe)),
         }
         if block.attention.options.qk_norm:  # per head, on this rank's heads (dim 2 of (b, s, h, d))
             for name in ("attention.q_norm", "attention.k_norm"):
@@ -145,12 +149,22 @@ def _dense_ffn_plan(between) -> dict:
     }
 
 
-def _moe_plan(between) -> dict:
+def _moe_plan(between, moe) -> dict:
     """A mixture of experts runs whole on every TP rank, on the whole sequence (plain tensors in and
-    out): routing and the sequence-wise auxiliary loss need every token of a row. Its weights are
-    replicated, as the norms' are. Expert parallelism, when on, then splits the experts (and the
-    tokens they run) over the TP ranks too (``seedckpt.parallel.expert_parallel``)."""
+    out): routing and the sequence-wise auxiliary loss need every token of a row. Its router and
+    routed experts are replicated, as the norms' are. Expert parallelism, when on, then splits the
+    experts (and the tokens they run) over the TP ranks too (``seedckpt.parallel.expert_parallel``).
+    Shared experts (DeepSeek-V3) are a dense SwiGLU on the replicated tokens, split as the dense
+    feed-forward is: ``w1``/``w3`` colwise, ``w2`` rowwise, its output all-reduced to replicated."""
+    shared = {}
+    if moe.shared_experts is not None:
+        shared = {
+            "moe.shared_experts.w1": ColwiseParallel(),
+            "moe.shared_experts.w3": ColwiseParallel(),
+            "moe.shared_experts.w2": RowwiseParallel(),
+        }
     return {
+        **shared,
         "moe": PrepareModuleInputOutput(
             input_layouts=(between,),
             desired_input_layouts=(Replicate(),),
