@@ -14,8 +14,6 @@ from models.registry import FAMILIES, get_family
 from seedckpt import load_model
 from seedckpt.cli.convert import convert, diff
 from seedckpt.materialize.model_checkpoint import parameter_count
-from seedckpt.materialize.stages import build_stages
-from seedckpt.parallel.pipeline import plan_rank_stages
 from seedckpt.utils.errors import SeedckptError
 from tests.test_convert import our_logits
 from tests.test_sft import chat_inputs  # noqa: F401 (a fixture)
@@ -153,8 +151,7 @@ def test_hf_directories_read_and_write_with_transformers_logits(tmp_path, name, 
     [
         ("qwen3", "hidden_act", "gelu", "hidden_act = 'gelu'"),
         ("qwen3", "attention_bias", True, "attention_bias = True"),
-        ("qwen2", "use_sliding_window", True, "use_sliding_window = True"),
-        ("mistral", "rope_parameters", {"rope_type": "yarn", "factor": 4.0}, "'yarn' RoPE scaling"),
+        ("mistral", "rope_parameters", {"rope_type": "dynamic", "factor": 4.0}, "'dynamic' RoPE scaling"),
         ("granite", "mlp_bias", True, "mlp_bias = True"),
     ],
 )
@@ -177,7 +174,7 @@ NONSENSE = [
     ("llama3", "rope_theta", float("inf"), "rope_theta = inf; it must be a finite number > 0"),
     ("granite", "attention_multiplier", 0, "attention_multiplier = 0; it must be a finite number > 0"),
     ("granite", "logits_scaling", 0.0, "logits_scaling = 0.0; it must be a finite number > 0"),
-    ("qwen3", "layer_types", ["full_attention", "sliding_attention", "full_attention"], "'sliding_attention'"),
+    ("qwen3", "layer_types", ["full_attention", "chunked_attention", "full_attention"], "'chunked_attention'"),
     ("qwen2", "num_key_value_heads", 2.0, "num_key_value_heads = 2.0; it must be an integer >= 1"),
     ("mistral", "tie_word_embeddings", "false", "tie_word_embeddings = 'false'; it must be true or false"),
     ("mistral", "sliding_window", 0, "sliding_window = 0; it must be an integer >= 1"),
@@ -280,51 +277,29 @@ def test_a_fine_tuning_start_takes_family_and_shape_from_the_hf_directory(tmp_pa
     assert run.args == get_family("qwen3").hf.args_from_config(json.loads((hf / "config.json").read_text()))
 
 
-def test_a_sliding_window_shorter_than_the_sequences_is_refused():
-    from seedckpt.config.job_config import load_config
-    from seedckpt.config.resolve import resolve
-
-    cfg = load_config(None, ["--model.name", "mistral", "--model.sliding_window", "64", "--training.seq_len", "128"])
-    with pytest.raises(SeedckptError, match="exceeds the model's sliding_window = 64"):
-        resolve(cfg, 1, local_world_size=0)
-    resolve(load_config(None, ["--model.name", "mistral", "--model.sliding_window", "128"]), 1, local_world_size=0)
-
-
 WINDOW = 8
-REFUSAL = (
-    rf"^an input of {WINDOW + 1} positions is longer than the model's attention window of {WINDOW} "
-    rf".*: pass inputs of at most {WINDOW} positions$"
-)
 
 
 @pytest.mark.parametrize("name", ["mistral", "mixtral"])
-def test_an_attention_window_is_exact_up_to_it_and_refuses_longer_inputs(tmp_path, name):
-    """A directory with a sliding window of 8 converts, and ``diff`` (tensors only, no forward) finds
-    its DCP copy equal. ``load_model``'s module and pp=2's stages compute ``transformers``' logits at 8
-    positions, where the window is full attention; at 9, where ``transformers``' window drops a
-    position, the module refuses in one line, and so does the later stage given hidden states."""
+def test_an_attention_window_matches_transformers_past_it(tmp_path, name):
+    """A directory with a sliding window of 8, 40 positions in: ``load_model``'s module and pp=2's
+    stages compute ``transformers``' logits (where the window drops positions), and the export back
+    to HF keeps the window."""
     hf = _hf_model(name, tie=False)
     hf.config.sliding_window = WINDOW
     hf.save_pretrained(tmp_path / "hf")
     convert(tmp_path / "hf", tmp_path / "dcp", "dcp", progress=False)
     assert diff(tmp_path / "hf", tmp_path / "dcp")[0]
-    fits, longer = TOKENS[:, :WINDOW], TOKENS[:, : WINDOW + 1]
     with torch.no_grad():
-        want = hf(fits).logits
-        windowed = hf(longer).logits
+        want = hf(TOKENS).logits
         hf.config.sliding_window = None
-        assert (hf(longer).logits - windowed).abs().max().item() > 1e-3  # the window matters at 9
-        model = load_model(tmp_path / "hf")
-        assert (model(fits) - want).abs().max().item() <= 1e-5
-        assert (our_logits(tmp_path / "dcp", fits, pp=2) - want).abs().max().item() <= 1e-5
-        with pytest.raises(SeedckptError, match=REFUSAL) as refused:
-            model(longer)
-        assert "\n" not in str(refused.value)
-        args = model.args
-        [later] = build_stages(args, plan_rank_stages(args, 1, 2), "cpu", checkpoint=tmp_path / "dcp")
-        assert later.tok_embeddings is None  # it takes hidden states: their dim 1 is the length
-        with pytest.raises(SeedckptError, match=REFUSAL):
-            later(torch.zeros(2, WINDOW + 1, args.dim))
+        assert (hf(TOKENS).logits - want).abs().max().item() > 1e-3  # the window matters
+        assert (load_model(tmp_path / "hf")(TOKENS) - want).abs().max().item() <= 1e-5
+        assert (our_logits(tmp_path / "dcp", TOKENS, pp=2) - want).abs().max().item() <= 1e-5
+        convert(tmp_path / "dcp", tmp_path / "back", "hf", progress=False)
+        back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+        assert back.config.sliding_window == WINDOW
+        assert (back(TOKENS).logits - want).abs().max().item() <= 1e-5
 
 
 FAMILIES_BEYOND_LLAMA = ["qwen3", "qwen2", "mistral", "granite"]

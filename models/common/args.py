@@ -16,6 +16,7 @@ from typing import Literal
 
 from models.common.decoder import DecoderOptions
 from models.common.moe import MoEOptions
+from models.common.rope import RopeScaling
 
 
 def check_int(name: str, value, least: int = 1) -> int:
@@ -80,10 +81,24 @@ class DecoderArgs(DictArgs):
     max_seq_len: int = 32768
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02  # the std of HF's init (``DecoderOptions.init = "normal"``)
+    rope_scaling: RopeScaling | None = None  # a RoPE stretch (``models.common.rope``); None: plain RoPE
+    sliding_window: int | None = None  # positions a token attends back to, itself included; None: all
+    window_layers: list[int] | None = None  # the layers ``sliding_window`` applies to; None: every layer
 
     def __post_init__(self):
         for name in ("dim", "n_layers", "n_heads", "ffn_dim", "vocab_size", "max_seq_len"):
             check_int(name, getattr(self, name))
+        if isinstance(self.rope_scaling, dict):  # a manifest's or a TOML table's
+            try:
+                self.rope_scaling = RopeScaling(**self.rope_scaling)
+            except TypeError as e:  # a missing or unknown field
+                raise ValueError(f"rope_scaling = {self.rope_scaling!r}: {e}") from None
+        elif self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ValueError(f"rope_scaling = {self.rope_scaling!r}; it must be a table (rope_type, factor, ...)")
+        if self.sliding_window is not None:
+            check_int("sliding_window", self.sliding_window)
+        if self.window_layers is not None:
+            self.window_layers = sorted(set(layer_list("window_layers", self.window_layers, self.n_layers)))
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if self.head_dim is None:
@@ -104,13 +119,14 @@ class DecoderArgs(DictArgs):
         return self.ffn_dim
 
     @property
-    def rope_scaling(self) -> None:
-        """No RoPE scaling: a config that asks for one is refused when read."""
-        return None
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (``DecoderOptions.layer_windows``)."""
+        slides = range(self.n_layers) if self.window_layers is None else self.window_layers
+        return tuple(self.sliding_window if i in slides else None for i in range(self.n_layers))
 
     @property
     def decoder_options(self) -> DecoderOptions:
-        return DecoderOptions(init="normal", init_std=self.initializer_range)
+        return DecoderOptions(init="normal", init_std=self.initializer_range, layer_windows=self.layer_windows)
 
 
 # The fields that decide which tensors exist and their shapes.

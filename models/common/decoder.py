@@ -3,9 +3,11 @@
 Llama 3 is the plain case; the other families switch on what they add (``DecoderOptions``): bias
 on q/k/v (Qwen2), an RMSNorm over each q and k head before RoPE (Qwen3), Granite's multipliers on
 the embedding, the residual branches, the attention scores and the logits, and HF's plain normal
-init. Each family's args provide the shapes and ``decoder_options``; its folder says which. An
-attention window (Mistral's ``sliding_window``) is not implemented: the model's forward, on any
-pipeline stage, refuses an input longer than it rather than silently attend further back.
+init; for gpt-oss a bias on the output projection too and a learned sink logit per head. Each
+family's args provide the shapes and ``decoder_options``; its folder says which. Any layer may
+attend through a sliding window (``DecoderOptions.layer_windows``: Mistral v0.1's, Qwen2's upper
+layers, gpt-oss's every other layer), in whole rows and in packed documents alike. RoPE and its
+stretches (linear, Llama 3.1's, YaRN) are ``models.common.rope``.
 
 Names are Meta's and torchtitan's (``tok_embeddings``, ``layers.{i}.attention.wq``, ...), for every
 family: a family's Hugging Face names are mapped by ``models.common.hf_names``. RoPE rotates
@@ -49,11 +51,13 @@ exactly as a normal truncated at +-2. Only the output is cut relative to its std
 ``*norm.weight``                               ones
 ``output.weight``                              truncated normal, std dim^-0.5, +-3 std
 tied ``tok_embeddings.weight`` (= output)      the output's recipe (see ``Transformer.init_weights``)
-``attention.{wq,wk,wv}.bias``                  zeros
+``attention.{wq,wk,wv,wo}.bias``               zeros
+``attention.sinks``                            normal, std 0.02, truncated at +-2 (absolute)
 =============================================  ==========================================
 
 ``normal`` is Hugging Face's ``_init_weights`` for these families: every linear and embedding
-weight normal with std ``init_std`` (the config's ``initializer_range``), biases zero, norms one.
+weight (and the sinks) normal with std ``init_std`` (the config's ``initializer_range``), biases
+zero, norms one.
 
 Non-persistent buffers (``freqs_cis``) are a pure function of the args. They are *not* stored in
 checkpoints: a complex RoPE table is not a weight, HF checkpoints do not carry it, and persisting
@@ -76,7 +80,7 @@ from torch.utils.checkpoint import checkpoint
 
 from models.common.feed_forward import TRUNC_BOUND, FeedForward
 from models.common.moe import MoE, MoEOptions
-from seedckpt.utils.errors import SeedckptError
+from models.common.rope import apply_rotary_emb, precompute_freqs_cis
 
 
 @dataclass(frozen=True)
@@ -93,61 +97,24 @@ class DecoderOptions:
     init_std: float = 0.02  # ``normal``: the std of every weight (HF's initializer_range)
     moe: MoEOptions | None = None  # the mixture of experts of the layers ``moe_layers`` (Qwen3-MoE, Mixtral)
     moe_layers: tuple[int, ...] = ()
-    # Positions each token attends back to, itself included (Mistral's sliding window); None: all.
-    # Not implemented: within it attention is full attention, so a longer input is refused.
-    attention_window: int | None = None
+    # Per layer, the positions each token attends back to, itself included (a sliding window: Mistral
+    # v0.1, Qwen2's ``max_window_layers``, gpt-oss's ``layer_types``); None, or a layer past the end of
+    # the tuple: every earlier position.
+    layer_windows: tuple[int | None, ...] = ()
+    attention_sinks: bool = False  # a learned logit per head joins each softmax, without a value (gpt-oss)
+    o_bias: bool = False  # a bias on the output projection ``wo`` (gpt-oss, with ``qkv_bias``)
     # The blocks' attention module, built as ``attention(args, init_std)`` and called as ``Attention``
     # is; None: ``Attention`` (DeepSeek-V3's multi-head latent attention is its family's own)
     attention: Callable[..., nn.Module] | None = None
+
+    def window(self, layer_id: int) -> int | None:
+        """Layer ``layer_id``'s sliding window (``layer_windows``)."""
+        return self.layer_windows[layer_id] if layer_id < len(self.layer_windows) else None
 
 
 def tied_weights(args) -> dict[str, str]:
     """FQNs whose tensor is another's: ``{tied: source}`` (a tied output is the embedding)."""
     return {"output.weight": "tok_embeddings.weight"} if args.tie_word_embeddings else {}
-
-
-def rope_frequencies(args, device: torch.device | None = None) -> torch.Tensor:
-    """Per-pair rotation frequencies, with Llama-3.1 scaling when ``args.rope_scaling`` is set.
-
-    3.1 scaling leaves high frequencies (wavelength < original_len / high_freq_factor) alone,
-    divides low frequencies (wavelength > original_len / low_freq_factor) by ``factor`` and
-    interpolates smoothly in between.
-    """
-    dim = args.head_dim
-    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float64) / dim))
-    s = args.rope_scaling
-    if s is not None:
-        wavelen = 2 * math.pi / freqs
-        low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-        high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-        smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-            s.high_freq_factor - s.low_freq_factor
-        )
-        blended = (1 - smooth) * freqs / s.factor + smooth * freqs
-        freqs = torch.where(
-            wavelen > low_wavelen, freqs / s.factor, torch.where(wavelen < high_wavelen, freqs, blended)
-        )
-    return freqs.float()
-
-
-def precompute_freqs_cis(args, device: torch.device | None = None) -> torch.Tensor:
-    """``(max_seq_len, head_dim // 2)`` complex64 table of e^{i * pos * freq}."""
-    freqs = rope_frequencies(args, device)
-    positions = torch.arange(args.max_seq_len, device=device, dtype=torch.float32)
-    angles = torch.outer(positions, freqs)
-    return torch.polar(torch.ones_like(angles), angles)
-
-
-def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs (x0, x1), (x2, x3), ... of ``x`` (bsz, seq, heads, head_dim).
-
-    ``freqs_cis`` is ``(seq, head_dim // 2)`` (the same positions in every row) or
-    ``(bsz, seq, head_dim // 2)`` (per-row positions, e.g. restarting at each packed document).
-    """
-    x_complex = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-    freqs = freqs_cis[None, :, None, :] if freqs_cis.dim() == 2 else freqs_cis[:, :, None, :]
-    rotated = torch.view_as_real(x_complex * freqs).flatten(3)
-    return rotated.type_as(x)
 
 
 def document_spans(document_ids: torch.Tensor) -> tuple[tuple[tuple[int, int], ...], ...]:
@@ -160,64 +127,103 @@ def document_spans(document_ids: torch.Tensor) -> tuple[tuple[tuple[int, int], .
     return tuple(tuple(zip(row, [*row[1:], seqlen])) for row in starts)
 
 
+def causal_attention(q, k, v, scale: float | None, window: int | None = None, sinks=None) -> torch.Tensor:
+    """Causal attention over ``(bsz, heads, seq, head_dim)`` (k and v may have fewer heads: GQA).
+
+    ``window``: each query sees itself and the ``window - 1`` positions before it (transformers'
+    ``sliding_window``: key j is seen by query i when ``i - window < j <= i``). ``sinks``: one logit
+    per q head that joins every query's softmax and takes its share of the probability mass without
+    contributing a value (gpt-oss).
+
+    Without either this is SDPA's ``is_causal``. A window is a banded boolean mask on the same SDPA
+    call: it keeps SDPA's fused kernels (memory-efficient attention on a GPU, the flash kernel on a
+    CPU); the mask costs seq^2 bytes, shared by every row and head. A sink is one more key whose
+    value is zero (``_with_sink_key``).
+    """
+    seqlen, scale = q.shape[2], q.shape[-1] ** -0.5 if scale is None else scale
+    if sinks is None and (window is None or window >= seqlen):
+        # GQA: each kv head serves n_heads / n_kv_heads q heads, without copying K and V per q head.
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    ones = torch.ones(seqlen, seqlen, dtype=torch.bool, device=q.device)
+    mask = ones.tril() if window is None else ones.tril().triu(1 - window)
+    if sinks is not None:
+        q, k, v, mask = _with_sink_key(q, k, v, mask, sinks, scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+def _with_sink_key(q, k, v, mask, sinks, scale: float):
+    """The inputs of one SDPA call that computes attention with a sink logit per q head.
+
+    A key appended after the sequence, seen by every query, with a zero value, whose logit is the
+    head's sink: q gains a channel holding ``sink / scale``, every real key a zero there (their
+    logits are unchanged), the sink key a one there and zeros elsewhere. The sink rides on q, not k,
+    so GQA's shared kv heads still serve q heads with different sinks. The added channels are padded
+    to 8, the alignment fused GPU kernels ask of a head size.
+    """
+    bsz, heads, seqlen, _ = q.shape
+    kv_heads = k.shape[1]
+    extra = q.new_zeros(bsz, heads, seqlen, 8)
+    extra[..., 0] = (sinks.to(q.dtype) / scale)[None, :, None]
+    q = torch.cat([q, extra], dim=-1)
+    k = torch.cat([k, k.new_zeros(bsz, kv_heads, seqlen, 8)], dim=-1)
+    sink_key = k.new_zeros(bsz, kv_heads, 1, k.shape[-1])
+    sink_key[..., q.shape[-1] - 8] = 1
+    k = torch.cat([k, sink_key], dim=2)
+    v = torch.cat([v, v.new_zeros(bsz, kv_heads, 1, v.shape[-1])], dim=2)
+    mask = torch.cat([mask, mask.new_ones(seqlen, 1)], dim=1)
+    return q, k, v, mask
+
+
 @torch.compiler.disable  # the spans change with every batch: compiled, each would be a graph of its own
-def attend_within_documents(q, k, v, spans, scale: float | None) -> torch.Tensor:
-    """Causal attention inside each document of each row, ``(bsz, heads, seq, head_dim)`` in and out:
-    one SDPA call per document (variable-length attention), so no ``(seq, seq)`` mask exists and no
-    score across documents is computed. With per-document positions a packed row then computes
-    exactly what its documents compute one by one."""
+def attend_within_documents(q, k, v, spans, scale: float | None, window: int | None = None, sinks=None):
+    """``causal_attention`` inside each document of each row, ``(bsz, heads, seq, head_dim)`` in and
+    out: one call per document (variable-length attention), so no score across documents is
+    computed. With per-document positions a packed row then computes exactly what its documents
+    compute one by one."""
     rows = []
     for b, row in enumerate(spans):
         parts = [
-            F.scaled_dot_product_attention(
-                q[b : b + 1, :, s:e],
-                k[b : b + 1, :, s:e],
-                v[b : b + 1, :, s:e],
-                is_causal=True,
-                scale=scale,
-                enable_gqa=True,
-            )
+            causal_attention(q[b : b + 1, :, s:e], k[b : b + 1, :, s:e], v[b : b + 1, :, s:e], scale, window, sinks)
             for s, e in row
         ]
         rows.append(torch.cat(parts, dim=2))
     return torch.cat(rows, dim=0)
 
 
-def check_attention_window(seqlen: int, window: int | None) -> None:
-    """Refuse an input longer than the attention window: full attention over it would silently
-    compute another model."""
-    if window is not None and seqlen > window:
-        raise SeedckptError(
-            f"an input of {seqlen} positions is longer than the model's attention window of {window} "
-            f"(sliding_window), which is not implemented yet: pass inputs of at most {window} positions"
-        )
-
-
 class Attention(nn.Module):
-    def __init__(self, args, init_std: float):
+    """Grouped-query attention; ``window``: this layer's sliding window (``causal_attention``)."""
+
+    def __init__(self, args, init_std: float, window: int | None = None):
         super().__init__()
         options = args.decoder_options
         self.head_dim = args.head_dim
         self.options = options
         self.init_std = init_std
+        self.window = window
         self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=options.qkv_bias)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=options.qkv_bias)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=options.qkv_bias)
-        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=options.o_bias)
         if options.qk_norm:
             self.q_norm = nn.RMSNorm(self.head_dim, eps=args.norm_eps)
             self.k_norm = nn.RMSNorm(self.head_dim, eps=args.norm_eps)
+        # One sink logit per q head (split with the heads under tensor parallelism).
+        self.sinks = nn.Parameter(torch.empty(args.n_heads)) if options.attention_sinks else None
 
     def init_weights(self, init) -> None:
         qkv = (self.wq, self.wk, self.wv)
         if self.options.init == "normal":
             for linear in (*qkv, self.wo):
                 init.normal_(linear.weight, std=self.options.init_std)
+            if self.sinks is not None:
+                init.normal_(self.sinks, std=self.options.init_std)
         else:
             for linear in qkv:
                 init.trunc_normal_(linear.weight, std=0.02, cutoff=TRUNC_BOUND / 0.02)
             init.trunc_normal_(self.wo.weight, std=self.init_std, cutoff=TRUNC_BOUND / self.init_std)
-        for linear in qkv:
+            if self.sinks is not None:
+                init.trunc_normal_(self.sinks, std=0.02, cutoff=TRUNC_BOUND / 0.02)
+        for linear in (*qkv, self.wo):
             if linear.bias is not None:
                 init.zeros_(linear.bias)
         if self.options.qk_norm:
@@ -238,10 +244,9 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         scale = self.options.attention_multiplier
         if spans is None:
-            # GQA: each kv head serves n_heads / n_kv_heads q heads, without copying K and V per q head.
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            out = causal_attention(q, k, v, scale, self.window, self.sinks)
         else:
-            out = attend_within_documents(q, k, v, spans, scale)
+            out = attend_within_documents(q, k, v, spans, scale, self.window, self.sinks)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
@@ -251,7 +256,8 @@ class TransformerBlock(nn.Module):
         init_std = 0.02 / math.sqrt(2 * (layer_id + 1))  # torchtitan: depth-scaled output projections
         self.residual_multiplier = args.decoder_options.residual_multiplier
         options = args.decoder_options
-        self.attention = (options.attention or Attention)(args, init_std)
+        window = options.window(layer_id)
+        self.attention = options.attention(args, init_std) if options.attention else Attention(args, init_std, window)
         moe = options.moe if layer_id in options.moe_layers else None
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim, options, init_std) if moe is None else None
         self.moe = MoE(args.dim, moe, init_std) if moe is not None else None
@@ -342,10 +348,6 @@ class Transformer(nn.Module):
         label tokens (-100: none) instead of the logits, ``loss_chunk_tokens`` tokens at a time
         (``chunked_cross_entropy``); other stages ignore them.
         """
-        # Here, outside the blocks ``training.compile`` compiles with fullgraph (a raise inside them is
-        # dynamo's error, not this one); dim 1 is the length of tokens and hidden states alike. Under
-        # sequence parallelism a later stage gets its rank's slice: training refuses such lengths first.
-        check_attention_window(tokens.shape[1], self.options.attention_window)
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(tokens)
             if self.options.embedding_multiplier != 1.0:

@@ -1,11 +1,12 @@
 """Reading and writing the ``config.json`` of the Hugging Face decoder families.
 
 Every field that changes the math is read or refused: an activation other than SiLU, a RoPE
-scaling, an MLP bias, a sliding window shorter than the positions, an attention bias where the
-family has none, a layer that is not full attention -- each is a ``ValueError`` naming the field,
-never silently dropped. Every field read is checked for its type and range as it is read (``read``:
-an integer >= 1, a finite number > 0, true or false), so a string epsilon or a NaN RoPE base is
-refused at import, naming the field, rather than failing later inside the model.
+stretch this version does not compute (``rope_scaling``), an MLP bias, an attention bias where the
+family has none, a layer kind other than full or sliding-window attention (``layer_windows``) --
+each is a ``ValueError`` naming the field, never silently dropped. Every field read is checked for
+its type and range as it is read (``read``: an integer >= 1, a finite number > 0, true or false),
+so a string epsilon or a NaN RoPE base is refused at import, naming the field, rather than failing
+later inside the model.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from models.common.args import check_bool, check_float, check_int
+from models.common.rope import SCALING_TYPES, RopeScaling
 
 REQUIRED = object()  # ``read``'s default: the field must be there
 
@@ -42,9 +44,79 @@ def rope_theta(cfg: dict, default: float = 10000.0) -> float:
     return read(cfg, "rope_theta", check_float, read(rope, "rope_theta", check_float, default))
 
 
-def rope_type(cfg: dict) -> str | None:
-    rope = table(cfg, "rope_scaling") or table(cfg, "rope_parameters")
-    return rope.get("rope_type", rope.get("type"))
+def rope_table(cfg: dict) -> dict:
+    """The RoPE table ``transformers`` reads: ``rope_scaling`` (before transformers 5) over
+    ``rope_parameters``."""
+    return table(cfg, "rope_scaling") or table(cfg, "rope_parameters")
+
+
+# Per stretch, the rope_parameters fields it takes; these others change nothing or are checked apart.
+ROPE_FIELDS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
+    "yarn": (
+        "factor",
+        "original_max_position_embeddings",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "attention_factor",
+        "truncate",
+    ),
+}
+ROPE_OTHER_FIELDS = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
+
+
+def rope_scaling(cfg: dict) -> RopeScaling | None:
+    """The RoPE stretch a ``config.json`` asks for (``rope_scaling`` / ``rope_parameters``), or None
+    for plain RoPE; every field checked (``RopeScaling``).
+
+    As ``transformers`` reads it: YaRN's and Llama 3's ``original_max_position_embeddings`` falls back
+    to the top-level field of that name, then to ``max_position_embeddings``; YaRN's absent ``factor``
+    is ``max_position_embeddings / original_max_position_embeddings``; ``beta_fast``/``beta_slow``
+    given as 0 or null mean 32 and 1. ``dynamic``, ``longrope`` and any other kind are refused, as is
+    a field the kind does not take and a partial rotary width."""
+    rope = rope_table(cfg)
+    kind = rope.get("rope_type", rope.get("type"))
+    if kind in (None, "default"):
+        return None
+    if kind not in SCALING_TYPES:
+        raise ValueError(
+            f"config.json asks for {kind!r} RoPE scaling (rope_parameters.rope_type); this version computes "
+            f"{', '.join(SCALING_TYPES)} or none"
+        )
+    unknown = sorted(set(rope) - set(ROPE_FIELDS[kind]) - set(ROPE_OTHER_FIELDS))
+    if unknown:
+        raise ValueError(f"config.json's {kind} RoPE scaling has {', '.join(unknown)}, which {kind} RoPE does not take")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(
+            f"config.json has partial_rotary_factor = {rope['partial_rotary_factor']!r}; this version rotates "
+            "whole heads (1.0)"
+        )
+    fields = {name: rope[name] for name in ROPE_FIELDS[kind] if rope.get(name) is not None}
+    if kind != "linear" and "original_max_position_embeddings" not in fields:
+        fields["original_max_position_embeddings"] = read(
+            cfg, "original_max_position_embeddings", check_int, read(cfg, "max_position_embeddings", check_int, None)
+        )
+    if kind == "yarn":
+        if "factor" not in fields and fields["original_max_position_embeddings"]:
+            fields["factor"] = (
+                read(cfg, "max_position_embeddings", check_int) / fields["original_max_position_embeddings"]
+            )
+        for name in ("beta_fast", "beta_slow"):  # transformers: ``or`` its default
+            if not fields.get(name, True):
+                del fields[name]
+    if "factor" not in fields:
+        raise ValueError(f"config.json's {kind} RoPE scaling lacks factor")
+    return RopeScaling(rope_type=kind, **fields)
+
+
+def rope_config(args) -> dict:
+    """``rope_theta`` and ``rope_parameters`` of a ``config.json``, as ``rope_scaling`` reads them."""
+    scaling = args.rope_scaling
+    parameters = {"rope_type": "default", "rope_theta": args.rope_theta} if scaling is None else None
+    return {"rope_theta": args.rope_theta, "rope_parameters": parameters or scaling.to_config(args.rope_theta)}
 
 
 def refuse(cfg: dict, what: str, **allowed) -> None:
@@ -54,31 +126,91 @@ def refuse(cfg: dict, what: str, **allowed) -> None:
             raise ValueError(f"config.json has {field} = {cfg[field]!r}; {what} supports only {value!r}")
 
 
-def refuse_layer_types(cfg: dict, what: str) -> None:
-    """``layer_types`` (transformers' per-layer attention), if given: full attention in every layer,
-    one entry per layer. No family here computes another kind (a sliding window in some layers)."""
+def layer_kinds(cfg: dict, default: list[str] | None = None) -> list[str]:
+    """``layer_types`` (transformers' per-layer attention: ``full_attention`` or
+    ``sliding_attention``), one per layer, checked; ``default`` where it is absent (None: every layer
+    full)."""
+    n_layers = cfg.get("num_hidden_layers")
     kinds = cfg.get("layer_types")
     if kinds is None:
-        return
-    if not isinstance(kinds, list) or len(kinds) != cfg.get("num_hidden_layers"):
+        return default or ["full_attention"] * (n_layers or 0)
+    if not isinstance(kinds, list) or len(kinds) != n_layers:
         raise ValueError(
             f"config.json has layer_types = {kinds!r}; it must list one kind per layer (num_hidden_layers)"
         )
-    others = sorted({str(kind) for kind in kinds} - {"full_attention"})
+    others = sorted({str(kind) for kind in kinds} - set(LAYER_KINDS))
     if others:
         raise ValueError(
-            f"config.json has layer_types with {', '.join(map(repr, others))}; {what} computes only "
-            "'full_attention' layers"
+            f"config.json has layer_types with {', '.join(map(repr, others))}; this version computes "
+            f"{' and '.join(map(repr, LAYER_KINDS))} layers"
         )
+    return kinds
+
+
+LAYER_KINDS = ("full_attention", "sliding_attention")
+
+
+def layer_windows(cfg: dict, window: int | None, default: list[str] | None = None) -> dict:
+    """The ``DecoderArgs`` fields ``sliding_window`` and ``window_layers``: ``window`` (the family's
+    reading of ``sliding_window``, None: no window) in the layers ``layer_kinds`` calls
+    ``sliding_attention``; a layer of that kind with no window attends to every position, as in
+    ``transformers``."""
+    if window is not None:
+        check_int("sliding_window", window)
+    kinds = layer_kinds(cfg, default)
+    sliding = [i for i, kind in enumerate(kinds) if kind == "sliding_attention"]
+    if window is None or not sliding:
+        return {"sliding_window": None, "window_layers": None}
+    return {"sliding_window": window, "window_layers": None if len(sliding) == len(kinds) else sliding}
+
+
+def qwen_layer_windows(cfg: dict, per_layer: bool = True) -> dict:
+    """``layer_windows`` under Qwen's rule: a window only with ``use_sliding_window``; then, in
+    ``per_layer`` families (Qwen2, Qwen3), the layers ``layer_types`` names, or by default those from
+    ``max_window_layers`` (28) on; in the others (Qwen3-MoE) every layer."""
+    slides = read(cfg, "use_sliding_window", check_bool, False)
+    window = read(cfg, "sliding_window", check_int, 4096) if slides else None
+    if not per_layer:
+        return {"sliding_window": window, "window_layers": None}
+    n_layers = read(cfg, "num_hidden_layers", check_int)
+    first = read(cfg, "max_window_layers", check_int, 28, least=0)
+    default = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
+    return layer_windows(cfg, window, default)
+
+
+def qwen_window_config(args) -> dict:
+    """A Qwen2/Qwen3 ``config.json``'s window fields, as ``qwen_layer_windows`` reads them."""
+    sliding = [i for i, w in enumerate(args.layer_windows) if w is not None]
+    suffix = bool(sliding) and sliding == list(range(sliding[0], args.n_layers))  # max_window_layers' shape
+    return {
+        **window_config(args),
+        "use_sliding_window": bool(sliding),
+        "max_window_layers": sliding[0] if suffix else args.n_layers,
+    }
+
+
+def window_config(args) -> dict:
+    """``sliding_window`` and ``layer_types`` of a ``config.json``, as ``layer_windows`` reads them."""
+    kinds = ["full_attention" if w is None else "sliding_attention" for w in args.layer_windows]
+    return {"sliding_window": args.sliding_window, "layer_types": kinds}
+
+
+def uniform_window(args, what: str) -> int | None:
+    """The window of a family whose ``config.json`` has one window for every layer (Mistral,
+    Mixtral, Qwen3-MoE), or a ``ValueError`` if ``window_layers`` picks some layers."""
+    if args.sliding_window is not None and args.window_layers not in (None, list(range(args.n_layers))):
+        raise ValueError(
+            f"window_layers = {args.window_layers}: {what}'s config.json slides every layer or none; remove "
+            "model.window_layers"
+        )
+    return args.sliding_window
 
 
 def refuse_common(cfg: dict, what: str) -> None:
-    """What no family here computes: another activation, a RoPE scaling, an MLP bias, a layer that
-    is not full attention."""
+    """What no family here computes: another activation, an MLP bias, a layer kind other than
+    full or sliding-window attention."""
     refuse(cfg, what, hidden_act="silu", mlp_bias=False)
-    if rope_type(cfg) not in (None, "default"):
-        raise ValueError(f"config.json asks for {rope_type(cfg)!r} RoPE scaling; {what} supports none")
-    refuse_layer_types(cfg, what)
+    layer_kinds(cfg)
 
 
 def decoder_fields(cfg: dict) -> dict:
@@ -94,6 +226,7 @@ def decoder_fields(cfg: dict) -> dict:
         "vocab_size": read(cfg, "vocab_size", check_int),
         "norm_eps": read(cfg, "rms_norm_eps", check_float, 1e-6),
         "rope_theta": rope_theta(cfg),
+        "rope_scaling": rope_scaling(cfg),
         "max_seq_len": read(cfg, "max_position_embeddings", check_int, 32768),
         "tie_word_embeddings": read(cfg, "tie_word_embeddings", check_bool, False),
         "initializer_range": read(cfg, "initializer_range", check_float, 0.02, positive=False),
@@ -113,8 +246,7 @@ def decoder_config(args, dtype: torch.dtype, architecture: str, model_type: str)
         "head_dim": args.head_dim,
         "vocab_size": args.vocab_size,
         "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
+        **rope_config(args),
         "max_position_embeddings": args.max_seq_len,
         "hidden_act": "silu",
         "tie_word_embeddings": args.tie_word_embeddings,

@@ -32,6 +32,8 @@ class GraniteArgs(DecoderArgs):
         super().__post_init__()
         for m in MULTIPLIERS:  # finite and > 0: a zero scale or logits divisor computes NaN
             setattr(self, m, check_float(m, getattr(self, m)))
+        if self.sliding_window is not None:  # GraniteForCausalLM has none: an export could not say it
+            raise ValueError(f"sliding_window = {self.sliding_window}; Granite attends to every position: remove it")
 
     @property
     def decoder_options(self) -> DecoderOptions:

@@ -7,6 +7,7 @@ Field names follow Meta's and torchtitan's ``ModelArgs`` (``dim``, ``n_layers``,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from models.common.args import DictArgs, check_bool, check_float, check_int
 from models.common.decoder import DecoderOptions
@@ -14,8 +15,10 @@ from models.common.decoder import DecoderOptions
 
 @dataclass
 class RopeScaling:
-    """Llama-3.1 frequency-dependent RoPE scaling (``rope_type="llama3"`` in HF)."""
+    """Llama-3.1 frequency-dependent RoPE scaling (``rope_type="llama3"`` in HF), computed by
+    ``models.common.rope``."""
 
+    rope_type: ClassVar[str] = "llama3"
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0

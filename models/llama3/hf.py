@@ -71,7 +71,8 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
     if cfg.get("model_type") not in (None, "llama"):
         raise ValueError(f"config.json has model_type {cfg.get('model_type')!r}, not a Llama's")
     common.refuse(cfg, "Llama", hidden_act="silu", attention_bias=False, mlp_bias=False)
-    common.refuse_layer_types(cfg, "Llama")
+    if "sliding_attention" in common.layer_kinds(cfg):
+        raise ValueError("config.json has sliding_attention in layer_types; Llama attends to every position")
     dim, hidden = common.read(cfg, "hidden_size", check_int), common.read(cfg, "intermediate_size", check_int)
     n_heads = common.read(cfg, "num_attention_heads", check_int)
     if common.read(cfg, "head_dim", check_int, dim // n_heads) != dim // n_heads:

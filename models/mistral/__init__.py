@@ -1,43 +1,27 @@
 """Mistral 7B (v0.1 - v0.3): Llama's architecture with its own ``config.json``.
 
 Tensor names are the shared decoder's (``models.common.decoder``); Hugging Face's are
-``MistralForCausalLM``'s. A sliding window (v0.1: 4096) equals full attention for sequences no
-longer than it; longer sequences are refused, since the window is not implemented: in training by
-``check_seq_len`` before anything starts, in any forward by the decoder (``attention_window``). The
-init recipe is HF's (``normal``, std ``initializer_range``).
+``MistralForCausalLM``'s. v0.1 attends through a sliding window of 4096 positions in every layer
+(``sliding_window``, as ``transformers`` reads it); v0.3 has none. A YaRN or linear RoPE stretch in
+``config.json`` is read (``models.common.rope``). The init recipe is HF's (``normal``, std
+``initializer_range``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from models.common import decoder_family, hf_config
-from models.common.args import DecoderArgs, check_int
-from models.common.decoder import DecoderOptions
+from models.common.args import DecoderArgs
 
 ARCHITECTURE, MODEL_TYPE = "MistralForCausalLM", "mistral"
 
 
-def check_window(args) -> None:
-    """``sliding_window``: None (every position) or a count of positions (Mixtral's too)."""
-    if args.sliding_window is not None:
-        check_int("sliding_window", args.sliding_window)
-
-
 @dataclass
 class MistralArgs(DecoderArgs):
-    sliding_window: int | None = None  # positions each token attends back to (None: all)
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_window(self)
-
-    @property
-    def decoder_options(self) -> DecoderOptions:
-        return dataclasses.replace(super().decoder_options, attention_window=self.sliding_window)
+    """The shared decoder's args (``sliding_window``: every layer's window)."""
 
 
 FLAVORS = {
@@ -67,18 +51,9 @@ FLAVORS = {
 }
 
 
-def check_seq_len(args: MistralArgs, seq_len: int) -> str | None:
-    window = args.sliding_window
-    if window is not None and seq_len > window:
-        return (
-            f"training.seq_len = {seq_len} exceeds the model's sliding_window = {window}, which this version "
-            f"does not implement (it is full attention up to {window}); use training.seq_len <= {window}"
-        )
-    return None
-
-
 def config(args: MistralArgs, dtype: torch.dtype) -> dict:
-    return {**hf_config.decoder_config(args, dtype, ARCHITECTURE, MODEL_TYPE), "sliding_window": args.sliding_window}
+    window = hf_config.uniform_window(args, "Mistral")
+    return {**hf_config.decoder_config(args, dtype, ARCHITECTURE, MODEL_TYPE), "sliding_window": window}
 
 
 def args_from_config(cfg: dict) -> MistralArgs:
@@ -87,6 +62,4 @@ def args_from_config(cfg: dict) -> MistralArgs:
     return MistralArgs(**hf_config.decoder_fields(cfg), sliding_window=cfg.get("sliding_window"))
 
 
-MISTRAL = decoder_family(
-    "mistral", MistralArgs, FLAVORS, (MODEL_TYPE,), config, args_from_config, check_seq_len=check_seq_len
-)
+MISTRAL = decoder_family("mistral", MistralArgs, FLAVORS, (MODEL_TYPE,), config, args_from_config)

@@ -2,7 +2,7 @@
 
 Each layer's feed-forward is ``n_experts`` SwiGLU experts of width ``moe_ffn_dim`` (HF's
 ``intermediate_size``), softmax over the experts, the top two kept and renormalized
-(``models.common.moe``). A sliding window is read as Mistral's is.
+(``models.common.moe``). A sliding window (``sliding_window``, every layer) is read as Mistral's is.
 
 Tensor names: the shared decoder's, and ``layers.{i}.moe.router.gate.weight`` ``[experts, dim]``,
 ``layers.{i}.moe.experts.{w1,w3}`` ``[experts, moe_ffn_dim, dim]``, ``layers.{i}.moe.experts.w2``
@@ -25,7 +25,6 @@ from models.common import hf_config, moe_decoder_family
 from models.common.args import MoEDecoderArgs
 from models.common.decoder import DecoderOptions
 from models.common.hf_names import ExpertNames
-from models.mistral import check_seq_len, check_window  # the same sliding window as Mistral's
 
 ARCHITECTURE, MODEL_TYPE = "MixtralForCausalLM", "mixtral"
 EXPERTS = ExpertNames("block_sparse_moe", (("w1", "w1"), ("w2", "w2"), ("w3", "w3")))
@@ -33,12 +32,6 @@ EXPERTS = ExpertNames("block_sparse_moe", (("w1", "w1"), ("w2", "w2"), ("w3", "w
 
 @dataclass
 class MixtralArgs(MoEDecoderArgs):
-    sliding_window: int | None = None  # positions each token attends back to (None: all)
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_window(self)
-
     @property
     def decoder_options(self) -> DecoderOptions:
         return DecoderOptions(
@@ -46,7 +39,7 @@ class MixtralArgs(MoEDecoderArgs):
             init_std=self.initializer_range,
             moe=self.moe_options("normal", self.initializer_range),
             moe_layers=self.moe_layers,
-            attention_window=self.sliding_window,
+            layer_windows=self.layer_windows,
         )
 
 
@@ -92,7 +85,7 @@ def config(args: MixtralArgs, dtype: torch.dtype) -> dict:
         "intermediate_size": args.moe_ffn_dim,
         "num_local_experts": args.n_experts,
         "router_jitter_noise": 0.0,
-        "sliding_window": args.sliding_window,
+        "sliding_window": hf_config.uniform_window(args, "Mixtral"),
     }
 
 
@@ -108,6 +101,4 @@ def args_from_config(cfg: dict) -> MixtralArgs:
     )
 
 
-MIXTRAL = moe_decoder_family(
-    "mixtral", MixtralArgs, FLAVORS, (MODEL_TYPE,), config, args_from_config, EXPERTS, check_seq_len=check_seq_len
-)
+MIXTRAL = moe_decoder_family("mixtral", MixtralArgs, FLAVORS, (MODEL_TYPE,), config, args_from_config, EXPERTS)

@@ -24,7 +24,9 @@ ARCHITECTURE, MODEL_TYPE = "Qwen2ForCausalLM", "qwen2"
 class Qwen2Args(DecoderArgs):
     @property
     def decoder_options(self) -> DecoderOptions:
-        return DecoderOptions(qkv_bias=True, init="normal", init_std=self.initializer_range)
+        return DecoderOptions(
+            qkv_bias=True, init="normal", init_std=self.initializer_range, layer_windows=self.layer_windows
+        )
 
 
 def _qwen2(dim, n_layers, n_heads, n_kv_heads, ffn_dim, vocab_size, tied, max_seq_len=32768) -> Qwen2Args:
@@ -51,13 +53,12 @@ FLAVORS = {
 
 
 def config(args: Qwen2Args, dtype: torch.dtype) -> dict:
-    return {**hf_config.decoder_config(args, dtype, ARCHITECTURE, MODEL_TYPE), "use_sliding_window": False}
+    return {**hf_config.decoder_config(args, dtype, ARCHITECTURE, MODEL_TYPE), **hf_config.qwen_window_config(args)}
 
 
 def args_from_config(cfg: dict) -> Qwen2Args:
     hf_config.refuse_common(cfg, "Qwen2")
-    hf_config.refuse(cfg, "Qwen2", use_sliding_window=False)
-    return Qwen2Args(**hf_config.decoder_fields(cfg))
+    return Qwen2Args(**hf_config.decoder_fields(cfg), **hf_config.qwen_layer_windows(cfg))
 
 
 QWEN2 = decoder_family("qwen2", Qwen2Args, FLAVORS, (MODEL_TYPE,), config, args_from_config)

@@ -24,7 +24,7 @@ ARCHITECTURE, MODEL_TYPE = "Qwen3ForCausalLM", "qwen3"
 class Qwen3Args(DecoderArgs):
     @property
     def decoder_options(self) -> DecoderOptions:
-        return DecoderOptions(qk_norm=True, init="torchtitan")
+        return DecoderOptions(qk_norm=True, init="torchtitan", layer_windows=self.layer_windows)
 
 
 def _qwen3(dim, n_layers, n_heads, ffn_dim, tied) -> Qwen3Args:
@@ -57,15 +57,15 @@ FLAVORS = {
 def config(args: Qwen3Args, dtype: torch.dtype) -> dict:
     return {
         **hf_config.decoder_config(args, dtype, ARCHITECTURE, MODEL_TYPE),
+        **hf_config.qwen_window_config(args),
         "attention_bias": False,
-        "use_sliding_window": False,
     }
 
 
 def args_from_config(cfg: dict) -> Qwen3Args:
     hf_config.refuse_common(cfg, "Qwen3")
-    hf_config.refuse(cfg, "Qwen3", attention_bias=False, use_sliding_window=False)
-    return Qwen3Args(**hf_config.decoder_fields(cfg))
+    hf_config.refuse(cfg, "Qwen3", attention_bias=False)
+    return Qwen3Args(**hf_config.decoder_fields(cfg), **hf_config.qwen_layer_windows(cfg))
 
 
 QWEN3 = decoder_family("qwen3", Qwen3Args, FLAVORS, (MODEL_TYPE,), config, args_from_config)

@@ -39,7 +39,11 @@ class Qwen3MoeArgs(MoEDecoderArgs):
     @property
     def decoder_options(self) -> DecoderOptions:
         return DecoderOptions(
-            qk_norm=True, init="torchtitan", moe=self.moe_options("torchtitan", 0.02), moe_layers=self.moe_layers
+            qk_norm=True,
+            init="torchtitan",
+            moe=self.moe_options("torchtitan", 0.02),
+            moe_layers=self.moe_layers,
+            layer_windows=self.layer_windows,
         )
 
 
@@ -89,15 +93,17 @@ def config(args: Qwen3MoeArgs, dtype: torch.dtype) -> dict:
         "decoder_sparse_step": args.decoder_sparse_step,
         "mlp_only_layers": list(args.mlp_only_layers),
         "attention_bias": False,
-        "use_sliding_window": False,
+        "use_sliding_window": args.sliding_window is not None,
+        "sliding_window": hf_config.uniform_window(args, "Qwen3-MoE"),
     }
 
 
 def args_from_config(cfg: dict) -> Qwen3MoeArgs:
     hf_config.refuse_common(cfg, "Qwen3-MoE")
-    hf_config.refuse(cfg, "Qwen3-MoE", attention_bias=False, use_sliding_window=False)
+    hf_config.refuse(cfg, "Qwen3-MoE", attention_bias=False)
     return Qwen3MoeArgs(
         **hf_config.decoder_fields(cfg),
+        **hf_config.qwen_layer_windows(cfg, per_layer=False),
         **hf_config.moe_fields(cfg),
         moe_ffn_dim=hf_config.read(cfg, "moe_intermediate_size", check_int),
         decoder_sparse_step=hf_config.read(cfg, "decoder_sparse_step", check_int, 1),
