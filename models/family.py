@@ -3,10 +3,11 @@
 Generic code (the seed writer, the stage builder, parallelism, fine-tuning, conversion, metrics)
 never names a tensor. It asks the family -- how to build the model and initialize it, which
 top-level modules belong to the first and last pipeline stage, which tensors follow the
-vocabulary, which are tied, which linears OSFT trains by default, the FLOPs per token, and how the
-model reads and writes Hugging Face's layout. Adding a family is a folder under ``models/`` that
-fills one ``ModelFamily`` and a line in ``models.registry`` (``docs/model_families.md`` walks
-through it). The families here share one decoder (``models.common``), which fills most hooks.
+vocabulary, which are tied, which linears OSFT trains by default, the FLOPs per token (of the
+whole model, and of each part a pipeline stage can own), and how the model reads and writes
+Hugging Face's layout. Adding a family is a folder under ``models/`` that fills one
+``ModelFamily`` and a line in ``models.registry`` (``docs/model_families.md`` walks through it).
+The families here share one decoder (``models.common``), which fills most hooks.
 
 The contract a family's model keeps (torchtitan's pipeline-friendly shape):
 
@@ -52,6 +53,17 @@ class TensorParallelPlan:
 
 
 @dataclass(frozen=True)
+class LayerCosts:
+    """Training FLOPs per token of each part of the model a pipeline stage can own: the modules
+    before the blocks (``first``: the embedding, a lookup), each block, and the modules after them
+    (``last``: the final norm and the output projection). The stage split balances these."""
+
+    first: int
+    blocks: tuple[int, ...]
+    last: int
+
+
+@dataclass(frozen=True)
 class ModelFamily:
     name: str
     args: type  # the configuration dataclass
@@ -65,6 +77,9 @@ class ModelFamily:
     osft_targets: tuple[str, ...]  # the block linears OSFT trains by default, as name suffixes
     # (args, seq_len, parameters or None: count them) -> training FLOPs per token
     flops_per_token: Callable[[Any, int, int | None], int]
+    # (args, seq_len) -> the FLOPs per token of the embedding, each block and the output (mixtures of
+    # experts counted by the parameters a token uses): what the pipeline split balances
+    layer_flops: Callable[[Any, int], LayerCosts]
     hf: HFAdapter
     # {tool: args -> name adapter}: other tools' names (args: the model's, None where nobody described it)
     renamings: Mapping[str, Callable[[Any], Any]] = field(default_factory=dict)

@@ -11,23 +11,14 @@ from models.common.decoder import Transformer
 from seedckpt.checkpoint.owned_reads import OwnedFileSystemReader
 from seedckpt.materialize.seed import create_seed_checkpoint
 from seedckpt.materialize.stages import build_stages
-from seedckpt.parallel.pipeline import plan_rank_stages, split_layers, stage_ids_for_rank
+from seedckpt.parallel.pipeline import explicit_split, plan_rank_stages, stage_ids_for_rank
 from seedckpt.utils.errors import SeedckptError
 from tests.conftest import tiny_config
 
 
-def test_even_split_counts_embedding_and_output_as_a_layer():
-    assert split_layers(6, 1) == [(0, 1, 2, 3, 4, 5)]
-    assert split_layers(6, 2) == [(0, 1, 2), (3, 4, 5)]
-    assert split_layers(6, 4) == [(0,), (1, 2), (3, 4), (5,)]  # first/last carry embed/output
-    assert split_layers(16, 4) == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11, 12), (13, 14, 15)]
-    # Weighting would leave a stage without a block: fall back to an even split of blocks.
-    assert split_layers(4, 4) == [(0,), (1,), (2,), (3,)]
-
-
 def test_explicit_split_points():
-    assert split_layers(6, 3, ["layers.1", "layers.5"]) == [(0,), (1, 2, 3, 4), (5,)]
-    assert split_layers(6, 2, [4]) == [(0, 1, 2, 3), (4, 5)]
+    assert explicit_split(6, 3, ["layers.1", "layers.5"]) == [(0,), (1, 2, 3, 4), (5,)]
+    assert explicit_split(6, 2, [4]) == [(0, 1, 2, 3), (4, 5)]
 
 
 @pytest.mark.parametrize(
@@ -42,7 +33,7 @@ def test_explicit_split_points():
 )
 def test_bad_splits_name_the_fix(n_layers, stages, points, match):
     with pytest.raises(SeedckptError, match=match):
-        split_layers(n_layers, stages, points)
+        explicit_split(n_layers, stages, points)
 
 
 def test_stage_placement_loop_and_v():

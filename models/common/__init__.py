@@ -10,8 +10,9 @@ import torch
 from models.common.args import MOE_SHAPE_FIELDS, SHAPE_FIELDS
 from models.common.decoder import Transformer, tied_weights
 from models.common.hf_names import ExpertNames, HFNames
+from models.common.moe import moe_modules
 from models.common.tensor_parallel import DECODER_TENSOR_PARALLEL
-from models.family import HFAdapter, ModelFamily, decoder_flops_per_token
+from models.family import HFAdapter, LayerCosts, ModelFamily, decoder_flops_per_token
 
 # The block linears OSFT trains by default: every attention and feed-forward matrix.
 OSFT_TARGETS = (
@@ -39,11 +40,12 @@ def decoder_family(
     """A family on the shared decoder: ``args`` (its dataclass) and ``flavors``, the
     ``config.json`` ``model_types`` it reads, ``config(args, dtype)`` and ``args_from_config(cfg)``;
     ``names``: args -> its HF name adapter; ``hooks``: any other ``ModelFamily`` field (``renamings``,
-    ``check_seq_len``, ``flops_per_token``, ``tensor_parallel``)."""
+    ``check_seq_len``, ``flops_per_token``, ``layer_flops``, ``tensor_parallel``)."""
     hooks = {
         "flops_per_token": lambda model_args, seq_len, num_params=None: decoder_flops_per_token(
             Transformer, model_args, seq_len, num_params
         ),
+        "layer_flops": decoder_layer_flops,
         "tensor_parallel": DECODER_TENSOR_PARALLEL,
         **hooks,
     }
@@ -95,3 +97,35 @@ def moe_flops_per_token(args, seq_len: int, num_params: int | None = None) -> in
     moe = options.moe
     idle = len(options.moe_layers) * (moe.n_experts - moe.top_k) * moe.expert_numel(args.dim)
     return decoder_flops_per_token(Transformer, args, seq_len, num_params - idle)
+
+
+def attention_flops(args, layer: int, seq_len: int) -> int:
+    """Training FLOPs per token of one layer's attention over ``seq_len`` positions: q·k and
+    weights·v, 2·H·Q·T each forward, three times that with the backward (torchtitan's count)."""
+    return 12 * args.n_heads * args.head_dim * seq_len
+
+
+def decoder_layer_flops(args, seq_len: int, model=Transformer, attention=attention_flops) -> LayerCosts:
+    """What each part of the decoder ``model(args)`` costs a token in training (``LayerCosts``):
+    6 FLOPs per parameter a token uses, plus ``attention(args, layer, seq_len)`` in each block.
+    The embedding is a lookup: 0. The output projection's matmul is the last stage's (a tied
+    matrix too). A mixture of experts counts its router, any shared experts and ``top_k`` of its
+    routed experts. Parameters are counted on ``meta``, so a family on this decoder (another
+    attention, other experts) passes its ``model`` and its ``attention`` count and needs no formula."""
+    with torch.device("meta"):
+        built = model(args)
+    blocks = tuple(6 * active_parameters(block) + attention(args, int(i), seq_len) for i, block in built.layers.items())
+    return LayerCosts(first=0, blocks=blocks, last=6 * (parameters(built.norm) + parameters(built.output)))
+
+
+def parameters(module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def active_parameters(module) -> int:
+    """The parameters of ``module`` one token uses: all, less the routed experts it is not sent to."""
+    idle = sum(
+        parameters(moe.experts) // moe.options.n_experts * (moe.options.n_experts - moe.options.top_k)
+        for moe in moe_modules(module)
+    )
+    return parameters(module) - idle

@@ -427,23 +427,32 @@ def _plan(opts, overrides) -> int:
             f"  experts: {plan['experts']} per MoE layer, {plan['experts_per_ep_rank']} per EP rank; "
             f"each GPU stores {plan['expert_rows_per_gpu']} of them (FSDP2 over the ranks holding the same ones)"
         )
-    print(f"  {'stage':>5} {'pp_rank':>7}  {'layers':<12} {'extra':<12} {'params':>16} {'bytes':>12}")
+    print(
+        f"  {'stage':>5} {'pp_rank':>7}  {'layers':<12} {'extra':<12} {'GFLOP/token':>11} {'params':>16} {'bytes':>12}"
+    )
     for s in plan["stages"]:
         extra = "+".join(x for x, on in (("embed", s["has_embeddings"]), ("output", s["has_output"])) if on)
         print(
             f"  {s['stage']:>5} {s['pp_rank']:>7}  {_span(s['layers']):<12} {extra:<12} "
-            f"{s['params']:>16,} {_gib(s['param_bytes']):>12}"
+            f"{s['flops_per_token'] / 1e9:>11.3f} {s['params']:>16,} {_gib(s['param_bytes']):>12}"
         )
     print(
-        f"  {'pp_rank':>7} {'stages':<10} {'params':>16} {'bytes':>12} {'per GPU':>13} {'experts/GPU':>12} "
-        f"{'train/GPU':>12}"
+        f"  {'pp_rank':>7} {'stages':<10} {'GFLOP/token':>11} {'params':>16} {'bytes':>12} {'per GPU':>13} "
+        f"{'experts/GPU':>12} {'train/GPU':>12}"
     )
     for r in plan["ranks"]:
         print(
-            f"  {r['pp_rank']:>7} {str(r['stages']):<10} {r['params']:>16,} {_gib(r['param_bytes']):>12} "
-            f"{_gib(r['param_bytes_per_dp_shard']):>13} {_gib(r['expert_bytes_per_gpu']):>12} "
-            f"{_gib(r['train_state_bytes_per_gpu']):>12}"
+            f"  {r['pp_rank']:>7} {str(r['stages']):<10} {r['flops_per_token'] / 1e9:>11.3f} {r['params']:>16,} "
+            f"{_gib(r['param_bytes']):>12} {_gib(r['param_bytes_per_dp_shard']):>13} "
+            f"{_gib(r['expert_bytes_per_gpu']):>12} {_gib(r['train_state_bytes_per_gpu']):>12}"
         )
+    worst = plan["imbalance"]
+    print(
+        f"  imbalance (max/mean, 1.00 = even): stage compute {worst['stage_flops']:.2f}, stage bytes "
+        f"{worst['stage_bytes']:.2f}; rank compute {worst['rank_flops']:.2f}, rank bytes/GPU "
+        f"{worst['rank_bytes_per_gpu']:.2f} (training FLOPs per token, attention at training.seq_len = "
+        f"{plan['seq_len']})"
+    )
     if plan["fsdp_impl"] == "manual":
         print(
             "  train/GPU = manual FSDP: gathered params + gradient buffer whole on every rank, fp32 master "

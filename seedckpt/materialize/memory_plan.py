@@ -10,6 +10,10 @@ A mixture of experts' grouped expert weights (``[experts, ...]``) are whole on e
 sharded by FSDP2 along the experts: over ``dp_shard`` without expert parallelism; with it, each EP
 rank holds ``experts / ep`` of them, FSDP-sharded over the ``dp_shard x tp / ep`` ranks that hold
 the same ones. FSDP2 pads dim-0 shards to equal chunks, so a GPU holds the rows of the largest.
+
+Beside the bytes, each stage's and rank's training FLOPs per token (the family's ``layer_flops`` at
+``training.seq_len``, what the pipeline split balances), and the imbalance of each: the largest
+stage's (rank's) share over the mean, 1.0 when even. A pipeline step waits for its slowest stage.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from models.common.moe import moe_modules
 from seedckpt.config.job_config import DTYPES, JobConfig
 from seedckpt.config.resolve import ResolvedRun
 from seedckpt.parallel.parallelize import ParallelDims
-from seedckpt.parallel.pipeline import split_layers, stage_ids_for_rank
+from seedckpt.parallel.pipeline import pipeline_split, stage_flops, stage_ids_for_rank
 from seedckpt.utils.tensors import state_tensors
 
 # fp32 parameter + fp32 gradient + two fp32 AdamW moments.
@@ -37,6 +41,7 @@ class StagePlan:
     layers: list[int]
     has_embeddings: bool
     has_output: bool
+    flops_per_token: int  # training FLOPs per token of this stage's blocks and ends
     params: int
     param_bytes: int
     params_per_tp_rank: int  # = params without tensor parallelism
@@ -48,6 +53,7 @@ class StagePlan:
 class RankPlan:
     pp_rank: int
     stages: list[int]
+    flops_per_token: int
     params: int
     param_bytes: int
     param_bytes_per_dp_shard: int  # on each GPU: the TP rank's part, sharded over dp_shard (experts: EP too)
@@ -95,7 +101,8 @@ def make_plan(run: ResolvedRun) -> dict:
     par = cfg.parallelism
     pp, per_rank, dp_shard = dims.pp, par.pipeline_parallel_stages_per_rank, dims.dp_shard
     num_stages = pp * per_rank
-    layers = split_layers(args.n_layers, num_stages, par.pipeline_parallel_split_points)
+    layers = pipeline_split(args, num_stages, par.pipeline_parallel_split_points, cfg.training.seq_len)
+    flops = stage_flops(run.family.layer_flops(args, cfg.training.seq_len), layers)
     owner = {s: r for r in range(pp) for s in stage_ids_for_rank(r, pp, per_rank, par.pipeline_parallel_schedule)}
     with torch.device("meta"):
         model = run.family.model(args)
@@ -120,6 +127,7 @@ def make_plan(run: ResolvedRun) -> dict:
             list(layers[s]),
             s == 0,
             s == num_stages - 1,
+            flops[s],
             counts[s],
             nbytes[s],
             per_tp_rank[s],
@@ -146,6 +154,13 @@ def make_plan(run: ResolvedRun) -> dict:
         "experts_per_ep_rank": n_experts // dims.ep if n_experts else None,
         "expert_rows_per_gpu": expert_rows_per_gpu(n_experts, dims) if n_experts else None,
         "fsdp_impl": par.fsdp_impl,
+        "seq_len": cfg.training.seq_len,  # attention's length in the FLOPs
+        "imbalance": {  # max / mean: 1.0 is even
+            "stage_flops": imbalance(flops),
+            "stage_bytes": imbalance(nbytes),
+            "rank_flops": imbalance([r.flops_per_token for r in ranks]),
+            "rank_bytes_per_gpu": imbalance([r.param_bytes_per_dp_shard for r in ranks]),
+        },
         "stages": [asdict(s) for s in stages],
         "ranks": [asdict(r) for r in ranks],
     }
@@ -162,9 +177,15 @@ def _rank_plan(cfg: JobConfig, pp_rank: int, mine: list[StagePlan], dp_shard: in
     return RankPlan(
         pp_rank,
         [s.stage for s in mine],
+        sum(s.flops_per_token for s in mine),
         params,
         param_bytes,
         per_gpu(on_gpu, experts, dp_shard, itemsize),
         experts[1] * itemsize,
         train_state_bytes(cfg, on_gpu, dp_shard, experts),
     )
+
+
+def imbalance(values: list[int]) -> float:
+    """The largest of ``values`` over their mean: 1.0 when all are equal."""
+    return max(values) * len(values) / sum(values)

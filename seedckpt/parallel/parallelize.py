@@ -28,7 +28,7 @@ from models.common.moe import moe_modules
 from models.registry import family_of
 from seedckpt.config.job_config import JobConfig
 from seedckpt.parallel.expert_parallel import apply_expert_parallel
-from seedckpt.parallel.pipeline import split_layers
+from seedckpt.parallel.pipeline import pipeline_split
 from seedckpt.utils.errors import SeedckptError
 from seedckpt.utils.tensors import local
 
@@ -101,7 +101,9 @@ class ParallelDims:
                 f"training.seq_len = {train.seq_len} exceeds model.max_seq_len = {max_seq_len}; "
                 "shorten the sequences or raise model.max_seq_len"
             )
-        split_layers(args.n_layers, pp * par.pipeline_parallel_stages_per_rank, par.pipeline_parallel_split_points)
+        pipeline_split(
+            args, pp * par.pipeline_parallel_stages_per_rank, par.pipeline_parallel_split_points, train.seq_len
+        )
         if pp == 1 and par.pipeline_parallel_stages_per_rank != 1:
             raise SeedckptError("pipeline_parallel_stages_per_rank > 1 needs pipeline_parallel_degree > 1")
         if pp > 1:

@@ -172,6 +172,7 @@ class Trainer:
             par.pipeline_parallel_stages_per_rank,
             par.pipeline_parallel_schedule,
             par.pipeline_parallel_split_points,
+            train.seq_len,
         )
         self.accum = self.dims.accumulation_steps(cfg)
         # Set each step: micro-batch losses are token sums times loss_scale = dp / (label tokens in
