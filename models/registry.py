@@ -7,6 +7,7 @@ Every caller that builds a model or names its tensors asks the family it finds h
 from __future__ import annotations
 
 from models.family import ModelFamily
+from models.gpt_oss import GPT_OSS
 from models.granite import GRANITE
 from models.llama3 import LLAMA3
 from models.mistral import MISTRAL
@@ -16,7 +17,7 @@ from models.qwen3 import QWEN3
 from models.qwen3_moe import QWEN3_MOE
 
 FAMILIES: dict[str, ModelFamily] = {
-    family.name: family for family in (LLAMA3, QWEN3, QWEN2, MISTRAL, GRANITE, QWEN3_MOE, MIXTRAL)
+    family.name: family for family in (LLAMA3, QWEN3, QWEN2, MISTRAL, GRANITE, QWEN3_MOE, MIXTRAL, GPT_OSS)
 }
 DEFAULT_FAMILY = "llama3"  # the family of a config or a command that names none
 

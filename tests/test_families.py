@@ -44,6 +44,8 @@ RELEASED = {
     ("qwen3_moe", "235B-A22B"): 235_093_634_560,
     ("mixtral", "8x7B"): 46_702_792_704,
     ("mixtral", "8x22B"): 140_630_071_296,
+    ("gpt_oss", "20B"): 20_914_757_184,
+    ("gpt_oss", "120B"): 116_829_156_672,
 }
 CLASSES = {
     "llama3": "LlamaForCausalLM",
@@ -53,6 +55,7 @@ CLASSES = {
     "granite": "GraniteForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 TOKENS = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
 

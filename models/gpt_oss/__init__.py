@@ -4,8 +4,9 @@ What sets it apart from the other decoder families, each a switch of the shared 
 
 * attention: q, k, v and o carry biases; every head has a learned sink logit that joins each
   query's softmax and takes probability mass without a value; the layers alternate a sliding window
-  of ``sliding_window`` positions and full attention (``layer_types``, HF's list); RoPE is YaRN
-  (``rope_scaling``), with its attention factor;
+  of ``sliding_window`` positions (the layers ``window_layers`` names: the even ones) and full
+  attention, as HF's ``layer_types`` lists them; RoPE is YaRN (``rope_scaling``), with its attention
+  factor;
 * every layer's feed-forward is ``n_experts`` experts of width ``moe_ffn_dim``, each with biases and
   a clamped SwiGLU (``swiglu_alpha``, ``swiglu_limit``; ``(up + 1)`` times the gate's GLU); the
   router has a bias, takes the ``top_k`` logits and a softmax over those alone.
@@ -22,57 +23,61 @@ std ``initializer_range``: weights, sinks and the router's bias; the other biase
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from models.common import decoder_family, hf_config, moe_flops_per_token
 from models.common.args import MOE_SHAPE_FIELDS, MoEDecoderArgs, check_float, check_int
 from models.common.decoder import DecoderOptions
+from models.common.rope import RopeScaling
 from models.gpt_oss.hf import GptOssNames
 
 ARCHITECTURE, MODEL_TYPE = "GptOssForCausalLM", "gpt_oss"
-LAYER_TYPES = ("sliding_attention", "full_attention")
+# The RoPE both releases use: YaRN stretching a 4096-position training context 32 times.
+YARN = RopeScaling("yarn", 32.0, 4096, beta_fast=32.0, beta_slow=1.0, truncate=False)
 
 
 def alternating(n_layers: int) -> list[str]:
-    """gpt-oss's layers: windowed first, then full, in turn (HF's default ``layer_types``)."""
-    return [LAYER_TYPES[i % 2] for i in range(n_layers)]
+    """gpt-oss's ``layer_types`` when a config.json lists none: windowed first, then full, in turn."""
+    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]
 
 
 @dataclass
 class GptOssArgs(MoEDecoderArgs):
-    sliding_window: int = 128  # positions a ``sliding_attention`` layer's token attends back to
-    layer_types: list[str] = field(default_factory=list)  # one of LAYER_TYPES per layer; []: alternating
-    swiglu_alpha: float = 1.702
-    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702  # the experts' clamped SwiGLU: the sigmoid's slope
+    swiglu_limit: float = 7.0  # and its clamp
 
     def __post_init__(self):
         super().__post_init__()
-        check_int("sliding_window", self.sliding_window)
-        self.layer_types = list(self.layer_types) or alternating(self.n_layers)
-        if len(self.layer_types) != self.n_layers or not set(self.layer_types) <= set(LAYER_TYPES):
-            raise ValueError(
-                f"layer_types = {self.layer_types!r}; it must name {self.n_layers} layers (n_layers), each "
-                f"{' or '.join(map(repr, LAYER_TYPES))}"
-            )
         if self.mlp_only_layers or self.decoder_sparse_step != 1:
             raise ValueError(
                 "gpt-oss has a mixture of experts in every layer: leave mlp_only_layers empty and decoder_sparse_step 1"
             )
         self.swiglu_alpha = check_float("swiglu_alpha", self.swiglu_alpha)
         self.swiglu_limit = check_float("swiglu_limit", self.swiglu_limit)
-
-    @property
-    def layer_windows(self) -> tuple[int | None, ...]:
-        return tuple(self.sliding_window if kind == "sliding_attention" else None for kind in self.layer_types)
+        self.decoder_options  # noqa: B018 -- MoEOptions refuses what the block cannot run, here at the door
 
     @property
     def decoder_options(self) -> DecoderOptions:
+        moe = self.moe_options(
+            "normal",
+            self.initializer_range,
+            score_func="softmax_topk",
+            router_bias=True,
+            expert_bias_terms=True,
+            activation="clamped_swiglu",
+            swiglu_alpha=self.swiglu_alpha,
+            swiglu_limit=self.swiglu_limit,
+        )
         return DecoderOptions(
+            qkv_bias=True,
+            o_bias=True,
+            attention_sinks=True,
+            layer_windows=self.layer_windows,
             init="normal",
             init_std=self.initializer_range,
-            moe=self.moe_options("normal", self.initializer_range),
+            moe=moe,
             moe_layers=self.moe_layers,
         )
 
@@ -88,7 +93,10 @@ def _gpt_oss(n_layers: int, n_experts: int) -> GptOssArgs:
         vocab_size=201088,
         norm_eps=1e-5,
         rope_theta=150000.0,
+        rope_scaling=YARN,
         max_seq_len=131072,
+        sliding_window=128,
+        window_layers=list(range(0, n_layers, 2)),
         n_experts=n_experts,
         top_k=4,
         moe_ffn_dim=2880,
@@ -106,11 +114,13 @@ FLAVORS = {
         vocab_size=512,
         norm_eps=1e-5,
         rope_theta=150000.0,
+        rope_scaling=RopeScaling("yarn", 4.0, 128, truncate=False),
         max_seq_len=512,
+        sliding_window=16,
+        window_layers=[0, 2],
         n_experts=8,
         top_k=2,
         moe_ffn_dim=128,
-        sliding_window=16,
     ),
     "20B": _gpt_oss(24, 32),
     "120B": _gpt_oss(36, 128),
@@ -127,8 +137,7 @@ def config(args: GptOssArgs, dtype: torch.dtype) -> dict:
         "num_local_experts": args.n_experts,
         "attention_bias": True,
         "attention_dropout": 0.0,
-        "sliding_window": args.sliding_window,
-        "layer_types": list(args.layer_types),
+        **hf_config.window_config(args),
         "swiglu_alpha": args.swiglu_alpha,
         "swiglu_limit": args.swiglu_limit,
     }
@@ -137,12 +146,12 @@ def config(args: GptOssArgs, dtype: torch.dtype) -> dict:
 def args_from_config(cfg: dict) -> GptOssArgs:
     hf_config.refuse(cfg, "gpt-oss", hidden_act="silu", attention_bias=True, attention_dropout=0.0)
     fields = hf_config.decoder_fields(cfg)
+    window = hf_config.read(cfg, "sliding_window", check_int, 128)
     return GptOssArgs(
         **fields,
         **{k: v for k, v in hf_config.moe_fields(cfg).items() if k != "norm_topk_prob"},
+        **hf_config.layer_windows(cfg, window, alternating(fields["n_layers"])),
         moe_ffn_dim=fields["ffn_dim"],
-        sliding_window=hf_config.read(cfg, "sliding_window", check_int, 128),
-        layer_types=cfg.get("layer_types") or [],  # checked by the args, under the same name
         swiglu_alpha=hf_config.read(cfg, "swiglu_alpha", check_float, 1.702),
         swiglu_limit=hf_config.read(cfg, "swiglu_limit", check_float, 7.0),
     )

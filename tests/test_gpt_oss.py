@@ -1,0 +1,200 @@
+"""gpt-oss against ``transformers``' ``GptOssForCausalLM``: ``config.json`` both ways (the hub's
+own fields), the fused, interleaved, transposed experts read and written, and refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from models.gpt_oss import FLAVORS, args_from_config, config
+from seedckpt import load_model
+from seedckpt.cli.convert import convert
+from seedckpt.materialize.model_checkpoint import open_model_checkpoint
+from tests.test_convert import our_logits
+
+transformers = pytest.importorskip("transformers")
+
+# openai/gpt-oss-20b's config.json as published (transformers 4.55's field names), less the
+# quantization table and the 24 layer kinds, which alternate as HF's default does.
+HUB_20B = {
+    "architectures": ["GptOssForCausalLM"],
+    "attention_bias": True,
+    "attention_dropout": 0.0,
+    "eos_token_id": 200002,
+    "experts_per_token": 4,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 2880,
+    "initial_context_length": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 2880,
+    "max_position_embeddings": 131072,
+    "model_type": "gpt_oss",
+    "num_attention_heads": 64,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 24,
+    "num_key_value_heads": 8,
+    "num_local_experts": 32,
+    "output_router_logits": False,
+    "pad_token_id": 199999,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "factor": 32.0,
+        "original_max_position_embeddings": 4096,
+        "rope_type": "yarn",
+        "truncate": False,
+    },
+    "rope_theta": 150000,
+    "router_aux_loss_coef": 0.9,
+    "sliding_window": 128,
+    "swiglu_limit": 7.0,
+    "tie_word_embeddings": False,
+    "use_cache": True,
+    "vocab_size": 201088,
+}
+
+DIM, FFN, EXPERTS, LAYERS = 32, 24, 4, 2
+
+
+def hf_config(**changes) -> transformers.GptOssConfig:
+    """A tiny gpt-oss: 2 layers (one windowed, one full), GQA, 4 experts, YaRN."""
+    fields = dict(
+        vocab_size=96,
+        hidden_size=DIM,
+        intermediate_size=FFN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=EXPERTS,
+        num_experts_per_tok=2,
+        sliding_window=6,
+        max_position_embeddings=64,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 16,
+        },
+    )
+    return transformers.GptOssConfig(**(fields | changes))
+
+
+def hf_model(path: Path, **changes) -> Path:
+    """A random ``GptOssForCausalLM`` saved at ``path``: every tensor random -- sinks, router and
+    expert biases, attention biases, norms -- so that nothing misplaced can hide."""
+    torch.manual_seed(3)
+    model = transformers.GptOssForCausalLM(hf_config(**changes))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3) if p.dim() == 1 else p.normal_(0, 0.08)
+    model.eval().save_pretrained(path)
+    return path
+
+
+def hf_tensors(path: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for file in path.glob("*.safetensors"):
+        out.update(load_file(file))
+    return out
+
+
+def test_config_both_ways_and_the_hub_config():
+    """Each flavor's config.json reads back as the same args and builds transformers' config with
+    the same fields; the hub's own 20B config.json reads as the 20B flavor."""
+    for name, args in FLAVORS.items():
+        written = config(args, torch.bfloat16)
+        assert args_from_config(written) == args, name
+        theirs = transformers.GptOssConfig(**written)
+        kinds = ["full_attention" if w is None else "sliding_attention" for w in args.layer_windows]
+        assert theirs.layer_types == kinds and theirs.num_local_experts == args.n_experts
+        assert theirs.rope_parameters == args.rope_scaling.to_config(args.rope_theta)
+    hub = args_from_config(json.loads(json.dumps(HUB_20B)))
+    assert hub == dataclasses.replace(FLAVORS["20B"], aux_loss_coef=0.9)
+
+
+@pytest.mark.parametrize(
+    "field,value,named",
+    [
+        ("attention_bias", False, "attention_bias"),
+        ("hidden_act", "gelu", "hidden_act"),
+        ("layer_types", ["sliding_attention", "chunked_attention"], "layer_types"),
+        ("sliding_window", 0, "sliding_window"),
+        ("swiglu_limit", "7", "swiglu_limit"),
+    ],
+)
+def test_config_fields_not_computed_are_refused_in_one_line(field, value, named):
+    cfg = config(FLAVORS["debug"], torch.float32) | {field: value}
+    with pytest.raises(ValueError, match=named) as caught:
+        args_from_config(cfg)
+    assert "\n" not in str(caught.value)
+
+
+def test_fused_experts_are_read_as_gate_up_and_down(tmp_path):
+    """Our w1 / w3 are the even / odd columns of HF's gate_up_proj, transposed, and b1 / b3 of its
+    bias; w2 is down_proj transposed: read from a transformers directory, each equals the slice that
+    GptOssExperts computes with."""
+    path = hf_model(tmp_path / "hf")
+    theirs = hf_tensors(path)
+    opened = open_model_checkpoint(path)
+    assert set(opened.infos) == set(opened.layout.shapes)
+    for i in range(LAYERS):
+        hf = f"model.layers.{i}.mlp.experts."
+        gate_up, bias = theirs[hf + "gate_up_proj"], theirs[hf + "gate_up_proj_bias"]
+        expected = {
+            "w1": gate_up[..., ::2].transpose(1, 2),
+            "w3": gate_up[..., 1::2].transpose(1, 2),
+            "w2": theirs[hf + "down_proj"].transpose(1, 2),
+            "b1": bias[:, ::2],
+            "b3": bias[:, 1::2],
+            "b2": theirs[hf + "down_proj_bias"],
+        }
+        for ours, want in expected.items():
+            assert torch.equal(opened.read_tensor(f"layers.{i}.moe.experts.{ours}"), want), ours
+        sinks = opened.read_tensor(f"layers.{i}.attention.sinks")
+        assert torch.equal(sinks, theirs[f"model.layers.{i}.self_attn.sinks"])
+        router = opened.read_tensor(f"layers.{i}.moe.router.gate.bias")
+        assert torch.equal(router, theirs[f"model.layers.{i}.mlp.router.bias"])
+
+
+# 24 positions: past the window (6) and past YaRN's original context (16).
+TOKENS = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+def test_logits_match_transformers_both_ways(tmp_path):
+    """HF -> DCP -> our model, HF -> our pp=2 stages directly, ``load_model``, and DCP -> HF that
+    ``transformers`` loads: logits within 1e-5 of ``GptOssForCausalLM``'s each way, on inputs longer
+    than the window and than YaRN's original context, with every sink and bias non-zero. The window,
+    the sinks and the experts' biases each move the logits (so each is computed, not skipped)."""
+    path = hf_model(tmp_path / "hf")
+    hf = transformers.GptOssForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        want = hf(TOKENS).logits
+        convert(path, tmp_path / "dcp", "dcp", progress=False)
+        for source, pp in ((tmp_path / "dcp", 1), (path, 2)):
+            assert (our_logits(source, TOKENS, pp) - want).abs().max().item() <= 1e-5, (source, pp)
+        ours = load_model(path).eval()
+        assert (ours(TOKENS) - want).abs().max().item() <= 1e-5
+        convert(tmp_path / "dcp", tmp_path / "back", "hf", progress=False)
+        assert hf_tensors(tmp_path / "back").keys() == hf_tensors(path).keys()
+        assert all(torch.equal(t, hf_tensors(path)[k]) for k, t in hf_tensors(tmp_path / "back").items())
+        back = transformers.GptOssForCausalLM.from_pretrained(tmp_path / "back").eval()
+        assert (back(TOKENS).logits - want).abs().max().item() <= 1e-5
+        for switch_off in (
+            lambda: hf.config.__setattr__("layer_types", ["full_attention"] * LAYERS),
+            lambda: hf.model.layers[1].self_attn.sinks.fill_(-1e9),
+            lambda: hf.model.layers[1].mlp.experts.down_proj_bias.zero_(),
+        ):
+            switch_off()
+            assert (hf(TOKENS).logits - want).abs().max().item() > 1e-3
+            want = hf(TOKENS).logits
