@@ -80,6 +80,87 @@ def test_expert_parallel_stages_load_by_rows_and_init_directly_bitwise(moe_seed)
         assert by_layout["dp_shard2 x tp2 x ep4"][2] == (2 * rank, 2 * rank + 2)
 
 
+def _routed_layer():
+    """An MoE layer with every routing and expert option at once: sigmoid scores in 4 groups of 2
+    (2 kept), the correction bias, a router bias, 3.0 route scale, one shared expert, expert biases,
+    the clamped SwiGLU; parameters and buffers seeded, the same on every rank."""
+    from models.common.moe import MoE, MoEOptions
+
+    options = MoEOptions(
+        n_experts=8,
+        top_k=3,
+        ffn_dim=12,
+        score_func="sigmoid",
+        route_scale=3.0,
+        n_group=4,
+        topk_group=2,
+        router_bias=True,
+        n_shared_experts=1,
+        expert_bias_terms=True,
+        activation="clamped_swiglu",
+        swiglu_limit=1.0,
+        load_balance="bias",
+    )
+    layer = MoE(8, options, init_std=0.02)
+    generator = torch.Generator().manual_seed(21)
+    with torch.no_grad():
+        for t in [*layer.parameters(), *layer.buffers()]:
+            t.normal_(0, 0.3, generator=generator)
+    return layer
+
+
+def _routed_worker(rank, world_size):
+    """This rank's share of a batch through the layer with its experts over EP (each rank its own
+    rows, as data parallelism gives them), on the grouped GEMM and the per-expert loop, against the
+    whole batch through one unsplit layer: (output, input gradient, the router's, shared experts'
+    and expert bias terms' gradients summed over the ranks, this rank's experts' gradients)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from seedckpt.parallel.expert_parallel import apply_expert_parallel
+    from seedckpt.utils.tensors import local
+
+    x = torch.randn(world_size * 2, 10, 8, generator=torch.Generator().manual_seed(22))
+    probe = torch.randn(x.shape, generator=torch.Generator().manual_seed(23))  # a loss with varied gradients
+    mine = slice(2 * rank, 2 * rank + 2)
+    owned = slice(rank * 8 // world_size, (rank + 1) * 8 // world_size)
+
+    def run(layer, inputs, weights):
+        inputs = inputs.clone().requires_grad_()
+        out = layer(inputs)
+        (out * weights).sum().backward()
+        shared = [p.grad for p in (layer.router.gate.weight, layer.router.gate.bias, layer.shared_experts.w2.weight)]
+        experts = [local(p.grad) for p in layer.experts.parameters()]
+        return out.detach(), inputs.grad, shared, experts
+
+    reference = _routed_layer()
+    layer = _routed_layer()
+    apply_expert_parallel(layer, init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",)), None)
+    gaps = {}
+    for grouped in (True, False):
+        for module in (reference, layer):
+            module.zero_grad()
+            module.experts.use_grouped_mm = grouped
+        want = run(reference, x, probe)
+        out, grad, shared, experts = run(layer, x[mine], probe[mine])
+        for g in shared:
+            dist.all_reduce(g)
+        pairs = [(out, want[0][mine]), (grad, want[1][mine]), *zip(shared, want[2])]
+        pairs += [(a, b[owned]) for a, b in zip(experts, want[3])]
+        gaps[grouped] = max(float((a - b).abs().max() / b.abs().max()) for a, b in pairs)
+    counts = [c.tolist() for c, _ in layer.routed]
+    return gaps, counts
+
+
+def test_expert_parallel_runs_grouped_routing_shared_experts_and_expert_biases_as_one_process():
+    """Each rank's tokens through EP over 2 ranks: outputs and every gradient (expert biases sliced
+    with their experts) within 1e-5 of one process, on the grouped GEMM and the loop."""
+    results = run_distributed(_routed_worker, 2)
+    for rank, (gaps, counts) in enumerate(results):
+        assert all(gap < 1e-5 for gap in gaps.values()), (rank, gaps)
+        assert all(sum(c) == 2 * 10 * 3 for c in counts)  # this rank's tokens, three experts each
+
+
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory, moe_seed):
     """One process's losses over MOE's 6 steps."""
