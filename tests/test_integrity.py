@@ -300,7 +300,7 @@ def _safetensors(path: Path, header: bytes, declared: int | None = None, data: b
         ("beyond_the_file", "truncated"),
         ("bad_dtype", "entry 'w' has dtype F128: not a safetensors dtype"),
         ("overlapping", "entries 'v' and 'w' overlap at byte 8"),
-        ("fp8", "entry 'w' has dtype F8_E4M3: a safetensors dtype this version does not read (it reads F64, F32"),
+        ("fp8", "entry 'w' has dtype F8_E5M2: a safetensors dtype this version does not read (it reads F64, F32"),
     ],
 )
 def test_crafted_safetensors_headers_are_refused(tmp_path, capsys, case, message):
@@ -313,7 +313,7 @@ def test_crafted_safetensors_headers_are_refused(tmp_path, capsys, case, message
         ),
         "beyond_the_file": lambda p: _safetensors(p, json.dumps({"w": entry}).encode(), data=bytes(8)),
         "bad_dtype": lambda p: _safetensors(p, json.dumps({"w": {**entry, "dtype": "F128"}}).encode(), data=bytes(16)),
-        "fp8": lambda p: _safetensors(p, json.dumps({"w": {**entry, "dtype": "F8_E4M3"}}).encode(), data=bytes(16)),
+        "fp8": lambda p: _safetensors(p, json.dumps({"w": {**entry, "dtype": "F8_E5M2"}}).encode(), data=bytes(16)),
         "overlapping": lambda p: _safetensors(
             p, json.dumps({"v": entry, "w": {**entry, "data_offsets": [8, 24]}}).encode(), data=bytes(24)
         ),

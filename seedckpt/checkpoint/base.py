@@ -31,6 +31,7 @@ class OpenedCheckpoint:
 
     kind = ""
     checksums = None  # ``integrity.Checksums`` where the format records them (our DCP checkpoints)
+    dequantized: frozenset[str] = frozenset()  # FQNs stored quantized, read dequantized to float32
 
     def __init__(
         self,

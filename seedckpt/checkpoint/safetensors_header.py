@@ -22,9 +22,10 @@ SAFETENSORS_DTYPES = {
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,  # FP8 block-quantized weights (``formats.quantized``)
 }
 # The rest of the format's dtypes (safetensors 0.4+): named as such when a file holds them.
-UNREAD_DTYPES = ("F8_E4M3", "F8_E5M2", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4", "C64", "U16", "U32", "U64")
+UNREAD_DTYPES = ("F8_E5M2", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4", "C64", "U16", "U32", "U64")
 
 
 def safetensors_header(path: Path) -> tuple[dict, dict, int]:

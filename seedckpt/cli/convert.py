@@ -108,7 +108,8 @@ def convert(
     model_args = source.require_args()
     if not source.infos:
         raise SeedckptError(f"{src} holds no model tensors")
-    cast = DTYPES[dtype] if dtype else None
+    # dequantized values are float32 (bf16 would move them): kept exact, and the rest widened to match
+    cast = DTYPES[dtype] if dtype else (torch.float32 if source.dequantized else None)
     infos = {
         f: TensorInfo(source.infos[f].shape, cast or source.infos[f].dtype)
         for f in _ordered(source.infos, codec.family)

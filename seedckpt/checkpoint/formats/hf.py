@@ -4,7 +4,9 @@ The model's HF names and row order come from the caller's codec (``codec.hf_name
 mapped to ours and permuted rows (e.g. q/k RoPE heads) put back in our order. A tied model (no
 separate output head in the files) gives the tied FQN its source's tensor. ``load`` goes through DCP's
 ``HuggingFaceStorageReader`` (reading rows with ``owned_reads.OwnedHFReader``), so each rank reads
-only its tensors and rows. ``write`` streams ``model-0000k-of-0000n.safetensors`` shards of at
+only its tensors and rows. A quantized tensor (FP8 blocks, MXFP4: ``quantized``) stands under the name
+it would have unquantized, in float32, and a rank reads the rows of its values and scales under its
+own. ``write`` streams ``model-0000k-of-0000n.safetensors`` shards of at
 most ``shard_bytes``, the index and a ``config.json`` that ``transformers`` loads, with the
 tokenizer files and ``generation_config.json`` the caller hands it (``WriteJob``).
 """
@@ -20,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from seedckpt.checkpoint.atomic import atomic_output, write_json_synced
 from seedckpt.checkpoint.base import OpenedCheckpoint, WriteJob
+from seedckpt.checkpoint.formats.quantized import DequantizedLoad, Stored, quantized_tensors
 from seedckpt.checkpoint.formats.safetensors_file import read_safetensor, write_safetensors
 from seedckpt.checkpoint.load import (
     GroupedRows,
@@ -91,13 +94,21 @@ class HFCheckpoint(OpenedCheckpoint):
         pieces: dict[str, dict[int, tuple[Path, str, TensorInfo]]] = {}
         self.parts: dict[str, tuple[StoredParts, int]] = {}  # our fqn -> the stored tensor holding it, its place
         infos = {}
+        headers = {}
         for file in files:
             if not isinstance(file, str) or Path(file).name != file or not (path / file).is_file():
                 raise SeedckptError(f"{index} lists {file!r}, which is not a file in {path}")
-            header, _, data_start = safetensors_header(path / file)
+            headers[file] = safetensors_header(path / file)
+        self.quantized = quantized_tensors(_stored(path, headers), self.config, path)  # hf name -> its stored parts
+        quantized_part = {part.name: q for q in self.quantized.values() for part in q.parts}
+        for file, (header, _, data_start) in headers.items():
             for name, entry in header.items():
+                info = _info(entry)
+                if name in quantized_part:  # stands under its own name, at its values' place
+                    if name != quantized_part[name].values.name:
+                        continue
+                    name, info = quantized_part[name].name, quantized_part[name].info
                 fqn = self._ours(name, path / file)
-                info = TensorInfo(tuple(entry["shape"]), SAFETENSORS_DTYPES[entry["dtype"]])
                 if isinstance(fqn, tuple):
                     pieces.setdefault(fqn[0], {})[fqn[1]] = (path / file, name, info)
                     continue
@@ -117,9 +128,8 @@ class HFCheckpoint(OpenedCheckpoint):
             self.location[fqn] = parts[0][:2]
             infos[fqn] = TensorInfo((len(parts), *parts[0][2].shape), parts[0][2].dtype)
         if weight_map is not None:
-            stored = {name for _, name, _ in (p for parts in self.slices.values() for p in parts)}
-            stored |= {name for _, name in self.location.values()}
-            absent = [n for n in weight_map if self._ours(n, index) is not None and n not in stored]
+            stored = {name for header, _, _ in headers.values() for name in header}
+            absent = [n for n in weight_map if n not in stored and self._ours(n, index) is not None]
             if absent:
                 raise SeedckptError(f"{index} lists tensors that its files do not contain: {absent[:5]}")
         if self._stores_a_distinct_head(layout, infos):
@@ -136,6 +146,7 @@ class HFCheckpoint(OpenedCheckpoint):
         self.alias_tied(dict(infos))
         for fqn, source in self.aliases.items():
             self.location[fqn] = self.location[source]
+        self.dequantized = frozenset(fqn for fqn, (_, name) in self.location.items() if name in self.quantized)
 
     def _stores_a_distinct_head(self, layout, stored: dict[str, TensorInfo]) -> bool:
         """Whether a config that ties the output to the embedding sits over files that also store a
@@ -165,14 +176,18 @@ class HFCheckpoint(OpenedCheckpoint):
 
     def read_tensor(self, fqn: str) -> torch.Tensor:
         if fqn in self.slices:
-            return torch.stack([read_safetensor(file, name) for file, name, _ in self.slices[fqn]])
+            return torch.stack([self._read_stored(file, name) for file, name, _ in self.slices[fqn]])
         file, name = self.location[fqn]
-        tensor = read_safetensor(file, name)
+        tensor = self._read_stored(file, name)
         if fqn in self.parts:
             parts, k = self.parts[fqn]
             return parts.split(tensor)[k].contiguous()
         groups = self.names.row_groups(fqn)
         return self.names.from_stored_rows(tensor, groups) if groups else tensor
+
+    def _read_stored(self, file: Path, name: str) -> torch.Tensor:
+        quantized = self.quantized.get(name)
+        return quantized.read() if quantized is not None else read_safetensor(file, name)
 
     def load(self, state_dict: dict) -> None:
         """Fill ``state_dict`` (our FQNs) through DCP's HF reader: each rank requests only its
@@ -203,7 +218,9 @@ class HFCheckpoint(OpenedCheckpoint):
                     by_name[name] = permuted[-1].window
             else:
                 by_name[name] = wanted
-        load_state(by_name, OwnedHFReader(self.path), self.path)
+        dequantized = DequantizedLoad(self.quantized)  # quantized tensors: their values' and scales' rows
+        load_state(dequantized.requests(by_name), OwnedHFReader(self.path), self.path)
+        dequantized.finish()
         for grouped in permuted:
             grouped.finish(self.names.from_stored_rows)
         for read in split:
@@ -268,6 +285,19 @@ def _joined_shape(parts: StoredParts, infos: dict) -> tuple[int, ...]:
     if missing:
         raise ValueError(f"{', '.join(missing)} missing: {' and '.join(parts.fqns)} are stored as one tensor")
     return tuple(parts.join(tuple(torch.empty(infos[fqn].shape, device="meta") for fqn in parts.fqns)).shape)
+
+
+def _info(entry: dict) -> TensorInfo:
+    return TensorInfo(tuple(entry["shape"]), SAFETENSORS_DTYPES[entry["dtype"]])
+
+
+def _stored(path: Path, headers: dict) -> dict[str, Stored]:
+    """Every tensor of the directory by its name (``headers``: {file name: its parsed header})."""
+    return {
+        name: Stored(path / file, name, _info(entry))
+        for file, (header, _, _) in headers.items()
+        for name, entry in header.items()
+    }
 
 
 def _stacked(fqn: str, found: dict[int, tuple[Path, str, TensorInfo]], path: Path) -> list:
