@@ -73,10 +73,9 @@ def rope_scaling(cfg: dict) -> RopeScaling | None:
     for plain RoPE; every field checked (``RopeScaling``).
 
     As ``transformers`` reads it: YaRN's and Llama 3's ``original_max_position_embeddings`` falls back
-    to the top-level field of that name, then to ``max_position_embeddings``; YaRN's absent ``factor``
-    is ``max_position_embeddings / original_max_position_embeddings``; ``beta_fast``/``beta_slow``
-    given as 0 or null mean 32 and 1. ``dynamic``, ``longrope`` and any other kind are refused, as is
-    a field the kind does not take and a partial rotary width."""
+    to the top-level field of that name, then to ``max_position_embeddings``; ``beta_fast`` and
+    ``beta_slow`` given as 0 or null mean 32 and 1. ``dynamic``, ``longrope`` and any other kind are
+    refused, as are a field the kind does not take and a partial rotary width."""
     rope = rope_table(cfg)
     kind = rope.get("rope_type", rope.get("type"))
     if kind in (None, "default"):
@@ -100,10 +99,6 @@ def rope_scaling(cfg: dict) -> RopeScaling | None:
             cfg, "original_max_position_embeddings", check_int, read(cfg, "max_position_embeddings", check_int, None)
         )
     if kind == "yarn":
-        if "factor" not in fields and fields["original_max_position_embeddings"]:
-            fields["factor"] = (
-                read(cfg, "max_position_embeddings", check_int) / fields["original_max_position_embeddings"]
-            )
         for name in ("beta_fast", "beta_slow"):  # transformers: ``or`` its default
             if not fields.get(name, True):
                 del fields[name]

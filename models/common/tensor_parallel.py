@@ -15,7 +15,9 @@ work are divided by the TP degree instead of repeated. Off, the norms' weights a
 
 Qwen3's per-head q/k norms see each rank's own heads: they run as "sequence parallel" along the
 head dimension, which is exactly a per-head norm on the local heads. Qwen2's q/k/v biases are split
-with their weights by ``ColwiseParallel``. A mixture-of-experts layer (Qwen3-MoE, Mixtral) is not
+with their weights by ``ColwiseParallel``; gpt-oss's ``wo`` bias stays whole (``RowwiseParallel``
+adds it once, after the reduction) and its per-head sinks are split with the heads
+(``HeadParameter``). A mixture-of-experts layer (Qwen3-MoE, Mixtral) is not
 split: it runs whole on every TP rank on the whole sequence (``_moe_plan``), unless expert
 parallelism spreads its experts over the TP ranks; only its shared experts (DeepSeek-V3), a dense
 SwiGLU, are split as the dense feed-forward is.
@@ -87,6 +89,33 @@ class LocalForward(ParallelStyle):
         return module
 
 
+class HeadParameter(ParallelStyle):
+    """A module's own parameter ``name`` that holds one value per attention head (gpt-oss's sinks),
+    split along dim 0 with the heads its rank computes, and handed to the module's forward as this
+    rank's local slice; the module's other parameters are left to their own styles."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = name
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        param = module._parameters[self.name]
+        sharded = distribute_tensor(param, device_mesh, [Shard(0)], src_data_rank=None)
+        module.register_parameter(self.name, nn.Parameter(sharded, param.requires_grad))
+        held: list[nn.Parameter] = []
+
+        def to_local(module, _inputs):
+            held.append(module._parameters[self.name])
+            module._parameters[self.name] = held[-1].to_local()
+
+        def restore(module, _inputs, _output):
+            module._parameters[self.name] = held.pop()
+
+        module.register_forward_pre_hook(to_local)
+        module.register_forward_hook(restore)
+        return module
+
+
 def _replicate_parameters(_, module: nn.Module, mesh: DeviceMesh) -> None:
     for name, param in list(module.named_parameters(recurse=False)):
         replicated = distribute_tensor(param, mesh, [Replicate()], src_data_rank=None)
@@ -137,6 +166,8 @@ def parallelize_decoder(model: nn.Module, mesh: DeviceMesh, sequence_parallel: b
             for name in ("attention.q_norm", "attention.k_norm"):
                 plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
         parallelize_module(block, mesh, plan)
+        if getattr(block.attention, "sinks", None) is not None:  # one per q head: split with the heads
+            parallelize_module(block.attention, mesh, HeadParameter("sinks"))
     model.tie_weights()  # the plan gave the embedding and the output each a DTensor of their own
 
 
@@ -177,13 +208,18 @@ def _moe_plan(between, moe) -> dict:
     }
 
 
-# The modules the plan splits; every other parameter (the norms) is whole on each TP rank.
+# The modules the plan splits; every other parameter (the norms) is whole on each TP rank, and so
+# is the bias of a rowwise split (``wo``, ``w2``: added once, after the partial sums are reduced).
 SPLIT_MODULES = ("tok_embeddings", "output", "wq", "wk", "wv", "wo", "w1", "w2", "w3")
+ROWWISE = ("wo", "w2")
 
 
 def tensor_parallel_splits(fqn: str) -> bool:
     """Whether the plan splits ``fqn`` over the TP ranks."""
-    return fqn.split(".")[-2] in SPLIT_MODULES if "." in fqn else False
+    parts = fqn.split(".")
+    if parts[-2:] == ["attention", "sinks"]:
+        return True
+    return len(parts) > 1 and parts[-2] in SPLIT_MODULES and not (parts[-1] == "bias" and parts[-2] in ROWWISE)
 
 
 DECODER_TENSOR_PARALLEL = TensorParallelPlan(parallelize_decoder, tensor_parallel_sizes, tensor_parallel_splits)
