@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+from torch.distributed.tensor import Shard
 
 from seedckpt.materialize.seed import create_seed_checkpoint
 from tests.conftest import tiny_config
@@ -149,16 +150,54 @@ def _routed_worker(rank, world_size):
         pairs += [(a, b[owned]) for a, b in zip(experts, want[3])]
         gaps[grouped] = max(float((a - b).abs().max() / b.abs().max()) for a, b in pairs)
     counts = [c.tolist() for c, _ in layer.routed]
-    return gaps, counts
+    return gaps, counts, _tensor_parallel_gap(world_size)
+
+
+def _tensor_parallel_gap(world_size: int) -> tuple[float, float]:
+    """The decoder with every MoE option (``tests.test_moe.ROUTED_ARGS``) under TP (sequence and
+    loss parallel, the shared experts split colwise/rowwise) against one process: (the loss's and
+    the worst gradient's relative gap)."""
+    import contextlib
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from models.common.decoder import Transformer
+    from models.common.tensor_parallel import parallelize_decoder, tensor_parallel_splits
+    from seedckpt.materialize.init_recipe import init_model
+    from seedckpt.train.trainer import token_cross_entropy
+    from tests.test_moe import ROUTED_ARGS
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    tokens = torch.arange(64).reshape(2, 32) * 7 % 64
+    results = []
+    for tp in (False, True):
+        model = Transformer(ROUTED_ARGS)
+        if tp:
+            parallelize_decoder(model, mesh, sequence_parallel=True)
+            assert tensor_parallel_splits("layers.1.moe.shared_experts.w2.weight")
+            assert model.get_parameter("layers.1.moe.shared_experts.w2.weight").placements == (Shard(1),)
+        init_model(model, seed=0)
+        with loss_parallel() if tp else contextlib.nullcontext():
+            loss = token_cross_entropy(model(tokens), torch.roll(tokens, -1, 1))
+            loss.backward()
+        grads = {n: p.grad.full_tensor() if tp else p.grad for n, p in model.named_parameters()}
+        results.append(((loss.full_tensor() if tp else loss).item(), grads))
+    (loss_one, grads_one), (loss_tp, grads_tp) = results
+    assert sorted(grads_one) == sorted(grads_tp)
+    worst = max(float((grads_tp[n] - grads_one[n]).abs().max() / grads_one[n].abs().max()) for n in grads_one)
+    return abs(loss_tp - loss_one) / loss_one, worst
 
 
 def test_expert_parallel_runs_grouped_routing_shared_experts_and_expert_biases_as_one_process():
     """Each rank's tokens through EP over 2 ranks: outputs and every gradient (expert biases sliced
-    with their experts) within 1e-5 of one process, on the grouped GEMM and the loop."""
+    with their experts) within 1e-5 of one process, on the grouped GEMM and the loop. In the same
+    processes, tp2 of a decoder with these layers: the loss and every gradient within 1e-5."""
     results = run_distributed(_routed_worker, 2)
-    for rank, (gaps, counts) in enumerate(results):
+    for rank, (gaps, counts, tp_gaps) in enumerate(results):
         assert all(gap < 1e-5 for gap in gaps.values()), (rank, gaps)
         assert all(sum(c) == 2 * 10 * 3 for c in counts)  # this rank's tokens, three experts each
+        assert all(gap < 1e-5 for gap in tp_gaps), (rank, tp_gaps)
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from dataclasses import dataclass
 
 import pytest
 import torch
 
+from models.common.args import MoEDecoderArgs
+from models.common.decoder import DecoderOptions, Transformer
 from models.common.moe import (
     GroupedExperts,
     MoE,
@@ -378,23 +381,48 @@ def test_moe_options_refuse_what_the_block_cannot_run(fields, message):
         MoEOptions(**{"n_experts": 8, "top_k": 2, "ffn_dim": 8, **fields})
 
 
+@dataclass
+class RoutedArgs(MoEDecoderArgs):
+    """The shared decoder with every option of the MoE block on (grouped sigmoid routing, the
+    correction and router biases, two shared experts, expert biases, the clamped SwiGLU)."""
+
+    @property
+    def decoder_options(self) -> DecoderOptions:
+        moe = self.moe_options(
+            "torchtitan",
+            0.02,
+            "sigmoid",
+            n_group=4,
+            topk_group=2,
+            route_scale=2.0,
+            router_bias=True,
+            n_shared_experts=2,
+            expert_bias_terms=True,
+            activation="clamped_swiglu",
+        )
+        return DecoderOptions(moe=moe, moe_layers=self.moe_layers)
+
+
+ROUTED_ARGS = RoutedArgs(
+    dim=16,
+    n_layers=3,
+    n_heads=2,
+    ffn_dim=32,
+    vocab_size=64,
+    max_seq_len=64,
+    n_experts=8,
+    top_k=2,
+    moe_ffn_dim=8,
+    load_balance="bias",
+)
+
+
 def test_flops_count_shared_experts_and_expert_biases_as_active():
     """Shared experts run for every token: active; each idle routed expert's biases are idle too."""
-    from dataclasses import dataclass
-
     from models.common import moe_flops_per_token
-    from models.common.args import MoEDecoderArgs
-    from models.common.decoder import DecoderOptions, Transformer
     from models.family import decoder_flops_per_token
 
-    @dataclass
-    class Args(MoEDecoderArgs):
-        @property
-        def decoder_options(self) -> DecoderOptions:
-            moe = self.moe_options("torchtitan", 0.02, n_shared_experts=2, expert_bias_terms=True)
-            return DecoderOptions(moe=moe, moe_layers=self.moe_layers)
-
-    args = Args(dim=16, n_layers=3, n_heads=2, ffn_dim=32, vocab_size=64, n_experts=8, top_k=2, moe_ffn_dim=8)
+    args = ROUTED_ARGS
     with torch.device("meta"):
         model = Transformer(args)
     total = sum(p.numel() for p in model.parameters())
