@@ -1,9 +1,11 @@
 """Expert parallelism: each MoE layer's experts split over the EP ranks, tokens sent to them and back.
 
-The experts' three weights are ``Shard(0)`` DTensors over the EP mesh (``ParallelDims.build_expert_mesh``),
+Every parameter of the experts' module -- the three weights, and gpt-oss's per-expert biases when
+the block has them -- is a ``Shard(0)`` DTensor over the EP mesh (``ParallelDims.build_expert_mesh``),
 so each EP rank holds a contiguous block of every layer's experts and a checkpoint keeps global
-shapes. The token dispatcher here is the only place the all-to-all lives; the model's MoE layer
-(``models.common.moe``) stays a single-process module:
+shapes; the experts' ``compute`` receives the local blocks by parameter name. Shared experts are
+no routed expert: they stay whole on every EP rank. The token dispatcher here is the only place
+the all-to-all lives; the model's MoE layer (``models.common.moe``) stays a single-process module:
 
 1. every rank routes its own tokens (router and counts before dispatch: the balancing statistics
    stay the global batch's), sorts the (token, choice) slots by expert and calls its experts;
