@@ -101,8 +101,9 @@ def make_plan(run: ResolvedRun) -> dict:
     par = cfg.parallelism
     pp, per_rank, dp_shard = dims.pp, par.pipeline_parallel_stages_per_rank, dims.dp_shard
     num_stages = pp * per_rank
-    layers = pipeline_split(args, num_stages, par.pipeline_parallel_split_points, cfg.training.seq_len)
-    flops = stage_flops(run.family.layer_flops(args, cfg.training.seq_len), layers)
+    costs = run.family.layer_flops(args, cfg.training.seq_len)
+    layers = pipeline_split(args, num_stages, par.pipeline_parallel_split_points, costs=costs)
+    flops = stage_flops(costs, layers)
     owner = {s: r for r in range(pp) for s in stage_ids_for_rank(r, pp, per_rank, par.pipeline_parallel_schedule)}
     with torch.device("meta"):
         model = run.family.model(args)

@@ -37,15 +37,19 @@ class StageSpec:
 
 
 def pipeline_split(
-    args, num_stages: int, split_points: Sequence[str | int] = (), seq_len: int | None = None
+    args,
+    num_stages: int,
+    split_points: Sequence[str | int] = (),
+    seq_len: int | None = None,
+    costs: LayerCosts | None = None,
 ) -> list[tuple[int, ...]]:
     """Layer ids per stage of the model ``args``: at ``split_points`` if given, else balanced by
-    compute with attention at ``seq_len`` (default: the model's ``max_seq_len``)."""
+    compute with attention at ``seq_len`` (default: the model's ``max_seq_len``); ``costs``: the
+    family's ``layer_flops`` at that length, if the caller has them."""
     check_stage_count(args.n_layers, num_stages)
     if split_points or num_stages == 1:
         return explicit_split(args.n_layers, num_stages, split_points)
-    costs = family_of(args).layer_flops(args, seq_len or args.max_seq_len)
-    return balanced_split(costs, num_stages)
+    return balanced_split(costs or family_of(args).layer_flops(args, seq_len or args.max_seq_len), num_stages)
 
 
 def check_stage_count(n_layers: int, num_stages: int) -> None:
