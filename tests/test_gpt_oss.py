@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,10 @@ from models.gpt_oss import FLAVORS, args_from_config, config
 from seedckpt import load_model
 from seedckpt.cli.convert import convert
 from seedckpt.materialize.model_checkpoint import open_model_checkpoint
+from seedckpt.materialize.seed import create_seed_checkpoint
+from tests.conftest import tiny_config
 from tests.test_convert import our_logits
+from tests.test_train import losses, model_state, torchrun
 
 transformers = pytest.importorskip("transformers")
 
@@ -198,3 +202,34 @@ def test_logits_match_transformers_both_ways(tmp_path):
             switch_off()
             assert (hf(TOKENS).logits - want).abs().max().item() > 1e-3
             want = hf(TOKENS).logits
+
+
+G = ["--model.name", "gpt_oss", "--training.steps", "6"]
+ONE = ["--parallelism.pipeline_parallel_degree", "1"]
+
+
+def _close(got: list[float], want: list[float], what: str) -> None:
+    assert len(got) == len(want), what
+    for step, (a, b) in enumerate(zip(got, want), start=1):
+        assert abs(a - b) <= 1e-5 * abs(b), f"{what}, step {step}: {a} vs {b}"
+
+
+@pytest.mark.slow
+def test_layouts_match_one_process_and_resume_bitwise(tmp_path):
+    """The debug gpt-oss (windows of 16 in 32-token rows, sinks, biases, YaRN) from its seed:
+    pp2 x dp_shard2 x ep2 and tp2 x ep2 (sequence parallel: each TP rank its heads' sinks) train
+    with one process's losses within 1e-5; tp2 x ep2 saved at step 3 resumes bitwise."""
+    seed = create_seed_checkpoint(tiny_config(*G), tmp_path / "seed", seed=0, progress=False, workers=1)
+    torchrun(tmp_path / "one", seed, 1, *G, *ONE)
+    want = losses(tmp_path / "one")
+    ep2 = ["--parallelism.expert_parallel_degree", "2"]
+    tp2 = [*ONE, "--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel", "true"]
+    torchrun(tmp_path / "pp2_dp2_ep2", seed, 4, *G, *ep2, "--training.local_batch_size", "4")
+    _close(losses(tmp_path / "pp2_dp2_ep2"), want, "pp2 x dp_shard2 x ep2")
+    torchrun(tmp_path / "tp2_ep2", seed, 2, *G, *tp2, *ep2, "--checkpoint.interval", "3")
+    _close(losses(tmp_path / "tp2_ep2"), want, "tp2 x ep2")
+    shutil.copytree(tmp_path / "tp2_ep2" / "ckpt" / "step-3", tmp_path / "resumed" / "ckpt" / "step-3")
+    torchrun(tmp_path / "resumed", seed, 2, *G, *tp2, *ep2, "--checkpoint.interval", "3")
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "tp2_ep2")[3:]
+    a, b = (model_state(tmp_path / run / "ckpt" / "step-6") for run in ("tp2_ep2", "resumed"))
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
