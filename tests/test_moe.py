@@ -38,14 +38,21 @@ OPTIONS = MoEOptions(n_experts=6, top_k=2, ffn_dim=16)
 def _experts(dim: int = 8, options: MoEOptions = OPTIONS) -> GroupedExperts:
     experts = GroupedExperts(dim, options, init_std=0.02)
     with torch.no_grad():
-        for w in experts.parameters():
-            w.normal_(0, 0.3, generator=torch.Generator().manual_seed(w.numel()))
+        for i, w in enumerate(experts.parameters()):
+            w.normal_(0, 0.3, generator=torch.Generator().manual_seed(w.numel() + i))
     return experts
 
 
+# gpt-oss's experts: biases on the three projections and the clamped SwiGLU (a limit that clamps)
+BIASED = MoEOptions(
+    n_experts=6, top_k=2, ffn_dim=16, expert_bias_terms=True, activation="clamped_swiglu", swiglu_limit=0.5
+)
+
+
+@pytest.mark.parametrize("options", [OPTIONS, BIASED], ids=["swiglu", "biased_clamped"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_mm_equals_the_per_expert_loop_forward_and_backward(dtype):
-    experts = _experts().to(dtype)
+def test_grouped_mm_equals_the_per_expert_loop_forward_and_backward(dtype, options):
+    experts = _experts(options=options).to(dtype)
     counts = torch.tensor([5, 0, 9, 1, 0, 3])  # empty experts included
     x = torch.randn(int(counts.sum()), 8, generator=torch.Generator().manual_seed(1)).to(dtype)
     assert grouped_mm_applies(x, experts.w1, experts.w2)
@@ -63,14 +70,16 @@ def test_grouped_mm_equals_the_per_expert_loop_forward_and_backward(dtype):
 
 
 @pytest.mark.cuda
-def test_grouped_mm_on_cuda_equals_the_cpus_loop():
+@pytest.mark.parametrize("options", [OPTIONS, BIASED], ids=["swiglu", "biased_clamped"])
+def test_grouped_mm_on_cuda_equals_the_cpus_loop(options):
     """bf16 on the GPU (torch._grouped_mm where the card has it, sm90 and newer) against the fp32
     per-expert loop on the CPU: the output and every gradient within bf16's precision."""
-    reference = _experts()
+    reference = _experts(options=options)
     counts = torch.tensor([5, 0, 9, 1, 0, 3])
     x = torch.randn(int(counts.sum()), 8, generator=torch.Generator().manual_seed(1))
     results = []
-    for experts, device, dtype in ((reference, "cpu", torch.float32), (_experts(), "cuda", torch.bfloat16)):
+    gpu = _experts(options=options)
+    for experts, device, dtype in ((reference, "cpu", torch.float32), (gpu, "cuda", torch.bfloat16)):
         experts = experts.to(device, dtype)
         experts.use_grouped_mm = device == "cuda"
         inputs = x.to(device, dtype, copy=True).requires_grad_()
