@@ -441,6 +441,16 @@ def test_flops_count_shared_experts_and_expert_biases_as_active():
     assert moe_flops_per_token(args, 32) == decoder_flops_per_token(Transformer, args, 32, total - idle)
 
 
+def test_tensor_parallel_divides_the_shared_experts_width():
+    from models.common.tensor_parallel import tensor_parallel_sizes
+
+    sizes = tensor_parallel_sizes(ROUTED_ARGS)
+    assert sizes["the shared experts' width (n_shared_experts x moe_ffn_dim)"] == 2 * 8
+    assert "the shared experts' width (n_shared_experts x moe_ffn_dim)" not in tensor_parallel_sizes(
+        get_family("qwen3_moe").flavors["debug"]
+    )
+
+
 # --- training under torchrun ------------------------------------------------------------------------
 MOE = ["--model.name", "qwen3_moe", "--training.steps", "6"]
 MOE_LAYOUTS = {
