@@ -2,7 +2,7 @@
 
 FP8 blocks: a random ``transformers`` Qwen3-MoE (dim 256, experts 160 wide, so the expert weights
 end in partial 128-blocks: [160, 256] and [256, 160] on 2 x 2 grids) is saved, and its attention and
-expert weights are rewritten here as DeepSeek-V3 releases its own (float8 e4m3, one float32
+expert weights are rewritten as DeepSeek-V3 releases its own (``tests.quantizers``: float8 e4m3, one float32
 ``weight_scale_inv`` per 128 x 128 block, scale = the block's largest magnitude / 448).
 
 The error bound. A block's values are divided by its scale s, so they lie within e4m3's +-448, and
@@ -39,33 +39,13 @@ from seedckpt.cli.main import main as cli
 from seedckpt.materialize.model_checkpoint import open_model_checkpoint
 from seedckpt.utils.errors import SeedckptError
 from tests.dist import run_distributed
+from tests.quantizers import FP8_CONFIG, pack_mxfp4, quantize_directory, quantize_fp8, reference_fp8
 
 transformers = pytest.importorskip("transformers")
 
 DIM, HEADS, KV_HEADS, HEAD_DIM, EXPERTS, MOE_FFN, LAYERS, VOCAB = 256, 4, 2, 64, 4, 160, 2, 160
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-E4M3_MAX = 448.0
 TOKENS = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(0))
-
-
-def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w`` as DeepSeek-V3 stores it: e4m3 values and the float32 scale of each 128 x 128 block."""
-    rows, cols = w.shape
-    grid = -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)
-    padded = torch.zeros(grid[0] * FP8_BLOCK, grid[1] * FP8_BLOCK)
-    padded[:rows, :cols] = w
-    blocks = padded.view(grid[0], FP8_BLOCK, grid[1], FP8_BLOCK)
-    scale = (blocks.abs().amax(dim=(1, 3)) / E4M3_MAX).clamp(min=1e-12)
-    values = (blocks / scale[:, None, :, None]).view_as(padded)[:rows, :cols].to(torch.float8_e4m3fn)
-    return values, scale
-
-
-def reference_fp8(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The definition, element by element: (r, c) takes the scale at (r // 128, c // 128)."""
-    rows = torch.arange(values.shape[0])[:, None] // FP8_BLOCK
-    cols = torch.arange(values.shape[1])[None, :] // FP8_BLOCK
-    return values.float() * scale[rows, cols]
 
 
 def _quantized_name(name: str) -> bool:
@@ -89,29 +69,15 @@ def dirs(tmp_path_factory):
     plain = root / "plain"
     model.save_pretrained(plain)
     fp8, dequantized = root / "fp8", root / "dequantized"
-    shutil.copytree(plain, fp8)
-    shutil.copytree(plain, dequantized)
-    for file in fp8.glob("*.safetensors"):
-        tensors, values = load_file(file), load_file(file)
-        for name in [n for n in tensors if _quantized_name(n)]:
-            tensors[name], tensors[f"{name}_scale_inv"] = quantize_fp8(tensors[name])
-            values[name] = reference_fp8(tensors[name], tensors[f"{name}_scale_inv"])
-        save_file(tensors, file, metadata={"format": "pt"})
-        save_file(values, dequantized / file.name, metadata={"format": "pt"})
-    config = json.loads((fp8 / "config.json").read_text())
-    (fp8 / "config.json").write_text(json.dumps({**config, "quantization_config": FP8_CONFIG}))
-    index = fp8 / "model.safetensors.index.json"
-    if index.exists():  # the scales join their weights' files
-        data = json.loads(index.read_text())
-        data["weight_map"] |= {f"{n}_scale_inv": f for n, f in data["weight_map"].items() if _quantized_name(n)}
-        index.write_text(json.dumps(data))
+    quantize_directory(plain, fp8, "fp8", lambda name, _: _quantized_name(name), dequantized)
     return {"plain": plain, "fp8": fp8, "dequantized": dequantized, "model": model}
 
 
 def test_fp8_partial_blocks_read_as_deepseek_defines_and_each_row_range_alone(tmp_path):
     """576 x 300 (DeepSeek-V3's kv_a_proj_with_mqa rows; columns ending in a 44-wide block) on a 5 x 3
     grid: the whole tensor, and rows 100..460 read through their own stored rows (scale rows 0..3),
-    equal the definition exactly. transformers 5.24's rows // scale rows would take 115-row blocks."""
+    equal the definition exactly. transformers 5.24 derives its blocks as rows // scale rows: it refuses
+    576 rows on 5 (no multiple), and would read the 300 columns on 3 as 100-column blocks."""
     torch.manual_seed(0)
     values, scale = quantize_fp8(torch.randn(576, 300))
     scale = scale * torch.rand(scale.shape)  # unrelated scales: a block taken for another shows
@@ -293,14 +259,6 @@ def test_crafted_quantized_directories_are_refused_in_one_line(dirs, tmp_path, c
     assert cli(["inspect", str(path)]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and message in err, err
-
-
-def pack_mxfp4(codes: torch.Tensor, exponents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """4-bit ``codes`` [E, R, G * 32] two to a byte, the even one in the low nibble; ``exponents``
-    [E, R, G] as e8m0 bytes."""
-    pairs = codes.view(*codes.shape[:-1], -1, 2).to(torch.uint8)
-    blocks = pairs[..., 0] | (pairs[..., 1] << 4)
-    return blocks.view(*exponents.shape, 16), (exponents + 127).to(torch.uint8)
 
 
 def test_mxfp4_packed_here_reads_back_exactly_and_as_transformers_dequantizes(tmp_path):
