@@ -6,6 +6,7 @@ Every caller that builds a model or names its tensors asks the family it finds h
 
 from __future__ import annotations
 
+from models.deepseek_v3 import DEEPSEEK_V3
 from models.family import ModelFamily
 from models.gpt_oss import GPT_OSS
 from models.granite import GRANITE
@@ -17,7 +18,7 @@ from models.qwen3 import QWEN3
 from models.qwen3_moe import QWEN3_MOE
 
 FAMILIES: dict[str, ModelFamily] = {
-    family.name: family for family in (LLAMA3, QWEN3, QWEN2, MISTRAL, GRANITE, QWEN3_MOE, MIXTRAL, GPT_OSS)
+    family.name: family for family in (LLAMA3, QWEN3, QWEN2, MISTRAL, GRANITE, QWEN3_MOE, MIXTRAL, GPT_OSS, DEEPSEEK_V3)
 }
 DEFAULT_FAMILY = "llama3"  # the family of a config or a command that names none
 

@@ -52,6 +52,19 @@ def layer_list(name: str, value, n_layers: int) -> list[int]:
     return value
 
 
+def check_rope_scaling(value) -> RopeScaling | None:
+    """An args' ``rope_scaling``: None, a ``RopeScaling``, or a table of its fields (a manifest's, a
+    TOML's) made one; else a ``ValueError`` naming the field."""
+    if isinstance(value, dict):
+        try:
+            return RopeScaling(**value)
+        except TypeError as e:  # a missing or unknown field
+            raise ValueError(f"rope_scaling = {value!r}: {e}") from None
+    if value is not None and not isinstance(value, RopeScaling):
+        raise ValueError(f"rope_scaling = {value!r}; it must be a table (rope_type, factor, ...)")
+    return value
+
+
 class DictArgs:
     """``to_dict`` / ``from_dict`` of a family's args dataclass: how a manifest records the model."""
 
@@ -88,13 +101,7 @@ class DecoderArgs(DictArgs):
     def __post_init__(self):
         for name in ("dim", "n_layers", "n_heads", "ffn_dim", "vocab_size", "max_seq_len"):
             check_int(name, getattr(self, name))
-        if isinstance(self.rope_scaling, dict):  # a manifest's or a TOML table's
-            try:
-                self.rope_scaling = RopeScaling(**self.rope_scaling)
-            except TypeError as e:  # a missing or unknown field
-                raise ValueError(f"rope_scaling = {self.rope_scaling!r}: {e}") from None
-        elif self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
-            raise ValueError(f"rope_scaling = {self.rope_scaling!r}; it must be a table (rope_type, factor, ...)")
+        self.rope_scaling = check_rope_scaling(self.rope_scaling)
         if self.sliding_window is not None:
             check_int("sliding_window", self.sliding_window)
         if self.window_layers is not None:

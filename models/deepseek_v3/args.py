@@ -1,0 +1,145 @@
+"""DeepSeek-V3's configuration: the shared decoder's fields, multi-head latent attention's ranks and
+head widths, and the mixture of experts' shared experts and grouped routing.
+
+Field names follow the rest of the project (``dim``, ``n_layers``, ``n_experts`` ...) where one
+exists and DeepSeek's ``config.json`` otherwise (``kv_lora_rank``, ``first_k_dense_replace``,
+``n_group`` ...). ``q_lora_rank = 0`` means no low-rank query (torchtitan's convention; HF's
+``null``), which TOML can write.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from models.common.args import DictArgs, check_bool, check_float, check_int, check_rope_scaling
+from models.common.decoder import DecoderOptions
+from models.common.moe import MoEOptions
+from models.common.rope import RopeScaling, softmax_scale_multiplier
+from models.deepseek_v3.attention import MultiHeadLatentAttention
+
+
+@dataclass
+class DeepseekV3Args(DictArgs):
+    dim: int = 7168
+    n_layers: int = 61
+    n_heads: int = 128
+    ffn_dim: int = 18432  # the dense layers' feed-forward width (HF's intermediate_size)
+    vocab_size: int = 129280
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_seq_len: int = 163840
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02  # recorded for config.json; the init recipe is torchtitan's
+    # DeepSeek-V3's YaRN: 40 x its 4k pretraining context (``models.common.rope``); None: plain RoPE
+    rope_scaling: RopeScaling | None = RopeScaling(
+        "yarn", factor=40.0, original_max_position_embeddings=4096, mscale=1.0, mscale_all_dim=1.0
+    )
+    # multi-head latent attention
+    q_lora_rank: int = 1536  # 0: one query projection (wq), no low-rank bottleneck
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    # How HF files lay out each head's RoPE rows: interleaved pairs (DeepSeek's, and ours), or
+    # halves (then permuted at conversion). It changes no tensor of ours.
+    rope_interleave: bool = True
+    # mixture of experts: layers first_k_dense_replace.. hold one
+    first_k_dense_replace: int = 3
+    n_experts: int = 256  # routed experts
+    n_shared_experts: int = 1  # their width together: n_shared_experts x moe_ffn_dim, one SwiGLU
+    top_k: int = 8
+    moe_ffn_dim: int = 2048
+    n_group: int = 8  # the routed experts' groups; a token's experts come from topk_group of them
+    topk_group: int = 4
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 2.5  # multiplies the routed experts' weights
+    load_balance: Literal["aux_loss", "bias", "none"] = "bias"  # aux-loss-free balancing, DeepSeek-V3's
+    aux_loss_coef: float = 0.001
+    bias_update_rate: float = 0.001
+
+    def __post_init__(self):
+        self.rope_scaling = check_rope_scaling(self.rope_scaling)
+        for name in ("dim", "n_layers", "n_heads", "ffn_dim", "vocab_size", "max_seq_len", "kv_lora_rank"):
+            check_int(name, getattr(self, name))
+        for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_experts", "top_k", "moe_ffn_dim"):
+            check_int(name, getattr(self, name))
+        for name in ("q_lora_rank", "first_k_dense_replace", "n_shared_experts"):
+            check_int(name, getattr(self, name), least=0)
+        check_int("n_group", self.n_group)
+        check_int("topk_group", self.topk_group)
+        for name in ("norm_eps", "rope_theta", "routed_scaling_factor"):
+            setattr(self, name, check_float(name, getattr(self, name)))
+        for name in ("initializer_range", "aux_loss_coef", "bias_update_rate"):
+            setattr(self, name, check_float(name, getattr(self, name), positive=False))
+        for name in ("tie_word_embeddings", "rope_interleave", "norm_topk_prob"):
+            check_bool(name, getattr(self, name))
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim = {self.qk_rope_head_dim} must be even for RoPE")
+        if self.load_balance not in ("aux_loss", "bias", "none"):
+            raise ValueError(f"load_balance = {self.load_balance!r}; choose bias, aux_loss or none")
+        self.moe_options()  # the mixture of experts' own checks (groups, top_k within them), naming the field
+
+    @property
+    def head_dim(self) -> int:
+        """The width RoPE rotates (each head's RoPE part): the decoder's RoPE table is this wide."""
+        return self.qk_rope_head_dim
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.n_heads  # every head has its own key and value (expanded from one latent)
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        return self.ffn_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """``(qk_nope + qk_rope)^-0.5``, times YaRN's ``mscale_all_dim`` correction squared."""
+        return (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5 * softmax_scale_multiplier(self.rope_scaling)
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(range(self.first_k_dense_replace, self.n_layers))
+
+    def moe_options(self) -> MoEOptions:
+        return MoEOptions(
+            n_experts=self.n_experts,
+            top_k=self.top_k,
+            ffn_dim=self.moe_ffn_dim,
+            score_func="sigmoid",
+            norm_topk_prob=self.norm_topk_prob,
+            route_scale=self.routed_scaling_factor,
+            n_group=self.n_group,
+            topk_group=self.topk_group,
+            n_shared_experts=self.n_shared_experts,
+            load_balance=self.load_balance,
+            aux_loss_coef=self.aux_loss_coef,
+            bias_update_rate=self.bias_update_rate,
+            router_depth_init=True,  # torchtitan's DeepSeek-V3: the gate at the layer's depth-scaled std
+        )
+
+    @property
+    def decoder_options(self) -> DecoderOptions:
+        return DecoderOptions(moe=self.moe_options(), moe_layers=self.moe_layers, attention=MultiHeadLatentAttention)
+
+
+# The fields that decide which tensors exist and their shapes (``load_balance``: the expert bias).
+SHAPE_FIELDS = (
+    "dim",
+    "n_layers",
+    "n_heads",
+    "ffn_dim",
+    "vocab_size",
+    "tie_word_embeddings",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "first_k_dense_replace",
+    "n_experts",
+    "n_shared_experts",
+    "moe_ffn_dim",
+    "load_balance",
+)

@@ -1,0 +1,203 @@
+"""DeepSeek-V3 in Hugging Face's layout: ``config.json`` both ways and ``DeepseekV3ForCausalLM``'s
+tensor names.
+
+``config.json``: every field ``transformers`` 5.24's ``DeepseekV3Config`` reads is read, with that
+class's default where a file leaves it out (its model is what the file means); a field whose value
+changes the math and is not computed here is refused, naming it (an attention bias, another
+activation, DeepSeek's own ``scoring_func`` / ``topk_method`` other than V3's, key/value heads
+fewer than the heads). ``q_lora_rank: null`` is our ``0``.
+
+Names: the shared decoder's (``models.common.hf_names``) for the embedding, norms, dense
+feed-forward and output; per layer
+
+==============================================  ==================================================
+ours (``layers.{i}.``)                          Hugging Face's (``model.layers.{i}.``)
+==============================================  ==================================================
+``attention.wq`` (``q_lora_rank = 0``)          ``self_attn.q_proj``
+``attention.wq_a``, ``q_norm``, ``wq_b``        ``self_attn.q_a_proj``, ``q_a_layernorm``, ``q_b_proj``
+``attention.wkv_a``, ``kv_norm``, ``wkv_b``     ``self_attn.kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``
+``attention.wo``                                ``self_attn.o_proj``
+``moe.router.gate.weight``                      ``mlp.gate.weight``
+``moe.expert_bias``                             ``mlp.gate.e_score_correction_bias``
+``moe.experts.{w1,w2,w3}`` ``[E, ...]``         ``mlp.experts.{e}.{gate,down,up}_proj.weight``
+``moe.shared_experts.{w1,w2,w3}``               ``mlp.shared_experts.{gate,down,up}_proj``
+==============================================  ==================================================
+
+RoPE rows: DeepSeek's weights rotate interleaved pairs (``rope_interleave: true``), as our RoPE
+does, so nothing is permuted. A file with ``rope_interleave: false`` rotates halves: the RoPE rows
+of each head of ``wq``/``wq_b`` (the last ``qk_rope_head_dim`` of each head's rows) and of
+``wkv_a`` (its last ``qk_rope_head_dim`` rows) are permuted within themselves, both ways.
+
+The hub checkpoint's multi-token-prediction module is stored as one more layer
+(``model.layers.61`` for 671B); ``transformers`` ignores it and so does this reader: its tensors
+are skipped, with one warning line saying so.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import torch
+
+from models.common import hf_config
+from models.common.args import check_bool, check_float, check_int
+from models.common.hf_names import ExpertNames, HFNames, permute_from_hf, permute_to_hf
+from models.deepseek_v3.args import DeepseekV3Args
+
+ARCHITECTURE, MODEL_TYPE = "DeepseekV3ForCausalLM", "deepseek_v3"
+EXPERTS = ExpertNames("mlp", (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj")))
+_LAYER = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wq_a.weight": "self_attn.q_a_proj.weight",
+    "attention.q_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attention.wq_b.weight": "self_attn.q_b_proj.weight",
+    "attention.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attention.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attention.wkv_b.weight": "self_attn.kv_b_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "moe.expert_bias": "mlp.gate.e_score_correction_bias",
+    "moe.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
+    "moe.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
+    "moe.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
+}
+_LAYER_INV = {theirs: ours for ours, theirs in _LAYER.items()}
+_OURS = re.compile(r"layers\.(\d+)\.(.+)")
+_THEIRS = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_QUERY_ROWS = ("attention.wq.weight", "attention.wq_b.weight")  # heads x (nope + rope) rows
+
+
+class DeepseekV3HFNames(HFNames):
+    """The name adapter between our FQNs and ``DeepseekV3ForCausalLM``'s for a model of ``args``."""
+
+    def __init__(self, args: DeepseekV3Args):
+        super().__init__(args, EXPERTS)
+        self.skipped_mtp = False
+
+    def to_stored(self, fqn: str) -> str:
+        m = _OURS.fullmatch(fqn)
+        if m and m.group(2) in _LAYER:
+            return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}"
+        return super().to_stored(fqn)
+
+    def from_stored(self, name: str):
+        m = _THEIRS.fullmatch(name)
+        if m and int(m.group(1)) >= self.args.n_layers:
+            self._skip_mtp()
+            return None
+        if m and m.group(2) in _LAYER_INV:
+            ours = _LAYER_INV[m.group(2)]
+            if ours.startswith("moe.shared_experts.") and not self.args.n_shared_experts:
+                return None  # transformers stores zero shared experts as empty tensors: nothing to keep
+            return f"layers.{m.group(1)}.{ours}"
+        return super().from_stored(name)
+
+    def _skip_mtp(self) -> None:
+        if not self.skipped_mtp:
+            self.skipped_mtp = True
+            warnings.warn(
+                f"model.layers.{self.args.n_layers} and up (DeepSeek-V3's multi-token-prediction module) are "
+                "skipped: this model, like transformers', predicts the next token only",
+                stacklevel=2,
+            )
+
+    def unkept_unless_zero(self, fqn: str) -> None:
+        return None  # HF's class holds the expert bias (e_score_correction_bias)
+
+    def row_groups(self, fqn: str) -> int | None:
+        """With halves-rotated files, rows are permuted within each head (queries) or in the one
+        group of ``wkv_a`` (its last rows are the shared RoPE key)."""
+        if self.args.rope_interleave:
+            return None
+        if fqn.endswith(_QUERY_ROWS):
+            return self.args.n_heads
+        return 1 if fqn.endswith("attention.wkv_a.weight") else None
+
+    def to_stored_rows(self, fqn: str, tensor: torch.Tensor) -> torch.Tensor:
+        groups = self.row_groups(fqn)
+        return self._rope_rows(tensor, groups, permute_to_hf) if groups else tensor
+
+    def from_stored_rows(self, tensor: torch.Tensor, groups: int) -> torch.Tensor:
+        return self._rope_rows(tensor, groups, permute_from_hf)
+
+    def _rope_rows(self, tensor: torch.Tensor, groups: int, permute) -> torch.Tensor:
+        """``permute`` applied to the last ``qk_rope_head_dim`` rows of each of ``groups`` groups."""
+        rope = self.args.qk_rope_head_dim
+        grouped = tensor.reshape(groups, tensor.shape[0] // groups, -1).clone()
+        for group in grouped:
+            group[-rope:] = permute(group[-rope:], 1)
+        return grouped.reshape(tensor.shape)
+
+
+def config(args: DeepseekV3Args, dtype: torch.dtype) -> dict:
+    cfg = hf_config.decoder_config(args, dtype, ARCHITECTURE, MODEL_TYPE)
+    del cfg["head_dim"]  # transformers derives it (qk_rope_head_dim)
+    return {
+        **cfg,
+        "q_lora_rank": args.q_lora_rank or None,
+        "kv_lora_rank": args.kv_lora_rank,
+        "qk_nope_head_dim": args.qk_nope_head_dim,
+        "qk_rope_head_dim": args.qk_rope_head_dim,
+        "v_head_dim": args.v_head_dim,
+        "rope_interleave": args.rope_interleave,
+        "first_k_dense_replace": args.first_k_dense_replace,
+        "n_routed_experts": args.n_experts,
+        "n_shared_experts": args.n_shared_experts,
+        "num_experts_per_tok": args.top_k,
+        "moe_intermediate_size": args.moe_ffn_dim,
+        "n_group": args.n_group,
+        "topk_group": args.topk_group,
+        "norm_topk_prob": args.norm_topk_prob,
+        "routed_scaling_factor": args.routed_scaling_factor,
+        "attention_bias": False,
+        "num_nextn_predict_layers": 0,  # no multi-token-prediction module is written
+    }
+
+
+# transformers' DeepseekV3Config defaults (DeepSeek-V3's shapes), for fields a config.json leaves out
+_DEFAULTS = DeepseekV3Args()
+
+
+def args_from_config(cfg: dict) -> DeepseekV3Args:
+    hf_config.refuse_common(cfg, "DeepSeek-V3")
+    hf_config.refuse(cfg, "DeepSeek-V3", attention_bias=False, scoring_func="sigmoid", topk_method="noaux_tc")
+    n_heads = hf_config.read(cfg, "num_attention_heads", check_int, _DEFAULTS.n_heads)
+    if hf_config.read(cfg, "num_key_value_heads", check_int, n_heads) != n_heads:
+        raise ValueError(
+            f"config.json has num_key_value_heads = {cfg['num_key_value_heads']}; DeepSeek-V3's attention "
+            f"gives every head its own key and value: it must equal num_attention_heads = {n_heads}"
+        )
+
+    def field(name: str, hf_name: str, check=check_int, **rule):
+        return hf_config.read(cfg, hf_name, check, getattr(_DEFAULTS, name), **rule)
+
+    experts = "n_routed_experts" if cfg.get("n_routed_experts") is not None else "num_local_experts"
+    return DeepseekV3Args(
+        dim=field("dim", "hidden_size"),
+        n_layers=field("n_layers", "num_hidden_layers"),
+        n_heads=n_heads,
+        ffn_dim=field("ffn_dim", "intermediate_size"),
+        vocab_size=field("vocab_size", "vocab_size"),
+        norm_eps=field("norm_eps", "rms_norm_eps", check_float),
+        rope_theta=hf_config.rope_theta(cfg),
+        rope_scaling=hf_config.rope_scaling(cfg),
+        max_seq_len=hf_config.read(cfg, "max_position_embeddings", check_int, 4096),  # transformers' default
+        tie_word_embeddings=field("tie_word_embeddings", "tie_word_embeddings", check_bool),
+        initializer_range=field("initializer_range", "initializer_range", check_float, positive=False),
+        # null: no low-rank query; absent: transformers' default
+        q_lora_rank=0 if "q_lora_rank" in cfg and cfg["q_lora_rank"] is None else field("q_lora_rank", "q_lora_rank"),
+        kv_lora_rank=field("kv_lora_rank", "kv_lora_rank"),
+        qk_nope_head_dim=field("qk_nope_head_dim", "qk_nope_head_dim"),
+        qk_rope_head_dim=field("qk_rope_head_dim", "qk_rope_head_dim"),
+        v_head_dim=field("v_head_dim", "v_head_dim"),
+        rope_interleave=field("rope_interleave", "rope_interleave", check_bool),
+        first_k_dense_replace=field("first_k_dense_replace", "first_k_dense_replace", least=0),
+        n_experts=field("n_experts", experts),
+        n_shared_experts=field("n_shared_experts", "n_shared_experts", least=0),
+        top_k=field("top_k", "num_experts_per_tok"),
+        moe_ffn_dim=field("moe_ffn_dim", "moe_intermediate_size"),
+        n_group=field("n_group", "n_group"),
+        topk_group=field("topk_group", "topk_group"),
+        norm_topk_prob=field("norm_topk_prob", "norm_topk_prob", check_bool),
+        routed_scaling_factor=field("routed_scaling_factor", "routed_scaling_factor", check_float),
+    )
