@@ -14,11 +14,13 @@ from safetensors.torch import load_file
 
 from models.gpt_oss import FLAVORS, args_from_config, config
 from seedckpt import load_model
+from seedckpt.checkpoint import DcpCheckpoint
 from seedckpt.cli.convert import convert
 from seedckpt.materialize.model_checkpoint import open_model_checkpoint
 from seedckpt.materialize.seed import create_seed_checkpoint
 from tests.conftest import tiny_config
 from tests.test_convert import our_logits
+from tests.test_sft import PP2_DP2, chat_inputs, sft  # noqa: F401 (chat_inputs: a fixture)
 from tests.test_train import losses, model_state, torchrun
 
 transformers = pytest.importorskip("transformers")
@@ -100,8 +102,11 @@ def hf_model(path: Path, **changes) -> Path:
     torch.manual_seed(3)
     model = transformers.GptOssForCausalLM(hf_config(**changes))
     with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3) if p.dim() == 1 else p.normal_(0, 0.08)
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0, 0.3) if p.dim() == 1 else p.normal_(0, 0.08)
     model.eval().save_pretrained(path)
     return path
 
@@ -233,3 +238,48 @@ def test_layouts_match_one_process_and_resume_bitwise(tmp_path):
     assert losses(tmp_path / "resumed") == losses(tmp_path / "tp2_ep2")[3:]
     a, b = (model_state(tmp_path / run / "ckpt" / "step-6") for run in ("tp2_ep2", "resumed"))
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
+
+
+@pytest.mark.slow
+def test_sft_from_an_hf_directory_on_pp2_x_dp2_x_ep2_exports_what_transformers_computes(tmp_path, chat_inputs):
+    """SFT from a transformers gpt-oss directory on pp=2 x dp_shard=2, the experts expert-parallel
+    over the two DP ranks (each reads its experts' rows of the fused tensors), packed chat rows of
+    64 tokens past the window of 6: the masked loss falls, the aux loss is reported, and the
+    end-of-run HF export loads in transformers with our checkpoint's logits."""
+    tokenizer, chats, tokenizer_vocab = chat_inputs
+    path = hf_model(tmp_path / "hf", vocab_size=-(-tokenizer_vocab // 8) * 8)
+    export = ["--checkpoint.export_at_end", "hf", "--checkpoint.export_dtype", "float32"]
+    steps = ["--training.steps", "6", "--checkpoint.interval", "6"]
+    ep2 = ["--parallelism.expert_parallel_degree", "2"]
+    sft(tmp_path / "run", path, tokenizer, chats, 4, *PP2_DP2, *ep2, *export, *steps)
+    loss = losses(tmp_path / "run")
+    assert len(loss) == 6 and loss[-1] < loss[0] - 0.3, loss
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(row["moe_aux_loss"] > 0 for row in rows)
+    ours = load_model(tmp_path / "run" / "ckpt" / "step-6").eval()
+    tokens = TOKENS % ours.args.vocab_size
+    exported = transformers.GptOssForCausalLM.from_pretrained(tmp_path / "run" / "ckpt" / "step-6-hf").eval()
+    with torch.no_grad():
+        assert (exported(tokens).logits - ours(tokens)).abs().max().item() <= 1e-5
+
+
+@pytest.mark.slow
+def test_osft_trains_attention_and_keeps_the_experts_frozen(tmp_path, chat_inputs):
+    """OSFT on gpt-oss: the attention matrices are factorized and trained (their biases and the
+    sinks dense), the mixtures of experts -- router, experts, their biases -- frozen: bitwise the
+    pretrained weights after training, and no optimizer state."""
+    tokenizer, chats, tokenizer_vocab = chat_inputs
+    path = hf_model(tmp_path / "hf", vocab_size=-(-tokenizer_vocab // 8) * 8)
+    steps = ["--training.steps", "3", "--checkpoint.interval", "3", *ONE]
+    sft(tmp_path / "run", path, tokenizer, chats, 1, "--finetune.mode", "osft", *steps)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and all(row["osft_leak"] <= 1e-5 for row in rows)
+    step, pretrained = open_model_checkpoint(tmp_path / "run" / "ckpt" / "step-3"), open_model_checkpoint(path)
+    for fqn in ("experts.w1", "experts.w2", "experts.b1", "experts.b2", "router.gate.weight", "router.gate.bias"):
+        assert torch.equal(step.read_tensor(f"layers.0.moe.{fqn}"), pretrained.read_tensor(f"layers.0.moe.{fqn}")), fqn
+    assert not torch.equal(
+        step.read_tensor("layers.0.attention.sinks"), pretrained.read_tensor("layers.0.attention.sinks")
+    )
+    assert "layers.0.attention.wo.U_low" in step.infos
+    keys = DcpCheckpoint(step.path).metadata.state_dict_metadata
+    assert not [k for k in keys if k.startswith("optimizer") and ".moe." in k]

@@ -40,8 +40,9 @@ def decoder_family(
     """A family on the shared decoder: ``args`` (its dataclass) and ``flavors``, the
     ``config.json`` ``model_types`` it reads, ``config(args, dtype)`` and ``args_from_config(cfg)``;
     ``names``: args -> its HF name adapter; ``hooks``: any other ``ModelFamily`` field (``renamings``,
-    ``check_seq_len``, ``flops_per_token``, ``layer_flops``, ``tensor_parallel``)."""
+    ``check_seq_len``, ``flops_per_token``, ``layer_flops``, ``tensor_parallel``, ``osft_targets``)."""
     hooks = {
+        "osft_targets": OSFT_TARGETS,
         "flops_per_token": lambda model_args, seq_len, num_params=None: decoder_flops_per_token(
             Transformer, model_args, seq_len, num_params
         ),
@@ -59,7 +60,6 @@ def decoder_family(
         first_stage=("tok_embeddings",),
         last_stage=("norm", "output"),
         vocab_fqns=("tok_embeddings.weight", "output.weight"),
-        osft_targets=OSFT_TARGETS,
         hf=HFAdapter(model_types, names, config, args_from_config),
         **hooks,
     )

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.common import decoder_family, hf_config, moe_flops_per_token
+from models.common import OSFT_TARGETS, decoder_family, hf_config, moe_flops_per_token
 from models.common.args import MOE_SHAPE_FIELDS, MoEDecoderArgs, check_float, check_int
 from models.common.decoder import DecoderOptions
 from models.common.rope import RopeScaling
@@ -167,4 +167,5 @@ GPT_OSS = decoder_family(
     shape_fields=MOE_SHAPE_FIELDS,
     names=GptOssNames,
     flops_per_token=moe_flops_per_token,
+    osft_targets=tuple(t for t in OSFT_TARGETS if t.startswith("attention.")),  # no dense feed-forward
 )
