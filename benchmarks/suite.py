@@ -305,6 +305,13 @@ PARTS = [
         "per-document attention faster and smaller than the dense document mask at 2048-8192 tokens",
     ),
     Part(
+        "attention_sinks",
+        "cpu",
+        ["benchmarks/attention_sinks.py"],
+        300,
+        "sinks through one SDPA call faster than the eager softmax with a sink column; a window no slower",
+    ),
+    Part(
         "sft_batches",
         "cpu",
         ["benchmarks/sft_batches.py"],

@@ -40,6 +40,7 @@ SMALL = {
     "attention": ["attention", "--flavor", "debug", "--seq-len", "128", "--repeats", "1"],
     "loss": ["loss", "--tokens", "256", "--dim", "64", "--chunk-tokens", "100", "--repeats", "1"],
     "packed_attention": ["packed_attention", "--seq-lens", "256", "--doc-len", "64", "--repeats", "1"],
+    "attention_sinks": ["attention_sinks", "--seq-lens", "128", "--window", "32", "--repeats", "1"],
     "sft_start": ["sft_start", "--flavor", "debug", "--ranks", "2", "--skip-baseline"],
     "convert": ["convert", "--flavor", "debug"],
     "tp_read": ["tp_read", "--flavor", "debug", "--layouts", "pp2 x tp2"],
