@@ -85,8 +85,8 @@ def explicit_split(n_layers: int, num_stages: int, split_points: Sequence[str | 
 def balanced_split(costs: LayerCosts, num_stages: int) -> list[tuple[int, ...]]:
     """Contiguous runs of blocks, one or more per stage, the first stage with ``costs.first`` and
     the last with ``costs.last``: the dearest stage is as cheap as any split makes it, and among
-    the splits that achieve that, the stage costs' sum of squares is least (the other stages as
-    even as they can be, which also evens the ranks of an interleaved schedule)."""
+    the splits that achieve that, the stage costs' sum of squares is least (the slack spread over
+    the stages, not piled on one: it evens an interleaved schedule's ranks too)."""
     check_stage_count(len(costs.blocks), num_stages)
     units = list(costs.blocks)
     units[0] += costs.first
