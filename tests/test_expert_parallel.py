@@ -1,6 +1,7 @@
 """Expert parallelism on real gloo groups: the layouts train with one process's losses, a rank's
 experts load by their rows (direct init bitwise the seed's), checkpoints resume bitwise and across
-EP degrees with the expert bias, and layout mistakes are one line before any rendezvous."""
+EP degrees with the expert bias, a layer with every routing and expert option runs under EP and TP as
+in one process, and layout mistakes are one line before any rendezvous."""
 
 from __future__ import annotations
 

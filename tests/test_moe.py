@@ -1,6 +1,7 @@
 """Mixtures of experts: grouped GEMM against the per-expert loop, the router's ties, the sequence-wise
 auxiliary loss against ``transformers``' formula, its gradient, bias balancing, active-parameter
-FLOPs, and training under torchrun: every layout's losses and balance statistics within 1e-5 of
+FLOPs, DeepSeek-V3's and gpt-oss's routing and experts against ``transformers``' modules, the init
+recipes, and training under torchrun: every layout's losses and balance statistics within 1e-5 of
 one process, bias balancing resumed bitwise."""
 
 from __future__ import annotations
