@@ -19,6 +19,8 @@ from seedckpt.cli.convert import convert
 from seedckpt.materialize.model_checkpoint import open_model_checkpoint
 from seedckpt.materialize.seed import create_seed_checkpoint
 from tests.conftest import tiny_config
+from tests.dist import run_distributed
+from tests.quantizers import quantize_directory
 from tests.test_convert import our_logits
 from tests.test_sft import PP2_DP2, chat_inputs, sft  # noqa: F401 (chat_inputs: a fixture)
 from tests.test_train import losses, model_state, torchrun
@@ -283,3 +285,79 @@ def test_osft_trains_attention_and_keeps_the_experts_frozen(tmp_path, chat_input
     assert "layers.0.attention.wo.U_low" in step.infos
     keys = DcpCheckpoint(step.path).metadata.state_dict_metadata
     assert not [k for k in keys if k.startswith("optimizer") and ".moe." in k]
+
+
+def _mxfp4(root: Path) -> tuple[Path, Path, Path]:
+    """A random gpt-oss (experts 32 wide: whole MXFP4 groups), its copy with the experts quantized to
+    MXFP4 as the hub stores them, and a float copy holding the values those blocks stand for."""
+    src = hf_model(root / "hf", intermediate_size=32)
+    experts = lambda name, tensor: name.endswith(("experts.gate_up_proj", "experts.down_proj"))  # noqa: E731
+    quantize_directory(src, root / "mxfp4", "mxfp4", experts, root / "values")
+    return src, root / "mxfp4", root / "values"
+
+
+def test_an_mxfp4_directory_reads_to_mxfp4s_error(tmp_path):
+    """gpt-oss's hub layout (``gate_up_proj_blocks`` / ``_scales`` ...): our model computes
+    transformers' logits on the values the blocks stand for (within 1e-5), each expert weight is the
+    original within MXFP4's rounding (at most 2^e, e its group's exponent: less than a third of the
+    group's largest magnitude), and the quantization moved the logits."""
+    src, quantized, values = _mxfp4(tmp_path)
+    with torch.no_grad():
+        want = transformers.GptOssForCausalLM.from_pretrained(values).eval()(TOKENS).logits
+        assert (load_model(quantized).eval()(TOKENS) - want).abs().max().item() <= 1e-5
+        original = transformers.GptOssForCausalLM.from_pretrained(src).eval()(TOKENS).logits
+        assert (original - want).abs().max().item() > 1e-3
+    read, exact = open_model_checkpoint(quantized), open_model_checkpoint(src)
+    for fqn in ("experts.w1", "experts.w3", "experts.w2"):
+        got, w = read.read_tensor(f"layers.1.moe.{fqn}"), exact.read_tensor(f"layers.1.moe.{fqn}")
+        groups = w.reshape(*w.shape[:2], -1, 32)  # our [E, out, in]: groups of 32 along in, as stored
+        bound = groups.abs().amax(-1, keepdim=True) / 3
+        assert ((got.reshape(groups.shape) - groups).abs() <= bound).all(), fqn
+
+
+def _owned_worker(rank, world_size, plain, quantized):
+    """Each directory into FSDP2 stages over 2 ranks (4 experts: 2 each): equal to its whole read,
+    and the rows of expert tensors this rank asked the files for."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from seedckpt.checkpoint.owned_reads import OwnedHFReader
+    from seedckpt.materialize.stages import build_stages
+    from seedckpt.parallel.pipeline import plan_rank_stages
+    from seedckpt.utils.tensors import local, local_rows
+    from tests.test_distributed import _fsdp
+
+    requested, read_data = [], OwnedHFReader.read_data
+    OwnedHFReader.read_data = lambda self, plan, planner: (
+        requested.extend(
+            (i.storage_index.fqn, i.storage_offsets[0], i.storage_offsets[0] + i.lengths[0])
+            for i in plan.items
+            if ".experts." in i.storage_index.fqn
+        )
+        or read_data(self, plan, planner)
+    )
+    failures, asked = [], {}
+    for path in (plain, quantized):
+        opened = open_model_checkpoint(path)
+        args = opened.args
+        [stage] = build_stages(
+            args, plan_rank_stages(args, 0, 1), "cpu", opened, shard_fn=_fsdp(init_device_mesh("cpu", (2,)))
+        )
+        for fqn, t in stage.state_dict().items():
+            lo, hi = local_rows(t) or (0, t.shape[0])
+            if not torch.equal(local(t), opened.read_tensor(fqn)[lo:hi].to(t.dtype)):
+                failures.append(f"{path}: {fqn}")
+        asked[str(path)], requested[:] = sorted(set(requested)), []
+    return failures, asked
+
+
+@pytest.mark.slow
+def test_each_rank_reads_only_its_experts_of_the_fused_and_the_mxfp4_tensors(tmp_path):
+    """Two FSDP2 ranks, each holding experts [2r, 2r + 2) of 4: loaded from the plain directory
+    (fused gate_up_proj, down_proj) and from its MXFP4 copy (their blocks and scales), each rank's
+    tensors equal the whole read's rows, and every expert read it asks the files for is of its rows."""
+    src, quantized, _ = _mxfp4(tmp_path)
+    for rank, (failures, asked) in enumerate(run_distributed(_owned_worker, 2, src, quantized)):
+        assert failures == [], failures[:5]
+        for path, items in asked.items():
+            assert items and all((lo, hi) == (2 * rank, 2 * rank + 2) for _, lo, hi in items), (rank, path, items)
+        assert any(name.endswith("gate_up_proj_blocks") for name, _, _ in asked[str(quantized)])
