@@ -137,8 +137,10 @@ def tensor_parallel_sizes(args) -> dict[str, int]:
     }
 
 
-def parallelize_decoder(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    """Apply the plan to a (pipeline stage of the) decoder, on ``meta`` or materialized."""
+def parallelize_decoder(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, attention_plan=None) -> None:
+    """Apply the plan to a (pipeline stage of the) decoder, on ``meta`` or materialized.
+    ``attention_plan(block.attention, between)``: the block's attention entries, for a family with
+    its own attention module (None: ``_attention_plan``, grouped-query attention's)."""
     norm = SequenceParallel() if sequence_parallel else ReplicatedParameters()
     between = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout
     top = {}
@@ -152,23 +154,31 @@ def parallelize_decoder(model: nn.Module, mesh: DeviceMesh, sequence_parallel: b
     for block in model.layers.values():
         plan = {
             "attention_norm": norm,
-            "attention": PrepareModuleInput(
-                input_layouts=(between, None, None), desired_input_layouts=(Replicate(), None, None)
-            ),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=between),
+            **(attention_plan or _attention_plan)(block.attention, between),
             "ffn_norm": norm,
             **(_dense_ffn_plan(between) if block.moe is None else _moe_plan(between, block.moe)),
         }
-        if block.attention.options.qk_norm:  # per head, on this rank's heads (dim 2 of (b, s, h, d))
-            for name in ("attention.q_norm", "attention.k_norm"):
-                plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
         parallelize_module(block, mesh, plan)
         if getattr(block.attention, "sinks", None) is not None:  # one per q head: split with the heads
             parallelize_module(block.attention, mesh, HeadParameter("sinks"))
     model.tie_weights()  # the plan gave the embedding and the output each a DTensor of their own
+
+
+def _attention_plan(attention: nn.Module, between) -> dict:
+    """Grouped-query attention: q/k/v colwise (whole heads per rank), ``wo`` rowwise."""
+    plan = {
+        "attention": PrepareModuleInput(
+            input_layouts=(between, None, None), desired_input_layouts=(Replicate(), None, None)
+        ),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=between),
+    }
+    if attention.options.qk_norm:  # per head, on this rank's heads (dim 2 of (b, s, h, d))
+        for name in ("attention.q_norm", "attention.k_norm"):
+            plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return plan
 
 
 def _dense_ffn_plan(between) -> dict:

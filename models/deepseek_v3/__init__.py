@@ -42,6 +42,7 @@ from models.common.decoder import Transformer
 from models.common.rope import RopeScaling
 from models.deepseek_v3.args import SHAPE_FIELDS, DeepseekV3Args
 from models.deepseek_v3.hf import MODEL_TYPE, DeepseekV3HFNames, args_from_config, config
+from models.deepseek_v3.tensor_parallel import MLA_TENSOR_PARALLEL
 from models.deepseek_v3.torchtitan import DeepseekV3TorchtitanNames
 
 FLAVORS = {
@@ -132,7 +133,7 @@ DEEPSEEK_V3 = dataclasses.replace(
         names=DeepseekV3HFNames,
         flops_per_token=flops_per_token,
         layer_flops=lambda model_args, seq_len: decoder_layer_flops(model_args, seq_len, attention=attention_flops),
-        tensor_parallel=None,
+        tensor_parallel=MLA_TENSOR_PARALLEL,
         renamings={"torchtitan": DeepseekV3TorchtitanNames},
     ),
     osft_targets=OSFT,
