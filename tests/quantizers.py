@@ -19,12 +19,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from seedckpt.checkpoint.formats.quantized import E2M1, E8M0_BIAS, FP8_BLOCK, MX_BYTES
+from seedckpt.checkpoint.formats.quantized import E8M0_BIAS, FP8_BLOCK, MX_BYTES
 
 FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": []}
 E4M3_MAX = 448.0
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # e2m1's magnitudes; codes 8..15 are their negatives
 E2M1_TABLE = torch.tensor([*E2M1, *(-v for v in E2M1)])
+E2M1_MIDPOINTS = torch.tensor([(a + b) / 2 for a, b in zip(E2M1, E2M1[1:])])
 
 
 def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,11 +60,12 @@ def pack_mxfp4(codes: torch.Tensor, exponents: torch.Tensor) -> tuple[torch.Tens
 def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``w`` [E, C, R] (HF's layout of gpt-oss's experts) as MXFP4 blocks [E, R, C / 32, 16] and
     scales [E, R, C / 32], with the values they stand for ([E, C, R], float32)."""
-    rows = w.transpose(1, 2).float()
+    rows = w.transpose(1, 2).float().contiguous()
     groups = rows.reshape(*rows.shape[:2], -1, 2 * MX_BYTES)
     exponents = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=2.0**-120) / E2M1[-1])).clamp(-127, 127)
     scaled = groups / torch.pow(2.0, exponents)[..., None]
-    codes = (scaled[..., None] - E2M1_TABLE).abs().argmin(-1)
+    # the nearest magnitude (by the midpoints between e2m1's), then the sign bit: no [..., 16] temporary
+    codes = torch.bucketize(scaled.abs(), E2M1_MIDPOINTS) + 8 * (scaled < 0)
     values = E2M1_TABLE[codes] * torch.pow(2.0, exponents)[..., None]
     blocks, scales = pack_mxfp4(codes.flatten(-2), exponents.long())
     return blocks, scales, values.flatten(-2).transpose(1, 2).contiguous()

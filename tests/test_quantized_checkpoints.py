@@ -18,7 +18,6 @@ MXFP4: codes and exponents packed here byte by byte are read back exactly and eq
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from pathlib import Path
 
@@ -28,7 +27,6 @@ from safetensors.torch import load_file, save_file
 
 from seedckpt import load_model
 from seedckpt.checkpoint.formats.quantized import (
-    E2M1,
     FP8_BLOCK,
     DequantizedLoad,
     Stored,
@@ -39,7 +37,7 @@ from seedckpt.cli.main import main as cli
 from seedckpt.materialize.model_checkpoint import open_model_checkpoint
 from seedckpt.utils.errors import SeedckptError
 from tests.dist import run_distributed
-from tests.quantizers import FP8_CONFIG, pack_mxfp4, quantize_directory, quantize_fp8, reference_fp8
+from tests.quantizers import E2M1_TABLE, FP8_CONFIG, pack_mxfp4, quantize_directory, quantize_fp8, reference_fp8
 
 transformers = pytest.importorskip("transformers")
 
@@ -76,11 +74,12 @@ def dirs(tmp_path_factory):
 def test_fp8_partial_blocks_read_as_deepseek_defines_and_each_row_range_alone(tmp_path):
     """576 x 300 (DeepSeek-V3's kv_a_proj_with_mqa rows; columns ending in a 44-wide block) on a 5 x 3
     grid: the whole tensor, and rows 100..460 read through their own stored rows (scale rows 0..3),
-    equal the definition exactly. transformers 5.24 derives its blocks as rows // scale rows: it refuses
-    576 rows on 5 (no multiple), and would read the 300 columns on 3 as 100-column blocks."""
-    torch.manual_seed(0)
-    values, scale = quantize_fp8(torch.randn(576, 300))
-    scale = scale * torch.rand(scale.shape)  # unrelated scales: a block taken for another shows
+    equal the definition exactly, every one of the 256 e4m3 codes (subnormals, signed zeros, NaN) among
+    the values. transformers 5.24 derives its blocks as rows // scale rows: it refuses 576 rows on 5
+    (no multiple), and would read the 300 columns on 3 as 100-column blocks."""
+    g = torch.Generator().manual_seed(0)
+    values = torch.randint(0, 256, (576, 300), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+    scale = torch.rand(5, 3, generator=g) * 4  # unrelated scales: a block taken for another shows
     save_file({"w.weight": values, "w.weight_scale_inv": scale}, tmp_path / "w.safetensors")
     stored = {
         n: Stored(tmp_path / "w.safetensors", n, TensorInfo(tuple(t.shape), t.dtype))
@@ -89,7 +88,7 @@ def test_fp8_partial_blocks_read_as_deepseek_defines_and_each_row_range_alone(tm
     [(name, q)] = quantized_tensors(stored, {"quantization_config": FP8_CONFIG}, tmp_path).items()
     expected = reference_fp8(values, scale)
     assert name == "w.weight" and q.info == TensorInfo((576, 300), torch.float32)
-    assert torch.equal(q.read(), expected)
+    torch.testing.assert_close(q.read(), expected, rtol=0, atol=0, equal_nan=True)
     windows = q.windows(100, 460)
     assert {n: (w.start, tuple(w.dest.shape)) for n, w in windows.items()} == {
         "w.weight": (100, (360, 300)),
@@ -97,7 +96,7 @@ def test_fp8_partial_blocks_read_as_deepseek_defines_and_each_row_range_alone(tm
     }
     dest = torch.empty(360, 300)
     q.dequantize_into({"w.weight": values[100:460], "w.weight_scale_inv": scale[0:4]}, dest, 100)
-    assert torch.equal(dest, expected[100:460])
+    torch.testing.assert_close(dest, expected[100:460], rtol=0, atol=0, equal_nan=True)
 
 
 def test_fp8_directory_loads_within_fp8s_error_and_computes_what_transformers_does_on_its_values(dirs, tmp_path):
@@ -262,10 +261,11 @@ def test_crafted_quantized_directories_are_refused_in_one_line(dirs, tmp_path, c
 
 
 def test_mxfp4_packed_here_reads_back_exactly_and_as_transformers_dequantizes(tmp_path):
-    """Random codes and exponents -8..8 over 3 experts, 5 rows, 2 groups: the tensor is [3, 64, 5]
-    (groups x 32 by rows), each value the e2m1 code's times 2^exponent; transformers'
-    ``convert_moe_packed_tensors`` gives the same bits; experts [1, 3) alone, read through DCP,
-    cost exactly their blocks' and scales' bytes."""
+    """Random codes (all 16) and exponents -127..127 (e8m0's every finite scale, both ends included)
+    over 3 experts, 5 rows, 2 groups: the tensor is [3, 64, 5] (groups x 32 by rows), each value the
+    e2m1 code's times 2^exponent (subnormal or overflowing to inf in float32 at the ends, as the
+    definition's float32 is); transformers' ``convert_moe_packed_tensors`` gives the same bits;
+    experts [1, 3) alone, read through DCP, cost exactly their blocks' and scales' bytes."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     from seedckpt.checkpoint.load import RowWindow, load_state
@@ -273,10 +273,10 @@ def test_mxfp4_packed_here_reads_back_exactly_and_as_transformers_dequantizes(tm
 
     g = torch.Generator().manual_seed(1)
     codes = torch.randint(0, 16, (3, 5, 64), generator=g)
-    exponents = torch.randint(-8, 9, (3, 5, 2), generator=g)
+    exponents = torch.randint(-127, 128, (3, 5, 2), generator=g)
+    exponents[0, 0], exponents[2, 4] = torch.tensor([-127, 127]), torch.tensor([-126, 126])
     blocks, scales = pack_mxfp4(codes, exponents)
-    table = torch.tensor([*E2M1, *(-v for v in E2M1)])
-    values = table[codes] * torch.pow(2.0, exponents.repeat_interleave(32, dim=-1).double()).float()
+    values = (E2M1_TABLE[codes].double() * torch.pow(2.0, exponents.repeat_interleave(32, dim=-1).double())).float()
     expected = values.transpose(1, 2)
     name = "model.layers.0.mlp.experts.down_proj"
     save_file({f"{name}_blocks": blocks, f"{name}_scales": scales}, tmp_path / "model.safetensors")
@@ -297,4 +297,3 @@ def test_mxfp4_packed_here_reads_back_exactly_and_as_transformers_dequantizes(tm
     load.finish()
     assert torch.equal(dest, expected[1:3])
     assert reader.reads.bytes_read == blocks[1:3].numel() + scales[1:3].numel() == 2 * 5 * 2 * 17
-    assert math.isfinite(dest.abs().max().item())

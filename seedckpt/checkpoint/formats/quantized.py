@@ -7,7 +7,8 @@ Two formats of released checkpoints, told apart by the tensors a directory store
   128 x 128 block: element (r, c) is ``fp8[r, c] * scale_inv[r // 128, c // 128]``. A side that is not
   a multiple of 128 ends in a partial block with a scale of its own (576 x 7168 has a 5 x 56 grid).
 * **MXFP4** (gpt-oss's experts; ``quant_method: "mxfp4"``): ``X_blocks`` (uint8 ``[E, R, G, 16]``,
-  two 4-bit e2m1 values a byte, the low nibble first) and ``X_scales`` (uint8 ``[E, R, G]``, e8m0
+  two 4-bit e2m1 values a byte, the low nibble first; e2m1 is a sign bit, two exponent bits and a
+  mantissa bit: +-0, 0.5, 1, 1.5, 2, 3, 4, 6) and ``X_scales`` (uint8 ``[E, R, G]``, e8m0
   exponents: each group of 32 values is multiplied by ``2 ** (s - 127)``). Dequantized, a row is
   ``[E, R, G * 32]``; the tensor ``X`` is that with its last two dimensions swapped, ``[E, G * 32,
   R]``: the layout the unquantized model stores under ``X`` (gpt-oss's ``gate_up_proj`` is ``[E, D,
@@ -43,8 +44,7 @@ FP8_SCALE = "_scale_inv"  # X.weight's scales are X.weight_scale_inv
 FP8_SCALE_DTYPES = (torch.float32, torch.bfloat16)  # both widen to float32 exactly
 MX_BLOCKS, MX_SCALES = "_blocks", "_scales"
 MX_BYTES = 16  # one scale's group: 16 bytes of two 4-bit values, 32 values
-# e2m1: the sign bit, two exponent bits and one mantissa bit; code k and k + 8 differ in sign only
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+MX_ROWS = 256  # rows dequantized at a time
 E8M0_BIAS = 127
 
 
@@ -105,14 +105,21 @@ class BlockFP8(Quantized):
         return start // FP8_BLOCK, -(-stop // FP8_BLOCK)
 
     def dequantize_into(self, stored: dict[str, torch.Tensor], dest: torch.Tensor, start: int) -> None:
-        values, scales = stored[self.values.name], stored[self.scales.name]
+        codes, scales = stored[self.values.name].view(torch.uint8), stored[self.scales.name]
         stop = start + dest.shape[0]
         first = start // FP8_BLOCK
-        # each scale row spread over its block's columns: [scale rows, C], 1/128 of the values
-        spread = scales.float().repeat_interleave(FP8_BLOCK, dim=1)[:, : values.shape[1]]
-        for k in range(spread.shape[0]):  # a block row at a time: one float32 temporary of 128 rows
+        # each scale row spread over its block's columns ([scale rows, C]: 1/128 of the values), times
+        # the 2^8 that the float16 below is short of
+        spread = scales.float().repeat_interleave(FP8_BLOCK, dim=1)[:, : codes.shape[1]] * 2.0**8
+        for k in range(spread.shape[0]):  # a block row at a time: the temporaries stay in the cache
             lo, hi = max(start, (first + k) * FP8_BLOCK) - start, min(stop, (first + k + 1) * FP8_BLOCK) - start
-            dest[lo:hi].copy_(values[lo:hi].float() * spread[k])
+            # e4m3's sign, exponent and mantissa bits moved into float16's: the same value times 2^-8,
+            # subnormals included -- 3-4x faster here than torch's float8 -> float32 cast, and exact
+            x = codes[lo:hi].to(torch.int16)
+            torch.mul((((x & 0x80) << 8) | ((x & 0x7F) << 7)).view(torch.float16), spread[k], out=dest[lo:hi])
+        nan = (codes & 0x7F) == 0x7F  # e4m3's NaN codes, which float16's bits would make 480
+        if codes.numel() and nan.any():
+            dest[nan] = float("nan")
 
 
 class MXFP4(Quantized):
@@ -121,16 +128,20 @@ class MXFP4(Quantized):
 
     def dequantize_into(self, stored: dict[str, torch.Tensor], dest: torch.Tensor, start: int) -> None:
         blocks, scales = stored[self.values.name], stored[self.scales.name]
-        table = torch.tensor([*E2M1, *(-v for v in E2M1)], dtype=torch.float32)
         # 2 ** (s - 127) for every byte s; exact in float32 (2 ** -127 is a subnormal, 2 ** 128 is inf)
         powers = torch.ldexp(torch.ones(256), torch.arange(256) - E8M0_BIAS)
-        for e in range(dest.shape[0]):  # an expert at a time bounds the temporaries
-            codes = blocks[e].int()
-            values = torch.empty((*codes.shape[:-1], 2 * MX_BYTES), dtype=torch.float32)
-            values[..., 0::2] = table[codes & 0x0F]
-            values[..., 1::2] = table[codes >> 4]
-            values.mul_(powers[scales[e].int()].unsqueeze(-1))
-            dest[e].copy_(values.flatten(-2).T)
+        rows = blocks.shape[1]
+        for e in range(dest.shape[0]):
+            for r in range(0, rows, MX_ROWS):  # a few hundred rows at a time: the temporaries stay in the cache
+                part = blocks[e, r : r + MX_ROWS].to(torch.int16)
+                nibbles = torch.empty((*part.shape[:-1], 2 * MX_BYTES), dtype=torch.int16)
+                nibbles[..., 0::2] = part & 0x0F  # the low nibble is the first value
+                nibbles[..., 1::2] = part >> 4
+                # e2m1's sign, exponent and mantissa bits moved into float16's: the value times 2^-14,
+                # 0.5 (e2m1's one subnormal) included -- twice as fast here as looking each code up
+                half = (((nibbles & 0x8) << 12) | ((nibbles & 0x7) << 9)).view(torch.float16)
+                values = half.float().mul_(2.0**14).mul_(powers[scales[e, r : r + MX_ROWS].int()].unsqueeze(-1))
+                dest[e, :, r : r + MX_ROWS].copy_(values.flatten(-2).T)
 
 
 def quantized_tensors(stored: dict[str, Stored], config: dict, where: Path) -> dict[str, Quantized]:
