@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from models.gpt_oss import FLAVORS, args_from_config, config
+from models.gpt_oss import FLAVORS, GPT_OSS, args_from_config, config
 from seedckpt import load_model
 from seedckpt.checkpoint import DcpCheckpoint
 from seedckpt.cli.convert import convert
@@ -407,3 +407,21 @@ def test_compiled_attention_computes_eager_logits_and_gradients(tmp_path, monkey
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
     for (name, p), q in zip(compiled.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_init_recipe_is_transformers():
+    """Every tensor of the debug model drawn as ``GptOssPreTrainedModel._init_weights`` draws it:
+    weights, experts, sinks and the router's bias normal at ``initializer_range``; the other biases
+    zero; norms one."""
+    from seedckpt.materialize.init_recipe import init_model
+
+    args = FLAVORS["debug"]
+    with torch.device("meta"):
+        model = GPT_OSS.model(args)
+    for fqn, spec in init_model(model, 0, materialize=False).items():
+        if fqn.endswith("norm.weight"):
+            assert spec.kind == "ones", fqn
+        elif fqn.endswith(("attention.sinks", "router.gate.bias")) or not fqn.endswith(("bias", ".b1", ".b2", ".b3")):
+            assert (spec.kind, spec.std) == ("normal", args.initializer_range), fqn
+        else:
+            assert spec.kind == "zeros", fqn
