@@ -160,7 +160,9 @@ _DEFAULTS = DeepseekV3Args()
 
 def args_from_config(cfg: dict) -> DeepseekV3Args:
     hf_config.refuse_common(cfg, "DeepSeek-V3")
-    hf_config.refuse(cfg, "DeepSeek-V3", attention_bias=False, scoring_func="sigmoid", topk_method="noaux_tc")
+    hf_config.refuse(
+        cfg, "DeepSeek-V3", attention_bias=False, scoring_func="sigmoid", topk_method="noaux_tc", moe_layer_freq=1
+    )
     n_heads = hf_config.read(cfg, "num_attention_heads", check_int, _DEFAULTS.n_heads)
     if hf_config.read(cfg, "num_key_value_heads", check_int, n_heads) != n_heads:
         raise ValueError(
