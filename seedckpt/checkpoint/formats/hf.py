@@ -6,7 +6,9 @@ separate output head in the files) gives the tied FQN its source's tensor. ``loa
 ``HuggingFaceStorageReader`` (reading rows with ``owned_reads.OwnedHFReader``), so each rank reads
 only its tensors and rows. A quantized tensor (FP8 blocks, MXFP4: ``quantized``) stands under the name
 it would have unquantized, in float32, and a rank reads the rows of its values and scales under its
-own. ``write`` streams ``model-0000k-of-0000n.safetensors`` shards of at
+own. A stored tensor that holds some of ours rearranged (``StoredParts``: gpt-oss's fused,
+interleaved, transposed experts) is split on reading, a rank reading only its experts' rows of it,
+and joined again on writing. ``write`` streams ``model-0000k-of-0000n.safetensors`` shards of at
 most ``shard_bytes``, the index and a ``config.json`` that ``transformers`` loads, with the
 tokenizer files and ``generation_config.json`` the caller hands it (``WriteJob``).
 """
