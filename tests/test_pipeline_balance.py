@@ -169,3 +169,30 @@ def test_make_plan_splits_as_the_run_does():
     assert [s["layers"] for s in plan["stages"]] == [
         list(s.layers) for r in range(2) for s in plan_rank_stages(args, r, 2, seq_len=64)
     ]
+
+
+def test_deepseek_v3_671b_on_16_stages_within_10_percent(capsys):
+    """DeepSeek-V3-671B at 4096 tokens on 16 stages, through `seedckpt plan`: a dense layer and an
+    MoE layer cost about the same compute (9 active experts against a 9x wider FFN) but differ ~20x
+    in bytes; the output costs ~1.2 layers. Compute within 10 % of the mean (1.03; layer counting:
+    1.09); the bytes' figure is shown beside it."""
+    overrides = ["--model.name", "deepseek_v3", "--model.flavor", "671B", "--training.seq_len", "4096"]
+    overrides += ["--parallelism.pipeline_parallel_degree", "16", "--parallelism.pipeline_parallel_microbatches", "16"]
+    overrides += ["--training.local_batch_size", "16", "--world-size", "16", "--json"]
+    assert main(["plan", "--config", str(REPO / "configs/debug.toml"), *overrides]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    family = get_family("deepseek_v3")
+    args = family.flavors["671B"]
+    costs = family.layer_flops(args, 4096)
+    dense, moe = costs.blocks[0], costs.blocks[-1]
+    assert args.n_layers == 61 and args.moe_layers[0] == 3 and abs(dense / moe - 1) < 0.01
+    assert 1.1 < costs.last / moe < 1.3
+    layers = [s["layers"] for s in plan["stages"]]
+    assert all(layers) and sum(layers, []) == list(range(61))
+    assert plan["imbalance"]["stage_flops"] <= 1.10
+    with torch.device("meta"):
+        blocks = family.blocks(family.model(args))
+    dense_params, moe_params = (sum(p.numel() for p in blocks[i].parameters()) for i in ("0", "60"))
+    assert 19 < moe_params / dense_params < 21
+    bytes_ = [s["param_bytes"] for s in plan["stages"]]
+    assert plan["imbalance"]["stage_bytes"] == pytest.approx(imbalance(bytes_))
