@@ -138,7 +138,7 @@ def test_config_both_ways_and_the_hub_config():
     "field,value,named",
     [
         ("attention_bias", False, "attention_bias"),
-        ("hidden_act", "gelu", "hidden_act"),
+        ("attention_dropout", 0.1, "attention_dropout"),
         ("layer_types", ["sliding_attention", "chunked_attention"], "layer_types"),
         ("sliding_window", 0, "sliding_window"),
         ("swiglu_limit", "7", "swiglu_limit"),

@@ -144,7 +144,8 @@ def config(args: GptOssArgs, dtype: torch.dtype) -> dict:
 
 
 def args_from_config(cfg: dict) -> GptOssArgs:
-    hf_config.refuse(cfg, "gpt-oss", hidden_act="silu", attention_bias=True, attention_dropout=0.0)
+    # hidden_act is not read: GptOssForCausalLM's experts run their clamped SwiGLU whatever it says
+    hf_config.refuse(cfg, "gpt-oss", attention_bias=True, attention_dropout=0.0)
     fields = hf_config.decoder_fields(cfg)
     window = hf_config.read(cfg, "sliding_window", check_int, 128)
     return GptOssArgs(
