@@ -44,6 +44,7 @@ SMALL = {
     "sft_start": ["sft_start", "--flavor", "debug", "--ranks", "2", "--skip-baseline"],
     "convert": ["convert", "--flavor", "debug"],
     "tp_read": ["tp_read", "--flavor", "debug", "--layouts", "pp2 x tp2"],
+    "quantized_read": ["quantized_read", "--small", "--repeats", "1"],
     "compare_layouts": ["compare_layouts", "--steps", "2", "--ranks", "2", "--layouts", "single,fsdp2"],
     "sft_batches": ["sft_batches", "--steps", "1"],
     "data_rss": [
