@@ -137,7 +137,7 @@ def test_config_both_ways_and_the_hub_config():
 @pytest.mark.parametrize(
     "field,value,named",
     [
-        ("attention_bias", False, "attention_bias"),
+        ("attention_bias", "yes", "attention_bias"),
         ("attention_dropout", 0.1, "attention_dropout"),
         ("layer_types", ["sliding_attention", "chunked_attention"], "layer_types"),
         ("sliding_window", 0, "sliding_window"),
@@ -149,6 +149,31 @@ def test_config_fields_not_computed_are_refused_in_one_line(field, value, named)
     with pytest.raises(ValueError, match=named) as caught:
         args_from_config(cfg)
     assert "\n" not in str(caught.value)
+
+
+VARIANTS = {
+    "no_attention_bias_mha_tied": dict(attention_bias=False, num_key_value_heads=4, tie_word_embeddings=True),
+    "plain_rope_sliding_everywhere": dict(
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        layer_types=["sliding_attention"] * LAYERS,
+        sliding_window=4,
+    ),
+    "full_then_sliding_clamped": dict(layer_types=["full_attention", "sliding_attention"], swiglu_limit=0.5),
+}
+
+
+@pytest.mark.parametrize("changes", VARIANTS.values(), ids=VARIANTS.keys())
+def test_config_variants_compute_transformers_logits_both_ways(tmp_path, changes):
+    """Other gpt-oss configs than the releases': without attention biases (MHA, tied), plain RoPE
+    with every layer windowed, full attention first and a clamp that bites. HF -> ours and back:
+    transformers' logits within 1e-5."""
+    path = hf_model(tmp_path / "hf", **changes)
+    with torch.no_grad():
+        want = transformers.GptOssForCausalLM.from_pretrained(path).eval()(TOKENS).logits
+        assert (load_model(path).eval()(TOKENS) - want).abs().max().item() <= 1e-5
+        convert(path, tmp_path / "back", "hf", progress=False)
+        back = transformers.GptOssForCausalLM.from_pretrained(tmp_path / "back").eval()
+        assert (back(TOKENS).logits - want).abs().max().item() <= 1e-5
 
 
 def test_fused_experts_are_read_as_gate_up_and_down(tmp_path):

@@ -2,7 +2,7 @@
 
 What sets it apart from the other decoder families, each a switch of the shared decoder:
 
-* attention: q, k, v and o carry biases; every head has a learned sink logit that joins each
+* attention: q, k, v and o carry biases (``attention_bias``); every head has a learned sink logit that joins each
   query's softmax and takes probability mass without a value; the layers alternate a sliding window
   of ``sliding_window`` positions (the layers ``window_layers`` names: the even ones) and full
   attention, as HF's ``layer_types`` lists them; RoPE is YaRN (``rope_scaling``), with its attention
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from models.common import OSFT_TARGETS, decoder_family, hf_config, moe_flops_per_token
-from models.common.args import MOE_SHAPE_FIELDS, MoEDecoderArgs, check_float, check_int
+from models.common.args import MOE_SHAPE_FIELDS, MoEDecoderArgs, check_bool, check_float
 from models.common.decoder import DecoderOptions
 from models.common.rope import RopeScaling
 from models.gpt_oss.hf import GptOssNames
@@ -45,6 +45,7 @@ def alternating(n_layers: int) -> list[str]:
 
 @dataclass
 class GptOssArgs(MoEDecoderArgs):
+    attention_bias: bool = True  # biases on q, k, v and o (both releases have them)
     swiglu_alpha: float = 1.702  # the experts' clamped SwiGLU: the sigmoid's slope
     swiglu_limit: float = 7.0  # and its clamp
 
@@ -54,6 +55,7 @@ class GptOssArgs(MoEDecoderArgs):
             raise ValueError(
                 "gpt-oss has a mixture of experts in every layer: leave mlp_only_layers empty and decoder_sparse_step 1"
             )
+        check_bool("attention_bias", self.attention_bias)
         self.swiglu_alpha = check_float("swiglu_alpha", self.swiglu_alpha)
         self.swiglu_limit = check_float("swiglu_limit", self.swiglu_limit)
         self.decoder_options  # noqa: B018 -- MoEOptions refuses what the block cannot run, here at the door
@@ -71,8 +73,8 @@ class GptOssArgs(MoEDecoderArgs):
             swiglu_limit=self.swiglu_limit,
         )
         return DecoderOptions(
-            qkv_bias=True,
-            o_bias=True,
+            qkv_bias=self.attention_bias,
+            o_bias=self.attention_bias,
             attention_sinks=True,
             layer_windows=self.layer_windows,
             init="normal",
@@ -135,7 +137,7 @@ def config(args: GptOssArgs, dtype: torch.dtype) -> dict:
         **moe,
         "intermediate_size": args.moe_ffn_dim,
         "num_local_experts": args.n_experts,
-        "attention_bias": True,
+        "attention_bias": args.attention_bias,
         "attention_dropout": 0.0,
         **hf_config.window_config(args),
         "swiglu_alpha": args.swiglu_alpha,
@@ -145,14 +147,15 @@ def config(args: GptOssArgs, dtype: torch.dtype) -> dict:
 
 def args_from_config(cfg: dict) -> GptOssArgs:
     # hidden_act is not read: GptOssForCausalLM's experts run their clamped SwiGLU whatever it says
-    hf_config.refuse(cfg, "gpt-oss", attention_bias=True, attention_dropout=0.0)
+    hf_config.refuse(cfg, "gpt-oss", attention_dropout=0.0)
     fields = hf_config.decoder_fields(cfg)
-    window = hf_config.read(cfg, "sliding_window", check_int, 128)
+    window = cfg["sliding_window"] if "sliding_window" in cfg else 128  # null: sliding layers see every position
     return GptOssArgs(
         **fields,
         **{k: v for k, v in hf_config.moe_fields(cfg).items() if k != "norm_topk_prob"},
         **hf_config.layer_windows(cfg, window, alternating(fields["n_layers"])),
         moe_ffn_dim=fields["ffn_dim"],
+        attention_bias=hf_config.read(cfg, "attention_bias", check_bool, True),
         swiglu_alpha=hf_config.read(cfg, "swiglu_alpha", check_float, 1.702),
         swiglu_limit=hf_config.read(cfg, "swiglu_limit", check_float, 7.0),
     )
@@ -165,7 +168,7 @@ GPT_OSS = decoder_family(
     (MODEL_TYPE,),
     config,
     args_from_config,
-    shape_fields=MOE_SHAPE_FIELDS,
+    shape_fields=(*MOE_SHAPE_FIELDS, "attention_bias"),
     names=GptOssNames,
     flops_per_token=moe_flops_per_token,
     osft_targets=tuple(t for t in OSFT_TARGETS if t.startswith("attention.")),  # no dense feed-forward
