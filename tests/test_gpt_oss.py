@@ -325,14 +325,18 @@ def _mxfp4(root: Path) -> tuple[Path, Path, Path]:
 
 
 def test_an_mxfp4_directory_reads_to_mxfp4s_error(tmp_path):
-    """gpt-oss's hub layout (``gate_up_proj_blocks`` / ``_scales`` ...): our model computes
-    transformers' logits on the values the blocks stand for (within 1e-5), each expert weight is the
+    """gpt-oss's hub layout (``gate_up_proj_blocks`` / ``_scales`` ...): our model, and its export to
+    an HF directory, compute transformers' logits on the values the blocks stand for (within 1e-5),
+    each expert weight is the
     original within MXFP4's rounding (at most 2^e, e its group's exponent: less than a third of the
     group's largest magnitude), and the quantization moved the logits."""
     src, quantized, values = _mxfp4(tmp_path)
     with torch.no_grad():
         want = transformers.GptOssForCausalLM.from_pretrained(values).eval()(TOKENS).logits
         assert (load_model(quantized).eval()(TOKENS) - want).abs().max().item() <= 1e-5
+        convert(quantized, tmp_path / "dequantized", "hf", progress=False)  # fused and transposed again
+        exported = transformers.GptOssForCausalLM.from_pretrained(tmp_path / "dequantized").eval()
+        assert (exported(TOKENS).logits - want).abs().max().item() <= 1e-5
         original = transformers.GptOssForCausalLM.from_pretrained(src).eval()(TOKENS).logits
         assert (original - want).abs().max().item() > 1e-3
     read, exact = open_model_checkpoint(quantized), open_model_checkpoint(src)
