@@ -281,7 +281,7 @@ class Parallelism:
         [],
         "the first layer of each stage after the first, e.g. "
         '["layers.4"] (command line: layers.4,layers.8; '
-        "empty: an even split)",
+        "empty: stages cut to even compute, attention at training.seq_len)",
     )
     fsdp_impl: Literal["fsdp2", "manual"] = option(
         "fsdp2",
