@@ -46,6 +46,8 @@ RELEASED = {
     ("mixtral", "8x22B"): 140_630_071_296,
     ("gpt_oss", "20B"): 20_914_757_184,
     ("gpt_oss", "120B"): 116_829_156_672,
+    ("deepseek_v3", "16B"): 15_706_484_224,
+    ("deepseek_v3", "671B"): 671_026_404_352,  # without the multi-token-prediction layer
 }
 CLASSES = {
     "llama3": "LlamaForCausalLM",
@@ -56,6 +58,7 @@ CLASSES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 TOKENS = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
 
@@ -229,7 +232,8 @@ def test_config_values_of_the_wrong_type_or_range_are_refused_naming_the_field(
             "gemma2",
             None,
             "config.json has model_type 'gemma2', which no model family here reads (they read 'llama', 'qwen3', "
-            "'qwen2', 'mistral', 'granite', 'qwen3_moe', 'mixtral'); a family is added as 'Adding a family' in "
+            "'qwen2', 'mistral', 'granite', 'qwen3_moe', 'mixtral', 'gpt_oss', 'deepseek_v3'); a family is added as "
+            "'Adding a family' in "
             "docs/model_families.md describes",
         ),
     ],

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from pathlib import Path
 
 import torch
@@ -31,20 +30,31 @@ class FamilyCodec:
     def __init__(self, family: ModelFamily):
         self.family = family
         self._shapes: dict[str, dict[str, tuple[int, ...]]] = {}  # by the model's args and OSFT settings, as JSON
+        self._parameters: dict[str, int] = {}  # the same models' parameter counts (buffers left out)
 
     def layout(self, args, osft: OSFTSettings | None = None) -> ModelLayout:
         """The tensors ``args`` describes (built on ``meta``: nothing allocated); with ``osft``, its
         targets hold SVD factors instead of a weight. A start asks for the same model several times
         (the config's, the checkpoint's record, the resume's): it is built once per description."""
-        key = json.dumps([args.to_dict(), dataclasses.asdict(osft) if osft else None], sort_keys=True, default=str)
+        key = self._key(args, osft)
         if key not in self._shapes:
             with torch.device("meta"):
                 model = self.family.model(args)
                 if osft is not None:
                     convert_to_osft(model, osft.patterns, osft.ratio)
                 self._shapes[key] = {fqn: tuple(t.shape) for fqn, t in model.state_dict().items()}
+                self._parameters[key] = sum(p.numel() for p in model.parameters())  # a tied matrix once
         shapes = dict(self._shapes[key])
         return ModelLayout(args, args.to_dict(), shapes, self.family.tied_weights(args), self.family.flavor_of(args))
+
+    def parameter_count(self, args) -> int:
+        """The parameters of ``args``'s model: its tensors less its buffers (an expert bias)."""
+        self.layout(args)
+        return self._parameters[self._key(args, None)]
+
+    @staticmethod
+    def _key(args, osft: OSFTSettings | None) -> str:
+        return json.dumps([args.to_dict(), dataclasses.asdict(osft) if osft else None], sort_keys=True, default=str)
 
     def recorded_layout(self, manifest: dict) -> ModelLayout | None:
         model = manifest_model(manifest, "the manifest")
@@ -93,8 +103,7 @@ CODECS = {name: FamilyCodec(family) for name, family in FAMILIES.items()}
 def parameter_count(family: ModelFamily, args) -> int:
     """The parameters of ``args``'s model, a tied matrix once, from its layout (built on ``meta``
     once per description: the start that opened its checkpoint has usually built it already)."""
-    layout = codec_for(family.name).layout(args)
-    return sum(math.prod(shape) for fqn, shape in layout.shapes.items() if fqn not in layout.aliases)
+    return codec_for(family.name).parameter_count(args)
 
 
 def codec_for(name: str = DEFAULT_FAMILY) -> FamilyCodec:
