@@ -176,13 +176,15 @@ def test_config_variants_compute_transformers_logits_both_ways(tmp_path, changes
         assert (back(TOKENS).logits - want).abs().max().item() <= 1e-5
 
 
-def test_fused_experts_are_read_as_gate_up_and_down(tmp_path):
+def test_fused_experts_are_read_as_gate_up_and_down(tmp_path, monkeypatch):
     """Our w1 / w3 are the even / odd columns of HF's gate_up_proj, transposed, and b1 / b3 of its
     bias; w2 is down_proj transposed: read from a transformers directory, each equals the slice that
-    GptOssExperts computes with."""
+    GptOssExperts computes with. Each stored tensor is read once for the tensors it holds."""
     path = hf_model(tmp_path / "hf")
     theirs = hf_tensors(path)
     opened = open_model_checkpoint(path)
+    reads, read_stored = [], opened._read_stored
+    monkeypatch.setattr(opened, "_read_stored", lambda file, name: reads.append(name) or read_stored(file, name))
     assert set(opened.infos) == set(opened.layout.shapes)
     for i in range(LAYERS):
         hf = f"model.layers.{i}.mlp.experts."
@@ -201,6 +203,7 @@ def test_fused_experts_are_read_as_gate_up_and_down(tmp_path):
         assert torch.equal(sinks, theirs[f"model.layers.{i}.self_attn.sinks"])
         router = opened.read_tensor(f"layers.{i}.moe.router.gate.bias")
         assert torch.equal(router, theirs[f"model.layers.{i}.mlp.router.bias"])
+    assert sorted(reads) == sorted(set(reads)) and len(reads) == 6 * LAYERS  # 4 expert tensors, sinks, router
 
 
 # 24 positions: past the window (6) and past YaRN's original context (16).

@@ -95,6 +95,7 @@ class HFCheckpoint(OpenedCheckpoint):
         # our fqn -> {index: (file, hf name, info)}: a tensor stored one dim-0 slice (expert) per entry
         pieces: dict[str, dict[int, tuple[Path, str, TensorInfo]]] = {}
         self.parts: dict[str, tuple[StoredParts, int]] = {}  # our fqn -> the stored tensor holding it, its place
+        self.unread_parts: dict[str, torch.Tensor] = {}  # the rest of the last split tensor, until read
         infos = {}
         headers = {}
         for file in files:
@@ -179,13 +180,22 @@ class HFCheckpoint(OpenedCheckpoint):
     def read_tensor(self, fqn: str) -> torch.Tensor:
         if fqn in self.slices:
             return torch.stack([self._read_stored(file, name) for file, name, _ in self.slices[fqn]])
+        if fqn in self.parts:
+            return self._read_part(fqn)
         file, name = self.location[fqn]
         tensor = self._read_stored(file, name)
-        if fqn in self.parts:
-            parts, k = self.parts[fqn]
-            return parts.split(tensor)[k].contiguous()
         groups = self.names.row_groups(fqn)
         return self.names.from_stored_rows(tensor, groups) if groups else tensor
+
+    def _read_part(self, fqn: str) -> torch.Tensor:
+        """Our ``fqn`` of a tensor stored with others (``StoredParts``): its stored tensor is read (and
+        dequantized) once for all of them, the others kept until asked for -- a conversion reads them
+        a tensor or two apart."""
+        if fqn not in self.unread_parts:
+            parts = self.parts[fqn][0]
+            split = parts.split(self._read_stored(*self.location[fqn]))
+            self.unread_parts = {ours: t.contiguous() for ours, t in zip(parts.fqns, split)}
+        return self.unread_parts.pop(fqn)
 
     def _read_stored(self, file: Path, name: str) -> torch.Tensor:
         quantized = self.quantized.get(name)
