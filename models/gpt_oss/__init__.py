@@ -2,11 +2,11 @@
 
 What sets it apart from the other decoder families, each a switch of the shared decoder:
 
-* attention: q, k, v and o carry biases (``attention_bias``); every head has a learned sink logit that joins each
-  query's softmax and takes probability mass without a value; the layers alternate a sliding window
-  of ``sliding_window`` positions (the layers ``window_layers`` names: the even ones) and full
-  attention, as HF's ``layer_types`` lists them; RoPE is YaRN (``rope_scaling``), with its attention
-  factor;
+* attention: q, k, v and o carry biases (``attention_bias``); every head has a learned sink logit
+  that joins each query's softmax and takes probability mass without a value; the layers alternate
+  a sliding window of ``sliding_window`` positions (the layers ``window_layers`` names: the even
+  ones) and full attention, as HF's ``layer_types`` lists them; RoPE is YaRN (``rope_scaling``),
+  with its attention factor;
 * every layer's feed-forward is ``n_experts`` experts of width ``moe_ffn_dim``, each with biases and
   a clamped SwiGLU (``swiglu_alpha``, ``swiglu_limit``; ``(up + 1)`` times the gate's GLU); the
   router has a bias, takes the ``top_k`` logits and a softmax over those alone.
@@ -15,7 +15,7 @@ Tensor names: the shared decoder's, plus ``layers.{i}.attention.sinks`` ``[n_hea
 attention biases (``attention.{wq,wk,wv,wo}.bias``); in every layer ``moe.router.gate.{weight,bias}``,
 ``moe.experts.{w1,w3}`` ``[experts, moe_ffn_dim, dim]``, ``moe.experts.w2`` ``[experts, dim,
 moe_ffn_dim]`` and their biases ``moe.experts.{b1,b3}`` ``[experts, moe_ffn_dim]``, ``moe.experts.b2``
-``[experts, dim]``. Hugging Face's are ``GptOssForCausalLM``'s, fused and transposed (``hf``).
+``[experts, dim]``. Hugging Face's are ``GptOssForCausalLM``'s, fused and transposed (``models.gpt_oss.hf``).
 
 Balancing is HF's auxiliary loss at ``router_aux_loss_coef``. The init recipe is HF's (``normal``,
 std ``initializer_range``: weights, sinks and the router's bias; the other biases zero).
