@@ -402,6 +402,29 @@ def test_mla_under_tp_computes_one_process_gradients(tmp_path):
         assert max(gaps.values()) <= 1e-5, (name, {n: g for n, g in gaps.items() if g > 1e-5})
 
 
+@pytest.mark.parametrize(
+    "config,world,overrides,per_rank,per_gpu,state_gib",
+    [
+        ("deepseek_v3_671b", 256, [], 32, 8, 42.9),
+        ("deepseek_v3_671b", 2048, ["pipeline_parallel_degree", "16", "expert_parallel_degree", "64"], 4, 2, 5.4),
+        ("deepseek_v3_16b", 8, [], 8, 8, 29.3),
+    ],
+)
+def test_the_shipped_configs_plan_each_gpus_share(capsys, config, world, overrides, per_rank, per_gpu, state_gib):
+    """``seedckpt plan`` of the shipped configs (671B on 256 GPUs, and on 2048 as DeepSeek laid it
+    out): the experts an EP rank and a GPU hold, every parameter on one stage, compute within 5 % of
+    balanced, and the largest share of fp32 parameters, gradients and AdamW state a GPU holds (the
+    figures docs/model_families.md quotes)."""
+    argv = ["plan", "--config", f"configs/{config}.toml", "--world-size", str(world), "--json"]
+    argv += [f"--parallelism.{key}" if i % 2 == 0 else key for i, key in enumerate(overrides)]
+    assert cli(argv) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert (plan["experts_per_ep_rank"], plan["expert_rows_per_gpu"]) == (per_rank, per_gpu)
+    assert sum(stage["params"] for stage in plan["stages"]) == plan["total_params"]
+    assert plan["imbalance"]["stage_flops"] <= 1.05
+    assert round(max(rank["train_state_bytes_per_gpu"] for rank in plan["ranks"]) / 2**30, 1) == state_gib
+
+
 M = ["--model.name", "deepseek_v3"]
 ONE = ["--parallelism.pipeline_parallel_degree", "1"]
 STEPS = ["--training.steps", "4", "--checkpoint.interval", "2"]
