@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from models.gpt_oss import FLAVORS, GPT_OSS, args_from_config, config
 from seedckpt import load_model
 from seedckpt.checkpoint import DcpCheckpoint
-from seedckpt.cli.convert import convert
+from seedckpt.cli.convert import convert, diff
 from seedckpt.materialize.model_checkpoint import open_model_checkpoint
 from seedckpt.materialize.seed import create_seed_checkpoint
 from tests.conftest import tiny_config
@@ -220,6 +220,8 @@ def test_logits_match_transformers_both_ways(tmp_path):
     with torch.no_grad():
         want = hf(TOKENS).logits
         convert(path, tmp_path / "dcp", "dcp", progress=False)
+        equal, lines = diff(path, tmp_path / "dcp")
+        assert equal, lines
         for source, pp in ((tmp_path / "dcp", 1), (path, 2)):
             assert (our_logits(source, TOKENS, pp) - want).abs().max().item() <= 1e-5, (source, pp)
         ours = load_model(path).eval()
