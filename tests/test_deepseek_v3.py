@@ -6,7 +6,9 @@ skipped in one line, torchtitan 0.3.0's names, an FP8 directory, and MLA under T
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import shutil
 import warnings
 from pathlib import Path
@@ -16,12 +18,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
+from models.common.decoder import Transformer
 from models.deepseek_v3 import FLAVORS, attention_flops
 from models.deepseek_v3.hf import args_from_config, config
 from models.registry import get_family
 from seedckpt import load_model
 from seedckpt.cli.convert import convert
 from seedckpt.cli.main import main as cli
+from seedckpt.materialize.init_recipe import TensorInit, init_model
 from seedckpt.materialize.model_checkpoint import open_model_checkpoint
 from seedckpt.materialize.seed import create_seed_checkpoint
 from tests.conftest import tiny_config
@@ -189,6 +193,39 @@ def test_config_both_ways_the_hub_config_and_mla_flops():
     assert grown == 61 * 6 * 128 * (128 + 64 + 128) * 4096 == big.n_layers * attention_flops(big, 0, 4096)
     costs = FAMILY.layer_flops(big, 4096).blocks
     assert costs[0] == costs[2] and 1.0 < costs[3] / costs[0] < 1.01  # dense 0-2, MoE 3-60
+
+
+# torchtitan 0.3.0's DeepSeek-V3 init (``torchtitan/models/deepseek_v3/__init__.py``): every linear
+# trunc_normal_(std) at its default absolute bounds +-2; std 0.02, or the layer's depth-scaled std
+# 0.02 / sqrt(2 (layer + 1)) for these (the router's gate among them).
+DEPTH_SCALED = ("attention.wo", "feed_forward.w2", "feed_forward.w3", "moe.router.gate")
+DEPTH_SCALED += ("moe.experts.w2", "moe.experts.w3", "moe.shared_experts.w2", "moe.shared_experts.w3")
+
+
+def _torchtitan_recipe(fqn: str, dim: int) -> TensorInit:
+    if fqn == "tok_embeddings.weight":
+        return TensorInit("normal", std=1.0)
+    if fqn == "output.weight":
+        return TensorInit("trunc_normal", std=dim**-0.5, cutoff=3.0)
+    if fqn.endswith("norm.weight"):
+        return TensorInit("ones")
+    if fqn.endswith("expert_bias"):
+        return TensorInit("zeros")
+    layer, name = fqn.split(".", 2)[1:]
+    std = 0.02 / math.sqrt(2 * (int(layer) + 1)) if name.removesuffix(".weight") in DEPTH_SCALED else 0.02
+    return TensorInit("trunc_normal", std=std, cutoff=2.0 / std)
+
+
+@pytest.mark.parametrize("q_lora_rank", [64, 0])
+def test_the_init_recipe_is_torchtitans_per_tensor(q_lora_rank):
+    """Every tensor of the debug model (low-rank q and plain) is initialized once, with torchtitan's
+    DeepSeek-V3 recipe for it, read on ``meta``."""
+    args = dataclasses.replace(FLAVORS["debug"], q_lora_rank=q_lora_rank)
+    with torch.device("meta"):
+        model = Transformer(args)
+    specs = init_model(model, seed=0, materialize=False)
+    assert set(specs) == set(model.state_dict())
+    assert {fqn: _torchtitan_recipe(fqn, args.dim) for fqn in specs} == specs
 
 
 @pytest.mark.parametrize(
