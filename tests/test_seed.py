@@ -191,3 +191,46 @@ def test_a_seed_reads_only_the_model_of_its_config(tmp_path):
     )
     path = create_seed_checkpoint(cfg, tmp_path / "seed", seed=0, progress=False, workers=1)
     assert DcpCheckpoint(path).verify() == []
+
+
+def test_a_mixture_of_experts_seed_too_large_for_the_disk_is_refused_naming_its_size(tmp_path, capsys):
+    """DeepSeek-V3 671B (2.5 TiB in float32) against the real free space of the test's disk: refused
+    before a byte is written, the size named, with the real family and flavor (no size forged)."""
+    out = tmp_path / "671b"
+    assert main(["seed", "--config", "configs/debug.toml", "--output", str(out), "--quiet",
+                 "--model.name", "deepseek_v3", "--model.flavor", "671B"]) == 2  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert f"the seed needs 2,499.77 GiB at {out}, but {tmp_path} has " in err and len(err.splitlines()) == 1, err
+    assert list(tmp_path.iterdir()) == []
+
+
+# Seeds a two-layer qwen3_moe whose expert tensors hold 8 experts of MOE_FFN_DIM x 128 (one expert
+# 4x a 1M-element block), small then 8x larger, in one process; prints the peak RSS after each.
+PEAK_RSS_PROBE = """
+import resource, sys
+import seedckpt.materialize.seed as seed
+from tests.conftest import tiny_config
+seed.BLOCK_NUMEL = seed.CHUNK_NUMEL  # blocks of 4 MiB: both models' expert tensors are many blocks
+for moe_ffn_dim in (4096, 32768):
+    cfg = tiny_config("--model.name", "qwen3_moe", "--model.n_layers", "2", "--model.moe_ffn_dim", str(moe_ffn_dim))
+    seed.create_seed_checkpoint(cfg, f"{sys.argv[1]}/{moe_ffn_dim}", seed=0, progress=False, workers=1)
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+def test_peak_memory_does_not_grow_with_the_expert_tensors(tmp_path):
+    """Expert tensors of 16 MiB, then 128 MiB (336 MiB more written): the process's peak RSS grows by
+    less than a quarter of one large tensor, so no tensor (nor expert) is ever held whole."""
+    proc = subprocess.run(
+        [sys.executable, "-c", PEAK_RSS_PROBE, str(tmp_path)],
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+    )
+    assert proc.returncode == 0, proc.stderr
+    small, large = map(int, proc.stdout.split())
+    assert large - small < 32 << 20, f"peak RSS {small / 2**20:.0f} MiB -> {large / 2**20:.0f} MiB"
+    written = sum(f.stat().st_size for f in (tmp_path / "32768").glob("*.distcp"))
+    assert written > 3 * (128 << 20)  # the three expert tensors, 128 MiB each

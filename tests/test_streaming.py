@@ -76,20 +76,21 @@ def test_unaligned_blocks_equal_the_naive_seed(tmp_path, monkeypatch):
         assert torch.equal(got[fqn], t), fqn
 
 
-def test_block_buffers_are_reused_by_size_and_bounded_in_bytes():
-    pool = BlockPool(keep_bytes=8000)
+def test_block_buffers_are_reused_whatever_their_size_and_bounded_in_number():
+    pool = BlockPool(slot_bytes=4000, keep=2)
     block = pool.take(1000, torch.float32)
     address = block.data_ptr()
     pool.give(block)
-    again = pool.take(1000, torch.float32)
-    assert again.data_ptr() == address and again.shape == (1000,)
-    assert pool.take(1000, torch.float32).data_ptr() != address  # in use: a new buffer
-    assert pool.take(2000, torch.bfloat16).untyped_storage().nbytes() == 4000  # same bytes, other dtype
-    pool.give(torch.zeros(10)[:5])  # a view of a larger buffer is never pooled (it would be written whole)
+    again = pool.take(250, torch.bfloat16)  # a smaller block in another dtype reuses the slot...
+    assert again.data_ptr() == address and again.shape == (250,)
+    assert again.untyped_storage().nbytes() == 500  # ...over exactly its bytes (torch.save writes them all)
+    assert pool.take(1000, torch.float32).data_ptr() != address  # in use: another slot
+    assert pool.take(1001, torch.float32).untyped_storage().nbytes() == 4004  # larger than a slot: its own
+    pool.give(torch.zeros(10))  # not from the pool: ignored
     assert pool.idle == []
-    for numel in (1000, 1000, 500, 250):  # whatever the sizes, idle bytes stay within 8000: the oldest go
-        pool.give(torch.empty(numel))
-    assert [storage.nbytes() for storage in pool.idle] == [4000, 2000, 1000]
+    for block in [pool.take(100, torch.float32) for _ in range(3)]:  # at most `keep` slots stay idle
+        pool.give(block)
+    assert len(pool.idle) == 2
 
 
 def test_a_tensor_many_times_the_block_budget_is_written_in_blocks_within_it(tmp_path):

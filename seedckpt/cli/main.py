@@ -16,6 +16,7 @@ import time
 import warnings
 from pathlib import Path
 
+from seedckpt.utils.collector import collector_paused
 from seedckpt.utils.errors import SeedckptError
 
 # When the command started (this module is imported first and imports nothing heavy): a duration a
@@ -269,8 +270,9 @@ def _seed(opts, overrides) -> int:
     # every 64 MiB block is a fresh allocation, and faulting it in 4 KiB pages cost ~3 s of system
     # time on the 1B seed here; with 2 MiB pages 1 s (wall 15.7 s -> 11.1 s, untied 1B on tmpfs).
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-    from seedckpt.config.job_config import load_config
-    from seedckpt.materialize.seed import create_seed_checkpoint
+    with collector_paused():  # torch's and DCP's imports: serial time before any worker starts
+        from seedckpt.config.job_config import load_config
+        from seedckpt.materialize.seed import create_seed_checkpoint
 
     cfg = load_config(opts.config, overrides)
     output = opts.output or cfg.checkpoint.seed_checkpoint

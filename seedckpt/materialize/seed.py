@@ -7,14 +7,15 @@ generates a block only when the writer asks for it, from (seed, FQN, recipe) via
 ``seedckpt.materialize.init_recipe`` -- the same function a rank uses to initialize its stage
 directly, so the values are bitwise identical. A block is whole rows, or part of one row where a
 single row exceeds the block size (one expert of a grouped expert weight can), so no tensor is
-ever held whole. The ``StreamingFileSystemWriter`` keeps only a few blocks in flight, and the
-idle buffers kept for reuse are bounded in bytes, so peak memory is bounded by the block size times
-the blocks in flight (``IN_FLIGHT_BYTES``, whatever the worker count), not by the model: a 405B
-seed needs no more RAM than a 1B one, nor a mixture of experts with 3 GB expert tensors
-(``benchmarks/seed.py --n-layers``). Every usable core works (``--workers``): each worker writes
-its own data file, generating the next block on a thread (torch ops, checksums and writes release
-the GIL) while the previous one is written, so seeding runs at the speed of all the cores' RNG or
-of the disk, whichever is slower.
+ever held whole. The ``StreamingFileSystemWriter`` keeps only a few blocks in flight, each in a
+buffer of the largest block's size reused whatever the block (``BlockPool``, two idle per worker
+at most), so peak memory is bounded by the block size times the blocks in flight
+(``IN_FLIGHT_BYTES``, whatever the worker count), not by the model: a 405B seed needs no more RAM
+than a 1B one, nor a mixture of experts with 3 GB expert tensors (``benchmarks/seed.py
+--n-layers``; ``tests/test_seed.py`` checks the peak does not grow with the expert tensors).
+Every usable core works (``--workers``): each worker writes its own data file, generating the
+next block on a thread (torch ops, checksums and writes release the GIL) while the previous one is
+written, so seeding runs at the speed of all the cores' RNG or of the disk, whichever is slower.
 
 Everything runs on the CPU; the command line also hides GPUs (``CUDA_VISIBLE_DEVICES=""``) so a
 GPU host does not even create a CUDA context. The result is an ordinary DCP checkpoint plus
@@ -24,7 +25,6 @@ every block in fp32 and casts it, so a bf16 seed is exactly the fp32 seed rounde
 
 from __future__ import annotations
 
-import gc
 import itertools
 import math
 import os
@@ -37,6 +37,7 @@ from seedckpt.checkpoint import LazySavePlanner, check_destination, make_manifes
 from seedckpt.checkpoint.writer import BlockPool
 from seedckpt.config.job_config import DTYPES, JobConfig
 from seedckpt.materialize.init_recipe import CHUNK_NUMEL, RECIPE_VERSION, generate_flat, init_model
+from seedckpt.utils.collector import collector_paused
 from seedckpt.utils.errors import SeedckptError
 from seedckpt.utils.progress import Progress
 from seedckpt.utils.tensors import state_tensors
@@ -129,6 +130,13 @@ def create_seed_checkpoint(
     """Write the seed of ``cfg``'s model to ``output``. ``workers`` (default: every usable core)
     generate blocks and write them into as many data files at once; the values do not depend on
     it, only the file layout does."""
+    with collector_paused():  # from the model's build on meta to the last block
+        return _write_seed(cfg, output, seed, dtype, force, progress, workers)
+
+
+def _write_seed(
+    cfg: JobConfig, output: str | os.PathLike, seed: int, dtype: str, force: bool, progress: bool, workers: int | None
+) -> Path:
     ensure_single_process()
     workers = usable_cores() if workers is None else workers
     if workers < 1:
@@ -150,7 +158,7 @@ def create_seed_checkpoint(
     )
 
     target = block_numel(workers)
-    pool = BlockPool(keep_bytes=2 * workers * target * 4)
+    pool = BlockPool(slot_bytes=target * 4, keep=2 * workers)  # fp32 blocks; a bf16 cast takes a slot too
 
     def produce(fqn: str, start: int, stop: int) -> torch.Tensor:
         spec = specs[fqn]
@@ -170,10 +178,6 @@ def create_seed_checkpoint(
     # The writer's threads do the parallelism; intra-op threads would only contend with them.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    # Each block allocates small Python objects, which trigger the cyclic GC's scans of torch's
-    # large object graph: ~4 % of the 1B seed's CPU time (perf). The write makes no cycles to collect.
-    collecting = gc.isenabled()
-    gc.disable()
     try:
         # One data file per worker, each with one generating thread one block ahead of its writer.
         path = write_checkpoint(
@@ -188,8 +192,6 @@ def create_seed_checkpoint(
             aliases=tied,
         )
     finally:
-        if collecting:
-            gc.enable()
         torch.set_num_threads(threads)
         bar.close()
     return path
