@@ -33,6 +33,7 @@ from tests.dist import run_distributed
 from tests.quantizers import quantize_directory, reference_fp8
 from tests.test_convert import our_logits
 from tests.test_moe_interop import _stored
+from tests.test_sft import PP2_DP2, chat_inputs, sft  # noqa: F401 (chat_inputs: a fixture)
 from tests.test_train import losses, model_state, torchrun
 
 transformers = pytest.importorskip("transformers")
@@ -494,3 +495,27 @@ def test_layouts_match_one_process_and_resume_bitwise(tmp_path):
     assert losses(tmp_path / "resumed") == losses(tmp_path / "pp2_dp2_ep2")[2:]
     a, b = (model_state(tmp_path / run / "ckpt" / "step-4") for run in ("pp2_dp2_ep2", "resumed"))
     assert "layers.1.moe.expert_bias" in a and [k for k in a if not torch.equal(a[k], b[k])] == []
+
+
+@pytest.mark.slow
+def test_sft_from_an_hf_directory_on_pp2_x_dp2_x_ep2_exports_its_trained_bias(tmp_path, chat_inputs):
+    """SFT from a transformers DeepSeek-V3 directory on pp=2 x dp_shard=2, the experts over the two
+    DP ranks, balanced by the correction bias: the masked loss falls, the bias moves, and the
+    end-of-run HF export -- trained bias included, which HF's class holds -- loads in transformers
+    with our checkpoint's logits."""
+    tokenizer, chats, tokenizer_vocab = chat_inputs
+    path = hf_model(tmp_path / "hf", vocab_size=-(-tokenizer_vocab // 8) * 8)
+    export = ["--checkpoint.export_at_end", "hf", "--checkpoint.export_dtype", "float32"]
+    steps = ["--training.steps", "6", "--checkpoint.interval", "6"]
+    ep2 = ["--parallelism.expert_parallel_degree", "2"]
+    sft(tmp_path / "run", path, tokenizer, chats, 4, *PP2_DP2, *ep2, *export, *steps)
+    loss = losses(tmp_path / "run")
+    assert len(loss) == 6 and loss[-1] < loss[0] - 0.3, loss
+    step = tmp_path / "run" / "ckpt" / "step-6"
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert not torch.equal(hf_tensors(Path(f"{step}-hf"))[bias], hf_tensors(path)[bias])
+    ours = load_model(step)
+    tokens = TOKENS % ours.args.vocab_size
+    with torch.no_grad():
+        exported = transformers.DeepseekV3ForCausalLM.from_pretrained(f"{step}-hf").eval()(tokens).logits
+        assert (exported - ours(tokens)).abs().max().item() <= 1e-5
