@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from seedckpt import load_model
+from seedckpt.checkpoint.formats import quantized
 from seedckpt.checkpoint.formats.quantized import (
     FP8_BLOCK,
     DequantizedLoad,
@@ -71,12 +72,14 @@ def dirs(tmp_path_factory):
     return {"plain": plain, "fp8": fp8, "dequantized": dequantized, "model": model}
 
 
-def test_fp8_partial_blocks_read_as_deepseek_defines_and_each_row_range_alone(tmp_path):
+def test_fp8_partial_blocks_read_as_deepseek_defines_and_each_row_range_alone(tmp_path, monkeypatch):
     """576 x 300 (DeepSeek-V3's kv_a_proj_with_mqa rows; columns ending in a 44-wide block) on a 5 x 3
     grid: the whole tensor, and rows 100..460 read through their own stored rows (scale rows 0..3),
     equal the definition exactly, every one of the 256 e4m3 codes (subnormals, signed zeros, NaN) among
     the values. transformers 5.24 derives its blocks as rows // scale rows: it refuses 576 rows on 5
-    (no multiple), and would read the 300 columns on 3 as 100-column blocks."""
+    (no multiple), and would read the 300 columns on 3 as 100-column blocks. Dequantized 7 rows at a
+    time, so steps straddle blocks."""
+    monkeypatch.setattr(quantized, "CHUNK_VALUES", 7 * 300)
     g = torch.Generator().manual_seed(0)
     values = torch.randint(0, 256, (576, 300), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
     scale = torch.rand(5, 3, generator=g) * 4  # unrelated scales: a block taken for another shows
@@ -260,12 +263,14 @@ def test_crafted_quantized_directories_are_refused_in_one_line(dirs, tmp_path, c
     assert len(err.strip().splitlines()) == 1 and message in err, err
 
 
-def test_mxfp4_packed_here_reads_back_exactly_and_as_transformers_dequantizes(tmp_path):
+def test_mxfp4_packed_here_reads_back_exactly_and_as_transformers_dequantizes(tmp_path, monkeypatch):
     """Random codes (all 16) and exponents -127..127 (e8m0's every finite scale, both ends included)
     over 3 experts, 5 rows, 2 groups: the tensor is [3, 64, 5] (groups x 32 by rows), each value the
     e2m1 code's times 2^exponent (subnormal or overflowing to inf in float32 at the ends, as the
     definition's float32 is); transformers' ``convert_moe_packed_tensors`` gives the same bits;
-    experts [1, 3) alone, read through DCP, cost exactly their blocks' and scales' bytes."""
+    experts [1, 3) alone, read through DCP, cost exactly their blocks' and scales' bytes. Two rows are
+    dequantized at a time."""
+    monkeypatch.setattr(quantized, "CHUNK_VALUES", 2 * 64)
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     from seedckpt.checkpoint.load import RowWindow, load_state
@@ -284,15 +289,15 @@ def test_mxfp4_packed_here_reads_back_exactly_and_as_transformers_dequantizes(tm
         n: Stored(tmp_path / "model.safetensors", n, TensorInfo(tuple(t.shape), t.dtype))
         for n, t in ((f"{name}_blocks", blocks), (f"{name}_scales", scales))
     }
-    quantized = quantized_tensors(stored, {"quantization_config": {"quant_method": "mxfp4"}}, tmp_path)
-    q = quantized[name]
+    found = quantized_tensors(stored, {"quantization_config": {"quant_method": "mxfp4"}}, tmp_path)
+    q = found[name]
     assert q.info == TensorInfo((3, 64, 5), torch.float32)
     assert torch.equal(q.read(), expected)
     assert torch.equal(q.read(), convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
 
     reader = OwnedHFReader(tmp_path)
     dest = torch.empty(2, 64, 5)
-    load = DequantizedLoad(quantized)
+    load = DequantizedLoad(found)
     load_state(load.requests({name: RowWindow(dest, 1)}), reader, tmp_path, no_dist=True)
     load.finish()
     assert torch.equal(dest, expected[1:3])

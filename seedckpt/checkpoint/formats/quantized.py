@@ -44,7 +44,9 @@ FP8_SCALE = "_scale_inv"  # X.weight's scales are X.weight_scale_inv
 FP8_SCALE_DTYPES = (torch.float32, torch.bfloat16)  # both widen to float32 exactly
 MX_BLOCKS, MX_SCALES = "_blocks", "_scales"
 MX_BYTES = 16  # one scale's group: 16 bytes of two 4-bit values, 32 values
-MX_ROWS = 256  # rows dequantized at a time
+# Values dequantized at a time: few enough for the temporaries to stay small, many enough that each
+# parallel op is long (a loop of 128-row steps spent most of its time in thread hand-offs here, 2 busy cores)
+CHUNK_VALUES = 2**22
 E8M0_BIAS = 127
 
 
@@ -106,17 +108,19 @@ class BlockFP8(Quantized):
 
     def dequantize_into(self, stored: dict[str, torch.Tensor], dest: torch.Tensor, start: int) -> None:
         codes, scales = stored[self.values.name].view(torch.uint8), stored[self.scales.name]
-        stop = start + dest.shape[0]
         first = start // FP8_BLOCK
         # each scale row spread over its block's columns ([scale rows, C]: 1/128 of the values), times
         # the 2^8 that the float16 below is short of
         spread = scales.float().repeat_interleave(FP8_BLOCK, dim=1)[:, : codes.shape[1]] * 2.0**8
-        for k in range(spread.shape[0]):  # a block row at a time: the temporaries stay in the cache
-            lo, hi = max(start, (first + k) * FP8_BLOCK) - start, min(stop, (first + k + 1) * FP8_BLOCK) - start
+        step = max(1, CHUNK_VALUES // max(1, codes.shape[1]))
+        for lo in range(0, dest.shape[0], step):
+            hi = min(dest.shape[0], lo + step)
             # e4m3's sign, exponent and mantissa bits moved into float16's: the same value times 2^-8,
             # subnormals included -- 3-4x faster here than torch's float8 -> float32 cast, and exact
             x = codes[lo:hi].to(torch.int16)
-            torch.mul((((x & 0x80) << 8) | ((x & 0x7F) << 7)).view(torch.float16), spread[k], out=dest[lo:hi])
+            half = (((x & 0x80) << 8) | ((x & 0x7F) << 7)).view(torch.float16)
+            row_scales = spread.index_select(0, torch.arange(start + lo, start + hi) // FP8_BLOCK - first)
+            torch.mul(half, row_scales, out=dest[lo:hi])
         nan = (codes & 0x7F) == 0x7F  # e4m3's NaN codes, which float16's bits would make 480
         if codes.numel() and nan.any():
             dest[nan] = float("nan")
@@ -130,18 +134,18 @@ class MXFP4(Quantized):
         blocks, scales = stored[self.values.name], stored[self.scales.name]
         # 2 ** (s - 127) for every byte s; exact in float32 (2 ** -127 is a subnormal, 2 ** 128 is inf)
         powers = torch.ldexp(torch.ones(256), torch.arange(256) - E8M0_BIAS)
-        rows = blocks.shape[1]
+        rows, step = blocks.shape[1], max(1, CHUNK_VALUES // (blocks.shape[2] * 2 * MX_BYTES))
         for e in range(dest.shape[0]):
-            for r in range(0, rows, MX_ROWS):  # a few hundred rows at a time: the temporaries stay in the cache
-                part = blocks[e, r : r + MX_ROWS].to(torch.int16)
+            for r in range(0, rows, step):
+                part = blocks[e, r : r + step].to(torch.int16)
                 nibbles = torch.empty((*part.shape[:-1], 2 * MX_BYTES), dtype=torch.int16)
                 nibbles[..., 0::2] = part & 0x0F  # the low nibble is the first value
                 nibbles[..., 1::2] = part >> 4
                 # e2m1's sign, exponent and mantissa bits moved into float16's: the value times 2^-14,
                 # 0.5 (e2m1's one subnormal) included -- twice as fast here as looking each code up
                 half = (((nibbles & 0x8) << 12) | ((nibbles & 0x7) << 9)).view(torch.float16)
-                values = half.float().mul_(2.0**14).mul_(powers[scales[e, r : r + MX_ROWS].int()].unsqueeze(-1))
-                dest[e, :, r : r + MX_ROWS].copy_(values.flatten(-2).T)
+                values = half.float().mul_(2.0**14).mul_(powers[scales[e, r : r + step].int()].unsqueeze(-1))
+                dest[e, :, r : r + step].copy_(values.flatten(-2).T)
 
 
 def quantized_tensors(stored: dict[str, Stored], config: dict, where: Path) -> dict[str, Quantized]:
