@@ -163,13 +163,18 @@ def _eager(q, k, v, scale, window, sinks):
     return scores.softmax(-1)[..., : q.shape[2]] @ v
 
 
-@pytest.mark.parametrize("window", [None, 1, 5, 64], ids=["full", "w1", "w5", "w64"])
+# (sequence length, window): a banded mask over the whole sequence, or (seq > 2 (block + window))
+# blocks of queries with the keys their windows reach, the last block partial.
+LENGTHS_WINDOWS = [(20, None), (20, 1), (20, 5), (20, 64), (300, 1), (300, 7), (700, 130)]
+
+
+@pytest.mark.parametrize("seqlen,window", LENGTHS_WINDOWS, ids=[f"{n}-w{w}" for n, w in LENGTHS_WINDOWS])
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["plain", "sinks"])
-def test_causal_attention_equals_its_definition_with_gradients(window, with_sinks):
+def test_causal_attention_equals_its_definition_with_gradients(seqlen, window, with_sinks):
     """Windows (as ``transformers`` counts them) and sinks through SDPA equal the eager softmax
     with an extra column: outputs and the gradients of q, k, v and the sinks, GQA, float64."""
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, h, 20, 16, generator=gen, dtype=torch.float64) for h in (8, 2, 2))
+    q, k, v = (torch.randn(2, h, seqlen, 16, generator=gen, dtype=torch.float64) for h in (8, 2, 2))
     sinks = torch.randn(8, generator=gen, dtype=torch.float64) if with_sinks else None
     inputs = [t.requires_grad_() for t in (q, k, v, *([sinks] if with_sinks else []))]
     outs = []
@@ -199,7 +204,7 @@ class _SinkArgs(DecoderArgs):
 
 
 SINK_ARGS = _SinkArgs(
-    dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=128, max_seq_len=64, sliding_window=4
+    dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=128, max_seq_len=512, sliding_window=4
 )
 
 
@@ -215,10 +220,11 @@ def _sink_model(window_layers=(0,)) -> Transformer:
 
 
 def test_packed_rows_with_windows_and_sinks_compute_their_documents_one_by_one():
-    """A row packing documents of 9, 3 and 12 tokens (positions restarting, one document id each)
-    equals each document run alone, in a model with a window of 4 in one layer and sinks in both."""
+    """A row packing documents of 9, 3, 300 and 12 tokens (positions restarting, one document id
+    each) equals each document run alone, in a model with a window of 4 in one layer (in blocks in
+    the 300-token document) and sinks in both."""
     model = _sink_model()
-    lengths = (9, 3, 12)
+    lengths = (9, 3, 300, 12)
     docs = [torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(n)) for n in lengths]
     with torch.no_grad():
         packed = model(
