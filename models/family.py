@@ -83,9 +83,6 @@ class ModelFamily:
     hf: HFAdapter
     # {tool: args -> name adapter}: other tools' names (args: the model's, None where nobody described it)
     renamings: Mapping[str, Callable[[Any], Any]] = field(default_factory=dict)
-    # (args, training.seq_len) -> why this model cannot train that long, or None (a sliding window
-    # this version does not implement)
-    check_seq_len: Callable[[Any, int], str | None] = lambda args, seq_len: None
     tensor_parallel: TensorParallelPlan | None = None  # None: no tensor parallelism for this family
 
     def flavor_of(self, args) -> str | None:

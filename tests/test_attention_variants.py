@@ -72,6 +72,10 @@ HF_CONFIGS = {
         head_dim=16,
         rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 1e4},
     ),
+    "llama3-yarn": lambda: transformers.LlamaConfig(
+        **COMMON,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 5e5},
+    ),
     "qwen2-linear": lambda: transformers.Qwen2Config(
         **COMMON, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}
     ),

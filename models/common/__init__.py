@@ -40,7 +40,7 @@ def decoder_family(
     """A family on the shared decoder: ``args`` (its dataclass) and ``flavors``, the
     ``config.json`` ``model_types`` it reads, ``config(args, dtype)`` and ``args_from_config(cfg)``;
     ``names``: args -> its HF name adapter; ``hooks``: any other ``ModelFamily`` field (``renamings``,
-    ``check_seq_len``, ``flops_per_token``, ``layer_flops``, ``tensor_parallel``, ``osft_targets``)."""
+    ``flops_per_token``, ``layer_flops``, ``tensor_parallel``, ``osft_targets``)."""
     hooks = {
         "osft_targets": OSFT_TARGETS,
         "flops_per_token": lambda model_args, seq_len, num_params=None: decoder_flops_per_token(

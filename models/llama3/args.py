@@ -11,6 +11,7 @@ from typing import ClassVar
 
 from models.common.args import DictArgs, check_bool, check_float, check_int
 from models.common.decoder import DecoderOptions
+from models.common.rope import RopeScaling as GenericRopeScaling
 
 
 @dataclass
@@ -46,7 +47,9 @@ class ModelArgs(DictArgs):
     ffn_dim_multiplier: float | None = None
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
-    rope_scaling: RopeScaling | None = None
+    # Llama 3.1's (a table without rope_type), or another stretch (``models.common.rope``: a table
+    # with rope_type "linear" or "yarn", as a long-context fine-tune's config.json may ask)
+    rope_scaling: RopeScaling | GenericRopeScaling | None = None
     max_seq_len: int = 8192
     # One matrix for the input embedding and the output projection (Llama-3.2 1B/3B). When a
     # pipeline puts them on different stages each holds a copy, kept equal by the trainer.
@@ -54,8 +57,9 @@ class ModelArgs(DictArgs):
 
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):
-            self.rope_scaling = RopeScaling(**self.rope_scaling)
-        elif self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            kind = GenericRopeScaling if "rope_type" in self.rope_scaling else RopeScaling
+            self.rope_scaling = kind(**self.rope_scaling)
+        elif self.rope_scaling is not None and not isinstance(self.rope_scaling, (RopeScaling, GenericRopeScaling)):
             raise ValueError(f"rope_scaling = {self.rope_scaling!r}; it must be a table of Llama 3's scaling or none")
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads

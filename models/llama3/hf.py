@@ -1,8 +1,8 @@
 """A Llama's Hugging Face ``config.json``, both ways (its tensor names: ``models.common.hf_names``).
 
 Every field that changes the math is read or refused: another activation, an attention or MLP bias,
-a RoPE scaling other than Llama 3's. Errors here are ``ValueError``s; the format that reads the file
-names it.
+a RoPE stretch other than Llama 3's, linear and YaRN. Errors here are ``ValueError``s; the format
+that reads the file names it.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import torch
 
 from models.common import hf_config as common
 from models.common.args import check_bool, check_float, check_int
+from models.common.rope import RopeScaling as GenericRopeScaling
 from models.family import matching_flavor
 from models.llama3.args import LLAMA3_FLAVORS, SHAPE_FIELDS, ModelArgs, RopeScaling
 
@@ -18,7 +19,9 @@ from models.llama3.args import LLAMA3_FLAVORS, SHAPE_FIELDS, ModelArgs, RopeScal
 def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict:
     """A ``config.json`` that ``transformers`` loads as ``LlamaForCausalLM``."""
     scaling = None
-    if args.rope_scaling is not None:
+    if isinstance(args.rope_scaling, GenericRopeScaling):
+        scaling = args.rope_scaling.to_config(args.rope_theta)
+    elif args.rope_scaling is not None:
         s = args.rope_scaling
         scaling = {
             "rope_type": "llama3",
@@ -50,14 +53,13 @@ def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict:
     }
 
 
-def _rope_scaling(cfg: dict) -> RopeScaling | None:
-    """Llama 3's RoPE scaling (``rope_type = "llama3"``), or None; another kind is refused."""
-    rope = common.table(cfg, "rope_scaling") or common.table(cfg, "rope_parameters")
+def _rope_scaling(cfg: dict) -> RopeScaling | GenericRopeScaling | None:
+    """Llama 3's RoPE scaling (``rope_type = "llama3"``) as Llama's own dataclass, another stretch
+    as ``models.common.rope``'s (``common.rope_scaling``: linear, YaRN; the rest refused), or None."""
+    rope = common.rope_table(cfg)
     kind = rope.get("rope_type", rope.get("type"))
-    if kind in (None, "default"):
-        return None
     if kind != "llama3":
-        raise ValueError(f"unsupported rope scaling {rope!r}; only Llama-3 ('llama3') scaling is supported")
+        return common.rope_scaling(cfg)
     fields = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     missing = [f for f in fields if f not in rope]
     if missing:

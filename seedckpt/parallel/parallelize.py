@@ -93,9 +93,6 @@ class ParallelDims:
         if dims.ep > 1:
             check_expert_parallel(cfg, args, dims)
         max_seq_len = args.max_seq_len
-        problem = family_of(args).check_seq_len(args, train.seq_len)
-        if problem:
-            raise SeedckptError(problem)
         if train.seq_len > max_seq_len:
             raise SeedckptError(
                 f"training.seq_len = {train.seq_len} exceeds model.max_seq_len = {max_seq_len}; "
