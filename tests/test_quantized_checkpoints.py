@@ -149,12 +149,13 @@ def _block_scales_like(w: torch.Tensor) -> torch.Tensor:
 
 
 def _row_split_worker(rank, world_size, fp8_path):
-    """FSDP2 over 2 ranks: each rank's shard equals one process's load; per rank, the bytes read,
-    and the experts whose FP8 values or scales it asked the files for."""
+    """FSDP2 over 2 ranks, then tp2: each rank's shard equals one process's load; per rank (FSDP2),
+    the bytes read and the experts whose FP8 values or scales it asked the files for."""
     import re
 
     from torch.distributed.device_mesh import init_device_mesh
 
+    from models.registry import family_of
     from seedckpt.checkpoint.owned_reads import OwnedHFReader, OwnedReads
     from seedckpt.materialize.stages import build_stages
     from seedckpt.parallel.pipeline import plan_rank_stages
@@ -186,17 +187,28 @@ def _row_split_worker(rank, world_size, fp8_path):
         if not torch.equal(local(t), expected[fqn][lo:hi]):
             failures.append(fqn)
     experts = {int(m[1]) for m in (re.search(r"experts\.(\d+)\..*_scale_inv", n) for n in requested) if m}
-    return failures, sum(read), experts
+    nbytes = sum(read)
+    # tensor parallel: column shards (wo, w2) and the experts' splits are no blocks of whole rows
+    tp = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    plan = family_of(args).tensor_parallel
+    [split] = build_stages(
+        args, plan_rank_stages(args, 0, 1), "cpu", checkpoint=checkpoint, shard_fn=lambda m: plan.apply(m, tp, False)
+    )
+    failures += [f"tp {f}" for f, t in split.state_dict().items() if not torch.equal(t.full_tensor(), expected[f])]
+    columns = [f for f, t in split.state_dict().items() if f in checkpoint.dequantized and local_rows(t) is None]
+    return failures, nbytes, experts, columns
 
 
 def test_a_rank_reads_its_rows_and_experts_of_the_fp8_values_and_scales(dirs):
     """Two FSDP2 ranks: experts [0, 2) and [2, 4), and half of every other tensor's rows (a 128-row
     scale block straddling the split is read by both). Each rank reads about half the directory's
-    bytes and asks for its own experts' FP8 tensors only."""
+    bytes and asks for its own experts' FP8 tensors only. Under tp2, whose column shards read whole
+    tensors, every tensor equals one process's load too."""
     stored = sum(file.stat().st_size for file in dirs["fp8"].glob("*.safetensors"))
     results = run_distributed(_row_split_worker, 2, str(dirs["fp8"]))
-    for rank, (failures, nbytes, experts) in enumerate(results):
+    for rank, (failures, nbytes, experts, columns) in enumerate(results):
         assert failures == [], f"rank {rank}: {failures[:4]}"
+        assert any(".attention.wo." in f for f in columns), columns  # a column shard of an FP8 weight was read
         assert experts == {2 * rank, 2 * rank + 1}, f"rank {rank} asked for experts {sorted(experts)}"
         assert 0.45 * stored <= nbytes <= 0.55 * stored, f"rank {rank}: {nbytes / stored:.3f} of the bytes"
 
