@@ -21,7 +21,9 @@ its plain name, as a float32 tensor, so a model family maps it as it maps an unq
 
 Each rank reads only the stored rows under its own: the FP8 rows of its rows and the rows of
 scales covering them (a block row straddling two ranks is read by both); for MXFP4, its experts'
-blocks and scales. Writing these formats is not supported: a converted checkpoint is dequantized.
+blocks and scales. A load holds the stored rows it asked for until the read ends (a byte a value
+for FP8, half a byte for MXFP4, beside the destination's four). Writing these formats is not
+supported: a converted checkpoint is dequantized.
 """
 
 from __future__ import annotations
