@@ -63,6 +63,7 @@ def measure(cmd: list[str], output: Path, **labels) -> dict:
     return {
         **labels,
         "wall_s": wall_s,
+        "cpu_s": usage.ru_utime + usage.ru_stime,  # the child's own user + system time, all its threads
         "peak_rss_gib": usage.ru_maxrss / 2**20,  # ru_maxrss: KiB on Linux
         "bytes_written": written,
         "gb_per_s": written / wall_s / 1e9,

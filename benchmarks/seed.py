@@ -19,6 +19,20 @@ Three measurements, each printed as one JSON line on stdout:
   the last against the bytes'. ``--model qwen3_moe --flavor 235B-A22B --n-layers 2,4 --dtype
   bfloat16``: a mixture of experts whose every expert weight is one 3.2 GB tensor per layer (in
   fp32), whose seed must stream within tensors.
+* ``rng_rate``: the recipe's generator on one core (``generate_flat`` of a normal and of a
+  truncated normal cut at 3 std, as Llama's output projection, into a reused buffer, in a pinned
+  subprocess): the fp32 GB/s one core draws. The ``seedckpt`` line then has ``bound_gb_per_s``,
+  min(the disk, the usable cores x the normal's rate), and ``fraction_of_bound``.
+* ``seed_startup`` (with ``--workers-sweep``): the seed of a one-layer debug model, one worker on
+  one core -- interpreter, torch and DCP imports, the model on ``meta``, the manifest: the serial
+  part that no worker count shortens. Each ``seed_workers`` line then has
+  ``amdahl_ceiling``, the speedup its core count allows with that part serial and the rest
+  divided evenly (``(S + W) / (S + W / n)``, W the 1-worker run less S), and ``cpu_s`` (user +
+  system of the run): equal across counts when more workers add no work.
+* ``--set KEY=VALUE`` (repeatable): a config override for every seed run, e.g. ``--model deepseek_v3
+  --flavor 671B --n-layers 4 --set model.n_experts=32 --dtype bfloat16``: DeepSeek-V3's layers
+  (three dense, then MoE) with 32 of its experts, each expert weight 32 x 2048 x 7168, 1.9 GB in
+  fp32 -- larger than the 1.5 GiB the seed's peak RSS must stay under.
 * ``naive_baseline``: what torchtitan does -- build the full model on CPU (paying for the default
   ``nn.Linear`` init), run the same per-tensor recipe over it (``seedckpt.materialize.init_recipe.init_model``) and
   save ``model.state_dict()`` with stock ``torch.distributed.checkpoint.save``. Skip it with
@@ -38,8 +52,10 @@ OMP_NUM_THREADS (left as the caller set it) are recorded on every checkpoint lin
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -83,6 +99,7 @@ def main() -> None:
         action="store_true",
         help="also time --workers 1, 2, 4, ... (each pinned to as many cores with taskset)",
     )
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override, repeatable")
     opts = parser.parse_args()
     with output_dir(opts.out_dir, "seedckpt-bench-") as out_dir:
         run_all(opts, out_dir)
@@ -91,6 +108,9 @@ def main() -> None:
 def run_all(opts: argparse.Namespace, out_dir: Path) -> None:
     disk_gb_per_s = disk_write_bandwidth(out_dir / "disk_write.bin")
     emit({"benchmark": "disk_write", "gb_per_s": disk_gb_per_s, "bytes": DISK_TEST_BYTES})
+    rng = rng_rate()
+    emit(rng)
+    bound_gb_per_s = min(disk_gb_per_s, len(os.sched_getaffinity(0)) * rng["normal_gb_per_s"])
 
     if opts.n_layers:
         seed_layers(opts, out_dir / "layers")
@@ -99,6 +119,8 @@ def run_all(opts: argparse.Namespace, out_dir: Path) -> None:
     seedckpt_dir = out_dir / "seedckpt"
     product = measure(seed_command(opts, seedckpt_dir), seedckpt_dir, **labels, impl="seedckpt")
     product["fraction_of_disk_bw"] = product["gb_per_s"] / disk_gb_per_s
+    product["bound_gb_per_s"] = bound_gb_per_s
+    product["fraction_of_bound"] = product["gb_per_s"] / bound_gb_per_s
     emit(product)
     if opts.workers_sweep:
         sweep_workers(opts, out_dir / "sweep", disk_gb_per_s)
@@ -142,8 +164,38 @@ def seed_command(opts: argparse.Namespace, output: Path, *extra: str) -> list[st
         opts.dtype,
         "--force",
         "--quiet",
+        *[arg for kv in opts.set for arg in (f"--{kv.partition('=')[0]}", kv.partition("=")[2])],
         *extra,
     ]
+
+
+# One core's generator rate, as `python -c RNG_RATE`: fp32 GB/s of the recipe's normal and truncated normal.
+RNG_RATE = """
+import json, time, torch
+from seedckpt.materialize.init_recipe import CHUNK_NUMEL, TensorInit, generate_flat
+torch.set_num_threads(1)
+numel, rates = 64 * CHUNK_NUMEL, {}
+buffer = torch.empty(numel)
+specs = {"normal": TensorInit("normal", std=0.02), "trunc_normal_3std": TensorInit("trunc_normal", std=0.02, cutoff=3)}
+for name, spec in specs.items():
+    best = float("inf")
+    for _ in range(3):
+        start = time.thread_time()
+        generate_flat(spec, 0, "rate", numel, 0, numel, allocate=lambda n, dtype: buffer)
+        best = min(best, time.thread_time() - start)
+    rates[f"{name}_gb_per_s"] = numel * 4 / best / 1e9
+print(json.dumps(rates))
+"""
+
+
+def rng_rate() -> dict:
+    """The recipe's fp32 generation rate on one core (the first usable one, pinned when taskset
+    exists), in CPU time: the rate each worker draws at when it has its core to itself."""
+    pin = ["taskset", "-c", str(min(os.sched_getaffinity(0)))] if shutil.which("taskset") else []
+    out = subprocess.run(
+        [*pin, sys.executable, "-c", RNG_RATE], cwd=common.ROOT, capture_output=True, text=True, check=True
+    )
+    return {"benchmark": "rng_rate", "cores": len(os.sched_getaffinity(0)), **json.loads(out.stdout)}
 
 
 def seed_layers(opts: argparse.Namespace, output: Path) -> None:
@@ -181,7 +233,12 @@ def sweep_workers(opts: argparse.Namespace, output: Path, disk_gb_per_s: float) 
         return
     cores = sorted(os.sched_getaffinity(0))
     counts = sorted({1 << k for k in range(len(cores).bit_length()) if 1 << k <= len(cores)} | {len(cores)})
-    first = None
+    pinned = ["taskset", "-c", str(cores[0])]
+    tiny = ["--model.name", "llama3", "--model.flavor", "debug", "--model.n_layers", "1", "--workers", "1"]
+    startup = measure(pinned + seed_command(opts, output, *tiny), output, benchmark="seed_startup")
+    emit(startup)
+    remove(output)
+    serial, first = startup["wall_s"], None
     for workers in counts:
         pinned = ["taskset", "-c", ",".join(map(str, cores[:workers]))]
         line = measure(
@@ -193,10 +250,12 @@ def sweep_workers(opts: argparse.Namespace, output: Path, disk_gb_per_s: float) 
             workers=workers,
         )
         first = first or line["wall_s"]
+        divisible = max(first - serial, 0.0)
         emit(
             {
                 **line,
                 "speedup_vs_1_worker": first / line["wall_s"],
+                "amdahl_ceiling": (serial + divisible) / (serial + divisible / workers),
                 "fraction_of_disk_bw": line["gb_per_s"] / disk_gb_per_s,
             }
         )
