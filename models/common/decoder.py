@@ -400,7 +400,13 @@ class Transformer(nn.Module):
                 h = h * self.options.embedding_multiplier
         else:
             h = tokens
-        freqs_cis = self.freqs_cis if positions is None else self.freqs_cis[positions]
+        freqs_cis = self.freqs_cis
+        if tokens.shape[1] > freqs_cis.shape[0]:
+            # Longer than max_seq_len (the table's rows): the table is a pure function of the args, so
+            # it is computed for this length here, as transformers computes any position.
+            freqs_cis = precompute_freqs_cis(self.args, freqs_cis.device, length=tokens.shape[1])
+        if positions is not None:
+            freqs_cis = freqs_cis[positions]
         spans = None if document_ids is None else document_spans(document_ids)
         for layer in self.layers.values():
             h = layer(h, freqs_cis, spans)

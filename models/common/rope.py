@@ -184,11 +184,11 @@ def rope_table(
     return torch.polar(torch.full_like(angles, attention_factor), angles)
 
 
-def precompute_freqs_cis(args, device: torch.device | None = None) -> torch.Tensor:
+def precompute_freqs_cis(args, device: torch.device | None = None, length: int | None = None) -> torch.Tensor:
     """The shared decoder's table: ``args.head_dim`` rotary channels, ``args.rope_theta``,
-    ``args.rope_scaling``, ``args.max_seq_len`` positions."""
+    ``args.rope_scaling``, ``length`` positions (default ``args.max_seq_len``)."""
     freqs, attention_factor = rope_frequencies(args.head_dim, args.rope_theta, args.rope_scaling, device)
-    return rope_table(freqs, attention_factor, args.max_seq_len, device)
+    return rope_table(freqs, attention_factor, length or args.max_seq_len, device)
 
 
 def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
