@@ -254,3 +254,18 @@ def test_sigkill_mid_write_leaves_nothing_acceptable(tmp_path):
     )
     assert not partial.exists() and DcpCheckpoint(out).manifest["kind"] == "seed"
     assert [p.name for p in tmp_path.iterdir()] == ["seed"]  # the dead writer's lock file went too
+
+
+def test_the_writer_threads_skip_torch_saves_zip_crc(tmp_path):
+    """torch's serialization settings are per thread: the zip CRC32 must be off in the threads that
+    write (our CRC32C covers every byte), not only in the caller's. A data file holds one zip per
+    item; ``zipfile`` reads the last one's records, whose CRC fields stay 0 when none was computed."""
+    import zipfile
+
+    state = {"a": torch.randn(64, 64), "b": torch.randn(1000)}
+    path = write_checkpoint(tmp_path / "ckpt", state, make_manifest("seed", "llama3", None, {}))
+    (data_file,) = path.glob("*.distcp")
+    records = zipfile.ZipFile(data_file).infolist()
+    assert any(r.filename.endswith("/data/0") for r in records)
+    assert all(r.CRC == 0 for r in records), [(r.filename, r.CRC) for r in records]
+    assert torch.serialization.get_crc32_options()  # the caller's setting is left as it was
