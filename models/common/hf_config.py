@@ -208,8 +208,13 @@ def refuse_common(cfg: dict, what: str) -> None:
     layer_kinds(cfg)
 
 
-def decoder_fields(cfg: dict) -> dict:
-    """The shared ``DecoderArgs`` fields from an HF ``config.json``, each checked (``read``)."""
+def decoder_fields(
+    cfg: dict, rope_theta_default: float = 10000.0, norm_eps_default: float = 1e-6, max_seq_len_default: int = 32768
+) -> dict:
+    """The shared ``DecoderArgs`` fields from an HF ``config.json``, each checked (``read``). A field
+    the file leaves out takes the default of the family's ``transformers`` config class, which is
+    what the file means there: the ``*_default`` arguments where a family's class differs from Llama's
+    (Mixtral's and gpt-oss's RoPE bases, 1e6 and 150000, would otherwise silently become 10000)."""
     dim, n_heads = read(cfg, "hidden_size", check_int), read(cfg, "num_attention_heads", check_int)
     return {
         "dim": dim,
@@ -219,10 +224,10 @@ def decoder_fields(cfg: dict) -> dict:
         "head_dim": read(cfg, "head_dim", check_int, dim // n_heads),
         "ffn_dim": read(cfg, "intermediate_size", check_int),
         "vocab_size": read(cfg, "vocab_size", check_int),
-        "norm_eps": read(cfg, "rms_norm_eps", check_float, 1e-6),
-        "rope_theta": rope_theta(cfg),
+        "norm_eps": read(cfg, "rms_norm_eps", check_float, norm_eps_default),
+        "rope_theta": rope_theta(cfg, rope_theta_default),
         "rope_scaling": rope_scaling(cfg),
-        "max_seq_len": read(cfg, "max_position_embeddings", check_int, 32768),
+        "max_seq_len": read(cfg, "max_position_embeddings", check_int, max_seq_len_default),
         "tie_word_embeddings": read(cfg, "tie_word_embeddings", check_bool, False),
         "initializer_range": read(cfg, "initializer_range", check_float, 0.02, positive=False),
     }

@@ -145,10 +145,25 @@ def config(args: GptOssArgs, dtype: torch.dtype) -> dict:
     }
 
 
+# transformers 5.24's GptOssConfig: the RoPE stretch of a config.json that has neither rope_parameters
+# nor rope_scaling
+DEFAULT_ROPE = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
+
+
 def args_from_config(cfg: dict) -> GptOssArgs:
     # hidden_act is not read: GptOssForCausalLM's experts run their clamped SwiGLU whatever it says
     hf_config.refuse(cfg, "gpt-oss", attention_dropout=0.0)
-    fields = hf_config.decoder_fields(cfg)
+    if cfg.get("rope_parameters") is None and cfg.get("rope_scaling") is None:
+        # GptOssConfig's RoPE where a file names none: YaRN, on the file's base or its own
+        cfg = {**cfg, "rope_parameters": {**DEFAULT_ROPE, "rope_theta": cfg.get("rope_theta") or 150000.0}}
+    fields = hf_config.decoder_fields(cfg, 150000.0, 1e-5, 131072)  # GptOssConfig's defaults
     window = cfg["sliding_window"] if "sliding_window" in cfg else 128  # null: sliding layers see every position
     return GptOssArgs(
         **fields,

@@ -59,7 +59,9 @@ def config(args: MistralArgs, dtype: torch.dtype) -> dict:
 def args_from_config(cfg: dict) -> MistralArgs:
     hf_config.refuse_common(cfg, "Mistral")
     hf_config.refuse(cfg, "Mistral", attention_bias=False)
-    return MistralArgs(**hf_config.decoder_fields(cfg), sliding_window=cfg.get("sliding_window"))
+    # MistralConfig's defaults: 131072 positions, a window of 4096 where the file names none (null: none)
+    window = cfg["sliding_window"] if "sliding_window" in cfg else 4096
+    return MistralArgs(**hf_config.decoder_fields(cfg, max_seq_len_default=131072), sliding_window=window)
 
 
 MISTRAL = decoder_family("mistral", MistralArgs, FLAVORS, (MODEL_TYPE,), config, args_from_config)

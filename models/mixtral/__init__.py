@@ -92,7 +92,7 @@ def config(args: MixtralArgs, dtype: torch.dtype) -> dict:
 def args_from_config(cfg: dict) -> MixtralArgs:
     hf_config.refuse_common(cfg, "Mixtral")
     hf_config.refuse(cfg, "Mixtral", attention_bias=False, router_jitter_noise=0.0)
-    fields = hf_config.decoder_fields(cfg)
+    fields = hf_config.decoder_fields(cfg, 1e6, 1e-5, 131072)  # MixtralConfig's defaults
     return MixtralArgs(
         **fields,
         **hf_config.moe_fields(cfg),
