@@ -21,7 +21,7 @@ import re
 import torch
 
 from models.common.hf_names import ExpertNames, HFNames
-from seedckpt.checkpoint.model import StoredParts
+from seedckpt.utils.stored_parts import StoredParts
 
 _LAYER = re.compile(r"(model\.)?layers\.(\d+)\.(.+)")
 

@@ -11,11 +11,12 @@ load.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+
+from seedckpt.utils.stored_parts import StoredParts
 
 
 @dataclass(frozen=True)
@@ -28,19 +29,6 @@ class ModelLayout:
     shapes: dict[str, tuple[int, ...]]  # every tensor the model has, by FQN
     aliases: dict[str, str] = field(default_factory=dict)  # {FQN: stored FQN it reads} (a tied output)
     flavor: str | None = None  # the released shapes the args match, if any
-
-
-@dataclass(frozen=True)
-class StoredParts:
-    """A stored tensor that is not one of ours as it is, but holds ``fqns`` rearranged: another
-    tool's experts stored transposed, or two of our tensors fused into one (gpt-oss's gate and up
-    projections, interleaved). Dim 0 is the experts' on both sides, so any block of stored dim-0
-    rows gives the same rows of each of ours: ``split(rows) -> (ours, ...)`` (one per ``fqns``, in
-    order) and ``join((ours, ...)) -> rows``, its inverse. A rank then reads only its experts."""
-
-    fqns: tuple[str, ...]
-    split: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
-    join: Callable[[tuple[torch.Tensor, ...]], torch.Tensor]
 
 
 class NameAdapter(Protocol):
