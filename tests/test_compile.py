@@ -80,8 +80,8 @@ def test_every_block_shares_one_compiled_graph(osft):
 
 
 def test_compiled_blocks_compute_a_sliding_window():
-    """A Mistral with a window of 8 compiled: one graph for its blocks and eager's logits at 17
-    positions, where the window drops positions."""
+    """A Mistral with a window of 8 compiled: one graph for its blocks and eager's logits at 300
+    positions, where the window runs in blocks of queries (``causal_attention``)."""
     torch._dynamo.reset()
     counters.clear()
     window = ["--model.name", "mistral", "--model.sliding_window", "8", "--model.n_layers", "2"]
@@ -90,9 +90,9 @@ def test_compiled_blocks_compute_a_sliding_window():
     init_model(eager, 0)
     compiled.load_state_dict(eager.state_dict())
     apply_compile(compiled)
-    tokens = torch.randint(0, args.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, args.vocab_size, (2, 300), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        torch.testing.assert_close(compiled(tokens), eager(tokens), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(compiled(tokens), eager(tokens), rtol=1e-5, atol=1e-5)
         assert counters["stats"]["unique_graphs"] == 1
 
 
