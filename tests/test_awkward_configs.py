@@ -147,6 +147,13 @@ CASES = {
         None,
         40,
     ),
+    # attention biases (q_a_proj, kv_a_proj_with_mqa -- its RoPE rows halves-rotated -- and o_proj)
+    "deepseek_attention_bias_halves": (
+        "DeepseekV3",
+        DEEPSEEK | dict(attention_bias=True, rope_interleave=False),
+        None,
+        40,
+    ),
     # every layer dense (first_k_dense_replace = num_hidden_layers), a wide v head, linear RoPE
     "deepseek_all_dense_linear_rope": (
         "DeepseekV3",

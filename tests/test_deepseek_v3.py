@@ -235,7 +235,7 @@ def test_the_init_recipe_is_torchtitans_per_tensor(q_lora_rank):
         ("num_key_value_heads", 2, "num_key_value_heads = 2"),
         ("scoring_func", "softmax", "scoring_func = 'softmax'"),
         ("topk_method", "greedy", "topk_method = 'greedy'"),
-        ("attention_bias", True, "attention_bias = True"),
+        ("attention_bias", "yes", "attention_bias = 'yes'"),
         ("moe_layer_freq", 2, "moe_layer_freq = 2"),
         ("n_group", 3, "n_group = 3"),
     ],
@@ -425,17 +425,26 @@ def _tp_worker(rank, world_size, seeds):
 
 @pytest.mark.slow
 def test_mla_under_tp_computes_one_process_gradients(tmp_path):
-    """tp2 with sequence parallelism on a packed batch, low-rank and plain q: the loss within 1e-5
-    of one process's and every gradient within 1e-5 -- the replicated down projections' too, whose
-    shared RoPE key each rank's heads reach only in part."""
+    """tp2 with sequence parallelism on a packed batch, low-rank and plain q (with attention biases:
+    wkv_a's replicated, wo's after the rowwise sum): the loss within 1e-5 of one process's and every
+    gradient within 1e-5 -- the replicated down projections' too, whose shared RoPE key each rank's
+    heads reach only in part."""
     seeds = {
-        q: str(create_seed_checkpoint(tiny_config(*M, "--model.q_lora_rank", q), tmp_path / q, seed=1, progress=False))
+        q: str(
+            create_seed_checkpoint(
+                tiny_config(*M, "--model.q_lora_rank", q, "--model.attention_bias", str(q == "0").lower()),
+                tmp_path / q,
+                seed=1,
+                progress=False,
+            )
+        )
         for q in ("64", "0")
     }
     results = run_distributed(_tp_worker, 2, seeds)
     for name in seeds:
         loss_one, loss_tp, gaps, same_names = results[0][name]
         assert same_names and "layers.1.attention.wkv_a.weight" in gaps, name
+        assert ("layers.1.attention.wo.bias" in gaps) == (name == "0"), name
         assert abs(loss_tp - loss_one) <= 1e-5 * loss_one, (name, loss_tp, loss_one)
         assert max(gaps.values()) <= 1e-5, (name, {n: g for n, g in gaps.items() if g > 1e-5})
 

@@ -41,6 +41,7 @@ class DeepseekV3Args(DictArgs):
     qk_nope_head_dim: int = 128
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
+    attention_bias: bool = False  # biases on wq_a, wkv_a and wo (HF's attention_bias; DeepSeek's own have none)
     # How HF files lay out each head's RoPE rows: interleaved pairs (DeepSeek's, and ours), or
     # halves (then permuted at conversion). It changes no tensor of ours.
     rope_interleave: bool = True
@@ -72,7 +73,7 @@ class DeepseekV3Args(DictArgs):
             setattr(self, name, check_float(name, getattr(self, name)))
         for name in ("initializer_range", "aux_loss_coef", "bias_update_rate"):
             setattr(self, name, check_float(name, getattr(self, name), positive=False))
-        for name in ("tie_word_embeddings", "rope_interleave", "norm_topk_prob"):
+        for name in ("tie_word_embeddings", "rope_interleave", "norm_topk_prob", "attention_bias"):
             check_bool(name, getattr(self, name))
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim = {self.qk_rope_head_dim} must be even for RoPE")
@@ -137,6 +138,7 @@ SHAPE_FIELDS = (
     "qk_nope_head_dim",
     "qk_rope_head_dim",
     "v_head_dim",
+    "attention_bias",
     "first_k_dense_replace",
     "n_experts",
     "n_shared_experts",

@@ -20,8 +20,12 @@ The module keeps the shared decoder's attention interface -- ``forward(x, freqs_
 and reshapes with ``-1`` heads, so a tensor-parallel rank holding some heads of ``wq``/``wq_b`` and
 ``wkv_b`` (and the matching input columns of ``wo``) runs it unchanged.
 
+With ``attention_bias`` (HF's field; DeepSeek's released models have none) ``wq_a``, ``wkv_a`` and
+``wo`` carry a bias, as transformers' ``DeepseekV3Attention`` does (``wq``, ``wq_b`` and ``wkv_b``
+never do).
+
 Init (torchtitan's for DeepSeek-V3): every projection a normal of std 0.02 truncated at +-2
-(absolute), ``wo`` at the layer's depth-scaled std; the two norms ones.
+(absolute), ``wo`` at the layer's depth-scaled std; the two norms ones; biases zeros.
 """
 
 from __future__ import annotations
@@ -42,16 +46,17 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_lora_rank = args.kv_lora_rank
         self.softmax_scale = args.softmax_scale
         qk_dims = args.n_heads * (self.nope_dim + self.rope_dim)
+        bias = args.attention_bias
         if args.q_lora_rank:
-            self.wq_a = nn.Linear(args.dim, args.q_lora_rank, bias=False)
+            self.wq_a = nn.Linear(args.dim, args.q_lora_rank, bias=bias)
             self.q_norm = nn.RMSNorm(args.q_lora_rank, eps=args.norm_eps)
             self.wq_b = nn.Linear(args.q_lora_rank, qk_dims, bias=False)
         else:
             self.wq = nn.Linear(args.dim, qk_dims, bias=False)
-        self.wkv_a = nn.Linear(args.dim, args.kv_lora_rank + self.rope_dim, bias=False)
+        self.wkv_a = nn.Linear(args.dim, args.kv_lora_rank + self.rope_dim, bias=bias)
         self.kv_norm = nn.RMSNorm(args.kv_lora_rank, eps=args.norm_eps)
         self.wkv_b = nn.Linear(args.kv_lora_rank, args.n_heads * (self.nope_dim + self.v_dim), bias=False)
-        self.wo = nn.Linear(args.n_heads * self.v_dim, args.dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.v_dim, args.dim, bias=bias)
 
     def projections(self) -> list[nn.Linear]:
         """The projections before ``wo``, in the order q, then k/v."""
@@ -62,6 +67,9 @@ class MultiHeadLatentAttention(nn.Module):
         for linear in self.projections():
             init.trunc_normal_(linear.weight, std=0.02, cutoff=TRUNC_BOUND / 0.02)
         init.trunc_normal_(self.wo.weight, std=self.init_std, cutoff=TRUNC_BOUND / self.init_std)
+        for linear in (*self.projections(), self.wo):
+            if linear.bias is not None:
+                init.zeros_(linear.bias)
         for norm in (getattr(self, "q_norm", None), self.kv_norm):
             if norm is not None:
                 init.ones_(norm.weight)

@@ -3,9 +3,10 @@ tensor names.
 
 ``config.json``: every field ``transformers`` 5.24's ``DeepseekV3Config`` reads is read, with that
 class's default where a file leaves it out (its model is what the file means); a field whose value
-changes the math and is not computed here is refused, naming it (an attention bias, another
-activation, DeepSeek's own ``scoring_func`` / ``topk_method`` other than V3's, key/value heads
-fewer than the heads). ``q_lora_rank: null`` is our ``0``.
+changes the math and is not computed here is refused, naming it (another activation, DeepSeek's
+own ``scoring_func`` / ``topk_method`` other than V3's, key/value heads fewer than the heads).
+``q_lora_rank: null`` is our ``0``; ``attention_bias`` is computed (``q_a_proj``,
+``kv_a_proj_with_mqa`` and ``o_proj`` biases).
 
 Names: the shared decoder's (``models.common.hf_names``) for the embedding, norms, dense
 feed-forward and output; per layer
@@ -50,12 +51,15 @@ EXPERTS = ExpertNames("mlp", (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "
 _LAYER = {
     "attention.wq.weight": "self_attn.q_proj.weight",
     "attention.wq_a.weight": "self_attn.q_a_proj.weight",
+    "attention.wq_a.bias": "self_attn.q_a_proj.bias",
     "attention.q_norm.weight": "self_attn.q_a_layernorm.weight",
     "attention.wq_b.weight": "self_attn.q_b_proj.weight",
     "attention.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attention.wkv_a.bias": "self_attn.kv_a_proj_with_mqa.bias",
     "attention.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
     "attention.wkv_b.weight": "self_attn.kv_b_proj.weight",
     "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention.wo.bias": "self_attn.o_proj.bias",
     "moe.expert_bias": "mlp.gate.e_score_correction_bias",
     "moe.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
     "moe.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
@@ -111,7 +115,7 @@ class DeepseekV3HFNames(HFNames):
             return None
         if fqn.endswith(_QUERY_ROWS):
             return self.args.n_heads
-        return 1 if fqn.endswith("attention.wkv_a.weight") else None
+        return 1 if fqn.endswith(("attention.wkv_a.weight", "attention.wkv_a.bias")) else None
 
     def to_stored_rows(self, fqn: str, tensor: torch.Tensor) -> torch.Tensor:
         groups = self.row_groups(fqn)
@@ -149,7 +153,7 @@ def config(args: DeepseekV3Args, dtype: torch.dtype) -> dict:
         "topk_group": args.topk_group,
         "norm_topk_prob": args.norm_topk_prob,
         "routed_scaling_factor": args.routed_scaling_factor,
-        "attention_bias": False,
+        "attention_bias": args.attention_bias,
         "num_nextn_predict_layers": 0,  # no multi-token-prediction module is written
     }
 
@@ -160,9 +164,7 @@ _DEFAULTS = DeepseekV3Args()
 
 def args_from_config(cfg: dict) -> DeepseekV3Args:
     hf_config.refuse_common(cfg, "DeepSeek-V3")
-    hf_config.refuse(
-        cfg, "DeepSeek-V3", attention_bias=False, scoring_func="sigmoid", topk_method="noaux_tc", moe_layer_freq=1
-    )
+    hf_config.refuse(cfg, "DeepSeek-V3", scoring_func="sigmoid", topk_method="noaux_tc", moe_layer_freq=1)
     n_heads = hf_config.read(cfg, "num_attention_heads", check_int, _DEFAULTS.n_heads)
     if hf_config.read(cfg, "num_key_value_heads", check_int, n_heads) != n_heads:
         raise ValueError(
@@ -192,6 +194,7 @@ def args_from_config(cfg: dict) -> DeepseekV3Args:
         qk_nope_head_dim=field("qk_nope_head_dim", "qk_nope_head_dim"),
         qk_rope_head_dim=field("qk_rope_head_dim", "qk_rope_head_dim"),
         v_head_dim=field("v_head_dim", "v_head_dim"),
+        attention_bias=field("attention_bias", "attention_bias", check_bool),
         rope_interleave=field("rope_interleave", "rope_interleave", check_bool),
         first_k_dense_replace=field("first_k_dense_replace", "first_k_dense_replace", least=0),
         n_experts=field("n_experts", experts),
