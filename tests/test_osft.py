@@ -98,6 +98,19 @@ def test_every_target_pattern_must_match_and_the_start_log_lists_the_targets(deb
     ] and notes[1].endswith(" in 1 block"), notes
 
 
+def test_the_default_targets_of_a_model_without_dense_feed_forwards_are_its_attention(tmp_path):
+    """Every Mixtral layer is a mixture of experts: the family's default targets name dense
+    feed-forwards too, which this model lacks; the defaults it has are the targets (before, the
+    run was refused as if the user had mistyped them)."""
+    from seedckpt.config.resolve import resolve
+    from seedckpt.materialize.seed import create_seed_checkpoint
+
+    seed = create_seed_checkpoint(tiny_config("--model.name", "mixtral"), tmp_path / "seed", 0, progress=False)
+    cfg = tiny_config("--model.name", "mixtral", "--finetune.mode", "osft", "--finetune.pretrained", str(seed))
+    [line] = [note for note in resolve(cfg, 1).notes if note.startswith("osft:")]
+    assert "attention.wq" in line and "attention.wo" in line and "feed_forward" not in line, line
+
+
 def test_default_targets_are_the_attention_and_ffn_projections():
     args, dense, osft, targets = _dense_and_osft()
     assert len(targets) == 2 * len(LLAMA3.osft_targets)

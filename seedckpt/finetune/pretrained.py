@@ -115,9 +115,10 @@ def osft_spec(cfg: JobConfig) -> OSFTSettings | None:
 
 
 def check_osft_settings(cfg: JobConfig, args) -> str:
-    """The ratio is a fraction and every pattern names some of the model's linear layers (one that
-    matches nothing is a typo: training would silently leave that layer dense). Returns the log
-    line that lists the targets."""
+    """The ratio is a fraction and every pattern given names some of the model's linear layers (one
+    that matches nothing is a typo: training would silently leave that layer dense). The family's
+    default targets are those of them the model has (a model whose every layer is a mixture of
+    experts has no dense feed-forward). Returns the log line that lists the targets."""
     ft, family = cfg.finetune, cfg.model_family()
     patterns = ft.osft_target_patterns
     examples = ", ".join(f'"{p}"' for p in family.osft_targets[:2])
@@ -126,11 +127,13 @@ def check_osft_settings(cfg: JobConfig, args) -> str:
             f"finetune.osft_target_patterns = {patterns!r}: give a list of names such as "
             f"[{examples}] (empty: the default targets)"
         )
-    patterns = patterns or list(family.osft_targets)
+    given = bool(patterns)
     with torch.device("meta"):
         model = family.model(args)
-    unmatched = [p for p, fqns in pattern_matches(model, patterns).items() if not fqns]
-    if unmatched:
+    matches = pattern_matches(model, patterns or list(family.osft_targets))
+    patterns = [p for p, fqns in matches.items() if fqns or given]
+    unmatched = [p for p, fqns in matches.items() if not fqns]
+    if unmatched and (given or not patterns):
         raise SeedckptError(
             f"finetune.osft_target_patterns: {', '.join(map(repr, unmatched))} "
             f"match{'es' * (len(unmatched) == 1)} no linear layer inside the model's blocks; fix or "
