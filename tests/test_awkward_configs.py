@@ -17,6 +17,7 @@ import torch
 
 from seedckpt import load_model
 from seedckpt.cli.convert import convert
+from tests.test_deepseek_v3 import TINY_FIELDS
 
 transformers = pytest.importorskip("transformers")
 
@@ -26,28 +27,7 @@ def yarn(factor: float, original: int, theta: float = 1e4, **more) -> dict:
     return rope | {"original_max_position_embeddings": original, **more}
 
 
-DEEPSEEK = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=96,
-    moe_intermediate_size=32,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    kv_lora_rank=16,
-    q_lora_rank=24,
-    qk_nope_head_dim=16,
-    qk_rope_head_dim=8,
-    v_head_dim=12,
-    n_routed_experts=8,
-    n_shared_experts=1,
-    num_experts_per_tok=3,
-    n_group=1,
-    topk_group=1,
-    first_k_dense_replace=1,
-    routed_scaling_factor=2.5,
-    max_position_embeddings=64,
-)
+DEEPSEEK = TINY_FIELDS
 GPT_OSS = dict(
     vocab_size=96,
     hidden_size=32,

@@ -131,30 +131,33 @@ CASES = {
 }
 
 
+# A tiny DeepSeek-V3: two MoE layers after a dense one, low-rank q, unequal head widths
+TINY_FIELDS = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=16,
+    q_lora_rank=24,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=3,
+    n_group=1,
+    topk_group=1,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.5,
+    max_position_embeddings=64,
+)
+
+
 def hf_config(**changes) -> transformers.DeepseekV3Config:
-    fields = dict(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        kv_lora_rank=16,
-        q_lora_rank=24,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=8,
-        v_head_dim=12,
-        n_routed_experts=8,
-        n_shared_experts=1,
-        num_experts_per_tok=3,
-        n_group=1,
-        topk_group=1,
-        first_k_dense_replace=1,
-        routed_scaling_factor=2.5,
-        max_position_embeddings=64,
-    )
-    return transformers.DeepseekV3Config(**(fields | changes))
+    return transformers.DeepseekV3Config(**(TINY_FIELDS | changes))
 
 
 def hf_model(path: Path, **changes) -> Path:

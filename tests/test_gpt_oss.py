@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from models.gpt_oss import FLAVORS, GPT_OSS, args_from_config, config
 from seedckpt import load_model
@@ -22,6 +21,7 @@ from tests.conftest import tiny_config
 from tests.dist import run_distributed
 from tests.quantizers import quantize_directory
 from tests.test_convert import our_logits
+from tests.test_deepseek_v3 import hf_tensors
 from tests.test_sft import PP2_DP2, chat_inputs, sft  # noqa: F401 (chat_inputs: a fixture)
 from tests.test_train import losses, model_state, torchrun
 
@@ -111,13 +111,6 @@ def hf_model(path: Path, **changes) -> Path:
                 p.normal_(0, 0.3) if p.dim() == 1 else p.normal_(0, 0.08)
     model.eval().save_pretrained(path)
     return path
-
-
-def hf_tensors(path: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for file in path.glob("*.safetensors"):
-        out.update(load_file(file))
-    return out
 
 
 def test_config_both_ways_and_the_hub_config():
