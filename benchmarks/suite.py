@@ -274,6 +274,23 @@ PARTS = [
         "Qwen3-30B-A3B's MoE layer: grouped GEMM faster than the per-expert loop, near a dense FFN of its active size",
     ),
     Part(
+        "mla_attention",
+        "moe",
+        [
+            *["benchmarks/mla.py", "--device", "cuda", "--dtype", "bfloat16", "--heads", "128"],
+            *["--seq-len", "4096", "--repeats", "5"],
+        ],
+        90,
+        "DeepSeek-V3-671B's MLA layer (128 heads, 4k tokens) against plain multi-head attention of its widths",
+    ),
+    Part(
+        "mla_attention",
+        "cpu",
+        ["benchmarks/mla.py"],
+        300,
+        "MLA of the 671B's widths (16 heads, 512 tokens) against plain multi-head attention: time, params, peak",
+    ),
+    Part(
         "moe_ep_share",
         "cpu",
         ["benchmarks/moe.py", "--ep", "4"],
