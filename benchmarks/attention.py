@@ -17,7 +17,7 @@ import os
 import subprocess
 import sys
 
-from common import ROOT, emit, parser, time_steps
+from common import ROOT, emit, module_options, parser, time_steps
 
 VARIANTS = ("repeat_interleave", "enable_gqa")
 
@@ -81,12 +81,7 @@ def run_variant(opts) -> dict:
 
 def main() -> None:
     p = parser(__doc__)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--variant", choices=VARIANTS, help="run one variant in this process (used by the driver)")
+    module_options(p, VARIANTS, seq_len=2048, repeats=5)
     opts = p.parse_args()
     if opts.variant:
         print(json.dumps(run_variant(opts)))

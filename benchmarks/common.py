@@ -35,6 +35,17 @@ def parser(doc: str) -> argparse.ArgumentParser:
     return p
 
 
+def module_options(p: argparse.ArgumentParser, variants, seq_len: int, repeats: int) -> None:
+    """The options of a benchmark that times one module's forward + backward per variant, each
+    variant in a child process of its own (``--variant``, set by the driver)."""
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq-len", type=int, default=seq_len)
+    p.add_argument("--repeats", type=int, default=repeats)
+    p.add_argument("--variant", choices=variants, help="run one variant in this process (used by the driver)")
+
+
 @contextlib.contextmanager
 def output_dir(given: str | None, prefix: str):
     """``given`` (created, kept) or a temporary directory under ``$TMPDIR`` (default /tmp), removed at the end."""

@@ -21,7 +21,7 @@ import statistics
 import subprocess
 import sys
 
-from common import ROOT, emit, time_steps
+from common import ROOT, emit, module_options, time_steps
 
 VARIANTS = ("mha", "mla")
 
@@ -90,12 +90,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--flavor", default="671B", help="DeepSeek-V3 flavor (default: 671B)")
     p.add_argument("--heads", type=int, default=16, help="attention heads (default 16; the 671B has 128)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--variant", choices=VARIANTS, help="run one variant in this process (used by the driver)")
+    module_options(p, VARIANTS, seq_len=512, repeats=2)
     opts = p.parse_args()
     if opts.variant:
         print(json.dumps(run_variant(opts)))
