@@ -12,8 +12,9 @@ subtle: logits still look plausible (torchtitan measured KL 5.4e-6 instead of ~1
 compare logits against ``transformers`` at 1e-5.
 
 ``HFNames`` is this layout as the checkpoint layer's name adapter (``seedckpt.checkpoint.model``):
-it maps names both ways and says which tensors' rows are permuted in groups (heads). Errors here are
-``ValueError``s; the format that reads or writes the file names it.
+it maps names both ways, says which tensors' rows are permuted in groups (heads), and for a stored
+tensor the model lacks, which ``config.json`` field likely left it out (``config_fields``). Errors
+here are ``ValueError``s; the format that reads or writes the file names it.
 """
 
 from __future__ import annotations
@@ -48,6 +49,14 @@ _LAYER_INV = {v: k for k, v in _LAYER.items()}
 _TOP_INV = {v: k for k, v in _TOP.items()}
 _OURS = re.compile(r"layers\.(\d+)\.(.+)")
 _THEIRS = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# The config.json fields that count a layer's routed experts, by family (the reader names the one a file sets)
+_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def _is_rope_cache(name: str) -> bool:
+    """Older ``transformers`` saved RoPE's frequencies (``rotary_emb.inv_freq``): a cache computed
+    from ``config.json``, not a weight, so leaving it out loses nothing."""
+    return name.endswith("rotary_emb.inv_freq")
 
 
 def to_hf_name(fqn: str) -> str:
@@ -66,7 +75,7 @@ def from_hf_name(name: str) -> str | None:
     m = _THEIRS.fullmatch(name)
     if m and m.group(2) in _LAYER_INV:
         return f"layers.{m.group(1)}.{_LAYER_INV[m.group(2)]}"
-    if name.endswith("rotary_emb.inv_freq"):
+    if _is_rope_cache(name):
         return None
     raise ValueError(f"unexpected tensor {name!r}: this model has no such tensor")
 
@@ -180,6 +189,24 @@ class HFNames(HFRowOrder):
             if part is not None:
                 return part
         return from_hf_name(name)
+
+    def left_out(self, skipped: list[str]) -> tuple[list[str], str | None]:
+        """Of the stored names ``from_stored`` gave None (``skipped``): those the model should hold
+        (the reader refuses them), and a line naming what is left out on purpose (None: nothing to
+        say). Here only RoPE caches are left out, silently: a family that leaves out more says why."""
+        return [name for name in skipped if not _is_rope_cache(name)], None
+
+    def config_fields(self, name: str) -> tuple[str, ...]:
+        """The ``config.json`` fields that likely left out of the model a tensor its files store as
+        ``name`` (the fix to name), most likely first; () when no field does: a layer past
+        ``num_hidden_layers``, an expert past the experts a layer has."""
+        m = _THEIRS.fullmatch(name)
+        if m is None:
+            return ()
+        if int(m.group(1)) >= self.args.n_layers:
+            return ("num_hidden_layers",)
+        expert = self.experts.part(m.group(1), m.group(2)) if self.experts is not None else None
+        return _EXPERT_COUNTS if expert is not None and expert[1] >= self.args.n_experts else ()
 
     def stacked_names(self, fqn: str, count: int) -> list[str] | None:
         """HF's names of the ``count`` dim-0 slices that store ``fqn`` one tensor each (an expert

@@ -30,14 +30,16 @@ of each head of ``wq``/``wq_b`` (the last ``qk_rope_head_dim`` of each head's ro
 ``wkv_a`` (its last ``qk_rope_head_dim`` rows) are permuted within themselves, both ways.
 
 The hub checkpoint's multi-token-prediction module is stored as one more layer
-(``model.layers.61`` for 671B); ``transformers`` ignores it and so does this reader: its tensors
-are skipped, with one warning line saying so.
+(``model.layers.61`` for 671B, told apart by its ``eh_proj``); ``transformers`` ignores it and so
+does this reader: its tensors are skipped, with one warning line saying so. A layer past
+``num_hidden_layers`` without an ``eh_proj`` is a decoder layer the config leaves out: refused.
+Shared experts stored while ``n_shared_experts`` is 0 are refused too, unless empty (as
+``transformers`` writes them for none).
 """
 
 from __future__ import annotations
 
 import re
-import warnings
 
 import torch
 
@@ -76,7 +78,6 @@ class DeepseekV3HFNames(HFNames):
 
     def __init__(self, args: DeepseekV3Args):
         super().__init__(args, EXPERTS)
-        self.skipped_mtp = False
 
     def to_stored(self, fqn: str) -> str:
         m = _OURS.fullmatch(fqn)
@@ -87,23 +88,28 @@ class DeepseekV3HFNames(HFNames):
     def from_stored(self, name: str):
         m = _THEIRS.fullmatch(name)
         if m and int(m.group(1)) >= self.args.n_layers:
-            self._skip_mtp()
-            return None
+            return None  # a multi-token-prediction module, or a layer config.json leaves out (``left_out``)
         if m and m.group(2) in _LAYER_INV:
-            ours = _LAYER_INV[m.group(2)]
-            if ours.startswith("moe.shared_experts.") and not self.args.n_shared_experts:
-                return None  # transformers stores zero shared experts as empty tensors: nothing to keep
-            return f"layers.{m.group(1)}.{ours}"
+            return f"layers.{m.group(1)}.{_LAYER_INV[m.group(2)]}"
         return super().from_stored(name)
 
-    def _skip_mtp(self) -> None:
-        if not self.skipped_mtp:
-            self.skipped_mtp = True
-            warnings.warn(
-                f"model.layers.{self.args.n_layers} and up (DeepSeek-V3's multi-token-prediction module) are "
-                "skipped: this model, like transformers', predicts the next token only",
-                stacklevel=2,
-            )
+    def left_out(self, skipped: list[str]) -> tuple[list[str], str | None]:
+        """The layers past ``num_hidden_layers`` that hold an ``eh_proj`` are the multi-token-prediction
+        module, skipped with one line; any other such layer is one the model lacks."""
+        mtp = {_layer(name) for name in skipped if name.endswith(".eh_proj.weight")}
+        refused, _ = super().left_out([name for name in skipped if _layer(name) not in mtp])
+        if not mtp:
+            return refused, None
+        return refused, (
+            f"model.layers.{min(mtp)} and up (DeepSeek-V3's multi-token-prediction module) are skipped: this "
+            "model, like transformers', predicts the next token only"
+        )
+
+    def config_fields(self, name: str) -> tuple[str, ...]:
+        m = _THEIRS.fullmatch(name)
+        if m and m.group(2).startswith("mlp.shared_experts."):
+            return ("n_shared_experts",)
+        return super().config_fields(name)
 
     def unkept_unless_zero(self, fqn: str) -> None:
         return None  # HF's class holds the expert bias (e_score_correction_bias)
@@ -131,6 +137,12 @@ class DeepseekV3HFNames(HFNames):
         for group in grouped:
             group[-rope:] = permute(group[-rope:], 1)
         return grouped.reshape(tensor.shape)
+
+
+def _layer(name: str) -> int:
+    """The layer index of HF's ``model.layers.{i}.*`` name; -1 for the others."""
+    m = _THEIRS.fullmatch(name)
+    return int(m.group(1)) if m else -1
 
 
 def config(args: DeepseekV3Args, dtype: torch.dtype) -> dict:

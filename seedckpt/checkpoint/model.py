@@ -41,7 +41,16 @@ class NameAdapter(Protocol):
         along dim 0 of our ``fqn`` (another tool stores one tensor per expert where we store a
         layer's experts as one 3-D tensor); ``StoredParts`` for one that holds ours rearranged
         (``to_stored`` of each of its ``fqns`` is its name); None for stored tensors the model does
-        not keep."""
+        not keep (an HF directory's reader asks ``left_out`` which of them it may skip); a
+        ``ValueError`` for a name no model of the family has."""
+
+    def left_out(self, skipped: list[str]) -> tuple[list[str], str | None]:
+        """Of the stored names ``from_stored`` gave None: those the model should hold (refused), and
+        one line naming what is left out on purpose, or None (HF directories)."""
+
+    def config_fields(self, name: str) -> tuple[str, ...]:
+        """The ``config.json`` fields that likely left the stored tensor ``name`` out of the model
+        (the fix a refusal names), most likely first; () when none does (HF directories)."""
 
     def stacked_names(self, fqn: str, count: int) -> list[str] | None:
         """The stored names of ``fqn``'s ``count`` dim-0 slices, when it is stored one slice per

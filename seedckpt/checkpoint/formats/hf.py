@@ -11,10 +11,18 @@ interleaved, transposed experts) is split on reading, a rank reading only its ex
 and joined again on writing. ``write`` streams ``model-0000k-of-0000n.safetensors`` shards of at
 most ``shard_bytes``, the index and a ``config.json`` that ``transformers`` loads, with the
 tokenizer files and ``generation_config.json`` the caller hands it (``WriteJob``).
+
+A stored tensor the model ``config.json`` describes does not have (a layer, an expert, a shared
+expert more than it says) is refused in one line naming it and the field to fix, before anything
+is read: left out, the weights would load as another model than the files hold. Only what the
+name adapter leaves out on purpose is skipped (``left_out``: RoPE caches, DeepSeek-V3's
+multi-token-prediction layer, with a line), and empty tensors the model lacks (no weights to lose).
 """
 
 from __future__ import annotations
 
+import json
+import math
 import shutil
 import warnings
 from pathlib import Path
@@ -35,7 +43,7 @@ from seedckpt.checkpoint.load import (
     tensor_problems,
 )
 from seedckpt.checkpoint.manifest import TensorInfo
-from seedckpt.checkpoint.model import ModelCodec, ModelLayout, StoredParts
+from seedckpt.checkpoint.model import ModelCodec, ModelLayout, NameAdapter, StoredParts
 from seedckpt.checkpoint.owned_reads import OwnedHFReader
 from seedckpt.checkpoint.safetensors_header import SAFETENSORS_DTYPES, safetensors_header
 from seedckpt.checkpoint.untrusted import read_json
@@ -98,6 +106,8 @@ class HFCheckpoint(OpenedCheckpoint):
         self.unread_parts: dict[str, torch.Tensor] = {}  # the rest of the last split tensor, until read
         infos = {}
         headers = {}
+        unaccounted: list[str] = []  # stored names of tensors the model lacks
+        skipped: list[str] = []  # stored names the adapter leaves out (``left_out`` says which on purpose)
         for file in files:
             if not isinstance(file, str) or Path(file).name != file or not (path / file).is_file():
                 raise SeedckptError(f"{index} lists {file!r}, which is not a file in {path}")
@@ -111,7 +121,18 @@ class HFCheckpoint(OpenedCheckpoint):
                     if name != quantized_part[name].values.name:
                         continue
                     name, info = quantized_part[name].name, quantized_part[name].info
-                fqn = self._ours(name, path / file)
+                try:
+                    fqn = self.names.from_stored(name)
+                except ValueError:  # a name no model of this family has
+                    unaccounted.append(name)
+                    continue
+                if fqn is None:
+                    skipped.append(name)
+                    continue
+                if not _accounted(fqn, layout.shapes):
+                    if math.prod(info.shape):  # an empty one holds no weights (transformers' zero shared experts)
+                        unaccounted.append(name)
+                    continue
                 if isinstance(fqn, tuple):
                     pieces.setdefault(fqn[0], {})[fqn[1]] = (path / file, name, info)
                     continue
@@ -121,11 +142,10 @@ class HFCheckpoint(OpenedCheckpoint):
                         self.location[ours] = (path / file, name)
                         infos[ours] = TensorInfo(shape, info.dtype)
                     continue
-                if fqn is None:
-                    continue
                 self.location[fqn] = (path / file, name)
                 self.spans[fqn] = (data_start + entry["data_offsets"][0], data_start + entry["data_offsets"][1])
                 infos[fqn] = info
+        self._refuse_unaccounted(path, unaccounted, skipped)
         self.slices = {fqn: _stacked(fqn, found, path) for fqn, found in pieces.items()}
         for fqn, parts in self.slices.items():
             self.location[fqn] = parts[0][:2]
@@ -150,6 +170,15 @@ class HFCheckpoint(OpenedCheckpoint):
         for fqn, source in self.aliases.items():
             self.location[fqn] = self.location[source]
         self.dequantized = frozenset(fqn for fqn, (_, name) in self.location.items() if name in self.quantized)
+
+    def _refuse_unaccounted(self, path: Path, unaccounted: list[str], skipped: list[str]) -> None:
+        """Refuse the stored tensors the model lacks (``unaccounted``, and those of ``skipped`` the name
+        adapter does not leave out on purpose) in one line; else say what it leaves out, if anything."""
+        refused, note = self.names.left_out(skipped)
+        if unaccounted or refused:
+            raise _unaccounted_error(path, self.config, self.names, unaccounted + refused)
+        if note is not None:
+            warnings.warn(note, stacklevel=3)
 
     def _stores_a_distinct_head(self, layout, stored: dict[str, TensorInfo]) -> bool:
         """Whether a config that ties the output to the embedding sits over files that also store a
@@ -255,6 +284,38 @@ class HFCheckpoint(OpenedCheckpoint):
         lo, hi = rows or (0, len(parts))
         by_name.update((parts[e][1], local(wanted)[e - lo]) for e in range(lo, hi))
         return []
+
+
+def _accounted(fqn: str | tuple[str, int] | StoredParts, shapes: dict[str, tuple[int, ...]]) -> bool:
+    """Whether the model (``shapes``: its tensors) holds what a stored tensor is (``from_stored``'s
+    answer): our tensor, an expert within its count, or every tensor a fused one holds."""
+    if isinstance(fqn, StoredParts):
+        return all(ours in shapes for ours in fqn.fqns)
+    if isinstance(fqn, tuple):
+        return fqn[0] in shapes and fqn[1] < shapes[fqn[0]][0]
+    return fqn in shapes
+
+
+def _unaccounted_error(path: Path, config: dict, names: NameAdapter, stored: list[str]) -> SeedckptError:
+    """One line naming the first of the ``stored`` tensors the model lacks, how many in all, and the
+    likely fix: the ``config.json`` field the name adapter suspects (of its candidates, the one the
+    file sets), else the file as a whole."""
+    stored = sorted(stored, key=_in_layer_order)
+    held = stored[0] + (f" (and {len(stored) - 1} more)" if len(stored) > 1 else "")
+    fields = names.config_fields(stored[0])
+    field = next((f for f in fields if f in config), fields[0] if fields else None)
+    if field is None:
+        return SeedckptError(
+            f"{path}: its files hold {held}, which the model config.json describes does not have: correct "
+            "config.json to the model the weights are, or remove those tensors"
+        )
+    said = f"says {field} = {json.dumps(config[field])}" if field in config else f"leaves {field} out"
+    return SeedckptError(f"{path}: config.json {said} but the files hold {held}, which that model lacks: fix {field}")
+
+
+def _in_layer_order(name: str) -> tuple:
+    """A sort key that puts ``model.layers.2`` before ``model.layers.10`` (and expert 2 before 10)."""
+    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in name.split("."))
 
 
 def _split_shapes(parts: StoredParts, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
