@@ -34,7 +34,9 @@ import torch
 
 from models.family import ModelFamily
 from models.registry import DEFAULT_FAMILY, FAMILIES, get_family
+from seedckpt.checkpoint.manifest import TOKENIZER_DIR
 from seedckpt.data.mixture import parse_sources
+from seedckpt.data.tokenizer import own_tokenizer
 from seedckpt.utils.errors import SeedckptError
 
 if sys.version_info >= (3, 11):
@@ -429,7 +431,11 @@ class Data:
         'path and weight (kind = "tokens" optional), or ["tokens/web:0.7", "tokens/code:0.3"] (command line: '
         "tokens/web:0.7,tokens/code:0.3); each row draws its source with these weights",
     )
-    tokenizer: str = option("", "a Hugging Face tokenizer directory (empty: byte-level, text only)")
+    tokenizer: str = option(
+        "",
+        "a Hugging Face tokenizer directory (empty: fine-tuning chat data or text files takes the one "
+        "finetune.pretrained carries; else byte-level, text only)",
+    )
     overflow: Literal["truncate", "drop"] = option(
         "truncate",
         "chat, pretokenized, chat token directories: what happens to a sample longer than seq_len + 1 tokens",
@@ -594,12 +600,26 @@ class JobConfig:
                 f"{ckpt.interval}, checkpoint.enable = {ckpt.enable})"
             )
         if self.data.kind == "chat" and not self.data.tokenizer:
-            raise SeedckptError(
-                "data.kind = 'chat' needs data.tokenizer: a Hugging Face tokenizer directory with a "
-                "chat template (tokenizer.json + tokenizer_config.json)"
-            )
+            self._refuse_chat_without_tokenizer()
         self._check_manual_fsdp()
         self.model_args()  # the flavor and the [model] overrides
+
+    def _refuse_chat_without_tokenizer(self) -> None:
+        """Chat data is rendered with a tokenizer's chat template. A fine-tune whose checkpoint is
+        missing is left to the start, which names that first."""
+        ft = self.finetune
+        if ft.mode != "none" and not (ft.pretrained and Path(ft.pretrained).exists()):
+            return
+        carries = (
+            f", and finetune.pretrained {ft.pretrained} carries none (no tokenizer.json in it or in its "
+            f"{TOKENIZER_DIR}/)"
+            if ft.mode != "none"
+            else ""
+        )
+        raise SeedckptError(
+            f"data.kind = 'chat' needs data.tokenizer{carries}: set --data.tokenizer to a Hugging Face tokenizer "
+            "directory with a chat template (tokenizer.json + tokenizer_config.json)"
+        )
 
     def _check_manual_fsdp(self) -> None:
         """Manual FSDP shards one whole stage over a flat data-parallel group: refuse, naming each
@@ -708,9 +728,24 @@ def load_config(path: str | Path | None, overrides: typing.Sequence[str] = ()) -
                 settings.set(section, key, value, source=str(path))
     for section, key, text in parse_overrides(overrides):
         settings.set(section, key, text, source="command line", from_text=True)
-    cfg = settings.build()
+    cfg = with_pretrained_tokenizer(settings.build())
     cfg.validate()  # only now: an override may repair what the file set, or break it
     return cfg
+
+
+def with_pretrained_tokenizer(cfg: JobConfig) -> JobConfig:
+    """A fine-tune that tokenizes (chat data, text files) and names no ``data.tokenizer`` takes the
+    tokenizer ``finetune.pretrained`` carries: the ids its model was trained with, never byte-level
+    ids. Filled in here, as the file and command line are read, so that every part of the run (the
+    data, the tokenizer saved with each ``step-N``, the run's recorded config) sees the same one.
+    Whether a tokenizer that *is* named keeps the model's ids is checked when the run starts
+    (``finetune.pretrained.finetune_model``)."""
+    data, ft = cfg.data, cfg.finetune
+    tokenizes = data.kind == "chat" or (data.kind == "text" and data.path)
+    if data.tokenizer or ft.mode == "none" or not ft.pretrained or not tokenizes:
+        return cfg
+    own = own_tokenizer(ft.pretrained)
+    return dataclasses.replace(cfg, data=dataclasses.replace(data, tokenizer=str(own))) if own else cfg
 
 
 def config_reference(width: int = 100) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
+from seedckpt.checkpoint.manifest import TOKENIZER_DIR
 from seedckpt.utils.errors import SeedckptError
 
 # What travels with an exported model so that ``AutoTokenizer.from_pretrained(export)`` works.
@@ -83,3 +84,28 @@ def pad_token_id(tokenizer) -> tuple[int, str | None]:
 def tokenizer_files(path: str | Path) -> list[Path]:
     """The files of tokenizer directory ``path`` that belong next to an exported model."""
     return [Path(path) / name for name in TOKENIZER_FILES if (Path(path) / name).is_file()]
+
+
+def own_tokenizer(model_dir: str | Path) -> Path | None:
+    """The fast tokenizer a model directory carries, or None: an HF download's ``tokenizer.json``
+    beside its ``config.json``, else the ``tokenizer/`` folder where a fine-tuning run's ``step-N``
+    and ``convert --to dcp`` keep it. Only looks at file names: nothing is loaded."""
+    for directory in (Path(model_dir), Path(model_dir) / TOKENIZER_DIR):
+        if (directory / "tokenizer.json").is_file():
+            return directory
+    return None
+
+
+def moved_tokens(tokenizer, base) -> list[tuple[str, int, int | None]]:
+    """The tokens of ``base`` whose id ``tokenizer`` changes, as ``(token, base id, tokenizer's id
+    or None)`` in id order: empty when ``tokenizer`` keeps every id a model trained with ``base``
+    knows, adding tokens or not. An added (special) token of ``base`` may be missing -- renaming a
+    reserved token for a chat template is common -- but not moved; a regular one may do neither."""
+    added = base.get_added_vocab()
+    ids = tokenizer.get_vocab()
+    moved = (
+        (token, i, ids.get(token))
+        for token, i in base.get_vocab().items()
+        if ids.get(token) != i and not (token in added and token not in ids)
+    )
+    return sorted(moved, key=lambda entry: entry[1])

@@ -9,6 +9,11 @@ stage's tensors (and its rows under FSDP), nobody holds the whole model. This mo
 * The model's family and args are read from the checkpoint (``seedckpt.json`` or ``config.json``). A
   ``[model]`` key the user set that contradicts them (``name`` included) is an error naming both
   values -- never silently ignored.
+* The tokenizer: the one the pretrained directory carries, unless ``data.tokenizer`` names another
+  (``job_config.with_pretrained_tokenizer``). Another one must keep every id of the directory's own
+  -- it may only add tokens after them -- or the model would read tokens it was never trained on:
+  one that moves them is refused, naming both. Which tokenizer the run uses, and why, is one line
+  of the run log.
 * Vocabulary alignment (Mini Trainer's rule): a tokenizer with more tokens than the checkpoint's
   vocabulary grows the embedding and the output projection to the next multiple of 8 (the new
   rows start as the mean of the old ones, see ``stages``); the vocabulary never shrinks.
@@ -23,7 +28,7 @@ import torch
 
 from seedckpt.checkpoint import OpenedCheckpoint
 from seedckpt.config.job_config import JobConfig
-from seedckpt.data.tokenizer import load_tokenizer
+from seedckpt.data.tokenizer import load_tokenizer, moved_tokens, own_tokenizer
 from seedckpt.finetune.osft import OSFTSettings, describe_targets, manifest_osft, pattern_matches, target_fqns
 from seedckpt.materialize.model_checkpoint import detect_family, open_model_checkpoint, refuse_float64
 from seedckpt.utils.errors import SeedckptError
@@ -164,9 +169,9 @@ def finetune_model(cfg: JobConfig) -> tuple[object, tuple[str, ...], OpenedCheck
     args = pretrained.require_args()
     check_model_section(cfg, args, ft.pretrained)
     targets = check_osft_settings(cfg, args) if ft.mode == "osft" else None
-    vocab = f"vocabulary {args.vocab_size}"
+    vocab, tokenizer = f"vocabulary {args.vocab_size}", None
     if cfg.data.tokenizer:
-        tokenizer_vocab = len(load_tokenizer(cfg.data.tokenizer))
+        tokenizer_vocab, tokenizer = check_tokenizer(cfg.data.tokenizer, ft.pretrained)
         grown = aligned_vocab_size(args.vocab_size, tokenizer_vocab)
         if grown != args.vocab_size:
             vocab = (
@@ -178,4 +183,35 @@ def finetune_model(cfg: JobConfig) -> tuple[object, tuple[str, ...], OpenedCheck
         f"{ft.mode} from {ft.pretrained}: dim {args.dim}, {args.n_layers} layers, {vocab}, "
         f"{'tied' if args.tie_word_embeddings else 'untied'} embeddings"
     )
-    return args, (start, targets) if targets else (start,), pretrained
+    return args, tuple(line for line in (start, tokenizer, targets) if line), pretrained
+
+
+def check_tokenizer(path: str, pretrained: str) -> tuple[int, str]:
+    """The size of tokenizer ``path`` (``data.tokenizer``) and the run log's line saying which
+    tokenizer this is and why. A tokenizer other than the one the pretrained directory carries
+    must keep that one's ids (``moved_tokens``); one that moves them is refused, naming both. A
+    directory that carries none leaves nothing to check against: the line says so."""
+    tokenizer = load_tokenizer(path)
+    own = own_tokenizer(pretrained)
+    if own is None:
+        return len(tokenizer), (
+            f"tokenizer: data.tokenizer {path} ({len(tokenizer)} tokens); finetune.pretrained {pretrained} "
+            "carries no tokenizer, so nothing checks that these ids are the ones its model was trained with"
+        )
+    if own.resolve() == Path(path).resolve():
+        return len(tokenizer), f"tokenizer: finetune.pretrained's own, {own} ({len(tokenizer)} tokens)"
+    base = load_tokenizer(own)
+    moved = moved_tokens(tokenizer, base)
+    if moved:
+        token, was, now = moved[0]
+        raise SeedckptError(
+            f"data.tokenizer {path} ({len(tokenizer)} tokens) is not finetune.pretrained's own tokenizer, "
+            f"{own} ({len(base)} tokens): it moves {len(moved)} of the model's token ids (e.g. "
+            f"{token!r} is {was} in the model's, {'absent' if now is None else now} in data.tokenizer's), so "
+            f"the model would read tokens it was not trained on; set --data.tokenizer {own} (the model's own), "
+            "or give a tokenizer that keeps its ids and adds tokens after them"
+        )
+    return len(tokenizer), (
+        f"tokenizer: data.tokenizer {path} ({len(tokenizer)} tokens), which keeps every id of finetune.pretrained's "
+        f"own {own} ({len(base)} tokens)"
+    )
