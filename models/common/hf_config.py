@@ -17,17 +17,34 @@ from models.common.args import check_bool, check_float, check_int
 from models.common.rope import SCALING_TYPES, RopeScaling
 
 REQUIRED = object()  # ``read``'s default: the field must be there
+AS_ABSENT = object()  # ``read``'s ``null``: a null field means what an absent one does
 
 
-def read(cfg: dict, name: str, check, default=REQUIRED, **rule):
+def read(cfg: dict, name: str, check, default=REQUIRED, null=AS_ABSENT, **rule):
     """``cfg[name]`` checked by ``check`` (``check_int``, ``check_float`` or ``check_bool`` of
-    ``models.common.args``, given ``rule``); ``default`` where it is absent or null."""
+    ``models.common.args``, given ``rule``); ``default`` where it is absent, ``null`` where it is null
+    (``REQUIRED``: refused). ``transformers`` tells the two apart where its class turns a None into
+    something else than the default: an absent ``num_key_value_heads`` is the class's default (8 for
+    Mistral), a null one as many as the heads."""
     value = cfg.get(name)
     if value is None:
-        if default is REQUIRED:
+        fallback = default if name not in cfg or null is AS_ABSENT else null
+        if fallback is REQUIRED:
             raise ValueError(f"config.json lacks {name}")
-        return default
+        return fallback
     return check(name, value, **rule)
+
+
+def size(cfg: dict, name: str, default: int) -> int:
+    """A size or count (an integer >= 1): ``default`` (the family's class's) where the file leaves it
+    out; refused where it is null, which no class turns into a size."""
+    return read(cfg, name, check_int, default, null=REQUIRED)
+
+
+def stated(cfg: dict, name: str, value) -> str:
+    """``name = value`` for a refusal, saying so where ``value`` is the class's default for a file
+    that leaves ``name`` out (the user looks for it in the file otherwise)."""
+    return f"{name} = {value!r}" + ("" if name in cfg else " (the class's default, as config.json has none)")
 
 
 def table(cfg: dict, name: str) -> dict:
@@ -148,28 +165,34 @@ LAYER_KINDS = ("full_attention", "sliding_attention")
 def layer_windows(cfg: dict, window: int | None, default: list[str] | None = None) -> dict:
     """The ``DecoderArgs`` fields ``sliding_window`` and ``window_layers``: ``window`` (the family's
     reading of ``sliding_window``, None: no window) in the layers ``layer_kinds`` calls
-    ``sliding_attention``; a layer of that kind with no window attends to every position, as in
-    ``transformers``."""
+    ``sliding_attention``. Such layers without a window are refused, as ``transformers`` refuses them
+    (it finds no ``sliding_window`` to build their mask from)."""
     if window is not None:
         check_int("sliding_window", window)
     kinds = layer_kinds(cfg, default)
     sliding = [i for i, kind in enumerate(kinds) if kind == "sliding_attention"]
-    if window is None or not sliding:
+    if window is None and sliding:
+        raise ValueError(
+            f"config.json makes layers {sliding} sliding_attention (layer_types, or the family's default) but "
+            "gives them no window (sliding_window null, or use_sliding_window false): set one, or make them "
+            "full_attention"
+        )
+    if not sliding:
         return {"sliding_window": None, "window_layers": None}
     return {"sliding_window": window, "window_layers": None if len(sliding) == len(kinds) else sliding}
 
 
-def qwen_layer_windows(cfg: dict, per_layer: bool = True) -> dict:
-    """``layer_windows`` under Qwen's rule: a window only with ``use_sliding_window``; then, in
-    ``per_layer`` families (Qwen2, Qwen3), the layers ``layer_types`` names, or by default those from
-    ``max_window_layers`` (28) on; in the others (Qwen3-MoE) every layer."""
+def qwen_layer_windows(cfg: dict, n_layers: int | None = None) -> dict:
+    """``layer_windows`` under Qwen's rule: a window only with ``use_sliding_window`` (a null one:
+    none); then, in families that slide some of their ``n_layers`` layers (Qwen2, Qwen3), the layers
+    ``layer_types`` names, or by default those from ``max_window_layers`` (28) on; with ``n_layers``
+    None (Qwen3-MoE) every layer."""
     slides = read(cfg, "use_sliding_window", check_bool, False)
-    window = read(cfg, "sliding_window", check_int, 4096) if slides else None
-    if not per_layer:
+    window = read(cfg, "sliding_window", check_int, 4096, null=None) if slides else None
+    if n_layers is None:
         return {"sliding_window": window, "window_layers": None}
-    n_layers = read(cfg, "num_hidden_layers", check_int)
     first = read(cfg, "max_window_layers", check_int, 28, least=0)
-    default = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
+    default = ["sliding_attention" if window is not None and i >= first else "full_attention" for i in range(n_layers)]
     return layer_windows(cfg, window, default)
 
 
@@ -208,28 +231,50 @@ def refuse_common(cfg: dict, what: str) -> None:
     layer_kinds(cfg)
 
 
-def decoder_fields(
-    cfg: dict, rope_theta_default: float = 10000.0, norm_eps_default: float = 1e-6, max_seq_len_default: int = 32768
-) -> dict:
+# transformers' LlamaConfig defaults by config.json name: what a file that leaves a field out means
+# there. None: derived, as the class derives it (key/value heads: as many as the heads; head_dim:
+# hidden_size / num_attention_heads).
+LLAMA_DEFAULTS = {
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": None,
+    "head_dim": None,
+    "vocab_size": 32000,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": False,
+    "initializer_range": 0.02,
+}
+
+
+def decoder_fields(cfg: dict, **defaults) -> dict:
     """The shared ``DecoderArgs`` fields from an HF ``config.json``, each checked (``read``). A field
     the file leaves out takes the default of the family's ``transformers`` config class, which is
-    what the file means there: the ``*_default`` arguments where a family's class differs from Llama's
-    (Mixtral's and gpt-oss's RoPE bases, 1e6 and 150000, would otherwise silently become 10000)."""
-    dim, n_heads = read(cfg, "hidden_size", check_int), read(cfg, "num_attention_heads", check_int)
+    what the file means there: ``LLAMA_DEFAULTS``, with ``defaults`` (by config.json name) where the
+    family's class differs (Mixtral's RoPE base, 1e6, would otherwise silently become 10000). A null
+    ``num_key_value_heads`` or ``head_dim`` is derived, as every class derives it."""
+    d = LLAMA_DEFAULTS | defaults
+    dim, n_heads = (
+        size(cfg, "hidden_size", d["hidden_size"]),
+        size(cfg, "num_attention_heads", d["num_attention_heads"]),
+    )
     return {
         "dim": dim,
-        "n_layers": read(cfg, "num_hidden_layers", check_int),
+        "n_layers": size(cfg, "num_hidden_layers", d["num_hidden_layers"]),
         "n_heads": n_heads,
-        "n_kv_heads": read(cfg, "num_key_value_heads", check_int, n_heads),
-        "head_dim": read(cfg, "head_dim", check_int, dim // n_heads),
-        "ffn_dim": read(cfg, "intermediate_size", check_int),
-        "vocab_size": read(cfg, "vocab_size", check_int),
-        "norm_eps": read(cfg, "rms_norm_eps", check_float, norm_eps_default),
-        "rope_theta": rope_theta(cfg, rope_theta_default),
+        "n_kv_heads": read(cfg, "num_key_value_heads", check_int, d["num_key_value_heads"] or n_heads, null=n_heads),
+        "head_dim": read(cfg, "head_dim", check_int, d["head_dim"] or dim // n_heads, null=dim // n_heads),
+        "ffn_dim": size(cfg, "intermediate_size", d["intermediate_size"]),
+        "vocab_size": size(cfg, "vocab_size", d["vocab_size"]),
+        "norm_eps": read(cfg, "rms_norm_eps", check_float, d["rms_norm_eps"]),
+        "rope_theta": rope_theta(cfg, d["rope_theta"]),
         "rope_scaling": rope_scaling(cfg),
-        "max_seq_len": read(cfg, "max_position_embeddings", check_int, max_seq_len_default),
-        "tie_word_embeddings": read(cfg, "tie_word_embeddings", check_bool, False),
-        "initializer_range": read(cfg, "initializer_range", check_float, 0.02, positive=False),
+        "max_seq_len": read(cfg, "max_position_embeddings", check_int, d["max_position_embeddings"]),
+        "tie_word_embeddings": read(cfg, "tie_word_embeddings", check_bool, d["tie_word_embeddings"]),
+        "initializer_range": read(cfg, "initializer_range", check_float, d["initializer_range"], positive=False),
     }
 
 
@@ -255,21 +300,30 @@ def decoder_config(args, dtype: torch.dtype, architecture: str, model_type: str)
     }
 
 
-def moe_fields(cfg: dict) -> dict:
+def moe_fields(cfg: dict, num_local_experts: int, num_experts_per_tok: int, norm_topk_prob: bool | None) -> dict:
     """The mixture-of-experts fields HF's MoE families share, each checked (``num_local_experts`` is
-    Mixtral's name, and what ``transformers`` 5 writes for Qwen3-MoE's ``num_experts`` too)."""
-    experts = next((name for name in ("num_experts", "num_local_experts") if cfg.get(name) is not None), None)
-    if experts is None:
+    Mixtral's name, and what ``transformers`` 5 writes for Qwen3-MoE's ``num_experts`` too); the
+    arguments are the family's class's defaults, for a file that leaves them out. ``norm_topk_prob``
+    None: the class has no such field and always renormalizes (Mixtral), so a file's is not read."""
+    named = [name for name in ("num_experts", "num_local_experts") if name in cfg]
+    given = [name for name in named if cfg[name] is not None]
+    if named and not given:  # null: no class turns it into a count
         raise ValueError("config.json lacks num_local_experts (or num_experts)")
-    n_experts, top_k = read(cfg, experts, check_int), read(cfg, "num_experts_per_tok", check_int)
+    experts = (given or ["num_local_experts"])[0]
+    n_experts = read(cfg, experts, check_int, num_local_experts)
+    top_k = read(cfg, "num_experts_per_tok", check_int, num_experts_per_tok)
     if top_k > n_experts:
-        raise ValueError(f"num_experts_per_tok = {top_k}; it must be at most {experts} = {n_experts}")
-    return {
+        raise ValueError(
+            f"{stated(cfg, 'num_experts_per_tok', top_k)}; it must be at most {stated(cfg, experts, n_experts)}"
+        )
+    fields = {
         "n_experts": n_experts,
         "top_k": top_k,
-        "norm_topk_prob": read(cfg, "norm_topk_prob", check_bool, True),
         "aux_loss_coef": read(cfg, "router_aux_loss_coef", check_float, 0.001, positive=False),
     }
+    if norm_topk_prob is not None:
+        fields["norm_topk_prob"] = read(cfg, "norm_topk_prob", check_bool, norm_topk_prob)
+    return fields
 
 
 def moe_config(args) -> dict:

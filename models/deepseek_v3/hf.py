@@ -178,10 +178,13 @@ def args_from_config(cfg: dict) -> DeepseekV3Args:
     hf_config.refuse_common(cfg, "DeepSeek-V3")
     hf_config.refuse(cfg, "DeepSeek-V3", scoring_func="sigmoid", topk_method="noaux_tc", moe_layer_freq=1)
     n_heads = hf_config.read(cfg, "num_attention_heads", check_int, _DEFAULTS.n_heads)
-    if hf_config.read(cfg, "num_key_value_heads", check_int, n_heads) != n_heads:
+    # Absent: the class's default (128, DeepSeek-V3's heads); null: as many as the heads. More than the
+    # heads changes nothing in transformers' (SDPA) attention, which repeats keys only for fewer.
+    n_kv_heads = hf_config.read(cfg, "num_key_value_heads", check_int, _DEFAULTS.n_heads, null=n_heads)
+    if n_kv_heads < n_heads:
         raise ValueError(
-            f"config.json has num_key_value_heads = {cfg['num_key_value_heads']}; DeepSeek-V3's attention "
-            f"gives every head its own key and value: it must equal num_attention_heads = {n_heads}"
+            f"config.json has {hf_config.stated(cfg, 'num_key_value_heads', n_kv_heads)}; DeepSeek-V3's attention "
+            f"gives every head its own key and value: it must be at least num_attention_heads = {n_heads}"
         )
 
     def field(name: str, hf_name: str, check=check_int, **rule):

@@ -155,6 +155,19 @@ DEFAULT_ROPE = {
     "truncate": False,
     "original_max_position_embeddings": 4096,
 }
+# transformers' GptOssConfig defaults where they differ from LlamaConfig's (``hf_config.decoder_fields``)
+HF_DEFAULTS = dict(
+    vocab_size=201088,
+    hidden_size=2880,
+    intermediate_size=2880,
+    num_hidden_layers=36,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=64,
+    rms_norm_eps=1e-5,
+    rope_theta=150000.0,
+    max_position_embeddings=131072,
+)
 
 
 def args_from_config(cfg: dict) -> GptOssArgs:
@@ -162,12 +175,16 @@ def args_from_config(cfg: dict) -> GptOssArgs:
     hf_config.refuse(cfg, "gpt-oss", attention_dropout=0.0)
     if cfg.get("rope_parameters") is None and cfg.get("rope_scaling") is None:
         # GptOssConfig's RoPE where a file names none: YaRN, on the file's base or its own
-        cfg = {**cfg, "rope_parameters": {**DEFAULT_ROPE, "rope_theta": cfg.get("rope_theta") or 150000.0}}
-    fields = hf_config.decoder_fields(cfg, 150000.0, 1e-5, 131072)  # GptOssConfig's defaults
-    window = cfg["sliding_window"] if "sliding_window" in cfg else 128  # null: sliding layers see every position
+        cfg = {
+            **cfg,
+            "rope_parameters": {**DEFAULT_ROPE, "rope_theta": cfg.get("rope_theta") or HF_DEFAULTS["rope_theta"]},
+        }
+    fields = hf_config.decoder_fields(cfg, **HF_DEFAULTS)
+    window = cfg["sliding_window"] if "sliding_window" in cfg else 128  # null: none (refused where a layer slides)
     return GptOssArgs(
         **fields,
-        **{k: v for k, v in hf_config.moe_fields(cfg).items() if k != "norm_topk_prob"},
+        # the softmax over the chosen logits is normalized whatever norm_topk_prob says
+        **hf_config.moe_fields(cfg, num_local_experts=128, num_experts_per_tok=4, norm_topk_prob=None),
         **hf_config.layer_windows(cfg, window, alternating(fields["n_layers"])),
         moe_ffn_dim=fields["ffn_dim"],
         attention_bias=hf_config.read(cfg, "attention_bias", check_bool, True),

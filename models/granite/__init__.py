@@ -93,7 +93,7 @@ def args_from_config(cfg: dict) -> GraniteArgs:
     hf_config.refuse_common(cfg, "Granite")
     hf_config.refuse(cfg, "Granite", attention_bias=False)
     return GraniteArgs(
-        **hf_config.decoder_fields(cfg, max_seq_len_default=2048),  # GraniteConfig's default
+        **hf_config.decoder_fields(cfg),  # GraniteConfig's defaults are LlamaConfig's
         **{m: hf_config.read(cfg, m, check_float, 1.0) for m in MULTIPLIERS},
     )
 

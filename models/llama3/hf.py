@@ -69,31 +69,33 @@ def _rope_scaling(cfg: dict) -> RopeScaling | GenericRopeScaling | None:
 
 def args_from_hf_config(cfg: dict) -> ModelArgs:
     """Our ModelArgs for an HF Llama ``config.json`` (a released flavor's own args when shapes
-    match), each field checked as it is read (``common.read``)."""
+    match), each field checked as it is read (``common.read``); a field the file leaves out takes
+    ``LlamaConfig``'s default (``common.LLAMA_DEFAULTS``), which is what the file means."""
     if cfg.get("model_type") not in (None, "llama"):
         raise ValueError(f"config.json has model_type {cfg.get('model_type')!r}, not a Llama's")
     common.refuse(cfg, "Llama", hidden_act="silu", attention_bias=False, mlp_bias=False)
     if "sliding_attention" in common.layer_kinds(cfg):
         raise ValueError("config.json has sliding_attention in layer_types; Llama attends to every position")
-    dim, hidden = common.read(cfg, "hidden_size", check_int), common.read(cfg, "intermediate_size", check_int)
-    n_heads = common.read(cfg, "num_attention_heads", check_int)
+    defaults = common.LLAMA_DEFAULTS
+    dim, hidden = (common.size(cfg, name, defaults[name]) for name in ("hidden_size", "intermediate_size"))
+    n_heads = common.size(cfg, "num_attention_heads", defaults["num_attention_heads"])
     if common.read(cfg, "head_dim", check_int, dim // n_heads) != dim // n_heads:
         raise ValueError(f"config.json head_dim {cfg['head_dim']} != hidden_size / num_attention_heads")
     base = int(2 * 4 * dim / 3)
     args = ModelArgs(
         dim=dim,
-        n_layers=common.read(cfg, "num_hidden_layers", check_int),
+        n_layers=common.size(cfg, "num_hidden_layers", defaults["num_hidden_layers"]),
         n_heads=n_heads,
         n_kv_heads=common.read(cfg, "num_key_value_heads", check_int, n_heads),
-        vocab_size=common.read(cfg, "vocab_size", check_int),
+        vocab_size=common.size(cfg, "vocab_size", defaults["vocab_size"]),
         # multiple_of = intermediate_size reproduces it exactly from our formula
         multiple_of=hidden,
         ffn_dim_multiplier=None if base <= hidden else hidden / base,
-        norm_eps=common.read(cfg, "rms_norm_eps", check_float, 1e-5),
-        rope_theta=common.rope_theta(cfg),
+        norm_eps=common.read(cfg, "rms_norm_eps", check_float, defaults["rms_norm_eps"]),
+        rope_theta=common.rope_theta(cfg, defaults["rope_theta"]),
         rope_scaling=_rope_scaling(cfg),
-        max_seq_len=common.read(cfg, "max_position_embeddings", check_int, 8192),
-        tie_word_embeddings=common.read(cfg, "tie_word_embeddings", check_bool, False),
+        max_seq_len=common.read(cfg, "max_position_embeddings", check_int, defaults["max_position_embeddings"]),
+        tie_word_embeddings=common.read(cfg, "tie_word_embeddings", check_bool, defaults["tie_word_embeddings"]),
     )
     if args.ffn_hidden_dim != hidden:
         raise ValueError(f"cannot express intermediate_size={hidden} for hidden_size={dim}")

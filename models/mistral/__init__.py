@@ -56,12 +56,15 @@ def config(args: MistralArgs, dtype: torch.dtype) -> dict:
     return {**hf_config.decoder_config(args, dtype, ARCHITECTURE, MODEL_TYPE), "sliding_window": window}
 
 
+# transformers' MistralConfig defaults where they differ from LlamaConfig's (``hf_config.decoder_fields``)
+HF_DEFAULTS = dict(intermediate_size=14336, num_key_value_heads=8, max_position_embeddings=131072)
+
+
 def args_from_config(cfg: dict) -> MistralArgs:
     hf_config.refuse_common(cfg, "Mistral")
     hf_config.refuse(cfg, "Mistral", attention_bias=False)
-    # MistralConfig's defaults: 131072 positions, a window of 4096 where the file names none (null: none)
-    window = cfg["sliding_window"] if "sliding_window" in cfg else 4096
-    return MistralArgs(**hf_config.decoder_fields(cfg, max_seq_len_default=131072), sliding_window=window)
+    window = cfg["sliding_window"] if "sliding_window" in cfg else 4096  # MistralConfig's (null: none)
+    return MistralArgs(**hf_config.decoder_fields(cfg, **HF_DEFAULTS), sliding_window=window)
 
 
 MISTRAL = decoder_family("mistral", MistralArgs, FLAVORS, (MODEL_TYPE,), config, args_from_config)

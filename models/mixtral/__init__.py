@@ -89,13 +89,19 @@ def config(args: MixtralArgs, dtype: torch.dtype) -> dict:
     }
 
 
+# transformers' MixtralConfig defaults where they differ from LlamaConfig's (``hf_config.decoder_fields``)
+HF_DEFAULTS = dict(
+    intermediate_size=14336, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6, max_position_embeddings=131072
+)
+
+
 def args_from_config(cfg: dict) -> MixtralArgs:
     hf_config.refuse_common(cfg, "Mixtral")
     hf_config.refuse(cfg, "Mixtral", attention_bias=False, router_jitter_noise=0.0)
-    fields = hf_config.decoder_fields(cfg, 1e6, 1e-5, 131072)  # MixtralConfig's defaults
+    fields = hf_config.decoder_fields(cfg, **HF_DEFAULTS)
     return MixtralArgs(
         **fields,
-        **hf_config.moe_fields(cfg),
+        **hf_config.moe_fields(cfg, num_local_experts=8, num_experts_per_tok=2, norm_topk_prob=None),
         moe_ffn_dim=fields["ffn_dim"],
         sliding_window=cfg.get("sliding_window"),
     )

@@ -56,9 +56,14 @@ def config(args: Qwen2Args, dtype: torch.dtype) -> dict:
     return {**hf_config.decoder_config(args, dtype, ARCHITECTURE, MODEL_TYPE), **hf_config.qwen_window_config(args)}
 
 
+# transformers' Qwen2Config defaults where they differ from LlamaConfig's (``hf_config.decoder_fields``)
+HF_DEFAULTS = dict(vocab_size=151936, intermediate_size=22016, num_key_value_heads=32, max_position_embeddings=32768)
+
+
 def args_from_config(cfg: dict) -> Qwen2Args:
     hf_config.refuse_common(cfg, "Qwen2")
-    return Qwen2Args(**hf_config.decoder_fields(cfg), **hf_config.qwen_layer_windows(cfg))
+    fields = hf_config.decoder_fields(cfg, **HF_DEFAULTS)
+    return Qwen2Args(**fields, **hf_config.qwen_layer_windows(cfg, fields["n_layers"]))
 
 
 QWEN2 = decoder_family("qwen2", Qwen2Args, FLAVORS, (MODEL_TYPE,), config, args_from_config)

@@ -62,10 +62,17 @@ def config(args: Qwen3Args, dtype: torch.dtype) -> dict:
     }
 
 
+# transformers' Qwen3Config defaults where they differ from LlamaConfig's (``hf_config.decoder_fields``)
+HF_DEFAULTS = dict(
+    vocab_size=151936, intermediate_size=22016, num_key_value_heads=32, head_dim=128, max_position_embeddings=32768
+)
+
+
 def args_from_config(cfg: dict) -> Qwen3Args:
     hf_config.refuse_common(cfg, "Qwen3")
     hf_config.refuse(cfg, "Qwen3", attention_bias=False)
-    return Qwen3Args(**hf_config.decoder_fields(cfg), **hf_config.qwen_layer_windows(cfg))
+    fields = hf_config.decoder_fields(cfg, **HF_DEFAULTS)
+    return Qwen3Args(**fields, **hf_config.qwen_layer_windows(cfg, fields["n_layers"]))
 
 
 QWEN3 = decoder_family("qwen3", Qwen3Args, FLAVORS, (MODEL_TYPE,), config, args_from_config)

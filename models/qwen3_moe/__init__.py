@@ -98,14 +98,25 @@ def config(args: Qwen3MoeArgs, dtype: torch.dtype) -> dict:
     }
 
 
+# transformers' Qwen3MoeConfig defaults where they differ from LlamaConfig's (``hf_config.decoder_fields``)
+HF_DEFAULTS = dict(
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_hidden_layers=24,
+    num_key_value_heads=4,
+    max_position_embeddings=32768,
+)
+
+
 def args_from_config(cfg: dict) -> Qwen3MoeArgs:
     hf_config.refuse_common(cfg, "Qwen3-MoE")
     hf_config.refuse(cfg, "Qwen3-MoE", attention_bias=False)
     return Qwen3MoeArgs(
-        **hf_config.decoder_fields(cfg),
-        **hf_config.qwen_layer_windows(cfg, per_layer=False),
-        **hf_config.moe_fields(cfg),
-        moe_ffn_dim=hf_config.read(cfg, "moe_intermediate_size", check_int),
+        **hf_config.decoder_fields(cfg, **HF_DEFAULTS),
+        **hf_config.qwen_layer_windows(cfg),
+        **hf_config.moe_fields(cfg, num_local_experts=128, num_experts_per_tok=8, norm_topk_prob=False),
+        moe_ffn_dim=hf_config.size(cfg, "moe_intermediate_size", 768),
         decoder_sparse_step=hf_config.read(cfg, "decoder_sparse_step", check_int, 1),
         mlp_only_layers=cfg.get("mlp_only_layers") or [],  # checked by the args, under the same name
     )

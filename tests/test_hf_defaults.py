@@ -1,0 +1,145 @@
+"""Each field of each family's ``config.json`` left out, one at a time, against ``transformers``: a
+file without a field means the default of the family's config class there, so from the same weights
+ours must compute the logits ``transformers`` computes (within 1e-5) or refuse where it cannot load
+them, and must read the file as it reads the full file ``transformers`` writes once its class has
+filled the field in (which checks the fields that change no logit: ``initializer_range``,
+``max_position_embeddings``, ``router_aux_loss_coef``; and the shapes, whose defaults no tiny weights
+match). The defaults come from the classes themselves, never copied here.
+
+Fields whose default changes the weights' shapes (``hidden_size``, ``vocab_size``,
+``num_hidden_layers``, ``intermediate_size``, ``num_attention_heads``, the experts' counts and
+widths ...) leave ``transformers`` unable to load the tiny weights, so there both sides must refuse;
+where it is cheap the tiny model takes the class's own value (Qwen3's ``head_dim``, Qwen3-MoE's key
+and value heads, gpt-oss's ``head_dim``) so that leaving the field out computes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from models.registry import get_family
+from seedckpt import load_model
+from seedckpt.utils.errors import SeedckptError
+from tests.test_awkward_configs import DEEPSEEK, DENSE, GPT_OSS, hf_model, tokens
+
+transformers = pytest.importorskip("transformers")
+
+TWO_LAYERS = DENSE | dict(num_hidden_layers=2)
+# family: (transformers class prefix, the tiny config's fields). Experts per token below the class's
+# default, with at least that many experts, so that the default computes and routes differently.
+FAMILIES = {
+    "llama3": ("Llama", TWO_LAYERS | dict(rope_theta=5e5, rms_norm_eps=1e-5)),
+    "qwen3": ("Qwen3", TWO_LAYERS | dict(num_attention_heads=4, head_dim=128, rope_theta=1e6)),
+    "qwen2": (
+        "Qwen2",
+        TWO_LAYERS | dict(rope_theta=1e6, use_sliding_window=True, sliding_window=4, max_window_layers=1),
+    ),
+    "mistral": ("Mistral", TWO_LAYERS | dict(sliding_window=6, rope_theta=1e6)),
+    "granite": (
+        "Granite",
+        TWO_LAYERS
+        | dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.03, logits_scaling=4.0),
+    ),
+    "qwen3_moe": (
+        "Qwen3Moe",
+        TWO_LAYERS
+        | dict(
+            num_key_value_heads=4,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            norm_topk_prob=True,
+            use_sliding_window=True,
+            sliding_window=4,
+        ),
+    ),
+    "mixtral": ("Mixtral", TWO_LAYERS | dict(num_local_experts=4, num_experts_per_tok=1, sliding_window=6)),
+    "gpt_oss": ("GptOss", GPT_OSS | dict(head_dim=64)),
+    "deepseek_v3": ("DeepseekV3", DEEPSEEK | dict(num_hidden_layers=2)),
+}
+# What transformers writes about itself or generation, not the model: left in every file.
+NOT_THE_MODEL = {"model_type", "transformers_version", "use_cache", "bos_token_id", "eos_token_id", "pad_token_id"}
+
+
+def config_class(family: str):
+    return getattr(transformers, f"{FAMILIES[family][0]}Config")
+
+
+def fields_written(family: str) -> list[str]:
+    """The fields ``save_pretrained`` writes for the family's tiny config, but those about no model."""
+    return sorted(set(config_class(family)(**FAMILIES[family][1]).to_diff_dict()) - NOT_THE_MODEL)
+
+
+# Qwen's max_window_layers only speaks in a file without layer_types (those written before
+# transformers added it), so its default is seen with both left out (Qwen2's tiny model slides).
+CASES = [(family, (field,)) for family in FAMILIES for field in fields_written(family)]
+CASES.append(("qwen2", ("layer_types", "max_window_layers")))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """The directory of each family's random tiny model, saved once for all its fields."""
+    paths = {}
+
+    def directory(family: str):
+        if family not in paths:
+            paths[family] = tmp_path_factory.mktemp(family)
+            hf_model(paths[family], *FAMILIES[family])
+        return paths[family]
+
+    return directory
+
+
+def transformers_logits(family: str, path, x: torch.Tensor) -> torch.Tensor | None:
+    """``transformers``' logits from the directory, or None where it cannot compute them: it refuses
+    the config or the weights, leaves a weight uninitialized or drops one, or fails running."""
+    model_class = getattr(transformers, f"{FAMILIES[family][0]}ForCausalLM")
+    try:
+        model, info = model_class.from_pretrained(path, output_loading_info=True)
+        with torch.no_grad():
+            logits = model.eval()(x, use_cache=False).logits  # the math, not the cache's set-up
+    except Exception:  # noqa: BLE001 -- any failure to build, load or run is its refusal
+        return None
+    loaded = not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"])
+    return logits if loaded and logits.isfinite().all() else None
+
+
+def filled_in(family: str, config: dict) -> dict | None:
+    """The full ``config.json`` ``transformers`` writes for ``config`` once its class has filled in
+    what ``config`` leaves out; None where the class refuses ``config``."""
+    try:
+        return config_class(family)(**config).to_dict()
+    except Exception:  # noqa: BLE001 -- a validator's error is no ValueError (huggingface_hub's own)
+        return None
+
+
+def our_args(family: str, config: dict):
+    """Our args for ``config`` (the reader ``load_model`` uses), or the refusal's type."""
+    try:
+        return get_family(family).hf.args_from_config(config)
+    except ValueError as refused:
+        return type(refused)
+
+
+@pytest.mark.parametrize("family,fields", CASES, ids=[f"{family}-{'+'.join(fields)}" for family, fields in CASES])
+def test_a_field_left_out_reads_as_the_transformers_class_default(tmp_path, saved, family, fields):
+    source = saved(family)
+    config = json.loads((source / "config.json").read_text())
+    for field in fields:
+        del config[field]
+    shutil.copy(source / "model.safetensors", tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    x = tokens(24)
+    want = transformers_logits(family, tmp_path, x)
+    if want is None:
+        with pytest.raises(SeedckptError) as refused:
+            load_model(tmp_path)
+        assert "\n" not in str(refused.value)
+    else:
+        with torch.no_grad():
+            assert (load_model(tmp_path)(x) - want).abs().max().item() <= 1e-5
+    filled = filled_in(family, config)
+    assert our_args(family, config) == (ValueError if filled is None else our_args(family, filled))
