@@ -418,8 +418,9 @@ def _plan(opts, overrides) -> int:
     if opts.json:
         print(json.dumps(plan, indent=1))
         return 0
+    buffers = f" (+ {_gib(plan['buffer_bytes'])} of persistent buffers)" if plan["buffer_bytes"] else ""
     print(
-        f"{plan['model']} {plan['flavor']}: {plan['total_params']:,} params, {_gib(plan['total_bytes'])}; "
+        f"{plan['model']} {plan['flavor']}: {plan['total_params']:,} params, {_gib(plan['total_bytes'])}{buffers}; "
         f"pp={plan['pipeline_parallel_degree']} x {plan['stages_per_rank']} stage(s)/rank, "
         f"dp_shard={plan['data_parallel_shard_degree']}, dp_replicate={plan['data_parallel_replicate_degree']}, "
         f"tp={plan['tensor_parallel_degree']}, ep={plan['expert_parallel_degree']}"

@@ -1,15 +1,21 @@
-"""Where every parameter goes, computed on ``meta``: per stage and per rank, no allocation.
+"""Where every parameter goes, computed on ``meta``: per stage and per rank, no tensor storage.
 
-The full model is built once on ``meta`` (free even for 405B) and each tensor is attributed to the
-stage that owns it, as the model's family says: the embedding to the first stage, the final norm
-and output to the last, block ``i`` to the stage whose layers include ``i``. Under tensor
-parallelism a rank holds ``1/tp`` of each tensor the family's plan splits and the whole of the
-others (the norms), before FSDP shards what it holds over ``dp_shard``.
+The full model is built on ``meta`` and each tensor is attributed to the stage that owns it, as the
+model's family says: the embedding to the first stage, the final norm and output to the last, block
+``i`` to the stage whose layers include ``i``. Under tensor parallelism a rank holds ``1/tp`` of
+each tensor the family's plan splits and the whole of the others (the norms), before FSDP shards
+what it holds over ``dp_shard``. ``meta`` holds no storage, even for 405B, but each layer's modules
+are Python objects, about 35 KB a layer: ``resolve`` refuses more than ``MAX_LAYERS`` layers, so a
+plan stays within seconds and half a GB.
 
 A mixture of experts' grouped expert weights (``[experts, ...]``) are whole on every TP rank and
 sharded by FSDP2 along the experts: over ``dp_shard`` without expert parallelism; with it, each EP
 rank holds ``experts / ep`` of them, FSDP-sharded over the ``dp_shard x tp / ep`` ranks that hold
 the same ones. FSDP2 pads dim-0 shards to equal chunks, so a GPU holds the rows of the largest.
+
+Parameters are what is trained; persistent buffers (DeepSeek-V3's ``expert_bias``, moved by the
+balancing rule, not by the optimizer) are counted apart, as bytes: checkpoints hold them, AdamW keeps
+no state for them and FSDP2 leaves them whole on every GPU of their stage.
 
 Beside the bytes, each stage's and rank's training FLOPs per token (the family's ``layer_flops`` at
 ``training.seq_len``, what the pipeline split balances), and the imbalance of each: the largest
@@ -25,6 +31,7 @@ import torch
 from models.common.moe import moe_modules
 from seedckpt.config.job_config import DTYPES, JobConfig
 from seedckpt.config.resolve import ResolvedRun
+from seedckpt.materialize.stages import indexable_sizes
 from seedckpt.parallel.parallelize import ParallelDims
 from seedckpt.parallel.pipeline import pipeline_split, stage_flops, stage_ids_for_rank
 from seedckpt.utils.tensors import state_tensors
@@ -47,6 +54,7 @@ class StagePlan:
     params_per_tp_rank: int  # = params without tensor parallelism
     expert_params: int  # of ``params``, the routed experts' (0 for a dense model)
     expert_params_per_gpu: int  # the experts' parameters on each GPU: EP's share, FSDP-sharded
+    buffer_bytes: int  # persistent buffers, beside ``param_bytes``
 
 
 @dataclass
@@ -59,6 +67,7 @@ class RankPlan:
     param_bytes_per_dp_shard: int  # on each GPU: the TP rank's part, sharded over dp_shard (experts: EP too)
     expert_bytes_per_gpu: int  # of param_bytes_per_dp_shard, the routed experts'
     train_state_bytes_per_gpu: int  # params + grads + AdamW moments per GPU (see train_state_bytes)
+    buffer_bytes: int  # persistent buffers, whole on each GPU of the rank
 
 
 def train_state_bytes(cfg: JobConfig, params: int, dp_shard: int, experts: tuple[int, int] = (0, 0)) -> int:
@@ -101,39 +110,19 @@ def make_plan(run: ResolvedRun) -> dict:
     par = cfg.parallelism
     pp, per_rank, dp_shard = dims.pp, par.pipeline_parallel_stages_per_rank, dims.dp_shard
     num_stages = pp * per_rank
-    costs = run.family.layer_flops(args, cfg.training.seq_len)
+    with indexable_sizes(args):  # the costs build the model on meta too
+        costs = run.family.layer_flops(args, cfg.training.seq_len)
+        with torch.device("meta"):
+            model = run.family.model(args)
     layers = pipeline_split(args, num_stages, par.pipeline_parallel_split_points, costs=costs)
     flops = stage_flops(costs, layers)
     owner = {s: r for r in range(pp) for s in stage_ids_for_rank(r, pp, per_rank, par.pipeline_parallel_schedule)}
-    with torch.device("meta"):
-        model = run.family.model(args)
     stage_of_layer = {i: s for s, ids in enumerate(layers) for i in ids}
-    counts = [0] * num_stages
-    nbytes = [0] * num_stages
-    per_tp_rank = [0] * num_stages
-    experts, experts_per_gpu = [0] * num_stages, [0] * num_stages
-    tp, plan, grouped = dims.tp, run.family.tensor_parallel, expert_weights(model)
-    for fqn, t in state_tensors(model).items():
-        stage = run.family.stage_of(fqn, stage_of_layer, num_stages)
-        counts[stage] += t.numel()
-        nbytes[stage] += t.numel() * t.element_size()
-        per_tp_rank[stage] += t.numel() // tp if tp > 1 and plan.splits(fqn) else t.numel()
-        if fqn in grouped:
-            experts[stage] += t.numel()
-            experts_per_gpu[stage] += expert_rows_per_gpu(t.shape[0], dims) * t[0].numel()
+    grouped = expert_weights(model)
+    sums = _stage_sums(run, model, grouped, stage_of_layer, num_stages)
     stages = [
         StagePlan(
-            s,
-            owner[s],
-            list(layers[s]),
-            s == 0,
-            s == num_stages - 1,
-            flops[s],
-            counts[s],
-            nbytes[s],
-            per_tp_rank[s],
-            experts[s],
-            experts_per_gpu[s],
+            s, owner[s], list(layers[s]), s == 0, s == num_stages - 1, flops[s], **{k: v[s] for k, v in sums.items()}
         )
         for s in range(num_stages)
     ]
@@ -143,13 +132,14 @@ def make_plan(run: ResolvedRun) -> dict:
         "model": cfg.model.name,
         "flavor": cfg.model.flavor,
         "args": args.to_dict(),
-        "total_params": sum(counts),
-        "total_bytes": sum(nbytes),
+        "total_params": sum(sums["params"]),
+        "total_bytes": sum(sums["param_bytes"]),  # of the parameters
+        "buffer_bytes": sum(sums["buffer_bytes"]),  # persistent buffers (module docstring)
         "pipeline_parallel_degree": pp,
         "stages_per_rank": per_rank,
         "data_parallel_shard_degree": dp_shard,
         "data_parallel_replicate_degree": dims.dp_replicate,
-        "tensor_parallel_degree": tp,
+        "tensor_parallel_degree": dims.tp,
         "expert_parallel_degree": dims.ep,
         "experts": n_experts,  # per MoE layer (None: a dense model)
         "experts_per_ep_rank": n_experts // dims.ep if n_experts else None,
@@ -158,13 +148,35 @@ def make_plan(run: ResolvedRun) -> dict:
         "seq_len": cfg.training.seq_len,  # attention's length in the FLOPs
         "imbalance": {  # max / mean: 1.0 is even
             "stage_flops": imbalance(flops),
-            "stage_bytes": imbalance(nbytes),
+            "stage_bytes": imbalance(sums["param_bytes"]),
             "rank_flops": imbalance([r.flops_per_token for r in ranks]),
             "rank_bytes_per_gpu": imbalance([r.param_bytes_per_dp_shard for r in ranks]),
         },
         "stages": [asdict(s) for s in stages],
         "ranks": [asdict(r) for r in ranks],
     }
+
+
+def _stage_sums(run: ResolvedRun, model, grouped: set[str], stage_of_layer: dict, num_stages: int) -> dict:
+    """Per stage, ``StagePlan``'s counts over the (meta) ``model``'s tensors, each tensor in the stage
+    its family's ``stage_of`` names (``grouped``: the expert weights); a persistent buffer adds to
+    ``buffer_bytes`` only."""
+    keys = ("params", "param_bytes", "params_per_tp_rank", "expert_params", "expert_params_per_gpu", "buffer_bytes")
+    sums = {key: [0] * num_stages for key in keys}
+    tp, plan = run.dims.tp, run.family.tensor_parallel
+    params = dict(model.named_parameters())
+    for fqn, t in state_tensors(model).items():
+        stage = run.family.stage_of(fqn, stage_of_layer, num_stages)
+        if fqn not in params:
+            sums["buffer_bytes"][stage] += t.numel() * t.element_size()
+            continue
+        sums["params"][stage] += t.numel()
+        sums["param_bytes"][stage] += t.numel() * t.element_size()
+        sums["params_per_tp_rank"][stage] += t.numel() // tp if tp > 1 and plan.splits(fqn) else t.numel()
+        if fqn in grouped:
+            sums["expert_params"][stage] += t.numel()
+            sums["expert_params_per_gpu"][stage] += expert_rows_per_gpu(t.shape[0], run.dims) * t[0].numel()
+    return sums
 
 
 def _rank_plan(cfg: JobConfig, pp_rank: int, mine: list[StagePlan], dp_shard: int) -> RankPlan:
@@ -184,6 +196,7 @@ def _rank_plan(cfg: JobConfig, pp_rank: int, mine: list[StagePlan], dp_shard: in
         per_gpu(on_gpu, experts, dp_shard, itemsize),
         experts[1] * itemsize,
         train_state_bytes(cfg, on_gpu, dp_shard, experts),
+        sum(s.buffer_bytes for s in mine),
     )
 
 

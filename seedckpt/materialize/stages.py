@@ -22,7 +22,9 @@ Seed, resume and fine-tuning all use this one path.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import re
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -49,9 +51,35 @@ from seedckpt.utils.tensors import (
 def build_stage_model(args, spec: StageSpec) -> nn.Module:
     """The stage's part of the model ``args`` describes, on ``meta`` (nothing allocated)."""
     family = family_of(args)
-    with torch.device("meta"):
+    with torch.device("meta"), indexable_sizes(args):
         model = family.model(args)
     return family.prune(model, spec.layers, spec.is_first, spec.is_last)
+
+
+@contextmanager
+def indexable_sizes(args) -> Iterator[None]:
+    """Around a build of the model ``args`` on ``meta``: torch's refusal of a tensor it cannot index
+    (more than 2**63 bytes, or a size past int64: ``--model.dim 1000000000000``) becomes one line
+    naming the args fields that gave it, instead of a traceback from deep inside a module."""
+    try:
+        yield
+    except (RuntimeError, TypeError) as e:
+        torch_says = str(e).splitlines()[0] if str(e) else ""
+        if "overflow" not in torch_says.lower():
+            raise
+        raise SeedckptError(
+            f"{_culprits(args, torch_says)}: the model would hold a tensor too large for torch to index "
+            f"({torch_says}); lower the sizes"
+        ) from None
+
+
+def _culprits(args, torch_says: str) -> str:
+    """The int fields of ``args`` among the sizes torch names, or past int64, largest first (none: the
+    ``[model]`` sizes)."""
+    listed = re.search(r"sizes=\[([\d, ]*)\]", torch_says)
+    sizes = {int(n) for n in listed.group(1).split(",") if n.strip()} if listed else set()
+    fields = [(v, name) for name, v in args.to_dict().items() if type(v) is int and (v in sizes or v >= 2**63)]
+    return ", ".join(f"model.{name} = {v}" for v, name in sorted(fields, reverse=True)) or "the [model] sizes"
 
 
 def materialize(modules: Sequence[nn.Module], device: torch.device | str) -> None:
