@@ -1,6 +1,7 @@
 """Benchmark the loss's memory: the whole micro-batch's logits (``training.loss_chunk_tokens = 0``)
-against the chunked loss, which projects and scores a chunk of tokens at a time and recomputes each
-chunk's logits in backward (``models.common.decoder.chunked_cross_entropy``).
+against the chunked loss, which projects and scores a chunk of tokens at a time and takes each
+chunk's gradients in forward, so no logits are computed twice
+(``models.common.decoder.chunked_cross_entropy``).
 
 An output projection of ``--flavor``'s vocabulary (default 1B: 128 256) from ``--dim`` (default 256;
 the chunks pay off where the micro-batch's tokens outnumber the model's width, whose weight gradient
@@ -46,7 +47,7 @@ def measure(opts) -> dict:
     def loss() -> torch.Tensor:
         if chunk == 0:
             return F.cross_entropy(head(h).float(), labels, reduction="sum")
-        return chunked_cross_entropy(h[None], labels[None], head, chunk)
+        return chunked_cross_entropy(h[None], labels[None], head, chunk, list(head.parameters()))
 
     def step() -> float:
         value = loss()

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from models.common.decoder import Transformer
 from models.llama3.args import ModelArgs
 from seedckpt.config.job_config import Data
-from seedckpt.data.chat import ChatData, render_with_mask
+from seedckpt.data.chat import PADDING_DOCUMENT, ChatData, render_with_mask
 from seedckpt.data.datasets import make_dataset
 from seedckpt.data.sources import IGNORE_INDEX
 from seedckpt.data.tokenizer import load_tokenizer
@@ -87,7 +87,7 @@ def test_packing_keeps_conversations_apart_and_each_once_per_epoch(tmp_path, tok
             assert set(batch.document_ids[b, at : at + len(x)].tolist()) == {doc}
             at += len(x)
         assert (batch.labels[b, at:] == IGNORE_INDEX).all()  # padding carries no loss
-        assert set(batch.document_ids[b, at:].tolist()) <= {len(row)}
+        assert set(batch.document_ids[b, at:].tolist()) <= {PADDING_DOCUMENT}  # owned by no document
     assert 0 < data.padding_fraction < 0.3 and "padding" in data.description
 
 
@@ -247,7 +247,7 @@ def test_mini_trainers_pretokenized_format_gives_the_batches_of_the_same_chats(t
         got, want = pretokenized.global_batch(step, 4), chats.global_batch(step, 4)
         for name in ("labels", "positions", "document_ids"):
             assert torch.equal(getattr(got, name), getattr(want, name)), name
-        real = want.document_ids < want.document_ids.max(dim=1, keepdim=True).values  # padding ids differ
+        real = want.document_ids != PADDING_DOCUMENT  # the pad ids differ
         assert torch.equal(got.inputs[real], want.inputs[real])
 
 

@@ -22,6 +22,7 @@ from models.common.moe import (
     MoEOptions,
     Router,
     grouped_mm_applies,
+    moe_modules,
     sequence_balance_loss,
     update_expert_bias,
 )
@@ -133,8 +134,25 @@ def test_sequence_balance_loss_of_one_row_is_transformers_formula():
     logits = torch.randn(2, 12, 8, generator=generator)  # two rows of 12 tokens, 8 experts
     scores = logits.softmax(-1)
     chosen = scores.topk(3, dim=-1).indices
-    ours = sequence_balance_loss(scores.reshape(-1, 8), chosen.reshape(-1, 3), rows=2)
+    rows = torch.arange(2).repeat_interleave(12)
+    ours = sequence_balance_loss(scores.reshape(-1, 8), chosen.reshape(-1, 3), rows, rows=2)
     theirs = [load_balancing_loss_func((logits[r],), 8, 3) for r in range(2)]
+    assert torch.allclose(ours, sum(theirs), atol=1e-6)
+
+
+def test_padded_rows_balance_loss_is_transformers_formula_with_attention_mask():
+    """Rows padded to one length: the loss over each row's real tokens alone is HF's
+    ``load_balancing_loss_func`` given the row's attention mask (which leaves padding out)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    generator = torch.Generator().manual_seed(6)
+    logits = torch.randn(3, 10, 8, generator=generator)
+    real = torch.tensor([10, 6, 1])  # tokens per row; the rest is padding
+    mask = torch.arange(10)[None] < real[:, None]
+    token_ids = mask.flatten().nonzero().squeeze(1)
+    scores = logits.reshape(-1, 8)[token_ids].softmax(-1)
+    ours = sequence_balance_loss(scores, scores.topk(2, dim=-1).indices, token_ids // 10, rows=3)
+    theirs = [load_balancing_loss_func((logits[r],), 8, 2, mask[r : r + 1].long()) for r in range(3)]
     assert torch.allclose(ours, sum(theirs), atol=1e-6)
 
 
@@ -151,7 +169,7 @@ def test_aux_loss_gradient_reaches_the_router_without_touching_the_output():
         out = moe(x)
         if by_hand:  # the loss's gradient alone, computed directly
             scores, chosen, _ = moe.router(x.reshape(-1, 8))
-            (0.25 * sequence_balance_loss(scores, chosen, rows=2)).backward()
+            (0.25 * sequence_balance_loss(scores, chosen, torch.arange(2).repeat_interleave(5), rows=2)).backward()
         else:
             out.sum().backward()
         return out.detach(), moe.router.gate.weight.grad.clone()
@@ -163,6 +181,59 @@ def test_aux_loss_gradient_reaches_the_router_without_touching_the_output():
     assert torch.allclose(with_aux, without + aux_alone, atol=1e-6)
     assert len(moe.routed) == 3  # one record per forward: every token's two choices counted
     assert all(int(counts.sum()) == 10 * 2 for counts, _ in moe.routed)
+
+
+def _debug_moe(seed: int) -> Transformer:
+    """The debug Qwen3-MoE with the real init recipe."""
+    from seedckpt.materialize.init_recipe import init_model
+
+    model = Transformer(get_family("qwen3_moe").flavors["debug"])
+    init_model(model, seed)
+    return model
+
+
+def _padded_moe_step(aux_loss_scale: float):
+    """One forward and backward of the debug Qwen3-MoE on two packed rows ending in padding (id 3,
+    document -1, no labels), the pad token's embedding row zero as in a released HF checkpoint:
+    the model, its per-layer expert counts and the gradient norm."""
+    args = get_family("qwen3_moe").flavors["debug"]
+    model = _debug_moe(seed=0)
+    with torch.no_grad():
+        model.tok_embeddings.weight[3] = 0
+    generator = torch.Generator().manual_seed(7)
+    tokens = torch.randint(4, args.vocab_size, (2, 24), generator=generator)
+    documents = torch.tensor([[0] * 10 + [1] * 8 + [-1] * 6, [0] * 15 + [-1] * 9])
+    tokens[documents < 0] = 3
+    labels = torch.where(documents < 0, -100, tokens.roll(-1, 1))
+    positions = torch.cat([torch.arange(10), torch.arange(8), torch.arange(6), torch.arange(15), torch.arange(9)])
+    for layer in moe_modules(model):
+        layer.aux_loss_scale = aux_loss_scale
+    loss = model(tokens, positions=positions.view(2, 24), document_ids=documents, labels=labels)
+    loss.backward()
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]))
+    return model, [layer.routed[-1][0] for layer in moe_modules(model)], norm
+
+
+def test_padding_reaches_no_expert_and_trains_no_weight():
+    """Padding (document id -1) is routed nowhere: the experts' counts are the 33 real tokens' top_k
+    choices, the pad row gets no gradient, and the auxiliary loss barely moves the gradient norm (on
+    a zero pad row, routing it gave a norm 100-2800x the model's, all of it on that row)."""
+    model, counts, with_aux = _padded_moe_step(aux_loss_scale=0.01)
+    top_k = get_family("qwen3_moe").flavors["debug"].top_k
+    assert all(int(c.sum()) == 33 * top_k for c in counts)
+    assert torch.count_nonzero(model.tok_embeddings.weight.grad[3]) == 0
+    _, _, without_aux = _padded_moe_step(aux_loss_scale=0.0)
+    assert with_aux <= 1.5 * without_aux
+
+
+def test_padding_changes_no_real_tokens_output():
+    """The real tokens' logits of a padded row are the same whether its padding is routed or not."""
+    args = get_family("qwen3_moe").flavors["debug"]
+    model = _debug_moe(seed=1)
+    tokens = torch.randint(0, args.vocab_size, (1, 16), generator=torch.Generator().manual_seed(8))
+    padded = model(tokens, document_ids=torch.tensor([[0] * 11 + [-1] * 5]))
+    alone = model(tokens[:, :11])
+    torch.testing.assert_close(padded[:, :11], alone, atol=1e-5, rtol=0)
 
 
 def test_expert_bias_chooses_but_does_not_weigh():

@@ -25,7 +25,7 @@ from seedckpt.materialize.model_checkpoint import open_model_checkpoint
 from seedckpt.materialize.stages import build_stages
 from seedckpt.parallel.pipeline import plan_rank_stages
 from seedckpt.utils.errors import SeedckptError
-from tests.test_sft import PP2_DP2, chat_inputs, losses, sft  # noqa: F401 (chat_inputs: a fixture)
+from tests.test_sft import PP2_DP2, SINGLE, chat_inputs, losses, sft  # noqa: F401 (chat_inputs: a fixture)
 
 transformers = pytest.importorskip("transformers")
 
@@ -216,7 +216,8 @@ def test_sft_from_an_hf_mixture_of_experts_on_pp2_x_dp_shard2_exports_what_trans
     """SFT from the family's HF directory on pp=2 x dp_shard=2, Qwen3-MoE's experts expert-parallel
     over the two DP ranks (each rank reads only its experts' HF tensors: ``test_expert_checkpoints``):
     the masked loss falls, the aux loss is reported, and the end-of-run HF export loads in
-    transformers with our checkpoint's logits."""
+    transformers with our checkpoint's logits. With experts expert-parallel, the losses and the aux
+    loss (over the rows' conversations, never their padding) are one process's within 1e-5."""
     tokenizer, chats, tokenizer_vocab = chat_inputs
     hf = _hf_moe(name, tmp_path / "hf", -(-tokenizer_vocab // 8) * 8, dense=(1,))
     export = ["--checkpoint.export_at_end", "hf", "--checkpoint.export_dtype", "float32"]
@@ -228,6 +229,11 @@ def test_sft_from_an_hf_mixture_of_experts_on_pp2_x_dp_shard2_exports_what_trans
     assert len(loss) == 6 and loss[-1] < loss[0] - 0.3, loss
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all(row["moe_aux_loss"] > 0 for row in rows)
+    if ep != "1":
+        sft(tmp_path / "one", hf, tokenizer, chats, 1, *SINGLE, *steps)
+        single = [json.loads(line) for line in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+        for key in ("loss", "moe_aux_loss", "moe_max_load"):
+            assert [r[key] for r in rows] == pytest.approx([r[key] for r in single], rel=1e-5), key
     ours = load_model(tmp_path / "run" / "ckpt" / "step-6")
     exported = _hf_logits(tmp_path / "run" / "ckpt" / "step-6-hf", TOKENS % ours.args.vocab_size)
     assert (exported - _logits(ours, TOKENS % ours.args.vocab_size)).abs().max().item() <= 1e-5

@@ -288,15 +288,19 @@ class _AddAuxGradient(torch.autograd.Function):
         return grad, torch.ones((), dtype=torch.float32, device=grad.device)
 
 
-def sequence_balance_loss(scores: torch.Tensor, chosen: torch.Tensor, rows: int) -> torch.Tensor:
-    """``sum over rows of E * sum_i f_i * P_i`` (see the module docstring); ``scores`` (tokens,
-    experts) and ``chosen`` (tokens, top_k) of ``rows`` equal rows."""
+def sequence_balance_loss(scores: torch.Tensor, chosen: torch.Tensor, row_of_token: torch.Tensor, rows: int):
+    """``sum over rows of E * sum_i f_i * P_i`` (see the module docstring) over the tokens routed:
+    ``scores`` (tokens, experts), ``chosen`` (tokens, top_k), ``row_of_token`` (tokens,) the row each
+    came from, of ``rows``. A row's statistics are over its own tokens (padding is not routed, so
+    rows differ in length); a row without any adds nothing."""
     experts = scores.shape[-1]
     probs = scores / scores.sum(-1, keepdim=True)  # sigmoid scores: normalized per token first
-    picks = torch.zeros(rows, experts, device=scores.device, dtype=torch.float32)
-    picks.scatter_add_(1, chosen.reshape(rows, -1), torch.ones_like(chosen, dtype=torch.float32).reshape(rows, -1))
-    share = picks / (chosen.shape[0] // rows)
-    return experts * (share * probs.reshape(rows, -1, experts).mean(1)).sum()
+    tokens = torch.bincount(row_of_token, minlength=rows).clamp(min=1).float()[:, None]
+    slots = (row_of_token[:, None] * experts + chosen).flatten()  # (row, expert) of each choice
+    picks = torch.zeros(rows * experts, device=scores.device).index_add_(0, slots, probs.new_ones(slots.shape))
+    picks = picks.view(rows, experts)
+    mean_probs = torch.zeros_like(picks).index_add_(0, row_of_token, probs) / tokens
+    return experts * (picks / tokens * mean_probs).sum()
 
 
 def in_backward() -> bool:
@@ -326,19 +330,28 @@ class MoE(nn.Module):
         if self.expert_bias is not None:
             init.zeros_(self.expert_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, owned: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` (bsz, seq, dim); ``owned`` (bsz, seq) bool: the positions a document owns (None:
+        all). Only those are routed: padding reaches no expert, counts in no statistic and adds
+        nothing to the auxiliary loss -- its output is the shared experts' alone (no loss reads it)."""
         bsz, seqlen, dim = x.shape
         flat = x.reshape(-1, dim)
-        scores, chosen, weights = self.router(flat, self.expert_bias)
+        if owned is None:
+            token_ids = torch.arange(flat.shape[0], device=flat.device)
+        else:
+            token_ids = owned.flatten().nonzero().squeeze(1)
+        scores, chosen, weights = self.router(flat[token_ids], self.expert_bias)
         counts = torch.bincount(chosen.flatten(), minlength=self.options.n_experts)
         order = chosen.flatten().argsort(stable=True)  # (token, choice) slots sorted by expert
-        token_of_slot = order // self.options.top_k
+        token_of_slot = token_ids[order // self.options.top_k]
         routed = self.experts(flat[token_of_slot], counts)
         routed = routed * weights.flatten()[order].to(routed.dtype)[:, None]
         out = torch.zeros_like(flat).index_add_(0, token_of_slot, routed.to(flat.dtype))
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
-        aux = sequence_balance_loss(scores, chosen, bsz) if self.options.load_balance == "aux_loss" else None
+        aux = None
+        if self.options.load_balance == "aux_loss":
+            aux = sequence_balance_loss(scores, chosen, token_ids // seqlen, bsz)
         if not in_backward():
             self.routed.append((counts.detach(), None if aux is None else aux.detach()))
         if aux is not None and self.aux_loss_scale and torch.is_grad_enabled():

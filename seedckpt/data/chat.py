@@ -17,9 +17,11 @@ roles ``system``, ``user``, ``assistant``, ``tool``.
   epoch's shuffled order) into rows of ``seq_len`` tokens. Each sample is its own document: its
   positions restart at 0 and attention never crosses documents (``Transformer.forward``'s
   ``document_ids``), so a packed row computes what its conversations compute alone. The rest of
-  a row is padding (own document, no labels). Measured on the demo set (configs/sft_demo: 200
-  conversations of 28-98 tokens; tested): 9.6 % / 6.3 % of the tokens are padding at seq_len 128 / 256
-  packed, against 61.6 % / 80.8 % with one conversation per row (``packing = false``).
+  a row is padding: no labels, and document id ``PADDING_DOCUMENT``, owned by no document, so
+  attention keeps it to itself and a mixture of experts routes none of it (it counts in no expert
+  statistic or auxiliary loss, and trains no weight). Measured on the demo set (configs/sft_demo:
+  200 conversations of 28-98 tokens; tested): 9.6 % / 6.3 % of the tokens are padding at seq_len
+  128 / 256 packed, against 61.6 % / 80.8 % with one conversation per row (``packing = false``).
 * **Determinism.** Epoch e is a permutation drawn from (seed, e), packed in that order; the row
   stream is epoch 0's rows, then epoch 1's, ...; step s takes rows ``[(s - 1) B, s B)``. So a batch
   is a pure function of (seed, step): the same for every layout, and a resume mid-epoch is bitwise.
@@ -38,6 +40,7 @@ from seedckpt.utils.errors import SeedckptError
 
 ROLES = ("system", "user", "assistant", "tool")
 OPEN_ROWS = 64  # rows first-fit packing keeps open: more wastes less padding, costs more per sample
+PADDING_DOCUMENT = -1  # the document id of padding: a negative id is owned by no document
 KEPT_EPOCHS = 2  # packed epochs held at once: the current one and the one a step may straddle into
 
 
@@ -256,7 +259,7 @@ class PackedSamples:
                 documents[b, at : at + n] = doc
                 at += n
             positions[b, at:] = torch.arange(self.row_tokens - at) % self.seq_len  # no sample is longer
-            documents[b, at:] = len(row)  # padding is a document of its own
+            documents[b, at:] = PADDING_DOCUMENT
         return Batch(inputs, labels, positions, documents)
 
 
