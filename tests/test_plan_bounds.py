@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from seedckpt.cli.main import main
-from seedckpt.config.resolve import MAX_LAYERS
+from seedckpt.config.job_config import MAX_LAYERS
 
 REPO = Path(__file__).resolve().parents[1]
 ADDRESS_SPACE = 2 * 2**30  # a debug plan peaks near 0.7 GB of address space, torch's libraries included
@@ -43,6 +43,9 @@ CASES = {
     "vocab_size past int64": [*PLAN, "--model.vocab_size", str(10**19)],
     "vocab_size": [*PLAN, "--model.vocab_size", str(10**15)],
     "n_experts": [*PLAN, *MOE, "--model.n_experts", str(10**9)],
+    # the seed builds the model on meta too; refused before anything is written
+    "seed n_layers": ["seed", "--config", "configs/debug.toml", "--output", "{out}", "--model.n_layers", str(10**8)],
+    "seed dim": ["seed", "--config", "configs/debug.toml", "--output", "{out}", "--model.dim", str(10**12)],
 }
 
 
@@ -51,9 +54,15 @@ def _cap_address_space() -> None:
 
 
 @pytest.fixture(scope="module")
-def answers() -> dict[str, tuple[int, str, str]]:
+def seed_output(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("absurd") / "seed"
+
+
+@pytest.fixture(scope="module")
+def answers(seed_output) -> dict[str, tuple[int, str, str]]:
+    cases = [[str(seed_output) if a == "{out}" else a for a in argv] for argv in CASES.values()]
     child = subprocess.run(
-        [sys.executable, "-c", CHILD, json.dumps(list(CASES.values()))],
+        [sys.executable, "-c", CHILD, json.dumps(cases)],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -78,6 +87,15 @@ def test_sizes_that_cannot_be_planned_are_refused_in_one_line(answers, case, lin
     code, out, err = answers[case]
     assert code == 2 and not out
     assert err.count("\n") == 1 and err.startswith(f"seedckpt plan: error: {line}"), err
+
+
+@pytest.mark.parametrize(
+    ("case", "line"), [("seed n_layers", "model.n_layers = 100000000: "), ("seed dim", "model.dim = ")]
+)
+def test_a_seed_of_absurd_size_is_refused_in_one_line_before_writing(answers, seed_output, case, line):
+    code, out, err = answers[case]
+    assert code == 2 and err.count("\n") == 1 and err.startswith(f"seedckpt seed: error: {line}"), err
+    assert not seed_output.exists() and not list(seed_output.parent.iterdir())
 
 
 def test_a_huge_vocabulary_is_planned(answers):

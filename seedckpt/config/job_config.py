@@ -693,6 +693,7 @@ class JobConfig:
                 f"unknown model.flavor {self.model.flavor!r} for {self.model.name}; choose one of {sorted(flavors)}"
             )
         base = flavors[self.model.flavor].to_dict()
+        check_layer_count(self.model.overrides)
         try:
             return self.model_family().args.from_dict({**base, **self.model.overrides})
         except (TypeError, ValueError, ZeroDivisionError) as e:
@@ -973,3 +974,22 @@ def _parse_text(text: str, typ):
 def _suggest(word: str, choices) -> str:
     close = difflib.get_close_matches(word, list(choices), n=1)
     return f" (did you mean {close[0]!r}?)" if close else f"; valid: {', '.join(sorted(choices))}"
+
+
+# The deepest released decoders have under 130 layers (Llama 3.1 405B: 126). Wherever a model is built
+# on ``meta`` -- the config check's pipeline split, ``seedckpt plan``, each rank's stage build, the
+# seed -- every layer is tens of Python objects, about 35 KB and a few milliseconds a layer here, and
+# the balanced split's search grows with the square of the layer count: 1024 layers resolve and plan
+# in seconds within half a GB, 10**8 would take days and terabytes. A deeper model is refused at once.
+MAX_LAYERS = 1024
+
+
+def check_layer_count(overrides: dict) -> None:
+    """Refuse ``model.n_layers`` above ``MAX_LAYERS`` before the model's args exist: some families'
+    args compute a tuple over the layers (their windows, their experts) when they are built."""
+    n_layers = overrides.get("n_layers")
+    if isinstance(n_layers, int) and n_layers > MAX_LAYERS:
+        raise SeedckptError(
+            f"model.n_layers = {n_layers}: at most {MAX_LAYERS} layers are supported (each is built as Python "
+            "objects on meta, about 35 KB apiece, and the pipeline split grows with their square); lower model.n_layers"
+        )

@@ -25,13 +25,6 @@ from seedckpt.materialize.start import Start, find_start
 from seedckpt.parallel.parallelize import ParallelDims
 from seedckpt.utils.errors import SeedckptError
 
-# The deepest released decoders have under 130 layers (Llama 3.1 405B: 126). Wherever a model is built
-# on ``meta`` -- the config check's pipeline split, ``seedckpt plan``, each rank's stage build, the
-# seed -- every layer is tens of Python objects, about 35 KB and a few milliseconds a layer here, and
-# the balanced split's search grows with the square of the layer count: 1024 layers resolve and plan
-# in seconds within half a GB, 10**8 would take days and terabytes. A deeper model is refused at once.
-MAX_LAYERS = 1024
-
 
 @dataclass(frozen=True)
 class ResolvedRun:
@@ -124,7 +117,6 @@ def resolve(cfg: JobConfig, world_size: int, local_world_size: int | None = None
 
     ``local_world_size``: the ranks on this machine (default: torchrun's ``LOCAL_WORLD_SIZE``, 1 for
     a plain ``python train.py``); 0 for a command that places no rank (see ``choose_device``)."""
-    check_layer_count(cfg)
     cfg = with_pretrained_family(cfg)  # fine-tuning: the family of the pretrained checkpoint
     finetune = finetune_model(cfg)
     args, notes, pretrained = finetune if finetune else (cfg.model_args(), (), None)
@@ -134,14 +126,3 @@ def resolve(cfg: JobConfig, world_size: int, local_world_size: int | None = None
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     device = choose_device(cfg.job.device, local_world_size, torch.cuda.device_count())
     return ResolvedRun(cfg, cfg.model_family(), args, dims, device, notes=notes, pretrained=pretrained)
-
-
-def check_layer_count(cfg: JobConfig) -> None:
-    """Refuse ``model.n_layers`` above ``MAX_LAYERS`` before the model's args exist: some families'
-    args compute a tuple over the layers (their windows, their experts) when they are built."""
-    n_layers = cfg.model.overrides.get("n_layers")
-    if isinstance(n_layers, int) and n_layers > MAX_LAYERS:
-        raise SeedckptError(
-            f"model.n_layers = {n_layers}: at most {MAX_LAYERS} layers are supported (each is built as Python "
-            "objects on meta, about 35 KB apiece, and the pipeline split grows with their square); lower model.n_layers"
-        )

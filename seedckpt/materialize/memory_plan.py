@@ -5,7 +5,7 @@ model's family says: the embedding to the first stage, the final norm and output
 ``i`` to the stage whose layers include ``i``. Under tensor parallelism a rank holds ``1/tp`` of
 each tensor the family's plan splits and the whole of the others (the norms), before FSDP shards
 what it holds over ``dp_shard``. ``meta`` holds no storage, even for 405B, but each layer's modules
-are Python objects, about 35 KB a layer: ``resolve`` refuses more than ``MAX_LAYERS`` layers, so a
+are Python objects, about 35 KB a layer: the config refuses more than ``MAX_LAYERS`` layers, so a
 plan stays within seconds and half a GB.
 
 A mixture of experts' grouped expert weights (``[experts, ...]``) are whole on every TP rank and

@@ -37,6 +37,7 @@ from seedckpt.checkpoint import LazySavePlanner, check_destination, make_manifes
 from seedckpt.checkpoint.writer import BlockPool
 from seedckpt.config.job_config import DTYPES, JobConfig
 from seedckpt.materialize.init_recipe import CHUNK_NUMEL, RECIPE_VERSION, generate_flat, init_model
+from seedckpt.materialize.stages import indexable_sizes
 from seedckpt.utils.collector import collector_paused
 from seedckpt.utils.errors import SeedckptError
 from seedckpt.utils.progress import Progress
@@ -147,7 +148,7 @@ def _write_seed(
     torch_dtype = DTYPES[dtype]
     # The model is all a seed needs: not the fine-tuning source, the data, the tokenizer or the layout.
     family, args = cfg.model_family(), cfg.model_args()
-    with torch.device("meta"):
+    with torch.device("meta"), indexable_sizes(args):
         model = family.model(args)
     specs = init_model(model, seed, materialize=False)
     state = {fqn: torch.empty(t.shape, dtype=torch_dtype, device="meta") for fqn, t in state_tensors(model).items()}
