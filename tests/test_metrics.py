@@ -4,12 +4,13 @@ functions; a CPU run's rows carrying none of it is checked in test_train's parit
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
 from models.llama3 import LLAMA3
 from models.llama3.args import LLAMA3_FLAVORS
-from seedckpt.train.metrics import format_step, peak_tflops, utilization
+from seedckpt.train.metrics import MetricsLogger, format_duration, format_step, peak_tflops, utilization
 
 ONE_B = LLAMA3_FLAVORS["1B"]
 
@@ -114,3 +115,20 @@ def test_tensorboard_gets_the_curves_not_the_runs_constants(tmp_path, monkeypatc
     logger.close()
     assert {key for key, _ in scalars} >= {"loss", "lr", "grad_norm"}
     assert not {key for key, _ in scalars} & {"step", "steps"} and {s for _, s in scalars} == {3}
+
+
+def test_the_step_line_shows_the_remaining_time(tmp_path, monkeypatch):
+    """The first row's estimate is its step time times the steps left; later rows use the mean time per
+    step since the first row (the start and the first step's compilation left out)."""
+    clock = iter([100.0, 130.0])  # the wall clock at the two rows: 3 steps in 30 s
+    monkeypatch.setattr("seedckpt.train.metrics.time.perf_counter", lambda: next(clock))
+    row = {"steps": 1000, "loss": 2.5, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 1.0, "data_wait_s": 0.0}
+    row |= {"peak_mem_bytes": 2**30}
+    logger = MetricsLogger(tmp_path, False)
+    logger.log({**row, "step": 10, "step_time_s": 40.0})
+    logger.log({**row, "step": 13, "step_time_s": 9.0})
+    logger.close()
+    first, second = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert first["eta_s"] == 990 * 40.0 and second["eta_s"] == 987 * 10.0
+    assert format_step(second).endswith("eta 2h44m")
+    assert [format_duration(s) for s in (42.4, 425, 10920)] == ["42s", "7m05s", "3h02m"]

@@ -16,6 +16,7 @@ import math
 import os
 import resource
 import secrets
+import time
 from pathlib import Path
 
 import torch
@@ -109,6 +110,7 @@ class MetricsLogger:
         if enable_tensorboard:
             self._tb = self.check_tensorboard()(str(self.folder / "tensorboard"))
         self._wandb = self._start_wandb(**wandb) if wandb is not None else None
+        self._first_logged: tuple[int, float] | None = None  # (step, wall clock) of this process's first row
 
     def _start_wandb(self, project: str, name: str, config: dict):
         """A W&B run in ``dump_folder/wandb``: the one this folder's earlier runs logged to (its id
@@ -151,7 +153,9 @@ class MetricsLogger:
         return SummaryWriter
 
     def log(self, record: dict) -> None:
-        """One row: to metrics.jsonl, TensorBoard (its curves, not the run's constants), W&B and stdout."""
+        """One row: to metrics.jsonl, TensorBoard (its curves, not the run's constants), W&B and stdout.
+        The row gains ``eta_s``, the estimated time to the last step (``remaining_seconds``)."""
+        record = {**record, "eta_s": self._remaining_seconds(record)}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self._tb is not None:
@@ -161,6 +165,17 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
         print(format_step(record), flush=True)
+
+    def _remaining_seconds(self, record: dict) -> float:
+        """The steps left times the mean wall-clock time per step since this process's first row,
+        which leaves out the start (building, loading, the first step's compilation); until there is a
+        second row, the steps left times this step's time."""
+        step, now = record["step"], time.perf_counter()
+        if self._first_logged is None:
+            self._first_logged = (step, now)
+        first_step, first_time = self._first_logged
+        per_step = (now - first_time) / (step - first_step) if step > first_step else record["step_time_s"]
+        return max(0, record["steps"] - step) * per_step
 
     def close(self) -> None:
         self._file.close()
@@ -192,4 +207,15 @@ def format_step(r: dict) -> str:
         + (f"  {r['tflops']:.0f} TFLOP/s  mfu {r['mfu_pct']:.1f} %" if "tflops" in r else "")
         + (f"  osft_leak {r['osft_leak']:.1e}" if "osft_leak" in r else "")
         + (f"  val_loss {r['val_loss']:.4f}" if "val_loss" in r else "")
+        + (f"  eta {format_duration(r['eta_s'])}" if r.get("eta_s") else "")
     )
+
+
+def format_duration(seconds: float) -> str:
+    """``42s``, ``7m05s``, ``3h02m``: a remaining time at the precision a reader plans by."""
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
