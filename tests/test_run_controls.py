@@ -223,6 +223,23 @@ def test_wandb_logs_every_step_offline_and_a_resume_continues_the_same_run(tmp_p
     assert [r["loss"] for r in first + second] == [r["loss"] for r in rows(run)]
 
 
+def test_mlflow_logs_every_step_to_a_local_store_and_a_resume_continues_the_same_run(tmp_path, debug_seed):
+    """A real MLflow tracking store (SQLite in the dump folder): every step's loss as a metric of one
+    run, the config as its parameters; the resumed run continues that run."""
+    from mlflow.tracking import MlflowClient
+
+    run = tmp_path / "run"
+    mlflow = ["--metrics.mlflow", "true", "--metrics.mlflow_experiment", "tests"]
+    assert train(run, debug_seed, *mlflow, "--training.stop_after_step", "2").returncode == 0
+    assert train(run, debug_seed, *mlflow).returncode == 0
+    client = MlflowClient(f"sqlite:///{run / 'mlflow.db'}")
+    [logged] = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
+    assert logged.info.run_id == (run / "mlflow_run_id").read_text().strip() and logged.info.status == "FINISHED"
+    assert logged.info.run_name == "run" and logged.data.params["training.steps"] == str(len(rows(run)))
+    history = client.get_metric_history(logged.info.run_id, "loss")
+    assert [(m.step, m.value) for m in history] == [(r["step"], r["loss"]) for r in rows(run)]
+
+
 def test_a_folder_holding_another_jobs_steps_is_refused_in_one_line(tmp_path, debug_seed, finished):
     """An SFT job's folder, reused by an SFT of another pretrained model and by an OSFT of the same
     one: each refuses, naming the difference, rather than resuming those weights (or, at its step

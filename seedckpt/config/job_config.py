@@ -460,6 +460,15 @@ class Metrics:
     )
     wandb_project: str = option("seedckpt", "metrics.wandb: the W&B project")
     wandb_run_name: str = option("", "metrics.wandb: the run's name in W&B (empty: job.dump_folder's name)")
+    mlflow: bool = option(
+        False,
+        "also log each step to MLflow (pip install 'seedckpt[mlflow]'); a resumed run continues the same MLflow run",
+    )
+    mlflow_tracking_uri: str = option(
+        "", "metrics.mlflow: the tracking store (empty: sqlite:///<job.dump_folder>/mlflow.db; or http://host:5000)"
+    )
+    mlflow_experiment: str = option("seedckpt", "metrics.mlflow: the MLflow experiment")
+    mlflow_run_name: str = option("", "metrics.mlflow: the run's name in MLflow (empty: job.dump_folder's name)")
     collective_timing: Literal["auto", "on", "off"] = option(
         "auto",
         "per-step data-parallel all-gather / reduce-scatter calls and seconds; auto: on for manual FSDP "

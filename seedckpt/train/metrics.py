@@ -1,5 +1,5 @@
-"""Per-step telemetry: a readable progress line, ``metrics.jsonl``, and optionally TensorBoard and
-Weights & Biases.
+"""Per-step telemetry: a readable progress line, ``metrics.jsonl``, and optionally TensorBoard,
+Weights & Biases and MLflow (``seedckpt.train.mlflow_sink``).
 
 On a GPU the rows also carry model FLOPs utilization, torchtitan's way: ``tflops`` is the model's
 FLOPs per token (its family's ``flops_per_token``) times the global tokens per second, divided by the number
@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from seedckpt.train.mlflow_sink import MlflowSink
 from seedckpt.utils.errors import SeedckptError
 
 # Dense (no 2:4 sparsity) peaks in TFLOP/s per GPU, from NVIDIA's datasheets. Their tensor-core
@@ -99,8 +100,10 @@ class MetricsLogger:
         enable_tensorboard: bool = False,
         after_step: int = 0,
         wandb: dict | None = None,
+        mlflow: dict | None = None,
     ):
-        """``wandb``: ``wandb.init``'s project, name and config, to log to Weights & Biases too."""
+        """``wandb``: ``wandb.init``'s project, name and config, to log to Weights & Biases too;
+        ``mlflow``: ``MlflowSink``'s tracking URI, experiment, name and config, to log to MLflow too."""
         self.folder = Path(dump_folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.path = self.folder / METRICS_FILE
@@ -110,6 +113,7 @@ class MetricsLogger:
         if enable_tensorboard:
             self._tb = self.check_tensorboard()(str(self.folder / "tensorboard"))
         self._wandb = self._start_wandb(**wandb) if wandb is not None else None
+        self._mlflow = MlflowSink(self.folder, **mlflow) if mlflow is not None else None
         self._first_logged: tuple[int, float] | None = None  # (step, wall clock) of this process's first row
 
     def _start_wandb(self, project: str, name: str, config: dict):
@@ -164,6 +168,8 @@ class MetricsLogger:
                     self._tb.add_scalar(key, value, record["step"])
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+        if self._mlflow is not None:
+            self._mlflow.log(record, CONSTANT_FIELDS)
         print(format_step(record), flush=True)
 
     def _remaining_seconds(self, record: dict) -> float:
@@ -183,6 +189,8 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+        if self._mlflow is not None:
+            self._mlflow.close()
 
 
 def _step_of(line: str) -> float:

@@ -66,6 +66,7 @@ from seedckpt.parallel.pipeline import plan_rank_stages, stage_ids_for_rank
 from seedckpt.train.balancing import ExpertBalancing
 from seedckpt.train.failures import EXIT_ERROR, EXIT_INTERRUPTED, report_failure, stop_at_first_sigint
 from seedckpt.train.metrics import METRICS_FILE, MetricsLogger, peak_memory_bytes, peak_tflops, utilization
+from seedckpt.train.mlflow_sink import check_mlflow
 from seedckpt.train.optimizer import adamw_implementation
 from seedckpt.train.preemption import SaveOnSignals
 from seedckpt.train.state import TrainState
@@ -466,6 +467,7 @@ class Trainer:
                 self.cfg.metrics.enable_tensorboard,
                 after_step=state.step,
                 wandb=self._wandb_run() if self.cfg.metrics.wandb else None,
+                mlflow=self._mlflow_run() if self.cfg.metrics.mlflow else None,
             )
             if self.rank == 0
             else None
@@ -619,12 +621,26 @@ class Trainer:
 
     def _wandb_run(self) -> dict:
         """The W&B run's project, name and config: every section's values."""
-        folder = Path(self.cfg.job.dump_folder).resolve()
+        metrics = self.cfg.metrics
         return {
-            "project": self.cfg.metrics.wandb_project,
-            "name": self.cfg.metrics.wandb_run_name or folder.name,
+            "project": metrics.wandb_project,
+            "name": self._run_name(metrics.wandb_run_name),
             "config": self.cfg.to_dict(),
         }
+
+    def _mlflow_run(self) -> dict:
+        """The MLflow run's tracking store, experiment, name and config."""
+        metrics = self.cfg.metrics
+        return {
+            "tracking_uri": metrics.mlflow_tracking_uri,
+            "experiment": metrics.mlflow_experiment,
+            "name": self._run_name(metrics.mlflow_run_name),
+            "config": self.cfg.to_dict(),
+        }
+
+    def _run_name(self, given: str) -> str:
+        """A metrics sink's run name: the one given, else job.dump_folder's name."""
+        return given or Path(self.cfg.job.dump_folder).resolve().name
 
     def log(self, message: str, all_ranks: bool = False) -> None:
         if all_ranks or self.rank == 0:
@@ -687,6 +703,8 @@ def main(argv: list[str] | None = None) -> int:
             MetricsLogger.check_tensorboard()
         if cfg.metrics.wandb:
             MetricsLogger.check_wandb()
+        if cfg.metrics.mlflow:
+            check_mlflow()
         check_output_folders(cfg)
         if cfg.training.compile:
             check_compile_supported(run.device)
