@@ -23,17 +23,17 @@ demo: install
 	rm -rf $(DEMO)
 	$(BIN)/python create_seed_checkpoint.py --config configs/debug.toml --output $(DEMO)/seed
 	$(BIN)/seedckpt plan --config configs/debug.toml --world-size 4
-	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node 4 train.py --config configs/debug.toml \
+	OMP_NUM_THREADS=1 $(BIN)/seedckpt launch --standalone --nproc-per-node 4 train.py --config configs/debug.toml \
 		--checkpoint.seed_checkpoint $(DEMO)/seed --checkpoint.folder $(DEMO)/checkpoints --job.dump_folder $(DEMO)
 	$(BIN)/seedckpt inspect $(DEMO)/checkpoints/step-100 | head -n 12
 	$(BIN)/seedckpt convert $(DEMO)/checkpoints/step-100 $(DEMO)/hf --to hf
 	$(BIN)/seedckpt diff $(DEMO)/checkpoints/step-100 $(DEMO)/hf | tail -n 1
 	@echo "--- SFT of the pretrained demo model on configs/sft_demo/chats.jsonl (loss on assistant tokens only)"
-	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node 4 train.py --config configs/sft_debug.toml \
+	OMP_NUM_THREADS=1 $(BIN)/seedckpt launch --standalone --nproc-per-node 4 train.py --config configs/sft_debug.toml \
 		--finetune.pretrained $(DEMO)/checkpoints/step-100 --checkpoint.folder $(DEMO)/sft --job.dump_folder $(DEMO)/sft
 	$(BIN)/seedckpt convert $(DEMO)/sft/step-60 $(DEMO)/sft_hf --to hf
 	@echo "--- OSFT of the same model and chats: 75 % of each matrix's singular directions stay frozen"
-	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node 4 train.py --config configs/sft_debug.toml \
+	OMP_NUM_THREADS=1 $(BIN)/seedckpt launch --standalone --nproc-per-node 4 train.py --config configs/sft_debug.toml \
 		--finetune.mode osft --finetune.pretrained $(DEMO)/checkpoints/step-100 \
 		--checkpoint.folder $(DEMO)/osft --job.dump_folder $(DEMO)/osft
 	$(BIN)/seedckpt convert $(DEMO)/osft/step-60 $(DEMO)/osft_hf --to hf
