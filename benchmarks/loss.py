@@ -33,11 +33,12 @@ def measure(opts) -> dict:
     sys.path.insert(0, str(ROOT))
     from models.common.decoder import chunked_cross_entropy
     from models.llama3.args import LLAMA3_FLAVORS
-    from seedckpt.train.trainer import loss_chunk_tokens
+    from seedckpt.train.trainer import LOSS_CHUNK_BYTES, LOSS_CHUNK_BYTES_CUDA, loss_chunk_tokens
 
     device, dtype = torch.device(opts.device), getattr(torch, opts.dtype)
     args = LLAMA3_FLAVORS[opts.flavor]
-    chunk = loss_chunk_tokens(opts.chunk_tokens, args.vocab_size, opts.tokens)  # -1: training's default
+    budget = LOSS_CHUNK_BYTES_CUDA if device.type == "cuda" else LOSS_CHUNK_BYTES
+    chunk = loss_chunk_tokens(opts.chunk_tokens, args.vocab_size, opts.tokens, budget)  # -1: training's default
     torch.manual_seed(0)  # the head's init: the same weights in both processes
     g = torch.Generator(device=device).manual_seed(0)
     head = torch.nn.Linear(opts.dim, args.vocab_size, bias=False, device=device, dtype=dtype)

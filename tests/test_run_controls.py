@@ -450,9 +450,10 @@ def test_the_default_loss_chunks_only_logits_too_large_to_hold():
     """``training.loss_chunk_tokens = -1`` (the default): a 65 536 vocabulary's chunks are 512 tokens
     (128 MiB of float32 logits); a rank holding half the vocabulary under tp2 takes twice the tokens;
     a micro-batch whose logits fit is not chunked; an explicit value is kept."""
-    from seedckpt.train.trainer import LOSS_CHUNK_BYTES, loss_chunk_tokens
+    from seedckpt.train.trainer import LOSS_CHUNK_BYTES, LOSS_CHUNK_BYTES_CUDA, loss_chunk_tokens
 
     assert loss_chunk_tokens(-1, 65536, 8192) == 512 == LOSS_CHUNK_BYTES // (4 * 65536)
     assert loss_chunk_tokens(-1, 65536 // 2, 8192) == 1024
     assert loss_chunk_tokens(-1, 512, 8 * 64) == 0
     assert loss_chunk_tokens(0, 65536, 8192) == 0 and loss_chunk_tokens(24, 512, 512) == 24
+    assert loss_chunk_tokens(-1, 128256, 8192, LOSS_CHUNK_BYTES_CUDA) == 2092  # a GPU's: 1 GiB chunks

@@ -89,15 +89,22 @@ SAVE_DRAIN_S = 20.0
 # The float32 logits the default loss (training.loss_chunk_tokens = -1) holds at once, at most: a
 # 2-layer model at a 65 536 vocabulary x 8192 tokens peaked at 7.1 GiB with the whole logits.
 LOSS_CHUNK_BYTES = 128 * 2**20
+# On a GPU, chunks of 1 GiB: each chunk adds its output-weight gradient into a float32 sum (a read
+# and a write of vocabulary x dim x 4 bytes: 1 GiB at Llama 3's 128k x 2048), so chunks of 128 MiB
+# (261 tokens) would spend ~30 ms a step of 8192 tokens on that traffic alone at 3 TB/s; ~2 k-token
+# chunks spend ~4 ms, and their matmuls are large enough to run at the GPU's rate.
+LOSS_CHUNK_BYTES_CUDA = 2**30
 
 
-def loss_chunk_tokens(requested: int, vocab_per_rank: int, micro_batch_tokens: int) -> int:
+def loss_chunk_tokens(
+    requested: int, vocab_per_rank: int, micro_batch_tokens: int, budget: int = LOSS_CHUNK_BYTES
+) -> int:
     """``training.loss_chunk_tokens`` as run: -1 chunks only when a micro-batch's float32 logits (a
-    rank's vocabulary slice of them under TP) exceed ``LOSS_CHUNK_BYTES``, in chunks that fit it;
+    rank's vocabulary slice of them under TP) exceed ``budget`` bytes, in chunks that fit it;
     0 and N as given."""
     if requested >= 0:
         return requested
-    per_chunk = max(1, LOSS_CHUNK_BYTES // (4 * vocab_per_rank))
+    per_chunk = max(1, budget // (4 * vocab_per_rank))
     return 0 if micro_batch_tokens <= per_chunk else per_chunk
 
 
@@ -187,8 +194,9 @@ class Trainer:
         # training.loss_chunk_tokens: the last stage returns its summed loss, computed chunk by chunk
         # from its labels (``Transformer.forward(labels=...)``), instead of the logits.
         rows = train.local_batch_size // (self.dims.microbatches(cfg) if self.dims.pp > 1 else 1)
+        budget = LOSS_CHUNK_BYTES_CUDA if self.device.type == "cuda" else LOSS_CHUNK_BYTES
         self.loss_chunk = loss_chunk_tokens(
-            train.loss_chunk_tokens, run.args.vocab_size // self.dims.tp, rows * train.row_tokens
+            train.loss_chunk_tokens, run.args.vocab_size // self.dims.tp, rows * train.row_tokens, budget
         )
         self.chunked_loss = self.loss_chunk > 0
         self.global_batch = self.dims.global_batch_size(cfg)
