@@ -14,12 +14,12 @@ import torch.nn.functional as F
 from models.common.decoder import Transformer
 from models.llama3.args import ModelArgs
 from seedckpt.config.job_config import Data
-from seedckpt.data.chat import PADDING_DOCUMENT, ChatData, render_with_mask
+from seedckpt.data.chat import PADDING_DOCUMENT, ChatData, render_samples
 from seedckpt.data.datasets import make_dataset
 from seedckpt.data.sources import IGNORE_INDEX
 from seedckpt.data.tokenizer import load_tokenizer
 from seedckpt.utils.errors import SeedckptError
-from tests.tiny_tokenizers import build_tiny_tokenizer, corpus_of, make_chats
+from tests.tiny_tokenizers import build_tiny_tokenizer, chat_template, corpus_of, make_chats
 
 CHATS = make_chats(40, seed=1)
 
@@ -52,7 +52,7 @@ def test_labels_are_exactly_the_assistant_tokens(tokenizer_dir):
         {"role": "user", "content": "What is 1 + 1?"},
         {"role": "assistant", "content": "1 + 1 = 2."},
     ]
-    ids, mask = render_with_mask(tok, messages, "test")
+    ((ids, mask),) = render_samples(tok, messages, "test")
     assert ids == tok(tok.apply_chat_template(messages, tokenize=False), add_special_tokens=False)["input_ids"]
     # Expected independently: each assistant turn is its content's tokens then <|eot_id|>, right
     # after the assistant header; everything else (headers, system, user) has no label.
@@ -68,6 +68,118 @@ def test_labels_are_exactly_the_assistant_tokens(tokenizer_dir):
         at = next(i for i in range(len(ids)) if mask[i] and ids[i : i + len(answer)] == answer)
         assert ids[at - len(header) : at] == header and not any(mask[at - len(header) : at])
         assert all(mask[at : at + len(answer)])
+
+
+THINKING = [  # the first and last turns reason; a template like Qwen3's drops the first one's reasoning
+    {"role": "user", "content": "What is 2 + 3?"},
+    {"role": "assistant", "content": "<think>\nadd them\n</think>\n\n2 + 3 = 5."},
+    {"role": "user", "content": "What is 1 + 1?"},
+    {"role": "assistant", "content": "1 + 1 = 2."},
+    {"role": "user", "content": "What is 4 + 4?"},
+    {"role": "assistant", "content": "<think>\nsum\n</think>\n\n4 + 4 = 8."},
+]
+
+
+@pytest.fixture(scope="module")
+def templates(tmp_path_factory):
+    """Tokenizers of one vocabulary with the template variants, by (drop_past_thinking, generation_markers)."""
+    root, corpus = tmp_path_factory.mktemp("templates"), corpus_of(CHATS + [{"messages": THINKING}]) * 3
+    return {
+        flags: load_tokenizer(build_tiny_tokenizer(root / f"{flags}", corpus, chat_template=chat_template(*flags)))
+        for flags in [(False, False), (True, False), (False, True), (True, True)]
+    }
+
+
+def _labelled_runs(tok, ids, mask) -> list[str]:
+    """The decoded runs of labelled tokens."""
+    runs, run = [], []
+    for token, labelled in zip(ids + [None], mask + [False]):
+        if labelled:
+            run.append(token)
+        elif run:
+            runs.append(tok.decode(run))
+            run = []
+    return runs
+
+
+def test_a_template_that_drops_past_reasoning_trains_each_rewritten_turn_against_its_own_prefix(templates):
+    tok = templates[True, False]
+    whole = tok.apply_chat_template(THINKING, tokenize=False)
+    assert "add them" not in whole and "sum" in whole  # the template does rewrite the first turn
+    samples = render_samples(tok, THINKING, "test")
+    texts = [tok.apply_chat_template(THINKING[:2], tokenize=False), whole]
+    assert [ids for ids, _ in samples] == [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    # The first turn, with its reasoning, as generated after its own prefix; the turns the whole
+    # conversation keeps intact (the second has no reasoning to drop) train there, each once.
+    assert [_labelled_runs(tok, *s) for s in samples] == [
+        [THINKING[1]["content"] + "<|eot_id|>"],
+        [THINKING[3]["content"] + "<|eot_id|>", THINKING[5]["content"] + "<|eot_id|>"],
+    ]
+
+
+def test_generation_markers_are_used_and_agree_with_the_prefix_method(templates):
+    for chat in CHATS + [{"messages": THINKING}]:  # both methods apply to the template keeping every turn
+        assert render_samples(templates[False, True], chat["messages"], "t") == render_samples(
+            templates[False, False], chat["messages"], "t"
+        )
+    # With markers, the labels are what they mark: the whole conversation, its first turn as rewritten.
+    ((ids, mask),) = render_samples(templates[True, True], THINKING, "test")
+    assert (
+        ids == templates[True, False](templates[True, False].apply_chat_template(THINKING, tokenize=False))["input_ids"]
+    )
+    assert _labelled_runs(templates[True, True], ids, mask) == ["2 + 3 = 5.<|eot_id|>"] + [
+        m["content"] + "<|eot_id|>" for m in THINKING[3::2]
+    ]
+
+
+def test_chat_data_of_a_rewriting_template_says_so_and_is_deterministic(tmp_path, templates):
+    thinking = [{"messages": THINKING[: 2 * k]} for k in (1, 2, 3)] * 4 + CHATS[:8]
+    tokenizer = tmp_path / "tokenizer"
+    templates[True, False].save_pretrained(tokenizer)
+    data = _data(tmp_path, tokenizer, thinking, vocab=310)
+    assert len(data.lengths) == 28  # one sample more for each conversation whose first turn is rewritten
+    assert data.description.startswith(f"chat {tmp_path / 'chats.jsonl'}: 28 samples, 28 kept")
+    assert data.description.endswith(
+        "the chat template rewrites earlier turns (e.g. drops <think> blocks): each assistant turn it rewrites "
+        "is trained against its own prefix, 20 conversations -> 28 samples"
+    )
+    again = _data(tmp_path, tokenizer, thinking, vocab=310)
+    for step in (1, 3):
+        a, b = data.global_batch(step, 4), again.global_batch(step, 4)
+        assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("inputs", "labels", "positions", "document_ids"))
+    marked = tmp_path / "marked"
+    templates[True, True].save_pretrained(marked)
+    data = _data(tmp_path, marked, thinking, vocab=310)
+    assert len(data.lengths) == 20 and "labels on the chat template's {% generation %} spans" in data.description
+
+
+def test_a_rewriting_templates_samples_tokenize_once_to_the_same_batches(tmp_path, templates):
+    """``seedckpt tokenize --chat`` writes each sample of a conversation as its own document."""
+    from seedckpt.cli.main import main as seedckpt
+
+    tokenizer, thinking = tmp_path / "tokenizer", [{"messages": THINKING[: 2 * k]} for k in (1, 2, 3)] * 3
+    templates[True, False].save_pretrained(tokenizer)
+    chat = _data(tmp_path, tokenizer, thinking, vocab=310)
+    argv = ["tokenize", str(tmp_path / "chats.jsonl"), "--chat", "--tokenizer", str(tokenizer), "--output"]
+    assert seedckpt([*argv, str(tmp_path / "tokens"), "--quiet", "--workers", "1"]) == 0
+    tokens = make_dataset(Data(kind="tokens", path=str(tmp_path / "tokens")), 310, 64, 0)
+    assert len(tokens.lengths) == len(chat.lengths) == 15  # 9 conversations: 1 + 2 + 2 samples per 3
+    for step in (1, 2):
+        got, want = tokens.global_batch(step, 4), chat.global_batch(step, 4)
+        assert all(torch.equal(getattr(got, f), getattr(want, f)) for f in ("inputs", "labels", "positions"))
+
+
+def test_a_template_whose_generation_prompt_is_not_its_turns_beginning_names_the_fixes(tokenizer_dir):
+    tok = load_tokenizer(tokenizer_dir)
+    tok.chat_template = chat_template().replace(
+        "<|end_header_id|>\n\n{% endif %}", "<|end_header_id|>\n\n<think>\n{% endif %}"
+    )
+    with pytest.raises(
+        SeedckptError,
+        match=r"^x:3: the chat template's generation prompt is not how it begins .*"
+        r"\{% generation %\} .*\(data.kind = \"pretokenized\"",
+    ):
+        render_samples(tok, THINKING, "x:3")
 
 
 def test_packing_keeps_conversations_apart_and_each_once_per_epoch(tmp_path, tokenizer_dir):
@@ -237,7 +349,7 @@ def test_mini_trainers_pretokenized_format_gives_the_batches_of_the_same_chats(t
     tokenizer = load_tokenizer(str(tokenizer_dir))
     records = []
     for i, chat in enumerate(CHATS):
-        ids, mask = render_with_mask(tokenizer, chat["messages"], f"chat {i}")
+        ((ids, mask),) = render_samples(tokenizer, chat["messages"], f"chat {i}")
         records.append({"input_ids": ids, "labels": [t if m else -100 for t, m in zip(ids, mask)]})
     path = _write(tmp_path / "pretokenized.jsonl", records)
     pretokenized = PretokenizedData(Data(kind="pretokenized", path=path, packing=packing), 304, 48, 0)

@@ -205,14 +205,14 @@ def test_mini_trainer_records_tokenize_to_the_same_files_as_their_conversations(
     """The chats rendered as Mini Trainer writes them ({"input_ids", "labels"}, -100 off the assistant's
     tokens), alone or interleaved with conversations, give byte for byte the conversations' directory;
     a label that is not its position's id cannot be a mask and is refused, naming the line."""
-    from seedckpt.data.chat import render_with_mask
+    from seedckpt.data.chat import render_samples
     from seedckpt.data.tokenizer import load_tokenizer
 
     root, tokenizer = inputs
     tok = load_tokenizer(str(tokenizer))
     records = []
     for i, chat in enumerate(CHATS):
-        ids, mask = render_with_mask(tok, chat["messages"], f"chat {i}")
+        ((ids, mask),) = render_samples(tok, chat["messages"], f"chat {i}")
         records.append({"input_ids": ids, "labels": [t if m else -100 for t, m in zip(ids, mask)]})
     (tmp_path / "mini.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     mixed = [r if i % 2 else c for i, (r, c) in enumerate(zip(records, CHATS))]

@@ -11,12 +11,36 @@ import sys
 from pathlib import Path
 
 SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
-# Llama-3's chat format, without its default system message.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
-    "{{ m['content'] }}<|eot_id|>{% endfor %}"
-    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
-)
+
+
+def chat_template(drop_past_thinking: bool = False, generation_markers: bool = False) -> str:
+    """Llama-3's chat format, without its default system message. ``drop_past_thinking``: like
+    Qwen3's, an assistant turn before the last user message loses its ``<think>...</think>`` block
+    (so a conversation's beginning renders differently from the whole). ``generation_markers``: the
+    assistant's content and end of turn inside ``{% generation %}`` ... ``{% endgeneration %}``."""
+    content = "{{ m['content'] }}"
+    head = ""
+    if drop_past_thinking:
+        head = (
+            "{% set ns = namespace(last_user=-1) %}{% for m in messages %}"
+            "{% if m['role'] == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+        )
+        content = (
+            "{% if m['role'] == 'assistant' and loop.index0 < ns.last_user and '</think>' in m['content'] %}"
+            "{{ m['content'].split('</think>')[-1].lstrip('\\n') }}{% else %}{{ m['content'] }}{% endif %}"
+        )
+    turn = content + "<|eot_id|>"
+    if generation_markers:
+        marked = f"{{% generation %}}{turn}{{% endgeneration %}}"
+        turn = f"{{% if m['role'] == 'assistant' %}}{marked}{{% else %}}{turn}{{% endif %}}"
+    return (
+        head + "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+        f"{turn}{{% endfor %}}"
+        "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+    )
+
+
+CHAT_TEMPLATE = chat_template()
 
 CAPITALS = {
     "France": "Paris",

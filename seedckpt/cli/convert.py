@@ -32,7 +32,7 @@ from seedckpt.checkpoint.formats.hf import GENERATION_CONFIG
 from seedckpt.checkpoint.manifest import TOKENIZER_DIR
 from seedckpt.checkpoint.untrusted import read_json
 from seedckpt.config.job_config import DTYPES
-from seedckpt.data.chat import render_with_mask
+from seedckpt.data.chat import render_samples
 from seedckpt.data.tokenizer import load_tokenizer, tokenizer_files
 from seedckpt.finetune.osft import manifest_osft
 from seedckpt.materialize.model_checkpoint import (
@@ -248,7 +248,7 @@ def special_token_ids(source: OpenedCheckpoint) -> dict:
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     if tokenizer.chat_template:
         turn = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
-        ids, assistant = render_with_mask(tokenizer, turn, str(directory))
+        ids, assistant = render_samples(tokenizer, turn, str(directory))[-1]
         last = max((i for i, mine in enumerate(assistant) if mine), default=None)
         if last is not None and ids[last] in tokenizer.all_special_ids and ids[last] not in eos:
             eos.append(ids[last])

@@ -4,13 +4,26 @@ assistant's tokens only, packed into rows with per-conversation attention.
 Format: one ``{"messages": [{"role": ..., "content": ...}, ...]}`` per line (OpenAI / HF messages),
 roles ``system``, ``user``, ``assistant``, ``tool``.
 
-* **Masking.** For every assistant turn i the rendered text of ``messages[:i]`` plus the generation
+* **Masking.** A template that marks the assistant's part with ``{% generation %}`` ...
+  ``{% endgeneration %}`` says where the labels are: the conversation is one sample, labelled on the
+  marked tokens (transformers' ``return_assistant_tokens_mask``). Otherwise the spans come from
+  partial renders: for every assistant turn i the render of ``messages[:i]`` plus the generation
   prompt ends where the assistant's text starts, and the render of ``messages[:i + 1]`` ends where
-  its turn (content + end-of-turn token) ends. The full conversation is tokenized once with
-  character offsets, and a token carries a label when it starts inside such a span -- so the mask
-  is exactly the assistant's tokens of the rendered template. A template whose partial renders are
-  not prefixes of the full one cannot be masked this way and is refused.
-* **Samples.** A conversation of tokens t gives inputs ``t[:-1]`` and labels ``t[1:]`` (masked).
+  its turn (content + end-of-turn token) ends. A text that begins with both carries that turn; a
+  token carries a label when it starts inside such a span (character offsets of one tokenization),
+  so the mask is exactly the assistant's tokens of the rendered template.
+* **Templates that rewrite earlier turns.** Qwen3's drops the ``<think>`` block of an assistant
+  turn once a later user message follows, so the whole conversation no longer begins with that
+  turn as it was generated, and training it there would teach answers without their reasoning.
+  Each assistant turn, from the last back, is trained in the first text that carries it: the whole
+  conversation, a sample already made for a later turn, else a sample of its own, the render of
+  ``messages[:i + 1]`` -- the turn as the model generates it, after the earlier turns as the
+  template shows them at that point. A turn the template keeps
+  intact trains in the whole conversation, every turn trains once, and the run log says how many
+  samples the conversations gave. A template whose generation prompt is not how its assistant
+  turns begin is refused, naming the fixes: ``{% generation %}`` markers, or ``data.kind =
+  "pretokenized"``.
+* **Samples.** A sample of tokens t gives inputs ``t[:-1]`` and labels ``t[1:]`` (masked).
   Longer than ``seq_len + 1`` tokens: ``overflow = "truncate"`` keeps the start, ``"drop"`` drops
   it; a truncated conversation left without any assistant label is dropped too.
 * **Packing.** Samples are placed first-fit (over a window of ``OPEN_ROWS`` open rows, in the
@@ -30,6 +43,7 @@ roles ``system``, ``user``, ``assistant``, ``tool``.
 from __future__ import annotations
 
 import bisect
+import re
 
 import numpy as np
 import torch
@@ -79,30 +93,55 @@ def chat_tokenizer(path: str):
     return tokenizer
 
 
-def render_with_mask(tokenizer, messages: list[dict], where: str) -> tuple[list[int], list[bool]]:
-    """Token ids of the rendered conversation and, per token, whether it is the assistant's."""
+GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")  # how transformers finds the tag
 
-    def render(msgs, generation_prompt=False) -> str:
-        try:
-            return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
-        except Exception as e:  # a template may raise on its own terms (jinja's raise_exception)
-            raise SeedckptError(f"{where}: the chat template failed: {e}") from None
 
-    text = render(messages)
-    spans = []
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        start, stop = render(messages[:i], generation_prompt=True), render(messages[: i + 1])
-        if not (text.startswith(start) and text.startswith(stop) and len(start) <= len(stop)):
+def marks_generation(tokenizer) -> bool:
+    """Whether the chat template marks the assistant's part with ``{% generation %}``."""
+    return bool(GENERATION_MARKER.search(tokenizer.get_chat_template()))
+
+
+def render_samples(tokenizer, messages: list[dict], where: str) -> list[tuple[list[int], list[bool]]]:
+    """The conversation's samples (the module docstring): per sample its token ids and, per token,
+    whether it is an assistant's token it trains. One sample unless the template rewrites earlier
+    turns; the last holds the final assistant turn."""
+    if marks_generation(tokenizer):
+        marked = _apply_template(tokenizer, messages, where, return_dict=True, return_assistant_tokens_mask=True)
+        return [(marked["input_ids"], [bool(m) for m in marked["assistant_masks"]])]
+    spans = _turn_spans(tokenizer, messages, where)
+    texts = list(spans)[::-1]  # the earliest turn's sample first, the whole conversation last
+    encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+    samples = []
+    for text, ids, offsets in zip(texts, encoded["input_ids"], encoded["offset_mapping"]):
+        if spans[text]:  # the whole conversation trains nothing when every turn is rewritten in it
+            samples.append((ids, [any(lo <= start < hi for lo, hi in spans[text]) for start, _ in offsets]))
+    return samples
+
+
+def _turn_spans(tokenizer, messages: list[dict], where: str) -> dict[str, list[tuple[int, int]]]:
+    """The texts to train and, per text, the character spans of the assistant turns it carries:
+    each turn in the first text that begins with it as generated, the whole conversation first."""
+    spans = {_apply_template(tokenizer, messages, where, tokenize=False): []}
+    for i in reversed([i for i, m in enumerate(messages) if m["role"] == "assistant"]):
+        start = _apply_template(tokenizer, messages[:i], where, tokenize=False, add_generation_prompt=True)
+        stop = _apply_template(tokenizer, messages[: i + 1], where, tokenize=False)
+        if not stop.startswith(start):
             raise SeedckptError(
-                f"{where}: the chat template renders a conversation's beginning differently "
-                "from the whole, so assistant tokens cannot be located"
+                f"{where}: the chat template's generation prompt is not how it begins an assistant turn, so "
+                "the assistant's tokens cannot be located; mark them in the template with {% generation %} ... "
+                '{% endgeneration %}, or write the samples pre-tokenized (data.kind = "pretokenized", '
+                '{"input_ids": [...], "labels": [...]} per line)'
             )
-        spans.append((len(start), len(stop)))
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    mask = [any(lo <= start < hi for lo, hi in spans) for start, _ in encoded["offset_mapping"]]
-    return encoded["input_ids"], mask
+        text = next((t for t in spans if t.startswith(stop)), stop)
+        spans.setdefault(text, []).append((len(start), len(stop)))
+    return spans
+
+
+def _apply_template(tokenizer, messages: list[dict], where: str, **options):
+    try:
+        return tokenizer.apply_chat_template(messages, **options)
+    except Exception as e:  # a template may raise on its own terms (jinja's raise_exception)
+        raise SeedckptError(f"{where}: the chat template failed: {e}") from None
 
 
 def first_label(labelled: np.ndarray) -> int:
@@ -275,14 +314,32 @@ class ChatData(PackedSamples):
                 f"vocab_size is {vocab_size}"
             )
         pad_id, pad_note = pad_token_id(tokenizer)
+        conversations = 0
 
         def records():
+            nonlocal conversations
             for where, messages in read_conversations(data.path):
-                ids, mask = render_with_mask(tokenizer, messages, where)
-                yield ids, [t if m else IGNORE_INDEX for t, m in zip(ids, mask)]
+                conversations += 1
+                for ids, mask in render_samples(tokenizer, messages, where):
+                    yield ids, [t if m else IGNORE_INDEX for t, m in zip(ids, mask)]
 
         samples = SamplesInMemory(records(), seq_len + 1)
-        super().__init__(samples, data, seq_len, seed, pad_id, ("chat", "conversations"), pad_note, row_tokens)
+        what, mode = labelling(tokenizer, conversations, len(samples.lengths))
+        note = "; ".join(n for n in (pad_note, mode) if n)
+        super().__init__(samples, data, seq_len, seed, pad_id, ("chat", what), note, row_tokens)
+
+
+def labelling(tokenizer, conversations: int, samples: int) -> tuple[str, str]:
+    """What a chat sample is, for the run log, and a note on how its labels were found when not by
+    the template's plain prefixes."""
+    if marks_generation(tokenizer):
+        return "conversations", "labels on the chat template's {% generation %} spans"
+    if samples == conversations:
+        return "conversations", ""
+    return "samples", (
+        "the chat template rewrites earlier turns (e.g. drops <think> blocks): each assistant turn it rewrites is "
+        f"trained against its own prefix, {conversations} conversations -> {samples} samples"
+    )
 
 
 class PretokenizedData(PackedSamples):

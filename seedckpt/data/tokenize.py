@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from seedckpt.data.chat import chat_tokenizer, conversation, first_label, pretokenized_record, render_with_mask
+from seedckpt.data.chat import chat_tokenizer, conversation, first_label, pretokenized_record, render_samples
 from seedckpt.data.sources import IGNORE_INDEX, JSONL_SUFFIXES, TEXT_SUFFIXES, data_files, jsonl_records, pieces
 from seedckpt.data.token_files import (
     CHAT_FILES,
@@ -221,11 +221,13 @@ def _masked(ids: list[int], labels: list[int], where: str) -> tuple[list[int], l
 
 def _tokenize_conversations(block: tuple[list, int]) -> tuple[dict, int, int]:
     records, size = block
-    ids, masks, index = [], [], np.empty((len(records), 2), DOCUMENT_DTYPE)
-    for row, (where, record) in zip(index, records):
-        tokens, mask = record if isinstance(record, tuple) else render_with_mask(_TOKENIZER, record, where)
+    samples = [
+        s for where, r in records for s in ([r] if isinstance(r, tuple) else render_samples(_TOKENIZER, r, where))
+    ]
+    ids, masks, index = [], [], np.empty((len(samples), 2), DOCUMENT_DTYPE)
+    for row, (tokens, mask) in zip(index, samples):
         row[:] = len(tokens), first_label(np.asarray(mask, bool))
         ids.append(np.asarray(tokens, TOKEN_DTYPE))
         masks.append(np.asarray(mask, MASK_DTYPE))
     arrays = {TOKENS_FILE: np.concatenate(ids), MASK_FILE: np.concatenate(masks), DOCUMENTS_FILE: index}
-    return arrays, len(records), size
+    return arrays, len(samples), size
