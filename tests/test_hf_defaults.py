@@ -24,10 +24,12 @@ from models.registry import get_family
 from seedckpt import load_model
 from seedckpt.utils.errors import SeedckptError
 from tests.test_awkward_configs import DEEPSEEK, DENSE, GPT_OSS, hf_model, tokens
+from tests.test_deepseek_v2 import TINY as DEEPSEEK_V2
 
 transformers = pytest.importorskip("transformers")
 
 TWO_LAYERS = DENSE | dict(num_hidden_layers=2)
+V2_GROUPS = dict(topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=2.0)
 # family: (transformers class prefix, the tiny config's fields). Experts per token below the class's
 # default, with at least that many experts, so that the default computes and routes differently.
 FAMILIES = {
@@ -59,7 +61,11 @@ FAMILIES = {
     "mixtral": ("Mixtral", TWO_LAYERS | dict(num_local_experts=4, num_experts_per_tok=1, sliding_window=6)),
     "gpt_oss": ("GptOss", GPT_OSS | dict(head_dim=64)),
     "deepseek_v3": ("DeepseekV3", DEEPSEEK | dict(num_hidden_layers=2)),
+    # DeepSeek-V2, read by the deepseek_v3 family: softmax groups ranked by their best score
+    "deepseek_v2": ("DeepseekV2", DEEPSEEK_V2 | dict(num_hidden_layers=2, **V2_GROUPS)),
 }
+# The family that reads a model_type the sweep names by itself
+READER = {"deepseek_v2": "deepseek_v3"}
 # What transformers writes about itself or generation, not the model: left in every file.
 NOT_THE_MODEL = {"model_type", "transformers_version", "use_cache", "bos_token_id", "eos_token_id", "pad_token_id"}
 
@@ -119,7 +125,7 @@ def filled_in(family: str, config: dict) -> dict | None:
 def our_args(family: str, config: dict):
     """Our args for ``config`` (the reader ``load_model`` uses), or the refusal's type."""
     try:
-        return get_family(family).hf.args_from_config(config)
+        return get_family(READER.get(family, family)).hf.args_from_config(config)
     except ValueError as refused:
         return type(refused)
 

@@ -12,13 +12,14 @@ Three parts, each small (torchtitan's split):
     softmax over the chosen logits alone (the scores the auxiliary loss sees are the softmax over
     all experts).
 
-  With ``n_group`` > 1 (DeepSeek-V3's group-limited routing) the experts form ``n_group`` equal
-  groups of consecutive experts; each group is ranked by the sum of its two best scores, and only
-  the ``topk_group`` best groups' experts can be chosen. The weights are multiplied by
-  ``route_scale`` (DeepSeek-V3's ``routed_scaling_factor``). ``router_bias`` gives the gate a bias
-  (gpt-oss). Routing is dropless: every token reaches its ``top_k`` experts, no capacity factor.
-  Ties are broken by expert index (stable sorts, groups too), so the same token picks the same
-  experts whatever batch, micro-batch or rank it is computed in.
+  With ``n_group`` > 1 (DeepSeek's group-limited routing) the experts form ``n_group`` equal
+  groups of consecutive experts; each group is ranked by the sum of its ``group_top`` best scores
+  (V3's two, V2's one), and only the ``topk_group`` best groups' experts can be chosen. The
+  weights are multiplied by ``route_scale`` (DeepSeek-V3's ``routed_scaling_factor``).
+  ``router_bias`` gives the gate a bias (gpt-oss). Routing is dropless: every token reaches its
+  ``top_k`` experts, no capacity factor. Ties are broken by expert index (stable sorts, groups
+  too), so the same token picks the same experts whatever batch, micro-batch or rank it is
+  computed in.
 * ``GroupedExperts`` -- every expert's gated feed-forward as one 3-D tensor per projection, global
   shapes ``w1`` (gate) / ``w3`` (up) ``[experts, ffn, dim]`` and ``w2`` (down) ``[experts, dim,
   ffn]``, and with ``expert_bias_terms`` their biases ``b1`` / ``b3`` ``[experts, ffn]`` and ``b2``
@@ -89,6 +90,7 @@ class MoEOptions:
     route_scale: float = 1.0  # multiplies the routing weights
     n_group: int = 1  # groups of consecutive experts (group-limited routing when > 1)
     topk_group: int = 1  # the groups whose experts can be chosen
+    group_top: int = 2  # a group is ranked by the sum of its group_top best scores
     router_bias: bool = False  # a bias on the router's gate
     n_shared_experts: int = 0  # a dense SwiGLU of width n_shared_experts * ffn_dim beside the experts
     expert_bias_terms: bool = False  # biases on every expert's three projections
@@ -111,10 +113,12 @@ class MoEOptions:
             raise ValueError(f"activation = {self.activation!r}; choose one of {', '.join(ACTIVATIONS)}")
         if self.n_group < 1 or self.n_experts % self.n_group:
             raise ValueError(f"n_group = {self.n_group} must be >= 1 and divide n_experts = {self.n_experts}")
-        if self.n_group > 1 and self.n_experts // self.n_group < 2:
+        per_group = self.n_experts // self.n_group
+        if self.n_group > 1 and not 1 <= self.group_top <= per_group:
             raise ValueError(
-                f"n_group = {self.n_group} leaves one expert per group; a group is ranked by its two best "
-                "experts, so use at most n_experts / 2 groups"
+                f"n_group = {self.n_group} leaves {'one expert' if per_group == 1 else f'{per_group} experts'} per "
+                f"group; a group is ranked by its group_top = {self.group_top} best experts, so use at most "
+                "n_experts / group_top groups (and group_top >= 1)"
             )
         if not 1 <= self.topk_group <= self.n_group:
             raise ValueError(f"topk_group = {self.topk_group}; it must be between 1 and n_group = {self.n_group}")
@@ -176,7 +180,7 @@ class Router(nn.Module):
         options = self.options
         if options.n_group > 1:
             grouped = ranked.unflatten(-1, (options.n_group, -1))
-            group_scores = grouped.sort(dim=-1, descending=True).values[..., :2].sum(-1)
+            group_scores = grouped.sort(dim=-1, descending=True).values[..., : options.group_top].sum(-1)
             kept = group_scores.sort(dim=-1, descending=True, stable=True).indices[:, : options.topk_group]
             dropped = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, kept, False)
             ranked = grouped.masked_fill(dropped[..., None], -math.inf).flatten(1)

@@ -1,19 +1,23 @@
-"""DeepSeek-V3 (671B) and its 16B shape: multi-head latent attention, then dense layers followed by
-mixtures of routed and shared experts.
+"""DeepSeek-V3 (671B), DeepSeek-V2 and torchtitan's DeepSeek recipes: multi-head latent attention,
+then dense layers followed by mixtures of routed and shared experts.
 
 The shared decoder (``models.common.decoder``) with two things of its own: the attention is
 multi-head latent attention (``attention``: low-rank q and kv projections, a RoPE key shared by
 the heads), and the first ``first_k_dense_replace`` layers keep a dense feed-forward of width
 ``ffn_dim`` while every later layer holds a mixture of experts (``models.common.moe``):
 ``n_experts`` routed SwiGLU experts of width ``moe_ffn_dim`` plus ``n_shared_experts`` shared
-ones, fused into one SwiGLU that every token passes through. Routing is DeepSeek-V3's: sigmoid
-scores; the experts are split into ``n_group`` groups, each ranked by the sum of its two best
-scores, and a token's ``top_k`` experts come from the ``topk_group`` best groups; their weights
-renormalized (``norm_topk_prob``) and multiplied by ``routed_scaling_factor``.
+ones, fused into one SwiGLU that every token passes through. Routing is DeepSeek-V3's by default:
+sigmoid scores; the experts are split into ``n_group`` groups, each ranked by the sum of its
+``group_top`` (two) best scores, and a token's ``top_k`` experts come from the ``topk_group`` best
+groups; their weights renormalized (``norm_topk_prob``) and multiplied by
+``routed_scaling_factor``. ``score_func = "softmax"`` is DeepSeek-V2's routing and torchtitan's:
+a softmax over every expert, usually no groups (V2's ``greedy``; V2's ``group_limited_greedy``
+ranks a group by its best score, ``group_top = 1``), no renormalization.
 
 Balancing is aux-loss-free by default (``load_balance = "bias"``): the fp32 ``expert_bias`` added
-to the scores to choose experts, which HF's class holds as ``e_score_correction_bias``, so it is
-read and written both ways.
+to the scores to choose experts, which HF's DeepSeek-V3 class holds as ``e_score_correction_bias``,
+so it is read and written both ways (HF's DeepSeek-V2 class holds none: there an export keeps
+only a zero one, and a DeepSeek-V2 ``config.json`` reads as balanced by the auxiliary loss).
 
 Tensor names: the shared decoder's (``tok_embeddings``, ``layers.{i}.{attention_norm,ffn_norm}``,
 ``layers.{i}.feed_forward.{w1,w2,w3}`` in the dense layers, ``norm``, ``output``), and per layer
@@ -23,10 +27,14 @@ Tensor names: the shared decoder's (``tok_embeddings``, ``layers.{i}.{attention_
 ``moe.experts.w2`` ``[experts, dim, moe_ffn_dim]`` and ``moe.shared_experts.{w1,w2,w3}.weight``.
 Hugging Face's (``hf``) and torchtitan 0.3.0's (``torchtitan``) are mapped onto them.
 
-Flavors: ``671B`` is DeepSeek-V3's released ``config.json``; ``16B`` has the shapes of torchtitan
-0.3.0's ``16B`` (DeepSeek-V2-Lite's: no low-rank query, 64 experts, 2 shared, 1 dense layer), routed
-as V3 routes (sigmoid, one group) -- torchtitan's 16B routes by softmax, which HF's DeepSeek-V3
-class cannot express; ``debug`` trains on a CPU in seconds.
+Flavors: ``671B`` is DeepSeek-V3's released ``config.json`` (torchtitan 0.3.0's ``671B`` computes
+the same); ``debugmodel``, ``16B`` and ``236B`` are torchtitan 0.3.0's recipes of those names, each
+computing what torchtitan's computes: softmax routing without renormalization, YaRN's softmax
+scale from an ``mscale`` of 0.70 (236B: 1.0), every norm at torchtitan's epsilon 1e-5; ``16B``
+has DeepSeek-V2-Lite's shapes (no low-rank query, 64 experts, 2 shared, 1 dense layer) and no
+groups, ``236B`` DeepSeek-V2's shapes with 8 groups of which 3 are kept, ranked by their two best
+scores, weights times 16 (DeepSeek-V2's own ``config.json`` ranks by the best one and a 0.707
+``mscale``: it reads as itself, not as this flavor). ``debug`` trains on a CPU in seconds.
 
 The init recipe is torchtitan's for DeepSeek-V3.
 """
@@ -39,63 +47,11 @@ import torch
 
 from models.common import OSFT_TARGETS, decoder_family, decoder_layer_flops
 from models.common.decoder import Transformer
-from models.common.rope import RopeScaling
+from models.deepseek_v3 import hf, hf_v2
 from models.deepseek_v3.args import SHAPE_FIELDS, DeepseekV3Args
-from models.deepseek_v3.hf import MODEL_TYPE, DeepseekV3HFNames, args_from_config, config
+from models.deepseek_v3.flavors import FLAVORS
 from models.deepseek_v3.tensor_parallel import MLA_TENSOR_PARALLEL
 from models.deepseek_v3.torchtitan import DeepseekV3TorchtitanNames
-
-FLAVORS = {
-    "debug": DeepseekV3Args(
-        dim=128,
-        n_layers=4,
-        n_heads=4,
-        ffn_dim=256,
-        vocab_size=512,
-        max_seq_len=512,
-        rope_scaling=RopeScaling(
-            "yarn", factor=4.0, original_max_position_embeddings=128, mscale=1.0, mscale_all_dim=1.0
-        ),
-        q_lora_rank=64,
-        kv_lora_rank=32,
-        qk_nope_head_dim=32,
-        qk_rope_head_dim=16,
-        v_head_dim=32,
-        first_k_dense_replace=1,
-        n_experts=8,
-        n_shared_experts=1,
-        top_k=2,
-        moe_ffn_dim=64,
-        n_group=4,
-        topk_group=2,
-        routed_scaling_factor=2.5,
-    ),
-    "16B": DeepseekV3Args(
-        dim=2048,
-        n_layers=27,
-        n_heads=16,
-        ffn_dim=10944,
-        vocab_size=102400,
-        max_seq_len=163840,
-        rope_scaling=RopeScaling(
-            "yarn", factor=40.0, original_max_position_embeddings=4096, mscale=0.707, mscale_all_dim=0.707
-        ),
-        q_lora_rank=0,
-        kv_lora_rank=512,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
-        first_k_dense_replace=1,
-        n_experts=64,
-        n_shared_experts=2,
-        top_k=6,
-        moe_ffn_dim=1408,
-        n_group=1,
-        topk_group=1,
-        routed_scaling_factor=1.0,
-    ),
-    "671B": DeepseekV3Args(),  # the defaults are DeepSeek-V3's config.json
-}
 
 # The block linears OSFT trains by default: every attention projection and dense feed-forward matrix.
 _ATTENTION = ("attention.wq", "attention.wq_a", "attention.wq_b", "attention.wkv_a", "attention.wkv_b")
@@ -126,11 +82,11 @@ DEEPSEEK_V3 = dataclasses.replace(
         "deepseek_v3",
         DeepseekV3Args,
         FLAVORS,
-        (MODEL_TYPE,),
-        config,
-        args_from_config,
+        (hf.MODEL_TYPE, hf_v2.MODEL_TYPE),
+        hf_v2.config,
+        hf_v2.args_from_config,
         shape_fields=SHAPE_FIELDS,
-        names=DeepseekV3HFNames,
+        names=hf_v2.DeepseekHFNames,
         flops_per_token=flops_per_token,
         layer_flops=lambda model_args, seq_len: decoder_layer_flops(model_args, seq_len, attention=attention_flops),
         tensor_parallel=MLA_TENSOR_PARALLEL,

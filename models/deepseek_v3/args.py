@@ -1,10 +1,16 @@
-"""DeepSeek-V3's configuration: the shared decoder's fields, multi-head latent attention's ranks and
-head widths, and the mixture of experts' shared experts and grouped routing.
+"""DeepSeek-V3's configuration (and DeepSeek-V2's, a routing of it): the shared decoder's fields,
+multi-head latent attention's ranks and head widths, and the mixture of experts' shared experts and
+routing.
 
 Field names follow the rest of the project (``dim``, ``n_layers``, ``n_experts`` ...) where one
 exists and DeepSeek's ``config.json`` otherwise (``kv_lora_rank``, ``first_k_dense_replace``,
 ``n_group`` ...). ``q_lora_rank = 0`` means no low-rank query (torchtitan's convention; HF's
 ``null``), which TOML can write.
+
+Routing (``score_func``): DeepSeek-V3 scores experts by a sigmoid, DeepSeek-V2 (and torchtitan's
+DeepSeek-V3 recipes but 671B) by a softmax over all experts. Either may limit a token's experts to
+the ``topk_group`` best of ``n_group`` groups, a group ranked by the sum of its ``group_top`` best
+scores (2: DeepSeek-V3's and torchtitan's; 1, its best: DeepSeek-V2's ``group_limited_greedy``).
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from models.common.moe import MoEOptions
 from models.common.rope import RopeScaling, softmax_scale_multiplier
 from models.deepseek_v3.attention import MultiHeadLatentAttention
 
+SCORE_FUNCS = ("sigmoid", "softmax")
+
 
 @dataclass
 class DeepseekV3Args(DictArgs):
@@ -27,6 +35,7 @@ class DeepseekV3Args(DictArgs):
     ffn_dim: int = 18432  # the dense layers' feed-forward width (HF's intermediate_size)
     vocab_size: int = 129280
     norm_eps: float = 1e-6
+    latent_norm_eps: float = 1e-6  # MLA's q_norm and kv_norm (``attention``): HF's fixed 1e-6, torchtitan's 1e-5
     rope_theta: float = 10000.0
     max_seq_len: int = 163840
     tie_word_embeddings: bool = False
@@ -51,8 +60,10 @@ class DeepseekV3Args(DictArgs):
     n_shared_experts: int = 1  # their width together: n_shared_experts x moe_ffn_dim, one SwiGLU
     top_k: int = 8
     moe_ffn_dim: int = 2048
+    score_func: Literal["sigmoid", "softmax"] = "sigmoid"  # how the router scores experts (the module doc)
     n_group: int = 8  # the routed experts' groups; a token's experts come from topk_group of them
     topk_group: int = 4
+    group_top: int = 2  # a group is ranked by the sum of its group_top best scores
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 2.5  # multiplies the routed experts' weights
     load_balance: Literal["aux_loss", "bias", "none"] = "bias"  # aux-loss-free balancing, DeepSeek-V3's
@@ -67,9 +78,11 @@ class DeepseekV3Args(DictArgs):
             check_int(name, getattr(self, name))
         for name in ("q_lora_rank", "first_k_dense_replace", "n_shared_experts"):
             check_int(name, getattr(self, name), least=0)
-        check_int("n_group", self.n_group)
-        check_int("topk_group", self.topk_group)
-        for name in ("norm_eps", "rope_theta", "routed_scaling_factor"):
+        for name in ("n_group", "topk_group", "group_top"):
+            check_int(name, getattr(self, name))
+        if self.score_func not in SCORE_FUNCS:
+            raise ValueError(f"score_func = {self.score_func!r}; choose one of {', '.join(SCORE_FUNCS)}")
+        for name in ("norm_eps", "latent_norm_eps", "rope_theta", "routed_scaling_factor"):
             setattr(self, name, check_float(name, getattr(self, name)))
         for name in ("initializer_range", "aux_loss_coef", "bias_update_rate"):
             setattr(self, name, check_float(name, getattr(self, name), positive=False))
@@ -108,11 +121,12 @@ class DeepseekV3Args(DictArgs):
             n_experts=self.n_experts,
             top_k=self.top_k,
             ffn_dim=self.moe_ffn_dim,
-            score_func="sigmoid",
+            score_func=self.score_func,
             norm_topk_prob=self.norm_topk_prob,
             route_scale=self.routed_scaling_factor,
             n_group=self.n_group,
             topk_group=self.topk_group,
+            group_top=self.group_top,
             n_shared_experts=self.n_shared_experts,
             load_balance=self.load_balance,
             aux_loss_coef=self.aux_loss_coef,
@@ -125,7 +139,10 @@ class DeepseekV3Args(DictArgs):
         return DecoderOptions(moe=self.moe_options(), moe_layers=self.moe_layers, attention=MultiHeadLatentAttention)
 
 
-# The fields that decide which tensors exist and their shapes (``load_balance``: the expert bias).
+# The fields that decide which tensors exist and their shapes (``load_balance``: the expert bias), and
+# how tokens are routed (``ROUTING``): a checkpoint is never read into a model that routes it another
+# way than the config it was made with, and a flavor's name labels one routing only.
+ROUTING = ("score_func", "n_group", "topk_group", "group_top", "norm_topk_prob", "routed_scaling_factor")
 SHAPE_FIELDS = (
     "dim",
     "n_layers",
@@ -144,4 +161,5 @@ SHAPE_FIELDS = (
     "n_shared_experts",
     "moe_ffn_dim",
     "load_balance",
+    *ROUTING,
 )

@@ -24,6 +24,10 @@ With ``attention_bias`` (HF's field; DeepSeek's released models have none) ``wq_
 ``wo`` carry a bias, as transformers' ``DeepseekV3Attention`` does (``wq``, ``wq_b`` and ``wkv_b``
 never do).
 
+The two latent norms, ``q_norm`` and ``kv_norm``, take their own epsilon, ``latent_norm_eps``:
+DeepSeek's code and ``transformers``' V2 and V3 classes build them at their RMSNorm's default,
+1e-6, whatever ``rms_norm_eps`` says, and torchtitan builds every norm at its own default, 1e-5.
+
 Init (torchtitan's for DeepSeek-V3): every projection a normal of std 0.02 truncated at +-2
 (absolute), ``wo`` at the layer's depth-scaled std; the two norms ones; biases zeros.
 """
@@ -49,12 +53,12 @@ class MultiHeadLatentAttention(nn.Module):
         bias = args.attention_bias
         if args.q_lora_rank:
             self.wq_a = nn.Linear(args.dim, args.q_lora_rank, bias=bias)
-            self.q_norm = nn.RMSNorm(args.q_lora_rank, eps=args.norm_eps)
+            self.q_norm = nn.RMSNorm(args.q_lora_rank, eps=args.latent_norm_eps)
             self.wq_b = nn.Linear(args.q_lora_rank, qk_dims, bias=False)
         else:
             self.wq = nn.Linear(args.dim, qk_dims, bias=False)
         self.wkv_a = nn.Linear(args.dim, args.kv_lora_rank + self.rope_dim, bias=bias)
-        self.kv_norm = nn.RMSNorm(args.kv_lora_rank, eps=args.norm_eps)
+        self.kv_norm = nn.RMSNorm(args.kv_lora_rank, eps=args.latent_norm_eps)
         self.wkv_b = nn.Linear(args.kv_lora_rank, args.n_heads * (self.nope_dim + self.v_dim), bias=False)
         self.wo = nn.Linear(args.n_heads * self.v_dim, args.dim, bias=bias)
 
