@@ -8,7 +8,7 @@ anything is allocated. What it knows of the model comes from its caller (``check
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,7 +18,7 @@ from seedckpt.checkpoint.load import RowWindow, tensor_problems
 from seedckpt.checkpoint.manifest import TensorInfo, dtype_name, is_model_key
 from seedckpt.checkpoint.model import ModelCodec, ModelLayout
 from seedckpt.utils.errors import SeedckptError
-from seedckpt.utils.tensors import copy_full_into
+from seedckpt.utils.tensors import all_finite, copy_full_into
 
 # The dtypes a model weight may be stored in: an integer or float8 tensor under a weight's name is
 # not a weight this model can load or convert as it is (quantized checkpoints need their own reader).
@@ -70,6 +70,14 @@ class OpenedCheckpoint:
     def read_tensor(self, fqn: str) -> torch.Tensor:
         """One whole tensor on CPU, read by this process alone (conversion, diff)."""
         raise NotImplementedError
+
+    def stored_reads(self) -> Iterator[tuple[str, int, Callable[[], torch.Tensor]]]:
+        """``(name, bytes, read)`` of each tensor the checkpoint stores, in the names it stores them
+        under, for a command that reads all of them once (``verify``'s values): by default each model
+        tensor stored (a tied one once)."""
+        for fqn, info in self.infos.items():
+            if fqn not in self.aliases:
+                yield fqn, info.nbytes, lambda fqn=fqn: self.read_tensor(fqn)
 
     def load(self, state_dict: dict) -> None:
         """Fill ``state_dict`` (tensors, DTensors, ``RowWindow``s) in place. Formats without a
@@ -143,6 +151,14 @@ class OpenedCheckpoint:
     def has_entry(self, key: str) -> bool:
         """A non-tensor entry (training state) is present; only DCP checkpoints store them."""
         return False
+
+
+def nonfinite_count(tensor: torch.Tensor) -> int:
+    """How many values of ``tensor`` are NaN or Inf (0 for an integer tensor): one read pass
+    (``all_finite``) when every value is finite, a mask only when some are not."""
+    if all_finite(tensor):
+        return 0
+    return int((~(tensor.float() if tensor.element_size() == 1 else tensor).isfinite()).sum())
 
 
 @dataclass(frozen=True)

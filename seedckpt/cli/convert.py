@@ -15,6 +15,11 @@ A directory output keeps the tokenizer files and ``generation_config.json`` its 
 
 An OSFT run's checkpoint keeps its SVD factors where the target stores our names, else (or with
 ``--dense``) each target is rebuilt as its dense weight (``osft.DenseOSFT``).
+
+A tensor holding NaN or Inf (a weight, gpt-oss's sinks, DeepSeek-V3's correction bias, values a
+quantized tensor's scales overflow) stops the conversion, named in one line, unless
+``--allow-non-finite``: each is checked as it is read for writing (``FiniteReads``), one pass over a
+tensor already in memory, and the output is removed before it is ever published.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch
 
 from models.family import ModelFamily
 from seedckpt.checkpoint import FORMATS, OpenedCheckpoint, TensorInfo, WriteJob, dtype_name, make_manifest
+from seedckpt.checkpoint.base import nonfinite_count
 from seedckpt.checkpoint.formats.hf import GENERATION_CONFIG
 from seedckpt.checkpoint.manifest import TOKENIZER_DIR
 from seedckpt.checkpoint.untrusted import read_json
@@ -78,12 +84,14 @@ def convert(
     dense: bool = False,
     verify: bool = True,
     model: str | None = None,
+    allow_non_finite: bool = False,
 ) -> Path:
     """Convert ``src`` (any supported format) into ``dst`` as ``to``; returns ``dst``. An OSFT run's
     checkpoint keeps its factors unless ``dense`` (or the target has no place for them): then each
     target becomes its dense weight, for the next task of a continual-learning sequence. ``verify``:
     check the bytes read against the source's checksums. ``model``: the model family (``model.name``)
-    of a source that does not record it, which ``args`` then describes."""
+    of a source that does not record it, which ``args`` then describes. ``allow_non_finite``: write
+    tensors holding NaN or Inf as they are instead of refusing them."""
     if to not in FORMATS:
         raise SeedckptError(f"--to {to!r}: choose one of {', '.join(TARGETS)}")
     if dtype is not None and dtype not in DTYPES:
@@ -105,6 +113,8 @@ def convert(
         )
     if has_factors and not keeps_factors:
         source = dense_view(source)
+    if not allow_non_finite:
+        source = FiniteReads(source, dst)
     model_args = source.require_args()
     if not source.infos:
         raise SeedckptError(f"{src} holds no model tensors")
@@ -155,6 +165,33 @@ def convert(
         return target.write(source, Path(dst), job)
     finally:
         bar.close()
+
+
+class FiniteReads(OpenedCheckpoint):
+    """``source`` whose every tensor is refused, in one line naming it, when it holds NaN or Inf:
+    checked as each is read for writing, so a refusal comes before the output is published (its
+    writer then removes the partial output) and no tensor is read twice."""
+
+    def __init__(self, source: OpenedCheckpoint, dst: str | Path):
+        super().__init__(source.path, source.infos, source.manifest, source.recorded, source.layout)
+        self.source, self.dst, self.kind = source, dst, source.kind
+        self.aliases, self.dequantized = source.aliases, source.dequantized
+
+    def read_tensor(self, fqn: str) -> torch.Tensor:
+        tensor = self.source.read_tensor(fqn)
+        bad = nonfinite_count(tensor)
+        if bad:
+            made = (
+                " (dequantized: a NaN code, or a scale that overflows float32 times a value)"
+                if fqn in self.dequantized
+                else ""
+            )
+            raise SeedckptError(
+                f"{self.path}: {fqn} holds {bad:,} NaN or Inf values of {tensor.numel():,}{made}, read from "
+                f"{self.source.file_of(fqn)}; a model with them computes NaN: convert one without them, or pass "
+                f"--allow-non-finite to write them as they are (nothing was written to {self.dst})"
+            )
+        return tensor
 
 
 def carried(source: OpenedCheckpoint, to: str, token_ids: dict) -> tuple[dict[str, Path], dict]:

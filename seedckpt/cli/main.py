@@ -38,7 +38,9 @@ EXAMPLES = {
           seedckpt verify seeds/debug
           seedckpt verify outputs/demo/checkpoints/step-100
           seedckpt verify tokens/                        # a token directory (seedckpt tokenize)
-        exit status: 0 intact (or nothing recorded to check: it says so), 2 damaged or unreadable""",
+          seedckpt verify Llama-3.2-1B/                  # HF (or quantized): every value read, NaN/Inf named
+        exit status: 0 intact (NaN or Inf values are warned about; nothing recorded to check: it says so),
+        2 damaged or unreadable""",
     "plan": """
         examples:
           seedckpt plan --config configs/llama3_8b.toml
@@ -129,7 +131,9 @@ def _parser() -> argparse.ArgumentParser:
     verify = add(
         "verify",
         "Read every byte of a checkpoint and check it against the CRC32C checksums written with "
-        "it, and every data file's length; names each damaged tensor and file.",
+        "it, and every data file's length; names each damaged tensor and file, and each tensor holding "
+        "NaN or Inf. A checkpoint without checksums (Hugging Face, quantized, one file) has every tensor "
+        "read and its values checked (quantized ones dequantized, their scales checked).",
     )
     verify.add_argument("checkpoint", help="checkpoint directory or file")
     verify.add_argument("--quiet", action="store_true", help="no progress output")
@@ -166,6 +170,11 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--force", action="store_true", help="replace an existing output")
     convert.add_argument(
         "--no-verify", action="store_true", help="skip checking the bytes read against the source's checksums"
+    )
+    convert.add_argument(
+        "--allow-non-finite",
+        action="store_true",
+        help="write tensors holding NaN or Inf as they are (by default the first is named and nothing is written)",
     )
     convert.add_argument("--quiet", action="store_true", help="no progress output")
 
@@ -380,8 +389,7 @@ def _verify(opts, _rest) -> int:
     source = open_model_checkpoint(opts.checkpoint, complete=False)
     checksums = source.checksums
     if checksums is None:
-        print(f"{source.path}: complete (every data file holds what its metadata points to); {_checksum_note(source)}")
-        return 0
+        return _verify_values(source, opts.quiet)
     total = sum(item.length for item in checksums.items.values())
     bar = Progress(total, "verify", enabled=not opts.quiet)
     start = time.perf_counter()
@@ -402,6 +410,33 @@ def _verify(opts, _rest) -> int:
         f"{seconds:.2f} s ({total / max(seconds, 1e-9) / 1e9:.2f} GB/s), the whole command "
         f"{time.perf_counter() - STARTED:.2f} s (start-up and opening the checkpoint included)"
     )
+    return 0
+
+
+def _verify_values(source, quiet: bool) -> int:
+    """A checkpoint without checksums: every stored tensor read once (dequantized where stored
+    quantized, which checks its scales) and its values checked; each holding NaN or Inf is named.
+    Exit 0: its files are whole, whatever their values (as for checksums, non-finite values warn)."""
+    from seedckpt.checkpoint.base import nonfinite_count
+    from seedckpt.utils.progress import Progress
+
+    reads = list(source.stored_reads())
+    total = sum(nbytes for _, nbytes, _ in reads)
+    bar = Progress(total, "verify", enabled=not quiet)
+    nonfinite = []
+    try:
+        for what, nbytes, read in reads:
+            tensor = read()
+            bad = nonfinite_count(tensor)
+            if bad:
+                nonfinite.append(f"warning: {what} holds {bad:,} NaN or Inf values of {tensor.numel():,}")
+            bar.update(nbytes)
+    finally:
+        bar.close()
+    for line in nonfinite:
+        print(line)
+    values = f"{len(nonfinite)} of them hold NaN or Inf" if nonfinite else "every value finite"
+    print(f"read: {source.path}: {len(reads)} tensors, {_gib(total)}, {values}; {_checksum_note(source)}")
     return 0
 
 
@@ -492,6 +527,7 @@ def _convert(opts, _rest) -> int:
         progress=not opts.quiet,
         dense=opts.dense,
         verify=not opts.no_verify,
+        allow_non_finite=opts.allow_non_finite,
         **_model(opts.config),
     )
     print(f"wrote {opts.to} checkpoint {path}")

@@ -121,8 +121,8 @@ def verify_initialized(modules: Sequence[nn.Module]) -> None:
     if bad:
         raise SeedckptError(
             f"tensors left uninitialized, or not finite (NaN or Inf) in the checkpoint: {bad}; training from "
-            "non-finite weights gives a NaN loss: start from an earlier step-N or the seed (`seedckpt verify` "
-            "names the non-finite tensors of a checkpoint)"
+            "non-finite weights gives a NaN loss: start from a checkpoint without them -- a run's earlier step-N, "
+            "the seed, another download (`seedckpt verify` names the non-finite tensors of any checkpoint)"
         )
 
 

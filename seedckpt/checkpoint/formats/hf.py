@@ -12,6 +12,10 @@ and joined again on writing. ``write`` streams ``model-0000k-of-0000n.safetensor
 most ``shard_bytes``, the index and a ``config.json`` that ``transformers`` loads, with the
 tokenizer files and ``generation_config.json`` the caller hands it (``WriteJob``).
 
+Weights are read from safetensors files only: a directory holding them as ``pytorch_model.bin``
+(a pickle, which runs code when loaded) is refused in one line saying so, as is an index that is
+not a JSON object with a ``weight_map``.
+
 A stored tensor the model ``config.json`` describes does not have (a layer, an expert, a shared
 expert more than it says) is refused in one line naming it and the field to fix, before anything
 is read: left out, the weights would load as another model than the files hold. Only what the
@@ -54,6 +58,7 @@ OUR_NAMES = False  # only the model's dense tensors have HF names
 TIED_STORED_ONCE = True  # as HF stores a tied model: no separate output head
 TOKENIZER_AT = ""  # beside config.json, where AutoTokenizer.from_pretrained looks
 GENERATION_CONFIG = "generation_config.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")  # pytorch_model.bin and kin: never unpickled here
 
 
 def detect(path: Path) -> bool:
@@ -90,14 +95,13 @@ class HFCheckpoint(OpenedCheckpoint):
         self.names = codec.hf_names(layout)
         index = path / "model.safetensors.index.json"
         if index.is_file():
-            try:
-                weight_map = read_json(index, "the safetensors index")["weight_map"]
-                files = sorted(set(weight_map.values()))
-            except (KeyError, TypeError, AttributeError) as e:
-                raise SeedckptError(f"{index} is not a valid safetensors index ({e!r})") from None
+            weight_map = _weight_map(index)
+            files = sorted(set(weight_map.values()))
         else:
             files = sorted(p.name for p in path.glob("*.safetensors"))
             weight_map = None
+        if not files:
+            raise _no_safetensors(path)
         self.location: dict[str, tuple[Path, str]] = {}  # our fqn -> (file, hf name)
         self.spans: dict[str, tuple[int, int]] = {}  # our fqn -> its bytes in its file
         # our fqn -> {index: (file, hf name, info)}: a tensor stored one dim-0 slice (expert) per entry
@@ -112,7 +116,8 @@ class HFCheckpoint(OpenedCheckpoint):
             if not isinstance(file, str) or Path(file).name != file or not (path / file).is_file():
                 raise SeedckptError(f"{index} lists {file!r}, which is not a file in {path}")
             headers[file] = safetensors_header(path / file)
-        self.quantized = quantized_tensors(_stored(path, headers), self.config, path)  # hf name -> its stored parts
+        self.stored_tensors = _stored(path, headers)  # every tensor of the files, by its name there
+        self.quantized = quantized_tensors(self.stored_tensors, self.config, path)  # hf name -> its stored parts
         quantized_part = {part.name: q for q in self.quantized.values() for part in q.parts}
         for file, (header, _, data_start) in headers.items():
             for name, entry in header.items():
@@ -226,6 +231,18 @@ class HFCheckpoint(OpenedCheckpoint):
             self.unread_parts = {ours: t.contiguous() for ours, t in zip(parts.fqns, split)}
         return self.unread_parts.pop(fqn)
 
+    def stored_reads(self):
+        """Every tensor of the files under its name there and its file's, in file order; a quantized
+        one once, dequantized (its scales checked), the models' tensors and those it leaves out alike."""
+        by_values = {q.values.name: q for q in self.quantized.values()}
+        scales = {q.scales.name for q in self.quantized.values()}
+        for name, part in self.stored_tensors.items():
+            q = by_values.get(name)
+            if q is not None:
+                yield f"{q.name} in {part.file.name}", q.info.nbytes, q.read
+            elif name not in scales:
+                yield f"{name} in {part.file.name}", part.info.nbytes, lambda p=part: read_safetensor(p.file, p.name)
+
     def _read_stored(self, file: Path, name: str) -> torch.Tensor:
         quantized = self.quantized.get(name)
         return quantized.read() if quantized is not None else read_safetensor(file, name)
@@ -284,6 +301,38 @@ class HFCheckpoint(OpenedCheckpoint):
         lo, hi = rows or (0, len(parts))
         by_name.update((parts[e][1], local(wanted)[e - lo]) for e in range(lo, hi))
         return []
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The index's ``weight_map`` (``{tensor name: file name}``), checked to be one: a file that is not
+    an object holding it is named in one line, what it holds instead said."""
+    data = read_json(index, "the safetensors index")
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        held = (
+            f"a JSON {type(data).__name__}"
+            if not isinstance(data, dict)
+            else "a weight_map that is no object of file names"
+            if "weight_map" in data
+            else "no weight_map"
+        )
+        raise SeedckptError(
+            f"{index} holds {held}, not a safetensors index (an object whose weight_map maps each tensor to its "
+            "file): restore it, or remove it to read every *.safetensors file of the directory"
+        )
+    return weight_map
+
+
+def _no_safetensors(path: Path) -> SeedckptError:
+    """The refusal of a directory with no safetensors file: what it holds instead, and how to read it."""
+    pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES and p.is_file())
+    if pickles:
+        return SeedckptError(
+            f"{path} holds its weights as {', '.join(pickles[:3])}{' ...' if len(pickles) > 3 else ''} (pickles, "
+            "which run code when loaded): only safetensors are read; save it as safetensors first, e.g. "
+            "AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(OUT) in a trusted environment"
+        )
+    return SeedckptError(f"{path} has a config.json but no *.safetensors file: restore the model's weights beside it")
 
 
 def _accounted(fqn: str | tuple[str, int] | StoredParts, shapes: dict[str, tuple[int, ...]]) -> bool:

@@ -16,7 +16,9 @@ Two formats of released checkpoints, told apart by the tensors a directory store
 
 What is quantized is decided by the tensors present (a weight with its scales beside it), not by
 ``quantization_config``'s lists of modules; the config must name the method and block size those
-tensors use, and the scales must fit the weight they scale. The reader then presents ``X`` under
+tensors use, and the scales must fit the weight they scale. A scale no quantizer writes is refused
+when read, naming it: an FP8 ``scale_inv`` that is not a finite number > 0 (a zero would read its
+block as zeros, a negative one flip its signs), MXFP4's byte 255 (e8m0's NaN). The reader then presents ``X`` under
 its plain name, as a float32 tensor, so a model family maps it as it maps an unquantized one.
 
 Each rank reads only the stored rows under its own: the FP8 rows of its rows and the rows of
@@ -50,6 +52,7 @@ MX_BYTES = 16  # one scale's group: 16 bytes of two 4-bit values, 32 values
 # parallel op is long (a loop of 128-row steps spent most of its time in thread hand-offs here, 2 busy cores)
 CHUNK_VALUES = 2**22
 E8M0_BIAS = 127
+E8M0_NAN = 255  # the one e8m0 byte that is no power of two
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,7 @@ class BlockFP8(Quantized):
     def dequantize_into(self, stored: dict[str, torch.Tensor], dest: torch.Tensor, start: int) -> None:
         codes, scales = stored[self.values.name].view(torch.uint8), stored[self.scales.name]
         first = start // FP8_BLOCK
+        self.check_scales(scales, first)
         # each scale row spread over its block's columns ([scale rows, C]: 1/128 of the values), times
         # the 2^8 that the float16 below is short of
         spread = scales.float().repeat_interleave(FP8_BLOCK, dim=1)[:, : codes.shape[1]] * 2.0**8
@@ -130,12 +134,29 @@ class BlockFP8(Quantized):
             dest[(codes & 0x7F) == 0x7F] = float("nan")
 
 
+    def check_scales(self, scales: torch.Tensor, first: int) -> None:
+        """Every scale (rows from ``first`` on) is a finite number > 0: the block's largest magnitude /
+        448, which a quantizer keeps positive even for an all-zero block (``transformers``' writes 1
+        there). A zero would read the block as zeros, a negative one flip its signs, NaN or Inf make
+        every value of it non-finite -- whatever the values say; the first such scale is named."""
+        wide = scales.float()
+        impossible = ~((wide > 0) & (wide < math.inf))  # NaN fails both
+        if bool(impossible.any()):
+            row, col = (int(i) for i in impossible.nonzero()[0])
+            raise SeedckptError(
+                f"{self.scales.file}: {self.scales.name}[{first + row}, {col}] = {wide[row, col].item()}, an "
+                f"impossible scale: each {FP8_BLOCK} x {FP8_BLOCK} block's scale_inv is a finite number > 0 (0 would "
+                "zero the block, a negative one flip its signs) -- the checkpoint is damaged"
+            )
+
+
 class MXFP4(Quantized):
     """``X_blocks`` (``[E, R, G, 16]``, e2m1 pairs) scaled by ``X_scales`` (``[E, R, G]``, e8m0):
     ``X`` is ``[E, G * 32, R]``."""
 
     def dequantize_into(self, stored: dict[str, torch.Tensor], dest: torch.Tensor, start: int) -> None:
         blocks, scales = stored[self.values.name], stored[self.scales.name]
+        self.check_scales(scales, start)
         # 2 ** (s - 127) for every byte s; exact in float32 (2 ** -127 is a subnormal, 2 ** 128 is inf)
         powers = torch.ldexp(torch.ones(256), torch.arange(256) - E8M0_BIAS)
         rows, step = blocks.shape[1], max(1, CHUNK_VALUES // (blocks.shape[2] * 2 * MX_BYTES))
@@ -152,6 +173,18 @@ class MXFP4(Quantized):
                 half = bits.view(torch.float16)
                 values = half.float().mul_(2.0**14).mul_(powers[scales[e, r : r + step].int()].unsqueeze(-1))
                 dest[e, :, r : r + step].copy_(values.flatten(-2).T)
+
+    def check_scales(self, scales: torch.Tensor, first: int) -> None:
+        """No scale is e8m0's NaN, the byte 255 (the OCP MX format's; ``2 ** 128`` is no float32 either):
+        the first one is named. Bytes 253 and 254 are scales (``2 ** 126``, ``2 ** 127``), though a
+        value of 4 or 6 times them overflows float32: that is a value, which ``convert`` and ``verify``
+        name as one that is not finite."""
+        if scales.numel() and int(scales.max()) == E8M0_NAN:
+            expert, row, group = (int(i) for i in (scales == E8M0_NAN).nonzero()[0])
+            raise SeedckptError(
+                f"{self.scales.file}: {self.scales.name}[{first + expert}, {row}, {group}] = {E8M0_NAN}, e8m0's NaN: "
+                "not a scale, so that group of 32 values has none -- the checkpoint is damaged"
+            )
 
 
 def quantized_tensors(stored: dict[str, Stored], config: dict, where: Path) -> dict[str, Quantized]:
