@@ -262,7 +262,8 @@ def test_a_directory_of_another_family_names_the_model_name_to_set(tmp_path, mod
         ),
         (
             ["--model.n_layers", "2"],
-            "[model] contradicts finetune.pretrained {hf}: model.n_layers = 2, the checkpoint has 3",
+            "[model] would change the tensors of finetune.pretrained {hf}, which fixes them: model.n_layers = 2 "
+            "(the checkpoint: 3)",
         ),
     ],
     ids=["no [model]", "the same family", "another family", "another shape"],

@@ -182,12 +182,12 @@ def test_a_flavor_reshaped_by_model_keys_may_describe_the_pretrained_checkpoint(
     """``--model.flavor debug --model.n_layers 2`` describes a 2-layer debug checkpoint; a key that
     still disagrees is named."""
     from seedckpt.config.job_config import load_config
-    from seedckpt.finetune.pretrained import check_model_section
+    from seedckpt.finetune.pretrained import with_model_keys
 
     args = load_config(None, ["--model.n_layers", "2"]).model_args()
-    check_model_section(load_config(None, ["--model.flavor", "debug", "--model.n_layers", "2"]), args, "ckpt")
-    with pytest.raises(SeedckptError, match="model.n_layers = 3, the checkpoint has 2"):
-        check_model_section(load_config(None, ["--model.flavor", "debug", "--model.n_layers", "3"]), args, "ckpt")
+    with_model_keys(load_config(None, ["--model.flavor", "debug", "--model.n_layers", "2"]), args, "ckpt")
+    with pytest.raises(SeedckptError, match=r"model.n_layers = 3 \(the checkpoint: 2\)"):
+        with_model_keys(load_config(None, ["--model.flavor", "debug", "--model.n_layers", "3"]), args, "ckpt")
 
 
 @pytest.mark.cuda

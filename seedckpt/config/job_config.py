@@ -37,6 +37,7 @@ from models.registry import DEFAULT_FAMILY, FAMILIES, get_family
 from seedckpt.checkpoint.manifest import TOKENIZER_DIR
 from seedckpt.data.mixture import parse_sources
 from seedckpt.data.tokenizer import own_tokenizer
+from seedckpt.materialize.model_checkpoint import detect_family
 from seedckpt.utils.errors import SeedckptError
 
 if sys.version_info >= (3, 11):
@@ -611,7 +612,10 @@ class JobConfig:
         if self.data.kind == "chat" and not self.data.tokenizer:
             self._refuse_chat_without_tokenizer()
         self._check_manual_fsdp()
-        self.model_args()  # the flavor and the [model] overrides
+        if self.finetune.mode == "none":
+            self.model_args()  # the flavor and the [model] overrides
+        else:  # they apply to the pretrained checkpoint's args (``finetune.pretrained``); the depth bound here
+            check_layer_count(self.model.overrides)
 
     def _refuse_chat_without_tokenizer(self) -> None:
         """Chat data is rendered with a tokenizer's chat template. A fine-tune whose checkpoint is
@@ -892,8 +896,10 @@ class _Settings:
         self.values[section][key] = _coerce(f"{section}.{key}", _field_type(cls, key), value, source, from_text)
 
     def build(self) -> JobConfig:
+        name, _ = self._family()
         model = {
             **self.values["model"],
+            "name": name,
             "overrides": types.MappingProxyType(self._model_args()),
             "given": frozenset(self.values["model"]) | frozenset(self.model_args),
         }
@@ -904,9 +910,21 @@ class _Settings:
             }
         )
 
+    def _family(self) -> tuple[str, str]:
+        """The family whose args ``[model]`` takes, and why in words: ``model.name``; for a fine-tune
+        that names none, the pretrained checkpoint's (its manifest's model, its ``config.json``'s
+        ``model_type``), which the run will be; else the default."""
+        if "name" in self.values["model"]:
+            return self.values["model"]["name"], ""
+        finetune = self.values["finetune"]
+        pretrained = finetune.get("pretrained", Finetune.pretrained)
+        if finetune.get("mode", Finetune.mode) != "none" and pretrained and Path(pretrained).exists():
+            return detect_family(pretrained), f", the family of finetune.pretrained {pretrained}"
+        return Model.name, ""
+
     def _model_args(self) -> dict:
-        """The ``[model]`` keys that are fields of ``model.name``'s args, each typed."""
-        name = self.values["model"].get("name", Model.name)
+        """The ``[model]`` keys that are fields of the family's args (``_family``), each typed."""
+        name, why = self._family()
         try:
             args = get_family(name).args
         except ValueError as e:
@@ -916,7 +934,8 @@ class _Settings:
         for key, (value, source, from_text) in self.model_args.items():
             if key not in fields:
                 choices = {**_toml_keys(Model), **fields}
-                raise SeedckptError(f"{source}: unknown key model.{key}{_suggest(key, choices)}")
+                family = f" for {name}{why}" if why else ""
+                raise SeedckptError(f"{source}: unknown key model.{key}{family}{_suggest(key, choices)}")
             typed[key] = _coerce(f"model.{key}", _field_type(args, key), value, source, from_text)
         return typed
 

@@ -6,9 +6,10 @@ directory of the family -- through the same ``build_stages`` path as pretraining
 stage's tensors (and its rows under FSDP), nobody holds the whole model. This module only decides
 *which* model that is, before any process group or allocation:
 
-* The model's family and args are read from the checkpoint (``seedckpt.json`` or ``config.json``). A
-  ``[model]`` key the user set that contradicts them (``name`` included) is an error naming both
-  values -- never silently ignored.
+* The model's family and args are read from the checkpoint (``seedckpt.json`` or ``config.json``);
+  ``[model]`` takes that family's keys. One that would change the checkpoint's tensors (``dim``, the
+  experts' count ...), or another ``name``, is an error naming both values -- never silently
+  ignored; the others apply to its args, each named in the run log (``with_model_keys``).
 * The tokenizer: the one the pretrained directory carries, unless ``data.tokenizer`` names another
   (``job_config.with_pretrained_tokenizer``). Another one must keep every id of the directory's own
   -- it may only add tokens after them -- or the model would read tokens it was never trained on:
@@ -30,7 +31,7 @@ from seedckpt.checkpoint import OpenedCheckpoint
 from seedckpt.config.job_config import JobConfig
 from seedckpt.data.tokenizer import load_tokenizer, moved_tokens, own_tokenizer
 from seedckpt.finetune.osft import OSFTSettings, describe_targets, manifest_osft, pattern_matches, target_fqns
-from seedckpt.materialize.model_checkpoint import detect_family, open_model_checkpoint, refuse_float64
+from seedckpt.materialize.model_checkpoint import codec_for, detect_family, open_model_checkpoint, refuse_float64
 from seedckpt.utils.errors import SeedckptError
 
 VOCAB_MULTIPLE = 8
@@ -78,35 +79,73 @@ def with_pretrained_family(cfg: JobConfig) -> JobConfig:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=detect_family(ft.pretrained)))
 
 
-def check_model_section(cfg: JobConfig, args, where: str) -> None:
-    """Every ``[model]`` key the user set must agree with the pretrained checkpoint."""
-    model, family = cfg.model, cfg.model_family()
-    conflicts = []
-    if "flavor" in model.given:
-        # The flavor as the [model] overrides shape it (an 8B flavor with n_layers = 2 is fine).
-        flavor = cfg.model_args()
-        conflicts += [
-            f"model.flavor = {model.flavor!r} has {f} = {getattr(flavor, f)!r}, the checkpoint {getattr(args, f)!r}"
-            for f in family.shape_fields
-            if getattr(flavor, f) != getattr(args, f)
-        ]
-    # Each override as the args hold it (a rope_scaling table becomes the family's dataclass).
-    try:
-        overridden = family.args.from_dict({**args.to_dict(), **model.overrides})
-    except (TypeError, ValueError, ZeroDivisionError) as e:
+def with_model_keys(cfg: JobConfig, args, where: str) -> tuple[object, str | None]:
+    """The pretrained checkpoint's ``args`` with the ``[model]`` keys the user set, and a line for the
+    run log naming each applied with the checkpoint's value. The checkpoint fixes the model's tensors:
+    a key that would change them (dim, n_layers, the experts' count and width ...) is refused in one
+    line, unless it repeats the checkpoint's value. The others apply -- balancing (load_balance
+    between two kinds without a bias tensor, aux_loss_coef, bias_update_rate), and settings that change
+    the math the weights were trained with (norm_topk_prob, top_k, rope_theta, norm_eps ...): the log
+    line says so, since a model computed otherwise than trained may need the fine-tune to adapt."""
+    check_flavor(cfg, args)
+    family = cfg.model_family()
+    codec, base = codec_for(family.name), args.to_dict()
+    fixed, applied = [], {}
+    for key, value in cfg.model.overrides.items():
+        try:  # the value as the args hold it (a rope_scaling table becomes the family's dataclass)
+            single = family.args.from_dict({**base, key: value})
+        except (TypeError, ValueError, ZeroDivisionError) as e:
+            if key not in family.shape_fields:
+                raise _unfit(cfg.model.overrides, where, e) from None
+            single = None
+        if single is not None and getattr(single, key) == getattr(args, key):
+            continue
+        # a shape field may keep every tensor (load_balance "aux_loss" -> "none": neither has a bias)
+        if key in family.shape_fields and (single is None or codec.layout(single).shapes != codec.layout(args).shapes):
+            fixed.append(f"model.{key} = {value!r} (the checkpoint: {getattr(args, key)!r})")
+        else:
+            applied[key] = value
+    if fixed:
+        free = [f.name for f in dataclasses.fields(family.args) if f.name not in family.shape_fields]
         raise SeedckptError(
-            f"[model] keys {sorted(model.overrides)} do not fit finetune.pretrained {where} ({e}); "
-            "the model comes from the pretrained checkpoint: remove them"
-        ) from None
-    conflicts += [
-        f"model.{key} = {value!r}, the checkpoint has {getattr(args, key)!r}"
-        for key, value in model.overrides.items()
-        if getattr(overridden, key) != getattr(args, key)
+            f"[model] would change the tensors of finetune.pretrained {where}, which fixes them: {'; '.join(fixed)}; "
+            f"remove {'it' if len(fixed) == 1 else 'them'} (the keys that keep its tensors apply: {', '.join(free)})"
+        )
+    if not applied:
+        return args, None
+    try:
+        tuned = family.args.from_dict({**base, **applied})
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise _unfit(applied, where, e) from None
+    changes = "; ".join(f"{key} = {getattr(tuned, key)!r} ({getattr(args, key)!r})" for key in applied)
+    return tuned, (
+        f"[model] keys applied to finetune.pretrained's model, whose weights were trained with the values in "
+        f"brackets: {changes}"
+    )
+
+
+def _unfit(keys, where: str, error: Exception) -> SeedckptError:
+    return SeedckptError(
+        f"[model] keys {sorted(keys)} do not fit finetune.pretrained {where} ({error}); remove or change them"
+    )
+
+
+def check_flavor(cfg: JobConfig, args) -> None:
+    """A ``model.flavor`` the user set must have the pretrained checkpoint's shapes (as the ``[model]``
+    keys shape it: an 8B flavor with n_layers = 2 is fine)."""
+    model, family = cfg.model, cfg.model_family()
+    if "flavor" not in model.given:
+        return
+    flavor = cfg.model_args()
+    conflicts = [
+        f"model.flavor = {model.flavor!r} has {f} = {getattr(flavor, f)!r}, the checkpoint {getattr(args, f)!r}"
+        for f in family.shape_fields
+        if f not in model.overrides and getattr(flavor, f) != getattr(args, f)  # overrides: ``with_model_keys``
     ]
     if conflicts:
         raise SeedckptError(
-            f"[model] contradicts finetune.pretrained {where}: {'; '.join(conflicts)}. The model "
-            "comes from the pretrained checkpoint: remove these [model] keys or make them match"
+            f"[model] contradicts finetune.pretrained {cfg.finetune.pretrained}: {'; '.join(conflicts)}. The model "
+            "comes from the pretrained checkpoint: remove model.flavor or make it match"
         )
 
 
@@ -166,8 +205,7 @@ def finetune_model(cfg: JobConfig) -> tuple[object, tuple[str, ...], OpenedCheck
             "directory), e.g. --finetune.pretrained path/to/Llama-3.2-1B"
         )
     pretrained = open_pretrained(ft.pretrained, cfg.model.name, cfg.checkpoint.verify_checksums)
-    args = pretrained.require_args()
-    check_model_section(cfg, args, ft.pretrained)
+    args, applied = with_model_keys(cfg, pretrained.require_args(), ft.pretrained)
     targets = check_osft_settings(cfg, args) if ft.mode == "osft" else None
     vocab, tokenizer = f"vocabulary {args.vocab_size}", None
     if cfg.data.tokenizer:
@@ -183,7 +221,7 @@ def finetune_model(cfg: JobConfig) -> tuple[object, tuple[str, ...], OpenedCheck
         f"{ft.mode} from {ft.pretrained}: dim {args.dim}, {args.n_layers} layers, {vocab}, "
         f"{'tied' if args.tie_word_embeddings else 'untied'} embeddings"
     )
-    return args, tuple(line for line in (start, tokenizer, targets) if line), pretrained
+    return args, tuple(line for line in (start, applied, tokenizer, targets) if line), pretrained
 
 
 def check_tokenizer(path: str, pretrained: str) -> tuple[int, str]:

@@ -166,6 +166,13 @@ def open_model_checkpoint(
     return open_checkpoint(path, codec, codec.layout(args) if args is not None else None, complete, verify)
 
 
+def _same_tensors(recorded: ModelLayout, args, grow_vocab: bool) -> bool:
+    """Whether ``args`` has the tensors ``recorded`` has (its vocabulary rows, where they may grow): a
+    shape field can differ and keep them all (``load_balance`` "aux_loss" or "none": no bias either way)."""
+    vocab = recorded.args.vocab_size if grow_vocab and recorded.args.vocab_size < args.vocab_size else args.vocab_size
+    return codec_for(family_of(args).name).layout(dataclasses.replace(args, vocab_size=vocab)).shapes == recorded.shapes
+
+
 def check_args_match(checkpoint: OpenedCheckpoint, args, grow_vocab: bool = False) -> None:
     """Fail (before any allocation) if ``args`` (from a config) does not describe the model the
     checkpoint records: the fields that decide tensor shapes must agree (with ``grow_vocab``,
@@ -180,7 +187,7 @@ def check_args_match(checkpoint: OpenedCheckpoint, args, grow_vocab: bool = Fals
         if getattr(saved, f) != getattr(args, f)
         and not (f == "vocab_size" and grow_vocab and saved.vocab_size < args.vocab_size)
     ]
-    if diffs:
+    if diffs and not _same_tensors(checkpoint.recorded, args, grow_vocab):
         flavor = manifest_flavor(checkpoint.manifest)
         made_with = f" (model.flavor={flavor!r})" if flavor else ""
         # a run's step-N: the model was trained, not seeded -- the other way out is a new run
