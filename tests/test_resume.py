@@ -291,6 +291,7 @@ def test_a_resume_with_another_model_shape_names_the_cause_not_a_fallback(finish
     err = proc.stderr.strip()
     assert proc.returncode == 2 and len(err.splitlines()) == 1, err
     assert err == (
-        f"train.py: error: config does not match checkpoint {run / 'ckpt' / 'step-4'} (n_layers: checkpoint 6, "
-        "config 4); use the config it was made with (model.flavor='debug') or start a new checkpoint.folder"
+        f"train.py: error: checkpoint.folder = {run / 'ckpt'} holds step-4 of another job (another model: n_layers "
+        "6, this run's 4); give this run a checkpoint.folder of its own (or move those steps away to start this job "
+        "there)"
     )

@@ -34,12 +34,14 @@ The hub checkpoint's multi-token-prediction module is stored as one more layer
 does this reader: its tensors are skipped, with one warning line saying so. A layer past
 ``num_hidden_layers`` without an ``eh_proj`` is a decoder layer the config leaves out: refused.
 Shared experts stored while ``n_shared_experts`` is 0 are refused too, unless empty (as
-``transformers`` writes them for none).
+``transformers`` writes them for none). A ``first_k_dense_replace`` of ``num_hidden_layers`` or more
+makes every layer dense, as ``transformers`` builds it: read so, with a warning line.
 """
 
 from __future__ import annotations
 
 import re
+import warnings
 
 import torch
 
@@ -191,7 +193,7 @@ def args_from_config(cfg: dict) -> DeepseekV3Args:
         return hf_config.read(cfg, hf_name, check, getattr(_DEFAULTS, name), **rule)
 
     experts = "n_routed_experts" if cfg.get("n_routed_experts") is not None else "num_local_experts"
-    return DeepseekV3Args(
+    args = DeepseekV3Args(
         dim=field("dim", "hidden_size"),
         n_layers=field("n_layers", "num_hidden_layers"),
         n_heads=n_heads,
@@ -221,3 +223,11 @@ def args_from_config(cfg: dict) -> DeepseekV3Args:
         norm_topk_prob=field("norm_topk_prob", "norm_topk_prob", check_bool),
         routed_scaling_factor=field("routed_scaling_factor", "routed_scaling_factor", check_float),
     )
+    if not args.moe_layers:
+        warnings.warn(
+            f"config.json has {hf_config.stated(cfg, 'first_k_dense_replace', args.first_k_dense_replace)}, not "
+            f"below num_hidden_layers = {args.n_layers}: every layer is dense and none holds the mixture of "
+            "experts (as transformers builds it); lower first_k_dense_replace if the model has experts",
+            stacklevel=2,
+        )
+    return args

@@ -19,6 +19,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from models.registry import family_of
 from seedckpt.checkpoint import DcpCheckpoint, OpenedCheckpoint, step_dirs
 from seedckpt.checkpoint.fingerprint import weights_fingerprint
 from seedckpt.checkpoint.manifest import MANIFEST_NAME, read_manifest
@@ -27,7 +28,7 @@ from seedckpt.config.job_config import JobConfig
 from seedckpt.finetune.osft import manifest_osft
 from seedckpt.finetune.pretrained import osft_spec
 from seedckpt.materialize.init_recipe import RECIPE_VERSION
-from seedckpt.materialize.model_checkpoint import open_model_checkpoint
+from seedckpt.materialize.model_checkpoint import codec_for, open_model_checkpoint
 from seedckpt.utils.errors import SeedckptError
 
 
@@ -63,7 +64,9 @@ def find_start(cfg: JobConfig, args, pretrained: OpenedCheckpoint | None = None)
             start = open_start(cfg, args, require_manifest(steps[chosen]), chosen)
         except SeedckptError as e:
             raise SeedckptError(f"cannot resume: {e}; {fallback_hint(steps, chosen)}") from None
-        return dataclasses.replace(start, notes=check_same_job(cfg, start))
+        notes = check_same_job(cfg, start, args)  # another job's steps: named before any advice to continue them
+        check_within_steps(cfg, start)
+        return dataclasses.replace(start, notes=notes)
     if cfg.finetune.mode != "none":
         if pretrained is not None:
             return Start(pretrained, 0, True)
@@ -95,13 +98,17 @@ def resume_step(cfg: JobConfig, steps: dict[int, Path]) -> int:
             f"checkpoint.load_step = {load_step}: {cfg.checkpoint.folder} holds no step-{load_step} (it holds "
             f"{', '.join(p.name for _, p in sorted(steps.items()))}); choose one of those, or -1 for the newest"
         )
-    chosen = max(steps) if load_step == -1 else load_step
-    if chosen > cfg.training.steps:
+    return max(steps) if load_step == -1 else load_step
+
+
+def check_within_steps(cfg: JobConfig, start: Start) -> None:
+    """A resumed step beyond ``training.steps`` (of this job: ``check_same_job`` has passed) means the
+    run was given fewer steps than it already trained."""
+    if start.step > cfg.training.steps:
         raise SeedckptError(
-            f"{steps[chosen]} is beyond training.steps = {cfg.training.steps}; raise "
+            f"{start.path} is beyond training.steps = {cfg.training.steps}; raise "
             "training.steps to continue this run, or start a new checkpoint.folder"
         )
-    return chosen
 
 
 def initial_start(cfg: JobConfig, args) -> Start:
@@ -122,31 +129,97 @@ def initial_start(cfg: JobConfig, args) -> Start:
     return open_start(cfg, args, path, step)
 
 
-def check_same_job(cfg: JobConfig, start: Start) -> tuple[str, ...]:
+def check_same_job(cfg: JobConfig, start: Start, args=None) -> tuple[str, ...]:
     """A ``step-N`` in ``checkpoint.folder`` is resumed only by the job that wrote it: the same model
-    family, fine-tuning mode and pretrained source (the same weights, by ``weights_fingerprint``).
-    Another job's steps would be resumed as this one's weights -- or reported as nothing to train.
-    Returns notes for the run log (a step-N that could identify its source by its config only)."""
+    family, fine-tuning mode and OSFT settings, the same start (a fine-tune's pretrained source, a
+    pretraining run's seed: the same weights, by ``weights_fingerprint``) and, given this run's model
+    ``args``, the same tensors. Another job's steps would be resumed as this one's weights -- or
+    reported as nothing to train, with advice to continue them. Returns notes for the run log (a
+    step-N that could identify its source by its config only)."""
     manifest = start.checkpoint.manifest or {}
     saved = manifest.get("finetune")
     if not isinstance(saved, dict):
         return ()  # written before jobs were recorded
+    other = _other_job(cfg, manifest, saved) or _other_model(cfg, start, args)
+    if other is not None:
+        raise another_job(cfg, start, other)
+    if cfg.finetune.mode == "none":
+        return ()
+    return _unchecked_weights_note(saved, start, cfg.finetune.pretrained)
+
+
+def _other_job(cfg: JobConfig, manifest: dict, saved: dict) -> str | None:
+    """How the job that wrote ``manifest`` (its job record ``saved``) differs from ``cfg``'s, in words;
+    None where nothing recorded tells them apart."""
     ft = cfg.finetune
     family = (manifest.get("model") or {}).get("name")
     if ft.mode == "none" and family not in (None, cfg.model.name):
-        other = f"model.name {family!r}, this run's {cfg.model.name!r}"
-    elif saved.get("mode", "none") != ft.mode:
-        other = f"finetune.mode {saved.get('mode')!r}, this run's {ft.mode!r}"
-    elif ft.mode == "none":
-        return ()
-    elif _same_source(saved, ft.pretrained):
-        return _unchecked_weights_note(saved, start, ft.pretrained)
-    else:
-        other = f"fine-tuned from {saved.get('pretrained')}, this run from {ft.pretrained}, whose weights differ"
-    raise SeedckptError(
+        return f"model.name {family!r}, this run's {cfg.model.name!r}"
+    if saved.get("mode", "none") != ft.mode:
+        return f"finetune.mode {saved.get('mode')!r}, this run's {ft.mode!r}"
+    if manifest_osft(manifest) != osft_spec(cfg):
+        return f"{_describe_osft(manifest_osft(manifest))}, this run's {_describe_osft(osft_spec(cfg))}"
+    if ft.mode == "none":
+        return _other_start(manifest.get(START_KEY), start_identity(cfg))
+    if not _same_source(saved, ft.pretrained):
+        return f"fine-tuned from {saved.get('pretrained')}, this run from {ft.pretrained}, whose weights differ"
+    return None
+
+
+def _other_model(cfg: JobConfig, start: Start, args) -> str | None:
+    """The shape fields in which this run's model (``args``) has other tensors than the step holds."""
+    recorded = start.checkpoint.recorded if args is not None else None
+    if recorded is None:
+        return None
+    family = family_of(args)
+    if codec_for(family.name).layout(args, osft_spec(cfg)).shapes == recorded.shapes:
+        return None
+    fields = [f for f in family.shape_fields if getattr(recorded.args, f) != getattr(args, f)]
+    if not fields:
+        return "another model, with other tensors than this run's"
+    return "another model: " + "; ".join(
+        f"{f} {getattr(recorded.args, f)!r}, this run's {getattr(args, f)!r}" for f in fields
+    )
+
+
+def another_job(cfg: JobConfig, start: Start, other: str) -> SeedckptError:
+    """The refusal of a folder holding another job's ``start`` (``other``: how that job differs)."""
+    return SeedckptError(
         f"checkpoint.folder = {cfg.checkpoint.folder} holds {start.path.name} of another job ({other}); give "
         "this run a checkpoint.folder of its own (or move those steps away to start this job there)"
     )
+
+
+# Where a step-N of a pretraining run records what its step 0 held (``start_identity``).
+START_KEY = "started_from"
+DIRECT = "direct:"  # the identity of a direct init: the seed and recipe it drew with
+
+
+def start_identity(cfg: JobConfig) -> dict | None:
+    """What a pretraining run's step 0 holds, as its ``step-N`` records it: ``{"from": words,
+    "weights": identity}`` -- the checkpoint it loads (``initial_load_path`` or the seed) by its weights'
+    fingerprint, or a direct init by its seed and recipe. None for a fine-tune (its pretrained source
+    is recorded instead) or a start that is not there to fingerprint (a seed deleted since)."""
+    ckpt = cfg.checkpoint
+    if cfg.finetune.mode != "none":
+        return None
+    path = ckpt.initial_load_path or (ckpt.seed_checkpoint if ckpt.init_from != "direct" else "")
+    if not path:
+        seed = cfg.training.seed
+        return {"from": f"a direct init from training.seed {seed}", "weights": f"{DIRECT}{seed}:{RECIPE_VERSION}"}
+    weights = weights_fingerprint(path) if Path(path).exists() else None
+    return {"from": str(path), "weights": weights} if weights is not None else None
+
+
+def _other_start(saved, now: dict | None) -> str | None:
+    """How the recorded start ``saved`` differs from this run's (``start_identity``); None when they
+    are the same or cannot be compared: one unknown, or a seed file against a direct init (which the
+    seed of the same training.seed holds bitwise)."""
+    if not isinstance(saved, dict) or now is None or not isinstance(saved.get("weights"), str):
+        return None
+    if saved["weights"].startswith(DIRECT) != now["weights"].startswith(DIRECT) or saved["weights"] == now["weights"]:
+        return None
+    return f"started from {saved.get('from')}, this run from {now['from']}, whose weights differ"
 
 
 # Where a step-N records its pretrained source's identity: the weights' fingerprint; before that, the
@@ -242,11 +315,7 @@ def check_resume_matches_osft(cfg: JobConfig, start: Start) -> None:
     saved = manifest_osft(start.checkpoint.manifest)
     wanted = osft_spec(cfg)
     if saved != wanted:
-        raise SeedckptError(
-            f"{start.path} was trained with {_describe_osft(saved)}, but the config asks for "
-            f"{_describe_osft(wanted)}; resume with the same [finetune] settings, or start a new "
-            "checkpoint.folder"
-        )
+        raise another_job(cfg, start, f"{_describe_osft(saved)}, this run's {_describe_osft(wanted)}")
 
 
 def _describe_osft(spec) -> str:

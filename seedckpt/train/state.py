@@ -27,7 +27,7 @@ from seedckpt.config.job_config import JobConfig
 from seedckpt.data.sources import keyed_generator
 from seedckpt.data.tokenizer import tokenizer_files
 from seedckpt.finetune.osft import OSFTSettings, osft_record
-from seedckpt.materialize.start import WEIGHTS_KEY
+from seedckpt.materialize.start import START_KEY, WEIGHTS_KEY, start_identity
 from seedckpt.parallel.data_parallel import DataParallel
 from seedckpt.train.optimizer import apply_settings, build_adamw, lr_factor, parameter_groups
 from seedckpt.utils.errors import SeedckptError
@@ -54,6 +54,7 @@ class TrainState:
         self.rng_derived = False  # set by ``load``: this rank's RNG state was not in the checkpoint
         ft = cfg.finetune  # recorded in every step-N: which job wrote it (``start.check_same_job``)
         self.pretrained_weights = weights_fingerprint(ft.pretrained) if ft.mode != "none" else None
+        self.started_from = start_identity(cfg)  # pretraining: the seed's identity, the same way
         # The step before the run's first batch: step s trains on the data's batch s - data_start
         # (``checkpoint.exclude_from_loading = ["data"]`` starts the batches again at a resume).
         self.data_start = 0
@@ -166,6 +167,7 @@ class TrainState:
                 **(osft_record(self.osft) if self.osft else {}),
             },
             data={"kind": cfg.data.kind, "path": cfg.data.path},
+            **({START_KEY: self.started_from} if self.started_from else {}),
             **({"val_loss": val_loss} if val_loss is not None else {}),
         )
         files = {f"{TOKENIZER_DIR}/{f.name}": f for f in tokenizer_files(tokenizer)} if tokenizer else {}
