@@ -29,6 +29,11 @@ non-persistent buffer: it is a function of the args, never a weight.
 
 DeepSeek-V3's attention additionally multiplies its softmax scale by ``yarn_mscale(factor,
 mscale_all_dim)^2`` (``softmax_scale_multiplier``); the shared decoder never does.
+
+Partial RoPE (HF's ``partial_rotary_factor``: GLM-4.5 turns half of each head): a family whose args
+have ``rotary_dim`` gets a table that wide, and ``apply_rotary_emb`` turns only a head's first
+``rotary_dim`` channels -- interleaved pairs among them, the rest passed through as they are. HF's
+classes turn halves of those first channels, so conversion permutes the rows within them only.
 """
 
 from __future__ import annotations
@@ -184,11 +189,22 @@ def rope_table(
     return torch.polar(torch.full_like(angles, attention_factor), angles)
 
 
-def precompute_freqs_cis(args, device: torch.device | None = None, length: int | None = None) -> torch.Tensor:
+def precompute_freqs_cis(
+    args, device: torch.device | None = None, length: int | None = None, theta: float | None = None
+) -> torch.Tensor:
     """The shared decoder's table: ``args.head_dim`` rotary channels, ``args.rope_theta``,
-    ``args.rope_scaling``, ``length`` positions (default ``args.max_seq_len``)."""
-    freqs, attention_factor = rope_frequencies(args.head_dim, args.rope_theta, args.rope_scaling, device)
+    ``args.rope_scaling``, ``length`` positions (default ``args.max_seq_len``). ``theta``: a second
+    table's own base, unstretched -- Gemma 3's sliding-window layers turn at 10^4 while its global
+    layers turn at 10^6, stretched 8 times (``DecoderOptions.window_rope_theta``)."""
+    base, scaling = (args.rope_theta, args.rope_scaling) if theta is None else (theta, None)
+    freqs, attention_factor = rope_frequencies(rotary_dim(args), base, scaling, device)
     return rope_table(freqs, attention_factor, length or args.max_seq_len, device)
+
+
+def rotary_dim(args) -> int:
+    """The channels of each head RoPE turns: ``args.rotary_dim`` where a family turns part of each
+    head (partial RoPE), else every one (``args.head_dim``)."""
+    return getattr(args, "rotary_dim", args.head_dim)
 
 
 def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
@@ -196,7 +212,11 @@ def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
 
     ``freqs_cis`` is ``(seq, head_dim // 2)`` (the same positions in every row) or
     ``(bsz, seq, head_dim // 2)`` (per-row positions, e.g. restarting at each packed document).
+    A narrower table (partial RoPE) turns the first ``2 * freqs_cis.shape[-1]`` channels only.
     """
+    turned = 2 * freqs_cis.shape[-1]
+    if turned < x.shape[-1]:
+        return torch.cat([apply_rotary_emb(x[..., :turned], freqs_cis), x[..., turned:]], dim=-1)
     x_complex = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
     freqs = freqs_cis[None, :, None, :] if freqs_cis.dim() == 2 else freqs_cis[:, :, None, :]
     rotated = torch.view_as_real(x_complex * freqs).flatten(3)
