@@ -3,11 +3,14 @@
 Llama 3 is the plain case; the other families switch on what they add (``DecoderOptions``): bias
 on q/k/v (Qwen2), an RMSNorm over each q and k head before RoPE (Qwen3), Granite's multipliers on
 the embedding, the residual branches, the attention scores and the logits, and HF's plain normal
-init; for gpt-oss a bias on the output projection too and a learned sink logit per head. Each
-family's args provide the shapes and ``decoder_options``; its folder says which. Any layer may
-attend through a sliding window (``DecoderOptions.layer_windows``: Mistral v0.1's, Qwen2's upper
-layers, gpt-oss's every other layer), in whole rows and in packed documents alike. RoPE and its
-stretches (linear, Llama 3.1's, YaRN) are ``models.common.rope``.
+init; for gpt-oss a bias on the output projection too and a learned sink logit per head; for Gemma
+norms scaled by ``1 + weight`` (``models.common.norms``) also on each branch's output (sandwich norms:
+``layers.{i}.{post_attention_norm,post_ffn_norm}``), GeGLU, a softcap on the logits and the
+sliding-window layers' own RoPE table (``window_freqs_cis``). Each family's args provide the shapes
+and ``decoder_options``; its folder says which. Any layer may attend through a sliding window
+(``DecoderOptions.layer_windows``: Mistral v0.1's, Qwen2's upper layers, gpt-oss's every other
+layer), in whole rows and in packed documents alike. RoPE and its stretches (linear, Llama 3.1's,
+YaRN) are ``models.common.rope``.
 
 Names are Meta's and torchtitan's (``tok_embeddings``, ``layers.{i}.attention.wq``, ...), for every
 family: a family's Hugging Face names are mapped by ``models.common.hf_names``. RoPE rotates
@@ -48,7 +51,7 @@ exactly as a normal truncated at +-2. Only the output is cut relative to its std
 ``tok_embeddings.weight``                      normal, std 1.0
 ``attention.{wq,wk,wv}``, ``feed_forward.w1``  normal, std 0.02, truncated at +-2 (absolute)
 ``attention.wo``, ``feed_forward.{w2,w3}``     normal, std 0.02 / sqrt(2 (layer_id + 1)), truncated at +-2
-``*norm.weight``                               ones
+``*norm.weight``                               ones (zeros where the scale is ``1 + weight``)
 ``output.weight``                              truncated normal, std dim^-0.5, +-3 std
 tied ``tok_embeddings.weight`` (= output)      the output's recipe (see ``Transformer.init_weights``)
 ``attention.{wq,wk,wv,wo}.bias``               zeros
@@ -57,13 +60,13 @@ tied ``tok_embeddings.weight`` (= output)      the output's recipe (see ``Transf
 
 ``normal`` is Hugging Face's ``_init_weights`` for these families: every linear and embedding
 weight (and the sinks) normal with std ``init_std`` (the config's ``initializer_range``), biases
-zero, norms one.
+zero, norms at their identity (one; zero where the scale is ``1 + weight``).
 
-Non-persistent buffers (``freqs_cis``) are a pure function of the args. They are *not* stored in
-checkpoints: a complex RoPE table is not a weight, HF checkpoints do not carry it, and persisting
-it would make a seed depend on ``max_seq_len``. Instead ``init_buffers()`` recomputes them
-deterministically on whatever device the module lives on, so a stage rebuilt from a seed has
-exactly the buffers of the full model.
+Non-persistent buffers (``freqs_cis``, ``window_freqs_cis``) are a pure function of the args. They
+are *not* stored in checkpoints: a complex RoPE table is not a weight, HF checkpoints do not carry
+it, and persisting it would make a seed depend on ``max_seq_len``. Instead ``init_buffers()``
+recomputes them deterministically on whatever device the module lives on, so a stage rebuilt from a
+seed has exactly the buffers of the full model.
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ from torch import nn
 
 from models.common.feed_forward import TRUNC_BOUND, FeedForward
 from models.common.moe import MoE, MoEOptions
+from models.common.norms import init_norm, rms_norm
 from models.common.rope import apply_rotary_emb, precompute_freqs_cis
 
 
@@ -93,6 +97,13 @@ class DecoderOptions:
     attention_multiplier: float | None = None  # the attention scores' scale (Granite; None: head_dim^-0.5)
     logits_scaling: float = 1.0  # the logits are divided by it (Granite)
     logit_softcap: float | None = None  # the logits become softcap * tanh(logits / softcap) (Gemma)
+    # the embedding multiplier is first rounded to the embedding's dtype (Gemma's normalizer, sqrt(dim))
+    embedding_multiplier_rounded: bool = False
+    norm_offset: bool = False  # every RMSNorm scales by 1 + weight, in float32, its weight starting at 0 (Gemma)
+    sandwich_norms: bool = False  # each block's attention and feed-forward outputs normed before the residual add
+    activation: Literal["silu", "gelu_tanh"] = "silu"  # the feed-forward's gate: SwiGLU, or GeGLU (Gemma)
+    # the sliding-window layers' own RoPE base, unstretched (Gemma 3's local layers); None: the model's table
+    window_rope_theta: float | None = None
     init: Literal["torchtitan", "normal"] = "torchtitan"
     init_std: float = 0.02  # ``normal``: the std of every weight (HF's initializer_range)
     moe: MoEOptions | None = None  # the mixture of experts of the layers ``moe_layers`` (Qwen3-MoE, Mixtral)
@@ -261,8 +272,8 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=options.qkv_bias)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=options.o_bias)
         if options.qk_norm:
-            self.q_norm = nn.RMSNorm(self.head_dim, eps=args.norm_eps)
-            self.k_norm = nn.RMSNorm(self.head_dim, eps=args.norm_eps)
+            self.q_norm = rms_norm(self.head_dim, args.norm_eps, options.norm_offset)
+            self.k_norm = rms_norm(self.head_dim, args.norm_eps, options.norm_offset)
         # One sink logit per q head (split with the heads under tensor parallelism).
         self.sinks = nn.Parameter(torch.empty(args.n_heads)) if options.attention_sinks else None
 
@@ -283,8 +294,8 @@ class Attention(nn.Module):
             if linear.bias is not None:
                 init.zeros_(linear.bias)
         if self.options.qk_norm:
-            init.ones_(self.q_norm.weight)
-            init.ones_(self.k_norm.weight)
+            init_norm(init, self.q_norm)
+            init_norm(init, self.k_norm)
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, spans=None) -> torch.Tensor:
         """``spans``: a packed batch's documents (``document_spans``); None: each row is one."""
@@ -315,19 +326,27 @@ class TransformerBlock(nn.Module):
         window = options.window(layer_id)
         self.attention = options.attention(args, init_std) if options.attention else Attention(args, init_std, window)
         moe = options.moe if layer_id in options.moe_layers else None
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim, options, init_std) if moe is None else None
+        self.feed_forward = (
+            FeedForward(args.dim, args.ffn_hidden_dim, options, init_std, options.activation) if moe is None else None
+        )
         self.moe = MoE(args.dim, moe, init_std) if moe is not None else None
-        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention_norm = rms_norm(args.dim, args.norm_eps, options.norm_offset)
+        self.ffn_norm = rms_norm(args.dim, args.norm_eps, options.norm_offset)
+        sandwich = options.sandwich_norms  # a norm on each branch's output too (Gemma's post-norms)
+        self.post_attention_norm = rms_norm(args.dim, args.norm_eps, options.norm_offset) if sandwich else None
+        self.post_ffn_norm = rms_norm(args.dim, args.norm_eps, options.norm_offset) if sandwich else None
 
     def init_weights(self, init) -> None:
-        init.ones_(self.attention_norm.weight)
-        init.ones_(self.ffn_norm.weight)
+        for norm in (self.attention_norm, self.ffn_norm, self.post_attention_norm, self.post_ffn_norm):
+            if norm is not None:
+                init_norm(init, norm)
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, spans=None, owned=None) -> torch.Tensor:
         """``spans``: a packed batch's documents (``document_spans``); ``owned``: the positions a
         document owns (``owned_positions``), routed by a mixture of experts (None: all)."""
         attended = self.attention(self.attention_norm(x), freqs_cis, spans)
+        if self.post_attention_norm is not None:
+            attended = self.post_attention_norm(attended)
         if self.residual_multiplier != 1.0:
             attended = attended * self.residual_multiplier
         h = x + attended
@@ -335,6 +354,8 @@ class TransformerBlock(nn.Module):
             transformed = self.feed_forward(self.ffn_norm(h))
         else:  # ``owned`` as a keyword: a tensor-parallel plan prepares the positional input only
             transformed = self.moe(self.ffn_norm(h), owned=owned)
+        if self.post_ffn_norm is not None:
+            transformed = self.post_ffn_norm(transformed)
         if self.residual_multiplier != 1.0:
             transformed = transformed * self.residual_multiplier
         return h + transformed
@@ -347,11 +368,14 @@ class Transformer(nn.Module):
         self.options = args.decoder_options
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
-        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.norm = rms_norm(args.dim, args.norm_eps, self.options.norm_offset)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
         # On `meta` this allocates nothing; after `to_empty` call `init_buffers()`.
         self.register_buffer("freqs_cis", precompute_freqs_cis(args), persistent=False)
+        theta = self.options.window_rope_theta  # the sliding-window layers' table, if theirs is their own
+        window_table = None if theta is None else precompute_freqs_cis(args, theta=theta)
+        self.register_buffer("window_freqs_cis", window_table, persistent=False)
         self.loss_chunk_tokens = 0  # tokens per chunk of forward(labels=...)'s loss; a training setting
 
     def tie_weights(self) -> None:
@@ -367,11 +391,14 @@ class Transformer(nn.Module):
 
     def init_buffers(self) -> None:
         """Recompute non-persistent buffers on the device the module now lives on."""
-        self.freqs_cis = precompute_freqs_cis(self.args, device=self.freqs_cis.device)
+        device = self.freqs_cis.device
+        self.freqs_cis = precompute_freqs_cis(self.args, device=device)
+        if self.window_freqs_cis is not None:
+            self.window_freqs_cis = precompute_freqs_cis(self.args, device, theta=self.options.window_rope_theta)
 
     def init_weights(self, init) -> None:
         if self.norm is not None:
-            init.ones_(self.norm.weight)
+            init_norm(init, self.norm)
         # A stage holding only the output copy of a tied matrix draws it under the embedding's FQN,
         # so the copies on the first and last pipeline stages are bitwise equal without communication.
         tied = self.args.tie_word_embeddings
@@ -410,23 +437,12 @@ class Transformer(nn.Module):
         label tokens (-100: none) instead of the logits, ``loss_chunk_tokens`` tokens at a time
         (``chunked_cross_entropy``); other stages ignore them.
         """
-        if self.tok_embeddings is not None:
-            h = self.tok_embeddings(tokens)
-            if self.options.embedding_multiplier != 1.0:
-                h = h * self.options.embedding_multiplier
-        else:
-            h = tokens
-        freqs_cis = self.freqs_cis
-        if tokens.shape[1] > freqs_cis.shape[0]:
-            # Longer than max_seq_len (the table's rows): the table is a pure function of the args, so
-            # it is computed for this length here, as transformers computes any position.
-            freqs_cis = precompute_freqs_cis(self.args, freqs_cis.device, length=tokens.shape[1])
-        if positions is not None:
-            freqs_cis = freqs_cis[positions]
+        h = tokens if self.tok_embeddings is None else self.embed(tokens)
+        freqs_cis, window_freqs_cis = self.rope_tables(tokens.shape[1], positions)
         spans = None if document_ids is None else document_spans(document_ids)
         owned = owned_positions(document_ids)
-        for layer in self.layers.values():
-            h = layer(h, freqs_cis, spans, owned)
+        for i, layer in self.layers.items():
+            h = layer(h, freqs_cis if self.options.window(int(i)) is None else window_freqs_cis, spans, owned)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is None:
@@ -435,6 +451,29 @@ class Transformer(nn.Module):
             weights = list(self.output.parameters())  # the tensors ``project`` reads
             return chunked_cross_entropy(h, labels, self.project, self.loss_chunk_tokens, weights)
         return self.project(h)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token ids -> the scaled embedding (``embedding_multiplier``, ``embedding_multiplier_rounded``)."""
+        h = self.tok_embeddings(tokens)
+        scale = self.options.embedding_multiplier
+        if scale == 1.0:
+            return h
+        if self.options.embedding_multiplier_rounded:  # as transformers' Gemma: float32, then h's dtype
+            scale = torch.tensor(scale, dtype=torch.float32).to(h.dtype).item()
+        return h * scale
+
+    def rope_tables(self, seqlen: int, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The RoPE rows for ``positions`` (None: ``0..seqlen-1``) of the full-attention layers and of
+        the sliding-window layers (the same table unless ``window_rope_theta``). Longer than
+        max_seq_len (a table's rows), a table is computed for this length here -- it is a pure
+        function of the args -- as transformers computes any position."""
+        rows = []
+        for table, theta in ((self.freqs_cis, None), (self.window_freqs_cis, self.options.window_rope_theta)):
+            if table is not None and seqlen > table.shape[0]:
+                table = precompute_freqs_cis(self.args, table.device, length=seqlen, theta=theta)
+            if table is not None:
+                rows.append(table if positions is None else table[positions])
+        return rows[0], rows[-1]
 
     def project(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden states -> logits."""

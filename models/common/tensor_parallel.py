@@ -12,6 +12,7 @@ Sequence parallelism (on by default with TP): between the projections, the resid
 norms and the embedding's output are split along the sequence, so their activations and the norms'
 work are divided by the TP degree instead of repeated. Off, the norms' weights are still DTensors
 (replicated), so every parameter lives on the same mesh and the gradient norm is one reduction.
+Gemma's sandwich norms, on the branches' outputs (``POST_NORMS``), are split along the sequence too.
 
 Qwen3's per-head q/k norms see each rank's own heads: they run as "sequence parallel" along the
 head dimension, which is exactly a per-head norm on the local heads. Qwen2's q/k/v biases are split
@@ -137,11 +138,16 @@ def tensor_parallel_sizes(args) -> dict[str, int]:
     }
 
 
+POST_NORMS = ("post_attention_norm", "post_ffn_norm")
+
+
 def parallelize_decoder(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, attention_plan=None) -> None:
     """Apply the plan to a (pipeline stage of the) decoder, on ``meta`` or materialized.
     ``attention_plan(block.attention, between)``: the block's attention entries, for a family with
     its own attention module (None: ``_attention_plan``, grouped-query attention's)."""
     norm = SequenceParallel() if sequence_parallel else ReplicatedParameters()
+    # sandwich norms (Gemma's) on each branch's output, whose sum with the residual takes plain tensors
+    post_norm = SequenceParallel(use_local_output=True) if sequence_parallel else ReplicatedParameters()
     between = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout
     top = {}
     if model.tok_embeddings is not None:
@@ -156,6 +162,7 @@ def parallelize_decoder(model: nn.Module, mesh: DeviceMesh, sequence_parallel: b
             "attention_norm": norm,
             **(attention_plan or _attention_plan)(block.attention, between),
             "ffn_norm": norm,
+            **{name: post_norm for name in POST_NORMS if getattr(block, name, None) is not None},
             **(_dense_ffn_plan(between) if block.moe is None else _moe_plan(between, block.moe)),
         }
         parallelize_module(block, mesh, plan)
