@@ -913,7 +913,8 @@ class _Settings:
     def _family(self) -> tuple[str, str]:
         """The family whose args ``[model]`` takes, and why in words: ``model.name``; for a fine-tune
         that names none, the pretrained checkpoint's (its manifest's model, its ``config.json``'s
-        ``model_type``), which the run will be; else the default."""
+        ``model_type``), as ``convert`` and ``load_model`` take it; else the default. A family the user
+        names is the one the checkpoint is opened as: another family's is refused then, naming both."""
         if "name" in self.values["model"]:
             return self.values["model"]["name"], ""
         finetune = self.values["finetune"]

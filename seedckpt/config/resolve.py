@@ -19,7 +19,7 @@ import torch
 from models.family import ModelFamily
 from seedckpt.checkpoint import OpenedCheckpoint
 from seedckpt.config.job_config import JobConfig
-from seedckpt.finetune.pretrained import finetune_model, with_pretrained_family
+from seedckpt.finetune.pretrained import finetune_model
 from seedckpt.materialize.stages import indexable_sizes
 from seedckpt.materialize.start import Start, find_start
 from seedckpt.parallel.parallelize import ParallelDims
@@ -117,8 +117,7 @@ def resolve(cfg: JobConfig, world_size: int, local_world_size: int | None = None
 
     ``local_world_size``: the ranks on this machine (default: torchrun's ``LOCAL_WORLD_SIZE``, 1 for
     a plain ``python train.py``); 0 for a command that places no rank (see ``choose_device``)."""
-    cfg = with_pretrained_family(cfg)  # fine-tuning: the family of the pretrained checkpoint
-    finetune = finetune_model(cfg)
+    finetune = finetune_model(cfg)  # a fine-tune's family is its pretrained checkpoint's (``load_config``)
     args, notes, pretrained = finetune if finetune else (cfg.model_args(), (), None)
     with indexable_sizes(args):  # the pipeline split's costs build the model on meta
         dims = ParallelDims.from_config(cfg, world_size, args)

@@ -31,7 +31,7 @@ from seedckpt.checkpoint import OpenedCheckpoint
 from seedckpt.config.job_config import JobConfig
 from seedckpt.data.tokenizer import load_tokenizer, moved_tokens, own_tokenizer
 from seedckpt.finetune.osft import OSFTSettings, describe_targets, manifest_osft, pattern_matches, target_fqns
-from seedckpt.materialize.model_checkpoint import codec_for, detect_family, open_model_checkpoint, refuse_float64
+from seedckpt.materialize.model_checkpoint import codec_for, open_model_checkpoint, refuse_float64
 from seedckpt.utils.errors import SeedckptError
 
 VOCAB_MULTIPLE = 8
@@ -66,17 +66,6 @@ def open_pretrained(path: str, family: str | None = None, verify: bool = True) -
         )
     checkpoint.require_args()
     return checkpoint
-
-
-def with_pretrained_family(cfg: JobConfig) -> JobConfig:
-    """A fine-tuning config whose ``[model]`` names no family takes the pretrained checkpoint's (its
-    manifest's model, or its ``config.json``'s ``model_type``), as ``convert`` and ``load_model`` do.
-    A family it names is the one the checkpoint is opened as: another family's checkpoint is refused
-    then, naming both."""
-    ft = cfg.finetune
-    if ft.mode == "none" or not ft.pretrained or "name" in cfg.model.given or not Path(ft.pretrained).exists():
-        return cfg
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=detect_family(ft.pretrained)))
 
 
 def with_model_keys(cfg: JobConfig, args, where: str) -> tuple[object, str | None]:
