@@ -48,6 +48,10 @@ RELEASED = {
     ("gpt_oss", "120B"): 116_829_156_672,
     ("deepseek_v3", "16B"): 15_706_484_224,
     ("deepseek_v3", "671B"): 671_026_404_352,  # without the multi-token-prediction layer
+    ("gemma3", "1B"): 999_885_952,
+    ("gemma3", "4B"): 3_880_263_168,  # the text decoders of the multimodal releases
+    ("gemma3", "12B"): 11_766_034_176,
+    ("gemma3", "27B"): 27_009_346_304,
 }
 CLASSES = {
     "llama3": "LlamaForCausalLM",
@@ -59,6 +63,7 @@ CLASSES = {
     "mixtral": "MixtralForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 # A released flavor whose config.json is another class's: torchtitan's 16B routes by softmax, DeepSeek-V2's
 RELEASED_CLASSES = {("deepseek_v3", "16B"): "DeepseekV2ForCausalLM"}
