@@ -1,30 +1,52 @@
 """Benchmark the training loop's stall per checkpoint save: synchronous vs ``checkpoint.async_mode =
-"async"`` (``seedckpt.checkpoint.background``) vs stock ``dcp.async_save``, in the same run, on the same
-state and disk.
+"async"`` (``seedckpt.checkpoint.background``) vs stock ``dcp.async_save`` vs torchtitan's
+``async_with_pinned_mem``, in the same run, on the same state and disk, the modes taking turns.
 
 Run from the repository root:
 
     python benchmarks/save.py                     # 1 GiB of fp32 state on the CPU, 3 saves each way
-    python benchmarks/save.py --mib 4096 --saves 2 --device cuda --out-dir /mnt/fast/bench
+    python benchmarks/save.py --mib 4096 --saves 3 --device cuda --out-dir /mnt/fast/bench
+    python benchmarks/save.py --gathered          # the state's tensors made anew before each save
 
 One process, a gloo group of one (the trainer's collectives, trivially). The state is ``--mib`` MiB
 of fp32 tensors of 64 MiB each on ``--device`` (about a train state's shape: weights and two AdamW
-moments). ``sync``: ``write_checkpoint`` (checksums, manifest, atomic publish); the stall is the whole
-write. ``async``: the stall is staging (on CUDA: copies into pinned buffers on a side stream, waited for
-as the optimizer waits for them; on CPU a memory copy); the write's seconds follow in the background,
-waited for before the next save (one in flight), as the trainer does -- between saves this benchmark
-trains nothing, so ``background_s`` is the write on an idle machine. ``stock_async``: the baseline,
-``dcp.async_save`` with torch's ``DefaultStager`` (pinned, asynchronous staging on CUDA; a plain
-``FileSystemWriter``, no checksums or atomic publish); its stall is the call plus the staging wait.
-The first save of each way allocates (and pins) its buffers; later ones reuse them where torch does.
-JSON lines on stdout: one per save, then a summary with the median stalls and ``stall_ratio`` (async /
-sync) and ``stock_stall_ratio`` (async / stock_async).
+moments). ``--gathered``: before each save (untimed) the state dict's tensors are made anew, as manual
+FSDP gathers its full tensors and ``torch.get_rng_state()`` returns a new one; otherwise the same
+tensors are saved each time, as FSDP2's shards are. Round ``k`` saves once in each mode, in turn,
+starting from the ``k``-th (a way that always followed another would pay for what that one left).
+
+* ``sync``: ``write_checkpoint`` (checksums, manifest, atomic publish); the stall is the whole write.
+* ``async``: seedckpt's ``BackgroundSaver``: the stall is the call plus ``wait_for_staging`` (what the
+  trainer waits for before the state changes): on CUDA the device-to-host copies into pinned
+  buffers, on CPU a memory copy; checksums and the write follow in the background.
+* ``stock_async``: ``dcp.async_save`` with torch's ``DefaultStager(StagingOptions(pinned, shared
+  memory, async staging, non-blocking copies))`` and its thread executor; a plain
+  ``FileSystemWriter`` (no checksums, no atomic publish). Its stall is the call plus the staging
+  future's wait (what a trainer waits for before the optimizer step).
+* ``torchtitan``: torchtitan's ``async_with_pinned_mem`` as its ``CheckpointManager`` does it: a
+  garbage collection, then ``dcp.async_save`` with the same stager over a gloo group, written by
+  DCP's checkpoint process (``AsyncCheckpointerType.PROCESS``, started at the first save); the stall
+  as ``stock_async``'s.
+
+On CPU pinned memory and non-blocking copies do not apply (torch refuses the latter without an
+accelerator): the stock and torchtitan stagers keep shared memory and asynchronous staging. Every
+way waits for its previous write before its next save (one in flight, as the trainer does); between
+saves this benchmark trains nothing, so ``background_s`` is the write on an idle machine. Each
+checkpoint is deleted once written.
+
+JSON lines on stdout: one per save, then a summary: each mode's ``<mode>_first_stall_s`` (the first
+save allocates, and on CUDA pins, its buffers) and ``<mode>_stall_s``, the median stall of the
+saves after it; ``stall_ratio`` (async / sync), ``stock_stall_ratio`` (async / stock_async) and
+``torchtitan_stall_ratio`` (async / torchtitan).
 """
 
 from __future__ import annotations
 
 import datetime
 import functools
+import gc
+import os
+import shutil
 import statistics
 import sys
 import time
@@ -33,7 +55,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import emit, output_dir, parser  # noqa: E402
-from seedckpt.checkpoint.background import STAGER_REUSABLE  # noqa: E402
 
 
 def main() -> None:
@@ -41,11 +62,13 @@ def main() -> None:
     p.add_argument("--mib", type=int, default=1024, help="state size in MiB (default 1024)")
     p.add_argument("--saves", type=int, default=3, help="saves per mode (default 3)")
     p.add_argument("--device", default="cpu", help="where the state lives: cpu (default) or cuda")
+    p.add_argument("--gathered", action="store_true", help="make the state's tensors anew before each save")
     opts = p.parse_args()
 
     import torch
     import torch.distributed as dist
 
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # DCP's checkpoint process (torchtitan) meets here
     dist.init_process_group(
         "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(minutes=10)
     )
@@ -53,14 +76,20 @@ def main() -> None:
     block = 16 << 20  # fp32 elements: 64 MiB
     state = {f"t{k}": torch.randn(block, device=device) for k in range(max(1, opts.mib // 64))}
     nbytes = sum(t.nbytes for t in state.values())
+    saves = {mode: make(device) for mode, make in MODES.items()}
     stalls: dict[str, list[float]] = {mode: [] for mode in MODES}
     with output_dir(opts.out_dir, "seedckpt-save-bench-") as out:
-        for mode in MODES:
-            save = MODES[mode](device)
-            for k in range(opts.saves):
+        names = list(saves)
+        for k in range(opts.saves):
+            for mode in names[k % len(names) :] + names[: k % len(names)]:  # each way first in turn
+                save = saves[mode]
+                if opts.gathered:
+                    state = {key: t.clone() for key, t in state.items()}
+                _synchronize(device)
                 record = save(out / mode / f"step-{k}", state)
-                for t in state.values():  # the next "step": the state changes under the background write's copy
+                for t in state.values():  # the next "step": the state changes under the background write
                     t.add_(1.0)
+                shutil.rmtree(out / mode)  # written and timed: 4 ways x saves of the state would fill a tmpfs
                 stalls[mode].append(record["stall_s"])
                 seconds = record["stall_s"] + record["background_s"]
                 emit(
@@ -68,24 +97,31 @@ def main() -> None:
                         "benchmark": "save",
                         "mode": mode,
                         "device": opts.device,
+                        "gathered": opts.gathered,
                         "save": k,
                         "bytes": nbytes,
                         **record,
                         "gb_per_s": nbytes / 1e9 / seconds,
                     }
                 )
-    median = {mode: statistics.median(values) for mode, values in stalls.items()}
-    emit(
-        {
-            "benchmark": "save_summary",
-            "device": opts.device,
-            "bytes": nbytes,
-            **{f"{mode}_stall_s": value for mode, value in median.items()},
-            "stall_ratio": median["async"] / median["sync"],
-            "stock_stall_ratio": median["async"] / median["stock_async"],
-        }
-    )
+    emit(_summary(opts, nbytes, stalls, torch.__version__))
     dist.destroy_process_group()
+
+
+def _summary(opts, nbytes: int, stalls: dict[str, list[float]], torch_version: str) -> dict:
+    steady = {mode: statistics.median(values[1:] or values) for mode, values in stalls.items()}
+    return {
+        "benchmark": "save_summary",
+        "device": opts.device,
+        "gathered": opts.gathered,
+        "torch": torch_version,
+        "bytes": nbytes,
+        **{f"{mode}_first_stall_s": values[0] for mode, values in stalls.items()},
+        **{f"{mode}_stall_s": value for mode, value in steady.items()},
+        "stall_ratio": steady["async"] / steady["sync"],
+        "stock_stall_ratio": steady["async"] / steady["stock_async"],
+        "torchtitan_stall_ratio": steady["async"] / steady["torchtitan"],
+    }
 
 
 def sync_save(device):
@@ -109,40 +145,44 @@ def async_save(device):
     def save(path: Path, state: dict) -> dict:
         start = time.perf_counter()
         saver.save(path, state, functools.partial(write_checkpoint, path, manifest={}, force=True))
-        saver.wait_for_staging()  # what the trainer's optimizer step waits for
+        saver.wait_for_staging()  # what the trainer waits for before the state changes
         stall = time.perf_counter() - start
         return {"stall_s": stall, "background_s": saver.wait().background_s}
 
     return save
 
 
-def stock_async_save(device):
-    import torch
+def stock_async_save(device, process: bool = False):
+    """``dcp.async_save`` with ``DefaultStager``; ``process``: torchtitan's ``async_with_pinned_mem``."""
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     cuda = device.type == "cuda"
     options = StagingOptions(
-        use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=cuda, use_non_blocking_copy=cuda
+        use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=True, use_non_blocking_copy=cuda
     )
+    executor = AsyncCheckpointerType.PROCESS if process else AsyncCheckpointerType.THREAD
+    group = dist.new_group(backend="gloo") if process else None
     stager = [None]
 
     def save(path: Path, state: dict) -> dict:
-        if stager[0] is None or not STAGER_REUSABLE:  # torch < 2.13: one stage per stager
+        if stager[0] is None or not STAGER_REUSABLE:
             stager[0] = DefaultStager(options)
         start = time.perf_counter()
-        if cuda:
-            torch.cuda.synchronize(device)
-        response = dcp.async_save(state, checkpoint_id=str(path), async_stager=stager[0])
-        staged, upload = (
-            (response.staging_completion, response.upload_completion)
-            if hasattr(response, "upload_completion")
-            else (None, response)
+        if process:
+            gc.collect(1)  # torchtitan collects before each asynchronous save
+        response = dcp.async_save(
+            state,
+            checkpoint_id=str(path),
+            process_group=group,
+            async_checkpointer_type=executor,
+            async_stager=stager[0],
         )
-        if staged is not None:
-            staged.result()
+        response.staging_completion.result()
         stall = time.perf_counter() - start
-        upload.result()
+        response.upload_completion.result()
         return {"stall_s": stall, "background_s": time.perf_counter() - start - stall}
 
     return save
@@ -155,7 +195,21 @@ def _synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
-MODES = {"sync": sync_save, "async": async_save, "stock_async": stock_async_save}
+def _torch_at_least(major: int, minor: int) -> bool:
+    import torch
+
+    return tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (major, minor)
+
+
+# torch 2.11 and 2.12's DefaultStager releases its buffers at the end of every stage and cannot stage
+# again ("KeyError: <class 'type'>" at the second): there the stock ways take a new stager per save.
+STAGER_REUSABLE = _torch_at_least(2, 13)
+MODES = {
+    "sync": sync_save,
+    "async": async_save,
+    "stock_async": stock_async_save,
+    "torchtitan": functools.partial(stock_async_save, process=True),
+}
 
 
 if __name__ == "__main__":

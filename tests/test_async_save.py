@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from seedckpt.checkpoint import DcpCheckpoint, complete_steps
-from seedckpt.checkpoint.background import STAGER_REUSABLE
+from seedckpt.cli.main import main as seedckpt
 from seedckpt.utils.errors import SeedckptError
 from tests.dist import HANG_S, run_distributed
 from tests.test_train import REPO, _killed_mid_checkpoint_worker, losses, model_state, torchrun
@@ -195,41 +195,40 @@ def _cuda_staging_worker(rank, world_size):
     seen = []
 
     def write(staged, group):
-        seen.append((staged["w"].clone(), staged["w"].is_pinned(), staged["w"].untyped_storage().data_ptr()))
+        seen.append(
+            [(t.clone(), t.is_pinned(), t.untyped_storage().data_ptr()) for t in (staged["w"], staged["gathered"])]
+        )
         return Path("unused")
 
     weight = torch.full((1 << 20,), 1.0, device=device)
     for value in (2.0, 3.0):
-        saver.save(Path("step"), {"w": weight}, write)
-        saver.wait_for_staging()  # what the optimizer does before changing the weights
+        # "gathered": a tensor made anew for each save, as manual FSDP's full tensors are.
+        saver.save(Path("step"), {"w": weight, "gathered": weight * 2}, write)
+        saver.wait_for_staging()  # what the trainer does before the state changes
         weight.fill_(value)
         saver.wait()
-    return [(t.unique().tolist(), pinned, ptr) for t, pinned, ptr in seen]
+    return [[(t.unique().tolist(), pinned, ptr) for t, pinned, ptr in save] for save in seen]
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_staging_reuses_pinned_buffers():
     [seen] = run_distributed(_cuda_staging_worker, 1)
-    assert [s[0] for s in seen] == [[1.0], [2.0]]
-    assert all(pinned for _, pinned, _ in seen)
-    if STAGER_REUSABLE:
-        assert seen[0][2] == seen[1][2]  # the same pinned buffer at the second save
+    assert [[values for values, _, _ in save] for save in seen] == [[[1.0], [2.0]], [[2.0], [4.0]]]
+    assert all(pinned for save in seen for _, pinned, _ in save)
+    first, second = ([ptr for _, _, ptr in save] for save in seen)
+    assert first == second  # the same pinned buffers at the second save, the rebuilt tensor's too
 
 
-@pytest.mark.parametrize("reusable", [True, False])
-def test_a_saver_saves_again_after_its_first_save(tmp_path, reusable):
-    """torch 2.11 and 2.12's stager cannot stage twice (found on the GPU machine's torch 2.11): there
-    each save takes a new stager. Both ways, the second and third saves write what they staged."""
-    [seen] = run_distributed(_saves_three_times_worker, 1, str(tmp_path), reusable)
+def test_a_saver_saves_again_after_its_first_save(tmp_path):
+    """Each of three saves writes what it staged, through the same buffers."""
+    [seen] = run_distributed(_saves_three_times_worker, 1, str(tmp_path))
     assert seen == [[1.0], [2.0], [3.0]]
 
 
-def _saves_three_times_worker(rank, world_size, folder, reusable):
-    from seedckpt.checkpoint import background, write_checkpoint
+def _saves_three_times_worker(rank, world_size, folder):
+    from seedckpt.checkpoint import write_checkpoint
     from seedckpt.checkpoint.background import BackgroundSaver
-
-    background.STAGER_REUSABLE = reusable and background.STAGER_REUSABLE
 
     saver = BackgroundSaver(torch.device("cpu"))
     weight = torch.ones(16)
@@ -239,6 +238,47 @@ def _saves_three_times_worker(rank, world_size, folder, reusable):
         weight.add_(1.0)
         saver.wait()
     return [DcpCheckpoint(Path(folder) / f"step-{s}").read_tensor("w").unique().tolist() for s in (1, 2, 3)]
+
+
+def _reuse_worker(rank, world_size, seed, folder):
+    """Two saves of the debug model's weights and this rank's RNG state, made anew for each save (as
+    manual FSDP's gathered tensors and ``torch.get_rng_state()`` are): the storage each write read,
+    and whether each step holds the embedding it staged."""
+    from seedckpt.checkpoint import make_manifest, write_checkpoint
+    from seedckpt.checkpoint.background import BackgroundSaver
+    from seedckpt.checkpoint.manifest import RNG_PREFIX, read_manifest
+
+    model = read_manifest(Path(seed))["model"]
+    manifest = make_manifest("train", model["name"], model["flavor"], model["args"])
+    seed_checkpoint = DcpCheckpoint(Path(seed))
+    weights = {fqn: seed_checkpoint.read_tensor(fqn) for fqn in seed_checkpoint.tensors()}
+    saver = BackgroundSaver(torch.device("cpu"))
+    staged_seen = []  # kept alive: a buffer freed and allocated again could land at the same address
+
+    def spying_write(path):
+        def write(staged, group):
+            staged_seen.append(staged)
+            return write_checkpoint(path, staged, manifest=manifest, group=group)
+
+        return write
+
+    for step in (1, 2):
+        path = Path(folder) / f"step-{step}"
+        state = {fqn: t + step for fqn, t in weights.items()}
+        saver.save(path, {**state, f"{RNG_PREFIX}rank0": torch.get_rng_state()}, spying_write(path))
+        state.clear()  # the next step's tensors are others
+        saver.wait()
+    pointers = [{k: t.untyped_storage().data_ptr() for k, t in staged.items()} for staged in staged_seen]
+    written = [DcpCheckpoint(Path(folder) / f"step-{s}").read_tensor("tok_embeddings.weight") for s in (1, 2)]
+    return pointers, [torch.equal(t, weights["tok_embeddings.weight"] + s) for s, t in zip((1, 2), written)]
+
+
+def test_staging_buffers_are_reused_across_saves_and_the_checksums_verify(tmp_path, debug_seed):
+    [(pointers, as_staged)] = run_distributed(_reuse_worker, 1, str(debug_seed), str(tmp_path))
+    assert len(pointers[0]) > 2 and pointers[0] == pointers[1]  # was: new buffers for every tensor made anew
+    assert as_staged == [True, True]  # each step holds the state it staged
+    for step in (1, 2):
+        assert seedckpt(["verify", str(tmp_path / f"step-{step}"), "--quiet"]) == 0
 
 
 def _ctrl_c_while_waiting_worker(rank, world_size, folder):

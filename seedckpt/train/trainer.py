@@ -499,6 +499,8 @@ class Trainer:
                         self.balancing.start_step()
                     local_loss = self.train_step(batches)
                     self.data_parallel.sync_gradients()
+                    if self.saver is not None:  # CUDA: the save in flight's copies are done before the
+                        self.saver.wait_for_staging()  # state changes (the expert bias, then the optimizer)
                     # mixtures of experts: the step's expert loads over the global batch, bias balancing
                     moe = self.balancing.finish_step(self.forwards_per_step) if self.balancing is not None else {}
                     if self.tied is not None:
@@ -513,8 +515,6 @@ class Trainer:
                         self.data_parallel.grad_norm_group,
                     )
                     self._check_finite(state.step, "gradient norm", grad_norm.item())
-                    if self.saver is not None:  # CUDA: the weights' copies for the save in flight are done
-                        self.saver.wait_for_staging()
                     lr = state.schedulers[0].get_last_lr()[0]  # this step's (the scheduler then moves on)
                     for optimizer, scheduler in zip(state.optimizers, state.schedulers):
                         optimizer.step()
