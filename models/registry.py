@@ -9,6 +9,7 @@ from __future__ import annotations
 from models.deepseek_v3 import DEEPSEEK_V3
 from models.family import ModelFamily
 from models.gemma3 import GEMMA3
+from models.glm4_moe import GLM4_MOE
 from models.gpt_oss import GPT_OSS
 from models.granite import GRANITE
 from models.llama3 import LLAMA3
@@ -20,7 +21,7 @@ from models.qwen3_moe import QWEN3_MOE
 
 FAMILIES: dict[str, ModelFamily] = {
     family.name: family
-    for family in (LLAMA3, QWEN3, QWEN2, MISTRAL, GRANITE, QWEN3_MOE, MIXTRAL, GPT_OSS, DEEPSEEK_V3, GEMMA3)
+    for family in (LLAMA3, QWEN3, QWEN2, MISTRAL, GRANITE, QWEN3_MOE, MIXTRAL, GPT_OSS, DEEPSEEK_V3, GEMMA3, GLM4_MOE)
 }
 DEFAULT_FAMILY = "llama3"  # the family of a config or a command that names none
 

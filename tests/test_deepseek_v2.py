@@ -10,20 +10,36 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import warnings
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from models.common.moe import moe_modules
 from models.deepseek_v3 import FLAVORS
 from models.deepseek_v3.hf_v2 import args_from_config, config
 from models.registry import get_family
 from seedckpt import load_model
-from seedckpt.cli.convert import convert
 from seedckpt.cli.main import main as cli
 from seedckpt.materialize.model_checkpoint import open_model_checkpoint
-from tests.test_convert import our_logits
-from tests.test_deepseek_v3 import TINY_FIELDS, hf_tensors
+from seedckpt.materialize.seed import create_seed_checkpoint
+from tests.conftest import tiny_config
+from tests.test_deepseek_v3 import (
+    ONE,
+    STEPS,
+    TINY_FIELDS,
+    TITAN_DENSE,
+    TITAN_EXPERTS,
+    TITAN_LAYER,
+    TITAN_MOE,
+    TITAN_TOP,
+    M,
+    _close,
+    assert_both_ways,
+    hf_tensors,
+)
+from tests.test_train import losses, torchrun
 
 transformers = pytest.importorskip("transformers")
 
@@ -75,21 +91,8 @@ def test_logits_match_deepseek_v2_both_ways(tmp_path, case):
     ``transformers`` loads as ``DeepseekV2ForCausalLM``: logits within 1e-5 of its own each way, on 40
     positions (past YaRN's original 16); the tensors written back are bitwise the originals."""
     path = hf_model(tmp_path / "hf", **CASES[case])
-    hf = transformers.DeepseekV2ForCausalLM.from_pretrained(path).eval()
-    with torch.no_grad():
-        want = hf(TOKENS).logits
-        convert(path, tmp_path / "dcp", "dcp", progress=False)
-        for source, pp in ((tmp_path / "dcp", 1), (path, 2)):
-            assert (our_logits(source, TOKENS, pp) - want).abs().max().item() <= 1e-5, (source, pp)
-        assert (load_model(path)(TOKENS) - want).abs().max().item() <= 1e-5
-        convert(tmp_path / "dcp", tmp_path / "back", "hf", progress=False)
-        assert json.loads((tmp_path / "back" / "config.json").read_text())["model_type"] == "deepseek_v2"
-        original = {k: t for k, t in hf_tensors(path).items() if t.numel()}
-        written = hf_tensors(tmp_path / "back")
-        assert written.keys() == original.keys()
-        assert all(torch.equal(t, original[k]) for k, t in written.items())
-        back = transformers.DeepseekV2ForCausalLM.from_pretrained(tmp_path / "back").eval()
-        assert (back(TOKENS).logits - want).abs().max().item() <= 1e-5
+    assert_both_ways(path, transformers.DeepseekV2ForCausalLM, TOKENS, tmp_path)
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["model_type"] == "deepseek_v2"
 
 
 def test_the_routing_is_computed_not_assumed(tmp_path):
@@ -162,3 +165,103 @@ def test_torchtitan_flavors_route_as_torchtitan_and_export_where_a_class_can(tmp
     assert cli(["seed", "--config", "configs/debug.toml", *flavor, *overrides, "--output", str(seed), "--quiet"]) == 0
     assert cli(["convert", str(seed), str(tmp_path / "hf"), "--to", "hf", "--quiet"]) == 2
     assert not (tmp_path / "hf").exists()
+
+
+def _titan_checkpoint(hf_dir, path, layers: int, experts: int, bias: torch.Tensor | None = None):
+    """``hf_dir``'s DeepSeek-V2 weights as torchtitan 0.3.0 saves a DeepSeek step (its names; experts
+    stacked; an ``expert_bias_E`` in every MoE layer, zero unless given)."""
+    hf = hf_tensors(hf_dir)
+    state = {ours: hf[theirs] for ours, theirs in TITAN_TOP.items()}
+    for i in range(layers):
+        dense = f"model.layers.{i}.mlp.gate_proj.weight" in hf
+        layer = TITAN_LAYER | {"attention.wq.weight": "self_attn.q_proj.weight"} | (TITAN_DENSE if dense else TITAN_MOE)
+        state |= {
+            f"layers.{i}.{ours}": hf[f"model.layers.{i}.{theirs}"]
+            for ours, theirs in layer.items()
+            if f"model.layers.{i}.{theirs}" in hf  # the query's projections; no correction bias in V2
+        }
+        if dense:
+            continue
+        state[f"layers.{i}.moe.expert_bias_E"] = torch.zeros(experts) if bias is None else bias
+        for ours, theirs in TITAN_EXPERTS.items():
+            stacked = [hf[f"model.layers.{i}.mlp.experts.{e}.{theirs}.weight"] for e in range(experts)]
+            state[f"layers.{i}.moe.routed_experts.inner_experts.{ours}"] = torch.stack(stacked)
+    dcp.save(state, checkpoint_id=str(path), no_dist=True)
+    return path
+
+
+def test_a_torchtitan_softmax_checkpoint_reads_with_its_expert_bias_on_the_softmax_scores(tmp_path):
+    """torchtitan's softmax-routed DeepSeek (its debugmodel/16B/236B routing: the expert bias added to
+    the softmax scores to choose, the weights from the scores alone): with a zero bias, transformers'
+    DeepSeek-V2 logits within 1e-5; with a bias that moves the choice, the logits move, and they
+    equal those of the same model with that bias as its own (``load_balance = "bias"``)."""
+    path = hf_model(tmp_path / "hf", **CASES["greedy_plain_q_yarn"])
+    args = dataclasses.replace(open_model_checkpoint(path).args, load_balance="bias")
+    with torch.no_grad():
+        want = transformers.DeepseekV2ForCausalLM.from_pretrained(path).eval()(TOKENS).logits
+        zero = _titan_checkpoint(path, tmp_path / "zero", 3, 8)
+        assert (load_model(zero, model="deepseek_v3", args=args)(TOKENS) - want).abs().max().item() <= 1e-5
+        bias = torch.linspace(-0.2, 0.2, 8)
+        biased = load_model(_titan_checkpoint(path, tmp_path / "biased", 3, 8, bias), model="deepseek_v3", args=args)
+        assert (biased(TOKENS) - want).abs().max().item() > 1e-3
+        ours = load_model(zero, model="deepseek_v3", args=args)
+        for moe in moe_modules(ours):
+            moe.expert_bias.copy_(bias)
+        assert torch.equal(ours(TOKENS), biased(TOKENS))
+
+
+@pytest.mark.parametrize("flavor", ["16B", "671B"])
+def test_a_torchtitan_checkpoint_read_into_a_recipes_shapes_routed_otherwise_says_so(flavor):
+    """torchtitan's checkpoints record no routing: read into a model with one of its recipes' shapes
+    (16B: softmax; 671B: sigmoid), names that only torchtitan writes bring one warning line naming the
+    fields and the flavor when the routing (or RoPE) is not the recipe's; none when it is, nor for
+    shapes no recipe has, nor for our own names."""
+    other = "sigmoid" if FLAVORS[flavor].score_func == "softmax" else "softmax"
+    mismatched = FAMILY.renamings["torchtitan"](dataclasses.replace(FLAVORS[flavor], score_func=other))
+    with pytest.warns(UserWarning) as caught:
+        assert mismatched.from_stored("layers.5.moe.routed_experts.inner_experts.w1_EFD") == "layers.5.moe.experts.w1"
+        mismatched.from_stored("lm_head.weight")
+    said = [str(w.message) for w in caught]
+    assert len(said) == 1 and "\n" not in said[0]
+    assert f"torchtitan's DeepSeek {flavor} recipe but computes score_func = {other!r}" in said[0]
+    assert f"set model.flavor = {flavor!r}" in said[0]
+    quiet = [
+        (FLAVORS[flavor], "lm_head.weight"),
+        (dataclasses.replace(FLAVORS["debug"], score_func="softmax"), "lm_head.weight"),
+        (dataclasses.replace(FLAVORS[flavor], score_func=other), "output.weight"),
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for args, name in quiet:
+            FAMILY.renamings["torchtitan"](args).from_stored(name)
+
+
+def test_torchtitan_multi_token_prediction_layers_are_left_out_in_one_line():
+    """torchtitan's ``mtp_layers.{d}.*`` (``num_mtp_layers``) map to nothing of this model, and the
+    name adapter leaves them out with one line, as the HF checkpoint's MTP layer is; any other
+    unknown name stays refused."""
+    names = FAMILY.renamings["torchtitan"](FLAVORS["debugmodel"])
+    stored = ["mtp_layers.0.eh_proj.weight", "mtp_layers.0.attention.wq.weight", "mtp_layers.1.enorm.weight"]
+    assert [names.from_stored(name) for name in stored] == [None] * 3
+    refused, note = names.left_out([*stored, "extra.weight"])
+    assert refused == ["extra.weight"]
+    assert note == (
+        "mtp_layers.0 and up (torchtitan's multi-token-prediction layers, 2) are skipped: this model, like "
+        "transformers', predicts the next token only"
+    )
+
+
+SOFTMAX_GROUPS = ["--model.score_func", "softmax", "--model.norm_topk_prob", "false", "--model.group_top", "1"]
+
+
+@pytest.mark.slow
+def test_softmax_routing_trains_on_pp2_x_dp_shard2_x_ep2_with_one_process_losses(tmp_path):
+    """The debug DeepSeek routed by softmax in 4 groups ranked by their best score (DeepSeek-V2's
+    group_limited_greedy) and balanced by the expert bias on the softmax scores (torchtitan's), from its
+    seed: pp2 x dp_shard2 x ep2 trains with one process's losses within 1e-5."""
+    seed = create_seed_checkpoint(tiny_config(*M, *SOFTMAX_GROUPS), tmp_path / "seed", seed=0, progress=False)
+    assert open_model_checkpoint(seed).args.score_func == "softmax"
+    torchrun(tmp_path / "one", seed, 1, *M, *SOFTMAX_GROUPS, *ONE, *STEPS)
+    pp2 = ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "4", *STEPS]
+    torchrun(tmp_path / "pp2_dp2_ep2", seed, 4, *M, *SOFTMAX_GROUPS, *pp2)
+    _close(losses(tmp_path / "pp2_dp2_ep2"), losses(tmp_path / "one"), "pp2 x dp_shard2 x ep2")

@@ -258,22 +258,45 @@ def test_logits_match_transformers_both_ways(tmp_path, case):
     original 16); the HF tensors written back are bitwise the originals (empty shared experts aside).
     The bias changes the logits: it is computed, not dropped."""
     path = hf_model(tmp_path / "hf", **CASES[case])
-    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(path).eval()
+    hf, want = assert_both_ways(path, transformers.DeepseekV3ForCausalLM, TOKENS, tmp_path)
     with torch.no_grad():
-        want = hf(TOKENS).logits
+        for layer in hf.model.layers[hf.config.first_k_dense_replace :]:
+            layer.mlp.gate.e_score_correction_bias.zero_()
+        assert (hf(TOKENS).logits - want).abs().max().item() > 1e-3
+
+
+def assert_both_ways(path: Path, model_class, tokens: torch.Tensor, tmp_path: Path):
+    """HF -> DCP -> our model, HF -> our pp=2 stages directly (a fine-tuning start's load),
+    ``load_model``, and DCP -> HF that ``model_class`` loads: logits within 1e-5 of its own each way;
+    the HF tensors written back are bitwise the originals (empty ones aside). Returns the
+    ``transformers`` model and its logits."""
+    hf = model_class.from_pretrained(path).eval()
+    with torch.no_grad():
+        want = hf(tokens).logits
         convert(path, tmp_path / "dcp", "dcp", progress=False)
         for source, pp in ((tmp_path / "dcp", 1), (path, 2)):
-            assert (our_logits(source, TOKENS, pp) - want).abs().max().item() <= 1e-5, (source, pp)
-        assert (load_model(path)(TOKENS) - want).abs().max().item() <= 1e-5
+            assert (our_logits(source, tokens, pp) - want).abs().max().item() <= 1e-5, (source, pp)
+        assert (load_model(path)(tokens) - want).abs().max().item() <= 1e-5
         convert(tmp_path / "dcp", tmp_path / "back", "hf", progress=False)
         original = {k: t for k, t in hf_tensors(path).items() if t.numel()}
         assert hf_tensors(tmp_path / "back").keys() == original.keys()
         assert all(torch.equal(t, original[k]) for k, t in hf_tensors(tmp_path / "back").items())
-        back = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "back").eval()
-        assert (back(TOKENS).logits - want).abs().max().item() <= 1e-5
-        for layer in hf.model.layers[hf.config.first_k_dense_replace :]:
-            layer.mlp.gate.e_score_correction_bias.zero_()
-        assert (hf(TOKENS).logits - want).abs().max().item() > 1e-3
+        back = model_class.from_pretrained(tmp_path / "back").eval()
+        assert (back(tokens).logits - want).abs().max().item() <= 1e-5
+    return hf, want
+
+
+def convert_with_extra_layer(path: Path, tensors: dict[str, torch.Tensor], dst: Path) -> list:
+    """``tensors`` (a layer past the last: a multi-token-prediction module) added to the HF directory
+    ``path`` in a file of their own, listed in its index; then ``seedckpt convert`` to DCP at ``dst``,
+    which must succeed: the warnings it gave about multi-token prediction."""
+    index = {"metadata": {}, "weight_map": dict.fromkeys(hf_tensors(path), "model.safetensors")}
+    save_file(tensors, path / "mtp.safetensors")
+    index["weight_map"] |= dict.fromkeys(tensors, "mtp.safetensors")
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.warns(UserWarning) as caught:
+        assert cli(["convert", str(path), str(dst), "--to", "dcp", "--quiet"]) == 0
+    return [w.message for w in caught if "multi-token" in str(w.message)]
 
 
 def test_the_multi_token_prediction_layer_is_skipped_in_one_line(tmp_path):
@@ -281,21 +304,16 @@ def test_the_multi_token_prediction_layer_is_skipped_in_one_line(tmp_path):
     own tensors and a layer's) converts with one warning line naming it, and the model computes
     transformers' logits."""
     path = hf_model(tmp_path / "hf")
-    index = {"metadata": {}, "weight_map": dict.fromkeys(hf_tensors(path), "model.safetensors")}
     mtp = {f"model.layers.3.{n}": torch.randn(64, 64) for n in ("eh_proj.weight", "self_attn.o_proj.weight")}
     mtp |= {"model.layers.3.enorm.weight": torch.ones(64), "model.layers.3.shared_head.norm.weight": torch.ones(64)}
-    save_file(mtp, path / "mtp.safetensors")
-    index["weight_map"] |= dict.fromkeys(mtp, "mtp.safetensors")
-    (path / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.warns(UserWarning) as caught:
-        assert cli(["convert", str(path), str(tmp_path / "dcp"), "--to", "dcp", "--quiet"]) == 0
-    said = [str(w.message) for w in caught if "multi-token" in str(w.message)]
+    notes = convert_with_extra_layer(path, mtp, tmp_path / "dcp")
+    said = [str(note) for note in notes]
     assert said == [
         "model.layers.3 and up (DeepSeek-V3's multi-token-prediction module) are skipped: this model, like "
         "transformers', predicts the next token only"
     ]
     # the command prints it as one line, like its errors
-    assert warnings.formatwarning(caught[0].message, UserWarning, "x.py", 1) == f"warning: {said[0]}\n"
+    assert warnings.formatwarning(notes[0], UserWarning, "x.py", 1) == f"warning: {said[0]}\n"
     with torch.no_grad():
         want = transformers.DeepseekV3ForCausalLM.from_pretrained(path).eval()(TOKENS).logits
         assert (load_model(tmp_path / "dcp")(TOKENS) - want).abs().max().item() <= 1e-5

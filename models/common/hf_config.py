@@ -85,14 +85,20 @@ ROPE_FIELDS = {
 ROPE_OTHER_FIELDS = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
 
 
-def rope_scaling(cfg: dict) -> RopeScaling | None:
+def rope_scaling(cfg: dict, partial: bool = False) -> RopeScaling | None:
     """The RoPE stretch a ``config.json`` asks for (``rope_scaling`` / ``rope_parameters``), or None
     for plain RoPE; every field checked (``RopeScaling``).
 
     As ``transformers`` reads it: YaRN's and Llama 3's ``original_max_position_embeddings`` falls back
     to the top-level field of that name, then to ``max_position_embeddings``; ``beta_fast`` and
     ``beta_slow`` given as 0 or null mean 32 and 1. ``dynamic``, ``longrope`` and any other kind are
-    refused, as are a field the kind does not take and a partial rotary width."""
+    refused, as are a field the kind does not take and, unless the family reads it (``partial``:
+    ``partial_rotary_factor``), a partial rotary width."""
+    if not partial and partial_rotary_factor(cfg, 1.0) != 1.0:
+        raise ValueError(
+            f"config.json has partial_rotary_factor = {partial_rotary_factor(cfg, 1.0)!r}; this family rotates "
+            "whole heads (1.0)"
+        )
     rope = rope_table(cfg)
     kind = rope.get("rope_type", rope.get("type"))
     if kind in (None, "default"):
@@ -105,11 +111,6 @@ def rope_scaling(cfg: dict) -> RopeScaling | None:
     unknown = sorted(set(rope) - set(ROPE_FIELDS[kind]) - set(ROPE_OTHER_FIELDS))
     if unknown:
         raise ValueError(f"config.json's {kind} RoPE scaling has {', '.join(unknown)}, which {kind} RoPE does not take")
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(
-            f"config.json has partial_rotary_factor = {rope['partial_rotary_factor']!r}; this version rotates "
-            "whole heads (1.0)"
-        )
     fields = {name: rope[name] for name in ROPE_FIELDS[kind] if rope.get(name) is not None}
     if kind != "linear" and "original_max_position_embeddings" not in fields:
         fields["original_max_position_embeddings"] = read(
@@ -122,6 +123,17 @@ def rope_scaling(cfg: dict) -> RopeScaling | None:
     if "factor" not in fields:
         raise ValueError(f"config.json's {kind} RoPE scaling lacks factor")
     return RopeScaling(rope_type=kind, **fields)
+
+
+def partial_rotary_factor(cfg: dict, default: float) -> float:
+    """The share of each head RoPE turns, as ``transformers`` reads it: ``partial_rotary_factor`` in
+    the RoPE table, else at the top level (files before transformers 5), else the family's class's
+    ``default``; a number in (0, 1]."""
+    top = read(cfg, "partial_rotary_factor", check_float, default)
+    fraction = read(rope_table(cfg), "partial_rotary_factor", check_float, top)
+    if fraction > 1:
+        raise ValueError(f"config.json has partial_rotary_factor = {fraction!r}; it must be in (0, 1]")
+    return fraction
 
 
 def rope_config(args) -> dict:
@@ -250,12 +262,13 @@ LLAMA_DEFAULTS = {
 }
 
 
-def decoder_fields(cfg: dict, **defaults) -> dict:
+def decoder_fields(cfg: dict, partial_rotary: bool = False, **defaults) -> dict:
     """The shared ``DecoderArgs`` fields from an HF ``config.json``, each checked (``read``). A field
     the file leaves out takes the default of the family's ``transformers`` config class, which is
     what the file means there: ``LLAMA_DEFAULTS``, with ``defaults`` (by config.json name) where the
     family's class differs (Mixtral's RoPE base, 1e6, would otherwise silently become 10000). A null
-    ``num_key_value_heads`` or ``head_dim`` is derived, as every class derives it."""
+    ``num_key_value_heads`` or ``head_dim`` is derived, as every class derives it. ``partial_rotary``:
+    the family reads ``partial_rotary_factor`` itself (``partial_rotary_factor``)."""
     d = LLAMA_DEFAULTS | defaults
     dim, n_heads = (
         size(cfg, "hidden_size", d["hidden_size"]),
@@ -271,7 +284,7 @@ def decoder_fields(cfg: dict, **defaults) -> dict:
         "vocab_size": size(cfg, "vocab_size", d["vocab_size"]),
         "norm_eps": read(cfg, "rms_norm_eps", check_float, d["rms_norm_eps"]),
         "rope_theta": rope_theta(cfg, d["rope_theta"]),
-        "rope_scaling": rope_scaling(cfg),
+        "rope_scaling": rope_scaling(cfg, partial_rotary),
         "max_seq_len": read(cfg, "max_position_embeddings", check_int, d["max_position_embeddings"]),
         "tie_word_embeddings": read(cfg, "tie_word_embeddings", check_bool, d["tie_word_embeddings"]),
         "initializer_range": read(cfg, "initializer_range", check_float, d["initializer_range"], positive=False),

@@ -54,7 +54,8 @@ Balancing (``MoEOptions.load_balance``):
   per row, the statistics are the same in every layout. Its gradient is added in backward at the
   layer that computes it (``_AddAuxGradient``), so it needs no path through the pipeline's output.
 * ``bias`` -- aux-loss-free balancing (DeepSeek-V3): a persistent fp32 ``expert_bias`` is added to
-  the scores (``softmax_topk``: the logits) to *choose* experts (never to weigh them), and moved
+  the scores (``softmax_topk`` too: the softmax over all experts, as torchtitan's gpt-oss adds it) to
+  *choose* experts (never to weigh them), and moved
   before each optimizer step by ``bias_update_rate * sign(mean - count)`` from the step's counts
   over the whole global batch (``update_expert_bias``).
 * ``none`` -- neither.
@@ -163,7 +164,8 @@ class Router(nn.Module):
         bias = None if self.gate.bias is None else self.gate.bias.float()
         logits = F.linear(x.float(), self.gate.weight.float(), bias)
         scores = logits.sigmoid() if options.score_func == "sigmoid" else logits.softmax(-1)
-        ranked = logits if options.score_func == "softmax_topk" else scores
+        # softmax_topk chooses by the logits; a bias joins the softmax scores instead (torchtitan's gpt-oss)
+        ranked = logits if options.score_func == "softmax_topk" and expert_bias is None else scores
         chosen = self._choose(ranked if expert_bias is None else ranked + expert_bias)
         if options.score_func == "softmax_topk":
             weights = logits.gather(-1, chosen).softmax(-1)

@@ -76,7 +76,10 @@ _QUERY_ROWS = ("attention.wq.weight", "attention.wq_b.weight")  # heads x (nope 
 
 
 class DeepseekV3HFNames(HFNames):
-    """The name adapter between our FQNs and ``DeepseekV3ForCausalLM``'s for a model of ``args``."""
+    """The name adapter between our FQNs and ``DeepseekV3ForCausalLM``'s for a model of ``args``
+    (GLM-4.5's, whose mixtures of experts are DeepSeek-V3's, builds on it: ``MODEL``, ``rope_rows``)."""
+
+    MODEL = "DeepSeek-V3"  # whose multi-token-prediction module ``left_out`` names
 
     def __init__(self, args: DeepseekV3Args):
         super().__init__(args, EXPERTS)
@@ -103,7 +106,7 @@ class DeepseekV3HFNames(HFNames):
         if not mtp:
             return refused, None
         return refused, (
-            f"model.layers.{min(mtp)} and up (DeepSeek-V3's multi-token-prediction module) are skipped: this "
+            f"model.layers.{min(mtp)} and up ({self.MODEL}'s multi-token-prediction module) are skipped: this "
             "model, like transformers', predicts the next token only"
         )
 
@@ -132,12 +135,16 @@ class DeepseekV3HFNames(HFNames):
     def from_stored_rows(self, tensor: torch.Tensor, groups: int) -> torch.Tensor:
         return self._rope_rows(tensor, groups, permute_from_hf)
 
+    def rope_rows(self) -> slice:
+        """The rows of each group RoPE turns: the last ``qk_rope_head_dim``."""
+        return slice(-self.args.qk_rope_head_dim, None)
+
     def _rope_rows(self, tensor: torch.Tensor, groups: int, permute) -> torch.Tensor:
-        """``permute`` applied to the last ``qk_rope_head_dim`` rows of each of ``groups`` groups."""
-        rope = self.args.qk_rope_head_dim
+        """``permute`` applied to the ``rope_rows`` of each of ``groups`` groups."""
+        rows = self.rope_rows()
         grouped = tensor.reshape(groups, tensor.shape[0] // groups, -1).clone()
         for group in grouped:
-            group[-rope:] = permute(group[-rope:], 1)
+            group[rows] = permute(group[rows], 1)
         return grouped.reshape(tensor.shape)
 
 
@@ -158,6 +165,15 @@ def config(args: DeepseekV3Args, dtype: torch.dtype) -> dict:
         "qk_rope_head_dim": args.qk_rope_head_dim,
         "v_head_dim": args.v_head_dim,
         "rope_interleave": args.rope_interleave,
+        "attention_bias": args.attention_bias,
+        **moe_config(args),
+    }
+
+
+def moe_config(args) -> dict:
+    """The ``config.json`` fields of DeepSeek-V3's mixtures of experts (GLM-4.5's too) after
+    ``first_k_dense_replace`` dense layers; no multi-token-prediction module is written."""
+    return {
         "first_k_dense_replace": args.first_k_dense_replace,
         "n_routed_experts": args.n_experts,
         "n_shared_experts": args.n_shared_experts,
@@ -167,8 +183,7 @@ def config(args: DeepseekV3Args, dtype: torch.dtype) -> dict:
         "topk_group": args.topk_group,
         "norm_topk_prob": args.norm_topk_prob,
         "routed_scaling_factor": args.routed_scaling_factor,
-        "attention_bias": args.attention_bias,
-        "num_nextn_predict_layers": 0,  # no multi-token-prediction module is written
+        "num_nextn_predict_layers": 0,
     }
 
 
