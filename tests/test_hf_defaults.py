@@ -25,15 +25,11 @@ from seedckpt import load_model
 from seedckpt.utils.errors import SeedckptError
 from tests.test_awkward_configs import DEEPSEEK, DENSE, GPT_OSS, hf_model, tokens
 from tests.test_deepseek_v2 import TINY as DEEPSEEK_V2
-from tests.test_glm4_moe import TINY as GLM4_MOE
 
 transformers = pytest.importorskip("transformers")
 
 TWO_LAYERS = DENSE | dict(num_hidden_layers=2)
 V2_GROUPS = dict(topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=2.0)
-GLM_ROUTING = dict(use_qk_norm=True, n_routed_experts=16, n_group=4, topk_group=2, routed_scaling_factor=2.0)
-GLM_ROUTING |= dict(num_experts_per_tok=2)  # the class's 8 fit in the 2 groups kept
-GLM_ROUTING |= dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25})
 # family: (transformers class prefix, the tiny config's fields). Experts per token below the class's
 # default, with at least that many experts, so that the default computes and routes differently.
 FAMILIES = {
@@ -67,9 +63,30 @@ FAMILIES = {
     "deepseek_v3": ("DeepseekV3", DEEPSEEK | dict(num_hidden_layers=2)),
     # DeepSeek-V2, read by the deepseek_v3 family: softmax groups ranked by their best score
     "deepseek_v2": ("DeepseekV2", DEEPSEEK_V2 | dict(num_hidden_layers=2, **V2_GROUPS)),
-    # a quarter of each head turned (the class's default: a half), q/k norms, groups, fewer experts a token
-    "glm4_moe": ("Glm4Moe", GLM4_MOE | dict(num_hidden_layers=2, **GLM_ROUTING)),
+    # a windowed and a global layer, each RoPE base its own, the global one stretched; untied, so that
+    # the class's tie is seen (transformers keeps the stored head, and says so). Small heads: with the
+    # class's 256 (norms scaling by ~2 here) transformers' own float32 logits are 1.4e-5 off its float64
+    "gemma3": (
+        "Gemma3",
+        TWO_LAYERS
+        | dict(
+            num_key_value_heads=4,
+            head_dim=16,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"],
+            query_pre_attn_scalar=32,
+            final_logit_softcapping=5.0,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            },
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
+# The config class where it is not ``<prefix>Config`` (``Gemma3Config`` is the multimodal model's)
+CONFIG_CLASSES = {"gemma3": "Gemma3TextConfig"}
 # The family that reads a model_type the sweep names by itself
 READER = {"deepseek_v2": "deepseek_v3"}
 # What transformers writes about itself or generation, not the model: left in every file.
@@ -77,7 +94,7 @@ NOT_THE_MODEL = {"model_type", "transformers_version", "use_cache", "bos_token_i
 
 
 def config_class(family: str):
-    return getattr(transformers, f"{FAMILIES[family][0]}Config")
+    return getattr(transformers, CONFIG_CLASSES.get(family, f"{FAMILIES[family][0]}Config"))
 
 
 def fields_written(family: str) -> list[str]:
@@ -99,7 +116,10 @@ def saved(tmp_path_factory):
     def directory(family: str):
         if family not in paths:
             paths[family] = tmp_path_factory.mktemp(family)
-            hf_model(paths[family], *FAMILIES[family])
+            prefix, fields = FAMILIES[family]
+            with pytest.MonkeyPatch.context() as patch:  # ``hf_model`` builds ``<prefix>Config``
+                patch.setattr(transformers, f"{prefix}Config", config_class(family))
+                hf_model(paths[family], prefix, fields)
         return paths[family]
 
     return directory
