@@ -532,9 +532,12 @@ class _LossWithGradients(torch.autograd.Function):
                     h_grads.append(grads[0])
                     grads = grads[1:]
                 for i, grad in enumerate(grads):
-                    if grad is not None:
-                        grad = grad.float()
-                        weight_grads[i] = grad if weight_grads[i] is None else weight_grads[i] + grad
+                    if grad is None:
+                        continue
+                    if weight_grads[i] is None:
+                        weight_grads[i] = grad.float()
+                    else:
+                        weight_grads[i].add_(grad)  # in place: no new weight-sized tensor per chunk
                 total = total + loss.detach()
         ctx.has_h_grad = h.requires_grad
         ctx.weight_dtypes = [w.dtype for w in weights]
