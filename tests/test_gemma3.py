@@ -21,6 +21,7 @@ from seedckpt.materialize.init_recipe import init_model
 from seedckpt.materialize.model_checkpoint import parameter_count
 from seedckpt.utils.errors import SeedckptError
 from tests.test_convert import our_logits
+from tests.test_sft import chat_inputs  # noqa: F401 (a fixture)
 
 transformers = pytest.importorskip("transformers")
 
@@ -263,3 +264,28 @@ def test_seed_then_tp2_x_dp_shard2_trains_like_one_process(tmp_path):
     assert len(got) == len(reference) == 3
     for step, (a, b) in enumerate(zip(got, reference), start=1):
         assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: {a} vs {b}"
+
+
+@pytest.mark.slow
+def test_osft_from_a_multimodal_directory_trains_its_decoder_and_exports_what_transformers_loads(tmp_path, chat_inputs):
+    """A fine-tuning start from the multimodal directory (its decoder; the vocabulary grown to the
+    tokenizer's), OSFT on the default targets -- every attention and feed-forward matrix --, then
+    its dense export, which ``transformers`` loads as ``Gemma3ForCausalLM`` with the step's logits."""
+    from tests.test_sft import sft
+
+    tokenizer, chats, _ = chat_inputs
+    tiny_multimodal().save_pretrained(tmp_path / "hf")
+    overrides = ["--finetune.mode", "osft", "--parallelism.pipeline_parallel_degree", "1"]
+    sft(tmp_path / "run", tmp_path / "hf", tokenizer, chats, 1, *overrides, "--training.steps", "3")
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and all(row["osft_leak"] < 1e-4 for row in rows)
+    stored = json.loads((tmp_path / "run" / "ckpt" / "step-3" / "seedckpt.json").read_text())["tensors"]
+    factored = {fqn.removesuffix(".U_low") for fqn in stored if fqn.endswith(".U_low")}
+    linears = [f"layers.{i}.{target}" for i in range(TINY["num_hidden_layers"]) for target in GEMMA3.osft_targets]
+    assert factored == set(linears)
+    convert(tmp_path / "run" / "ckpt" / "step-3", tmp_path / "export", "hf", dense=True, progress=False)
+    export = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    assert type(export).__name__ == "Gemma3ForCausalLM"
+    step = load_model(tmp_path / "run" / "ckpt" / "step-3")
+    with torch.no_grad():
+        assert (step(TOKENS) - export(TOKENS).logits).abs().max().item() <= 1e-5
