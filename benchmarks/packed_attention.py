@@ -1,13 +1,26 @@
-"""Benchmark attention over packed rows: a dense ``(seq, seq)`` document mask passed to SDPA (how the
-model attended before) against one SDPA call per document (``models.common.decoder.
-attend_within_documents``), which builds no mask and computes no score across documents.
+"""Benchmark attention over packed rows, forward and backward: every kernel
+``models.common.packed_attention.packed_attention`` may take, against one SDPA call per document (the
+path before it) and a dense ``(seq, seq)`` document mask passed to SDPA (the path before that).
+
+``dense_mask``          one SDPA call over whole rows with a boolean document mask.
+``per_document``        one ``causal_attention`` call per document (the reference).
+``batched``             the CPU's kernel: documents batched into few SDPA calls by length class.
+``varlen``              CUDA, 16-bit: flash attention's ``varlen_attn`` over every row at once.
+``*_sinks``             the same three with a sink logit per head (gpt-oss); ``flex_sinks`` (CUDA):
+                        flex attention, compiled, under the documents' block mask.
 
 One grouped-query attention of ``--heads`` q heads and ``--kv-heads`` kv heads of 64 dimensions on
-one row of ``--seq-lens`` tokens packed with documents of ``--doc-len`` tokens, forward and backward.
-Each (variant, length) runs in its own process, so its peak (CUDA: max allocated; CPU: peak RSS
-growth) is its own; the outputs are compared too. One JSON line per run, one comparison per length.
+``--batch`` rows of ``--seq-lens`` tokens, packed with documents of ``--doc-len`` tokens: a length
+or a range ``LO-HI`` drawn uniformly (seeded), several comma-separated (default: ~50-token chats and
+a few long documents). ``--window``: a sliding window in every variant. ``Documents`` are built
+once per forward in the model and shared by its layers, so outside the timed step here
+(``documents_s``: its time). Each (variant, length, documents) runs in its own process, so its peak
+(CUDA: max allocated; CPU: peak RSS growth) is its own; the outputs are compared with
+``per_document``'s. ``--rounds``: every variant runs that many times, in turn, and each comparison
+is the median of the rounds' ratios. One JSON line per variant (its median round), then one
+comparison per variant.
 
-  python benchmarks/packed_attention.py                               # CPU: 2048, 4096, 8192 tokens
+  python benchmarks/packed_attention.py                               # CPU: 4 x 2048 tokens, both cases
   python benchmarks/packed_attention.py --device cuda --dtype bfloat16 --heads 32 --kv-heads 8
 """
 
@@ -15,41 +28,70 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 
 from common import ROOT, emit, parser, time_steps
 
-VARIANTS = ("dense_mask", "per_document")
+CPU_VARIANTS = ("dense_mask", "per_document", "batched", "per_document_sinks", "batched_sinks")
+CUDA_VARIANTS = (*CPU_VARIANTS, "varlen", "flex_sinks")
+
+
+def document_ids(opts, torch):
+    """(batch, seq) ids: documents of ``--doc-len`` tokens (or drawn from its range) end to end."""
+    lo, _, hi = opts.doc_len.partition("-")
+    lo, hi = int(lo), int(hi or lo)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(opts.batch):
+        lengths, total = [], 0
+        while total < opts.seq_len:
+            lengths.append(min(int(torch.randint(lo, hi + 1, (1,), generator=gen)), opts.seq_len - total))
+            total += lengths[-1]
+        rows.append(torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]))
+    return torch.stack(rows)
 
 
 def measure(opts) -> dict:
     """One variant at one length in this process: median forward+backward seconds, peak memory and a
     checksum of the output."""
-    import statistics
+    import dataclasses
+    import time
 
     import torch
     import torch.nn.functional as F
 
     sys.path.insert(0, str(ROOT))
-    from models.common.decoder import attend_within_documents, document_spans
+    from models.common.packed_attention import Documents, packed_attention
+    from tests.test_packed_attention import per_document, spans_of
 
     device, dtype = torch.device(opts.device), getattr(torch, opts.dtype)
-    seq = opts.seq_len
+    seq, window = opts.seq_len, opts.window
     g = torch.Generator(device=device).manual_seed(0)
 
-    def tensor(heads):
-        return torch.randn(1, heads, seq, 64, device=device, dtype=dtype, generator=g, requires_grad=True)
+    def tensor(*shape):
+        return torch.randn(*shape, device=device, dtype=dtype, generator=g, requires_grad=True)
 
-    q, k, v = tensor(opts.heads), tensor(opts.kv_heads), tensor(opts.kv_heads)
-    documents = (torch.arange(seq, device=device) // opts.doc_len)[None]
+    q, k, v = tensor(opts.batch, opts.heads, seq, 64), *(tensor(opts.batch, opts.kv_heads, seq, 64) for _ in "kv")
+    sinks = tensor(opts.heads) if opts.variant.endswith("_sinks") else None
+    ids = document_ids(opts, torch).to(device)
+    start = time.perf_counter()
+    documents = Documents.of(ids, mask_windows={window} if opts.variant == "flex_sinks" else ())
+    documents_s = time.perf_counter() - start
+    if opts.variant.startswith("batched"):  # the CPU's kernel, also where a GPU would take another
+        documents = dataclasses.replace(documents, flash=False, block_masks={})
+    spans = spans_of(ids)
 
     def attend():
-        if opts.variant == "per_document":
-            return attend_within_documents(q, k, v, document_spans(documents), None)
-        causal = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
-        mask = (documents[:, :, None] == documents[:, None, :]) & causal
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=True)
+        if opts.variant == "dense_mask":
+            causal = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
+            causal = causal if window is None else causal.triu(1 - window)
+            mask = (ids[:, :, None] == ids[:, None, :]) & causal
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=True)
+        if opts.variant.startswith("per_document"):
+            return per_document(q, k, v, spans, None, window, sinks)
+        return packed_attention(q, k, v, documents, None, window, sinks)
 
     def step():
         out = attend()
@@ -63,51 +105,81 @@ def measure(opts) -> dict:
         "variant": opts.variant,
         "device": opts.device,
         "dtype": opts.dtype,
+        "batch": opts.batch,
         "seq_len": seq,
         "doc_len": opts.doc_len,
+        "documents": int(documents.cu_seqlens.numel()) - 1,
+        "window": window,
         "heads": opts.heads,
         "kv_heads": opts.kv_heads,
         "fwd_bwd_s": statistics.median(times),
+        "documents_s": documents_s,
         memory: peak,
         "output_sum": out.float().sum().item(),
     }
+
+
+def compare(rounds: list[dict], variant: str) -> dict:
+    """``variant`` against ``per_document`` (with sinks: ``per_document_sinks``) of the same case: the
+    median over the rounds of the ratio within each round (the machine's drift cancels in a pair)."""
+    base_name = "per_document_sinks" if variant.endswith("_sinks") else "per_document"
+    pairs = [(r[base_name], r[variant]) for r in rounds]
+    memory = next(k for k in pairs[0][0] if k.startswith("peak_"))
+    base, ours = pairs[0]
+    return {
+        "comparison": f"{variant} vs {base_name}",
+        "seq_len": ours["seq_len"],
+        "doc_len": ours["doc_len"],
+        "rounds": len(rounds),
+        "speedup": statistics.median(b["fwd_bwd_s"] / o["fwd_bwd_s"] for b, o in pairs),
+        "peak_ratio": statistics.median(o[memory] / max(b[memory], 1) for b, o in pairs),
+        "output_rel_diff": abs(ours["output_sum"] - base["output_sum"]) / max(abs(base["output_sum"]), 1e-12),
+    }
+
+
+def _with_baselines(variants: list[str]) -> list[str]:
+    """``per_document`` first (and ``per_document_sinks`` where a sink variant runs), then the rest."""
+    bases = ["per_document", *(["per_document_sinks"] if any(v.endswith("_sinks") for v in variants) else [])]
+    return bases + [v for v in variants if v not in bases]
 
 
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--seq-lens", default="2048,4096,8192", help="row lengths, comma-separated")
-    p.add_argument("--doc-len", type=int, default=512, help="tokens per packed document (default 512)")
+    p.add_argument("--seq-lens", default="2048", help="row lengths, comma-separated (default 2048)")
+    p.add_argument("--doc-len", default="20-80,300-900", help="tokens per document: N or LO-HI, comma-separated cases")
+    p.add_argument("--batch", type=int, default=4, help="packed rows (default 4)")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # one run in this process
+    p.add_argument("--window", type=int, help="a sliding window in every variant (default: none)")
+    p.add_argument("--variants", help="comma-separated (default: every one the device runs)")
+    p.add_argument("--repeats", type=int, default=2, help="timed steps per run (default 2)")
+    p.add_argument("--rounds", type=int, default=1, help="runs of every variant, in turn (default 1)")
+    p.add_argument("--variant", choices=CUDA_VARIANTS, help=argparse.SUPPRESS)  # one run in this process
     p.add_argument("--seq-len", type=int, help=argparse.SUPPRESS)
     opts = p.parse_args()
     if opts.variant:
         print(json.dumps(measure(opts)))
         return
-    shared = ["--device", opts.device, "--dtype", opts.dtype, "--doc-len", str(opts.doc_len)]
+    variants = opts.variants.split(",") if opts.variants else CUDA_VARIANTS if opts.device == "cuda" else CPU_VARIANTS
+    shared = ["--device", opts.device, "--dtype", opts.dtype, "--batch", str(opts.batch)]
     shared += ["--heads", str(opts.heads), "--kv-heads", str(opts.kv_heads), "--repeats", str(opts.repeats)]
+    shared += ["--window", str(opts.window)] if opts.window else []
     for seq in map(int, opts.seq_lens.split(",")):
-        runs = {}
-        for variant in VARIANTS:
-            cmd = [sys.executable, __file__, "--variant", variant, "--seq-len", str(seq), *shared]
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-            runs[variant] = json.loads(out.strip().splitlines()[-1])
-            emit(runs[variant])
-        dense, ours = runs["dense_mask"], runs["per_document"]
-        memory = next(k for k in dense if k.startswith("peak_"))
-        emit(
-            {
-                "comparison": "per_document vs dense_mask",
-                "seq_len": seq,
-                "speedup": dense["fwd_bwd_s"] / ours["fwd_bwd_s"],
-                "peak_ratio": ours[memory] / max(dense[memory], 1),
-                "output_rel_diff": abs(ours["output_sum"] - dense["output_sum"]) / max(abs(dense["output_sum"]), 1e-12),
-            }
-        )
+        for doc_len in opts.doc_len.split(","):
+            case = ["--seq-len", str(seq), "--doc-len", doc_len, *shared]
+            rounds = [{v: run_variant(v, case) for v in _with_baselines(variants)} for _ in range(opts.rounds)]
+            for variant in rounds[0]:  # each variant's median round
+                emit(sorted((r[variant] for r in rounds), key=lambda run: run["fwd_bwd_s"])[len(rounds) // 2])
+            for variant in variants:
+                if not variant.startswith("per_document"):
+                    emit(compare(rounds, variant))
+
+
+def run_variant(variant: str, case: list[str]) -> dict:
+    cmd = [sys.executable, __file__, "--variant", variant, *case]
+    return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":

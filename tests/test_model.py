@@ -177,8 +177,8 @@ def test_chunked_loss_equals_the_whole_logits_loss_and_computes_each_chunk_once(
 @pytest.mark.parametrize("family", ["llama3", "granite"])  # granite: its own attention scale
 def test_packed_rows_attend_within_documents_as_a_dense_mask_would_without_one(family, monkeypatch):
     """Each document of a packed row attends causally within itself (padding is a document too): the
-    outputs and gradients of a dense (seq, seq) document mask, to 1e-5, while every SDPA call sees one
-    document and no mask."""
+    outputs and gradients of a dense (seq, seq) document mask, to 1e-5, while each row of every SDPA
+    call is one document (each its own length class here) and no call has a mask."""
     import torch.nn.functional as F
 
     from models.registry import get_family

@@ -83,6 +83,7 @@ from torch import nn
 from models.common.feed_forward import TRUNC_BOUND, FeedForward
 from models.common.moe import MoE, MoEOptions
 from models.common.norms import init_norm, rms_norm
+from models.common.packed_attention import Documents, causal_attention, packed_attention
 from models.common.rope import apply_rotary_emb, precompute_freqs_cis
 
 
@@ -128,16 +129,6 @@ def tied_weights(args) -> dict[str, str]:
     return {"output.weight": "tok_embeddings.weight"} if args.tie_word_embeddings else {}
 
 
-def document_spans(document_ids: torch.Tensor) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """Per row, the ``(start, end)`` of each run of equal document ids: packing lays a row's documents
-    (and its padding, a document of its own) end to end. One copy to the host per forward."""
-    change = torch.ones_like(document_ids, dtype=torch.bool)
-    change[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
-    seqlen = document_ids.shape[1]
-    starts = [torch.nonzero(row).flatten().tolist() for row in change.cpu()]
-    return tuple(tuple(zip(row, [*row[1:], seqlen])) for row in starts)
-
-
 def owned_positions(document_ids: torch.Tensor | None) -> torch.Tensor | None:
     """The positions a document owns: ``document_ids >= 0`` (a negative id marks padding, which no
     document owns); None where every position is owned."""
@@ -145,116 +136,6 @@ def owned_positions(document_ids: torch.Tensor | None) -> torch.Tensor | None:
         return None
     owned = document_ids >= 0
     return None if bool(owned.all()) else owned
-
-
-def causal_attention(q, k, v, scale: float | None, window: int | None = None, sinks=None) -> torch.Tensor:
-    """Causal attention over ``(bsz, heads, seq, head_dim)`` (k and v may have fewer heads: GQA).
-
-    ``window``: each query sees itself and the ``window - 1`` positions before it (transformers'
-    ``sliding_window``: key j is seen by query i when ``i - window < j <= i``). ``sinks``: one logit
-    per q head that joins every query's softmax and takes its share of the probability mass without
-    contributing a value (gpt-oss).
-
-    Always one SDPA call. Without a window it is SDPA's ``is_causal`` (sinks too: ``_with_sink_key``).
-    A window is a boolean mask: a banded ``(seq, seq)`` one, or, when the sequence is much longer
-    than the window, one over blocks of queries that each see only the keys their window reaches
-    (``_window_blocks``), so that work and memory grow with ``seq * window``, not ``seq^2``
-    (measured on a busy 2-core CPU, window 128, 4096 tokens, forward and backward: 14x and 22x
-    faster than full causal SDPA in two runs; ``benchmarks/attention_sinks.py``). A sink is one
-    more key whose value is zero.
-    """
-    bsz, heads, seqlen, dim = q.shape
-    scale = dim**-0.5 if scale is None else scale
-    windowed = window is not None and window < seqlen
-    if sinks is None and not windowed:
-        # GQA: each kv head serves n_heads / n_kv_heads q heads, without copying K and V per q head.
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    blocked = windowed and seqlen > 2 * (_block_size(window) + window)
-    mask = None  # causal
-    if blocked:
-        q, k, v, mask = _window_blocks(q, k, v, window)
-    elif windowed:
-        mask = torch.ones(seqlen, seqlen, dtype=torch.bool, device=q.device).tril().triu(1 - window)
-    if sinks is not None:
-        q, k, v, mask = _with_sink_key(q, k, v, mask, sinks, scale)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
-    if sinks is not None:  # drop the sink's channels, and the query placed before the sequence
-        out = out[..., :dim] if mask is not None else out[:, :, 1:, :dim]
-    if not blocked:
-        return out
-    # (bsz * blocks, heads, block, head_dim) -> (bsz, heads, seq, head_dim)
-    out = out.view(bsz, -1, heads, out.shape[2], dim).transpose(1, 2)
-    return out.reshape(bsz, heads, -1, dim)[:, :, :seqlen]
-
-
-def _block_size(window: int) -> int:
-    return max(window, 128)  # queries per block: at least 128, so a small window is not many tiny calls
-
-
-def _window_blocks(q, k, v, window: int):
-    """Sliding-window attention as attention within blocks: the queries in blocks of
-    ``_block_size(window)`` (the last padded), each block with the ``block + window - 1`` keys and
-    values from ``window - 1`` before it to its end (zeros before the sequence and after it), as a
-    batch of ``bsz * blocks`` rows for one SDPA call, and the mask that keeps each query's window and
-    drops the zeros before the sequence. The keys are copied once more (the blocks overlap by
-    ``window - 1``); no score outside a block's reach is computed."""
-    bsz, heads, seqlen, dim = q.shape
-    size = _block_size(window)
-    blocks = -(-seqlen // size)
-    pad, span = blocks * size - seqlen, size + window - 1
-    q = F.pad(q, (0, 0, 0, pad)).view(bsz, heads, blocks, size, dim).transpose(1, 2).flatten(0, 1)
-
-    def reach(x):  # (bsz, kv_heads, seq, d) -> (bsz * blocks, kv_heads, span, d)
-        x = F.pad(x, (0, 0, window - 1, pad)).unfold(2, span, size)  # (bsz, kv_heads, blocks, d, span)
-        return x.permute(0, 2, 1, 4, 3).flatten(0, 1)
-
-    a = torch.arange(size, device=q.device)[:, None]  # a query's place in its block
-    c = torch.arange(span, device=q.device)[None]  # a key's place in its block's reach
-    first = torch.arange(blocks, device=q.device)[:, None, None] * size - (window - 1)  # position of c = 0
-    mask = (c >= a) & (c <= a + window - 1) & (first + c >= 0)  # i - window < j <= i, j in the sequence
-    return q, reach(k), reach(v), mask[:, None].repeat(bsz, 1, 1, 1)
-
-
-def _with_sink_key(q, k, v, mask, sinks, scale: float):
-    """The inputs of one SDPA call that computes attention with a sink logit per q head.
-
-    A key placed before the sequence, seen by every query, with a zero value, whose logit is the
-    head's sink: q gains a channel holding ``sink / scale``, every real key a zero there (their
-    logits are unchanged), the sink key a one there and zeros elsewhere. The sink rides on q, not k,
-    so GQA's shared kv heads still serve q heads with different sinks. The added channels are 8
-    (the alignment fused GPU kernels ask of a head size), and v gets them too (zeros: one head size
-    for q, k and v, as flash attention asks). Causal (``mask`` None), a zero query is placed before
-    the sequence as well, so that SDPA's causal corner lines query i up with key i + 1, its own, and
-    no mask is needed; with a mask, the mask gains the sink's column.
-    """
-    extra = q.new_zeros(*q.shape[:-1], 8)
-    extra[..., 0] = (sinks.to(q.dtype) / scale)[None, :, None]
-    q = torch.cat([q, extra], dim=-1)
-    k = torch.cat([k, k.new_zeros(*k.shape[:-1], 8)], dim=-1)
-    sink_key = k.new_zeros(*k.shape[:2], 1, k.shape[-1])
-    sink_key[..., -8] = 1
-    k = torch.cat([sink_key, k], dim=2)
-    v = torch.cat([v, v.new_zeros(*v.shape[:-1], 8)], dim=-1)
-    v = torch.cat([v.new_zeros(*v.shape[:2], 1, v.shape[-1]), v], dim=2)
-    if mask is None:
-        return torch.cat([q.new_zeros(*q.shape[:2], 1, q.shape[-1]), q], dim=2), k, v, None
-    return q, k, v, torch.cat([mask.new_ones(*mask.shape[:-1], 1), mask], dim=-1)
-
-
-@torch.compiler.disable  # the spans change with every batch: compiled, each would be a graph of its own
-def attend_within_documents(q, k, v, spans, scale: float | None, window: int | None = None, sinks=None):
-    """``causal_attention`` inside each document of each row, ``(bsz, heads, seq, head_dim)`` in and
-    out: one call per document (variable-length attention), so no score across documents is
-    computed. With per-document positions a packed row then computes exactly what its documents
-    compute one by one."""
-    rows = []
-    for b, row in enumerate(spans):
-        parts = [
-            causal_attention(q[b : b + 1, :, s:e], k[b : b + 1, :, s:e], v[b : b + 1, :, s:e], scale, window, sinks)
-            for s, e in row
-        ]
-        rows.append(torch.cat(parts, dim=2))
-    return torch.cat(rows, dim=0)
 
 
 class Attention(nn.Module):
@@ -297,8 +178,8 @@ class Attention(nn.Module):
             init_norm(init, self.q_norm)
             init_norm(init, self.k_norm)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, spans=None) -> torch.Tensor:
-        """``spans``: a packed batch's documents (``document_spans``); None: each row is one."""
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        """``documents``: a packed batch's (``Documents.of``); None: each row is one."""
         bsz, seqlen, _ = x.shape
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
@@ -310,10 +191,10 @@ class Attention(nn.Module):
         q, k = apply_rotary_emb(q, freqs_cis), apply_rotary_emb(k, freqs_cis)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         scale = self.options.attention_multiplier
-        if spans is None:
+        if documents is None:
             out = causal_attention(q, k, v, scale, self.window, self.sinks)
         else:
-            out = attend_within_documents(q, k, v, spans, scale, self.window, self.sinks)
+            out = packed_attention(q, k, v, documents, scale, self.window, self.sinks)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
@@ -341,10 +222,10 @@ class TransformerBlock(nn.Module):
             if norm is not None:
                 init_norm(init, norm)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, spans=None, owned=None) -> torch.Tensor:
-        """``spans``: a packed batch's documents (``document_spans``); ``owned``: the positions a
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, documents=None, owned=None) -> torch.Tensor:
+        """``documents``: a packed batch's (``Documents.of``); ``owned``: the positions a
         document owns (``owned_positions``), routed by a mixture of experts (None: all)."""
-        attended = self.attention(self.attention_norm(x), freqs_cis, spans)
+        attended = self.attention(self.attention_norm(x), freqs_cis, documents)
         if self.post_attention_norm is not None:
             attended = self.post_attention_norm(attended)
         if self.residual_multiplier != 1.0:
@@ -439,10 +320,10 @@ class Transformer(nn.Module):
         """
         h = tokens if self.tok_embeddings is None else self.embed(tokens)
         freqs_cis, window_freqs_cis = self.rope_tables(tokens.shape[1], positions)
-        spans = None if document_ids is None else document_spans(document_ids)
+        documents = None if document_ids is None else Documents.of(document_ids, self.sink_windows())
         owned = owned_positions(document_ids)
         for i, layer in self.layers.items():
-            h = layer(h, freqs_cis if self.options.window(int(i)) is None else window_freqs_cis, spans, owned)
+            h = layer(h, freqs_cis if self.options.window(int(i)) is None else window_freqs_cis, documents, owned)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is None:
@@ -474,6 +355,13 @@ class Transformer(nn.Module):
             if table is not None:
                 rows.append(table if positions is None else table[positions])
         return rows[0], rows[-1]
+
+    def sink_windows(self) -> set[int | None]:
+        """The windows of this module's layers that have sinks, whose packed attention takes flex
+        attention's block masks on CUDA (``packed_attention``)."""
+        if not self.options.attention_sinks:
+            return set()
+        return {self.options.window(int(i)) for i in self.layers}
 
     def project(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden states -> logits."""

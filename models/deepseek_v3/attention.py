@@ -16,7 +16,7 @@ The RoPE part rotates interleaved pairs, as the rest of the decoder does (and as
 weights are laid out: HF's ``rope_interleave``). The softmax scale is ``(qk_nope + qk_rope)^-0.5``,
 times the square of YaRN's attention scale when the RoPE is stretched (``args.softmax_scale``).
 
-The module keeps the shared decoder's attention interface -- ``forward(x, freqs_cis, spans)`` --
+The module keeps the shared decoder's attention interface -- ``forward(x, freqs_cis, documents)`` --
 and reshapes with ``-1`` heads, so a tensor-parallel rank holding some heads of ``wq``/``wq_b`` and
 ``wkv_b`` (and the matching input columns of ``wo``) runs it unchanged.
 
@@ -37,8 +37,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.common.decoder import attend_within_documents, causal_attention
 from models.common.feed_forward import TRUNC_BOUND
+from models.common.packed_attention import causal_attention, packed_attention
 from models.common.rope import apply_rotary_emb
 
 
@@ -78,8 +78,8 @@ class MultiHeadLatentAttention(nn.Module):
             if norm is not None:
                 init.ones_(norm.weight)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, spans=None) -> torch.Tensor:
-        """``spans``: a packed batch's documents (``document_spans``); None: each row is one."""
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, documents=None) -> torch.Tensor:
+        """``documents``: a packed batch's (``Documents.of``); None: each row is one."""
         bsz, seqlen, _ = x.shape
         q = self.wq_b(self.q_norm(self.wq_a(x))) if hasattr(self, "wq_a") else self.wq(x)
         q_nope, q_rope = q.view(bsz, seqlen, -1, self.nope_dim + self.rope_dim).split(
@@ -95,8 +95,8 @@ class MultiHeadLatentAttention(nn.Module):
         q = torch.cat([q_nope, q_rope], dim=-1).transpose(1, 2)
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1).transpose(1, 2)
         v = v.transpose(1, 2)
-        if spans is None:
+        if documents is None:
             out = causal_attention(q, k, v, self.softmax_scale)
         else:
-            out = attend_within_documents(q, k, v, spans, self.softmax_scale)
+            out = packed_attention(q, k, v, documents, self.softmax_scale)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
