@@ -12,6 +12,9 @@ import sys
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 if __name__ == "__main__":
+    from seedckpt.utils.agent import die_with_agent
+
+    die_with_agent()  # under torchrun: a worker whose agent is killed (kill -9) does not train on alone
     # Ctrl-C while torch loads is only noted, then answered with one line (from rank 0): raised as
     # an exception inside an import, it can be caught there and lost, and the run would go on.
     interrupted: list[int] = []

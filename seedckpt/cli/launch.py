@@ -18,7 +18,9 @@ environment variable works as documented -- with only the ending changed:
   so is losing it mid-run: the c10d store lives in one node's agent, so when that node stops or is
   killed the others' agents lose it, stop their workers and end here;
 * torch's C++ warnings (``TORCH_CPP_LOG_LEVEL``, unless set) are left out: a lost store prints each
-  failed socket call with a 30-frame stack before the agent raises.
+  failed socket call with a 30-frame stack before the agent raises;
+* ``kill -9`` of this command kills its workers too (``train.py`` asks for the kernel's parent-death
+  signal: ``seedckpt.utils.agent``), instead of leaving them training and writing checkpoints.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import logging
 import os
 import signal
 import sys
+
+from seedckpt.utils.agent import AGENT_PID_ENV
 
 # Statuses a worker reports with its own line (``rank_failures``; a stop on one of
 # ``checkpoint.save_on_signals`` after saving): nothing to add to them.
@@ -52,6 +56,7 @@ def main(argv: list[str]) -> int:
         "seedckpt launch --standalone --nproc-per-node 4 train.py --config configs/debug.toml"
     )
     args = parser.parse_args(argv)
+    os.environ[AGENT_PID_ENV] = str(os.getpid())  # the workers check they are still this agent's (die_with_agent)
     # The agent logs each failed and stopped worker and each signal it forwards (ERROR / WARNING lines
     # with pids); the worker's own line and the ones below say it once. Each of torchelastic's
     # loggers sets its own level when its module is imported, as the ones above just were.

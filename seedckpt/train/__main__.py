@@ -2,6 +2,10 @@
 
 import sys
 
-from seedckpt.train.trainer import main
+from seedckpt.utils.agent import die_with_agent
+
+die_with_agent()  # before the imports' seconds: under torchrun, the worker dies with its agent
+
+from seedckpt.train.trainer import main  # noqa: E402
 
 sys.exit(main())
