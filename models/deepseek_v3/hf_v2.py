@@ -29,6 +29,8 @@ import warnings
 
 import torch
 
+from models.common import hf_config
+from models.common.args import check_bool
 from models.common.hf_names import HFNames
 from models.deepseek_v3 import hf
 from models.deepseek_v3.args import DeepseekV3Args
@@ -71,10 +73,10 @@ def v2_args(cfg: dict) -> DeepseekV3Args:
             f"config.json has scoring_func = {cfg['scoring_func']!r}; transformers' DeepSeek-V2 scores by softmax "
             "(a sigmoid-routed DeepSeek is model_type deepseek_v3)"
         )
-    if cfg.get("norm_topk_prob"):
+    if hf_config.read(cfg, "norm_topk_prob", check_bool, False):
         raise ValueError(
             "config.json has norm_topk_prob = true, which transformers' DeepSeek-V2 ignores (it never "
-            "renormalizes) and DeepSeek's own code follows: set it false to load it as transformers does"
+            "renormalizes) and DeepSeek's own code honours: set it false to load it as transformers computes it"
         )
     if cfg.get("num_experts_per_tok") is None:
         raise ValueError("config.json lacks num_experts_per_tok (DeepseekV2Config has no default)")
