@@ -24,6 +24,7 @@ from seedckpt import load_model
 from seedckpt.cli.main import main as cli
 from seedckpt.materialize.model_checkpoint import open_model_checkpoint
 from seedckpt.materialize.seed import create_seed_checkpoint
+from seedckpt.utils.errors import SeedckptError
 from tests.conftest import tiny_config
 from tests.test_deepseek_v3 import (
     ONE,
@@ -167,9 +168,9 @@ def test_torchtitan_flavors_route_as_torchtitan_and_export_where_a_class_can(tmp
     assert not (tmp_path / "hf").exists()
 
 
-def _titan_checkpoint(hf_dir, path, layers: int, experts: int, bias: torch.Tensor | None = None):
+def _titan_checkpoint(hf_dir, path, layers: int, experts: int, bias: torch.Tensor | None = None, extra=None):
     """``hf_dir``'s DeepSeek-V2 weights as torchtitan 0.3.0 saves a DeepSeek step (its names; experts
-    stacked; an ``expert_bias_E`` in every MoE layer, zero unless given)."""
+    stacked; an ``expert_bias_E`` in every MoE layer, zero unless given), and the ``extra`` tensors."""
     hf = hf_tensors(hf_dir)
     state = {ours: hf[theirs] for ours, theirs in TITAN_TOP.items()}
     for i in range(layers):
@@ -186,7 +187,7 @@ def _titan_checkpoint(hf_dir, path, layers: int, experts: int, bias: torch.Tenso
         for ours, theirs in TITAN_EXPERTS.items():
             stacked = [hf[f"model.layers.{i}.mlp.experts.{e}.{theirs}.weight"] for e in range(experts)]
             state[f"layers.{i}.moe.routed_experts.inner_experts.{ours}"] = torch.stack(stacked)
-    dcp.save(state, checkpoint_id=str(path), no_dist=True)
+    dcp.save(state | (extra or {}), checkpoint_id=str(path), no_dist=True)
     return path
 
 
@@ -249,6 +250,25 @@ def test_torchtitan_multi_token_prediction_layers_are_left_out_in_one_line():
         "mtp_layers.0 and up (torchtitan's multi-token-prediction layers, 2) are skipped: this model, like "
         "transformers', predicts the next token only"
     )
+
+
+def test_a_torchtitan_checkpoint_with_multi_token_prediction_layers_loads_without_them(tmp_path):
+    """torchtitan's DeepSeek step with an ``mtp_layers.0`` module: read with one line naming what is
+    skipped, the same logits as without it; a stray tensor beside it is still refused."""
+    path = hf_model(tmp_path / "hf", **CASES["greedy_plain_q_yarn"])
+    args = open_model_checkpoint(path).args
+    plain = load_model(_titan_checkpoint(path, tmp_path / "plain", 3, 8), model="deepseek_v3", args=args)
+    mtp = {"mtp_layers.0.eh_proj.weight": torch.randn(64, 128), "mtp_layers.0.enorm.weight": torch.ones(64)}
+    with_mtp = _titan_checkpoint(path, tmp_path / "mtp", 3, 8, extra=mtp)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        model = load_model(with_mtp, model="deepseek_v3", args=args)
+    assert any("mtp_layers.0 and up (torchtitan's multi-token-prediction layers" in str(w.message) for w in said)
+    with torch.no_grad():
+        assert torch.equal(model(TOKENS), plain(TOKENS))
+    stray = _titan_checkpoint(path, tmp_path / "stray", 3, 8, extra={**mtp, "extra.weight": torch.ones(2)})
+    with pytest.raises(SeedckptError, match="extra.weight"):
+        load_model(stray, model="deepseek_v3", args=args)
 
 
 SOFTMAX_GROUPS = ["--model.score_func", "softmax", "--model.norm_topk_prob", "false", "--model.group_top", "1"]

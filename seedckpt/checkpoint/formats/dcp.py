@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -81,10 +82,11 @@ class DcpCheckpoint(OpenedCheckpoint):
         recorded = recorded_layout(codec, manifest, path)
         renamings = codec.renamings(recorded or layout).values() if codec else ()
         # Our FQN -> the name adapter of the tool whose names the checkpoint is in (none: ours).
-        self.renamed = _renamed(self.metadata.state_dict_metadata, renamings)
+        self.renamed, left_out = _renamed(self.metadata.state_dict_metadata, renamings)
         self.stored = {fqn: names.to_stored(fqn) for fqn, names in self.renamed.items()}  # our FQN -> key
         ours = {key: fqn for fqn, key in self.stored.items()}
-        self.all_tensors = {ours.get(k, k): v for k, v in tensor_infos(self.metadata).items()}
+        infos = tensor_infos(self.metadata)
+        self.all_tensors = {ours.get(k, k): v for k, v in infos.items() if k not in left_out}
         super().__init__(
             path, {f: i for f, i in self.all_tensors.items() if is_model_key(f)}, manifest, recorded, layout
         )
@@ -269,15 +271,22 @@ def _shared_bytes(metadata) -> dict[str, str]:
     }
 
 
-def _renamed(keys, renamings) -> dict:
+def _renamed(keys, renamings) -> tuple[dict, set[str]]:
     """``{our FQN: name adapter}`` for every key of a checkpoint in another tool's names: those of the
     first of the ``renamings`` that maps one of its keys to another name. Every key, since a name
-    that is ours may still hold rows in that tool's order (torchtitan's Qwen3 ``q_norm``)."""
+    that is ours may still hold rows in that tool's order (torchtitan's Qwen3 ``q_norm``). Also the
+    stored keys that tool's adapter leaves out on purpose (torchtitan's multi-token-prediction
+    layers), named in one warning line; keys it maps to nothing and does not leave out stay, so
+    the model's check refuses them."""
     for names in renamings:
         ours = {key: names.from_stored(key) for key in keys}
         if any(fqn is not None and fqn != key for key, fqn in ours.items()):
-            return {fqn: names for fqn in ours.values() if fqn is not None}
-    return {}
+            skipped = [key for key, fqn in ours.items() if fqn is None]
+            refused, note = names.left_out(skipped) if skipped else ([], None)
+            if note is not None:
+                warnings.warn(note, stacklevel=4)
+            return {fqn: names for fqn in ours.values() if fqn is not None}, set(skipped) - set(refused)
+    return {}, set()
 
 
 def write(source: OpenedCheckpoint, dst: Path, job: WriteJob, names: NameAdapter | None = None) -> Path:
