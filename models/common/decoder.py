@@ -118,6 +118,9 @@ class DecoderOptions:
     # The blocks' attention module, built as ``attention(args, init_std)`` and called as ``Attention``
     # is; None: ``Attention`` (DeepSeek-V3's multi-head latent attention is its family's own)
     attention: Callable[..., nn.Module] | None = None
+    # Per layer, the blocks' attention module, built as ``layer_attention(args, layer_id, init_std)`` and
+    # called as ``Attention`` is, where layers differ in kind (Qwen3.5's linear and full attention)
+    layer_attention: Callable[..., nn.Module] | None = None
 
     def window(self, layer_id: int) -> int | None:
         """Layer ``layer_id``'s sliding window (``layer_windows``)."""
@@ -205,7 +208,12 @@ class TransformerBlock(nn.Module):
         self.residual_multiplier = args.decoder_options.residual_multiplier
         options = args.decoder_options
         window = options.window(layer_id)
-        self.attention = options.attention(args, init_std) if options.attention else Attention(args, init_std, window)
+        if options.layer_attention is not None:
+            self.attention = options.layer_attention(args, layer_id, init_std)
+        elif options.attention is not None:
+            self.attention = options.attention(args, init_std)
+        else:
+            self.attention = Attention(args, init_std, window)
         moe = options.moe if layer_id in options.moe_layers else None
         self.feed_forward = (
             FeedForward(args.dim, args.ffn_hidden_dim, options, init_std, options.activation) if moe is None else None
