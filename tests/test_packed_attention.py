@@ -69,7 +69,6 @@ def _outputs_and_grads(attend, inputs):
 
 
 def _assert_same(attend, inputs, ids, scale, window, rtol=1e-5, atol=1e-5):
-    q, k, v, sinks = inputs
     got, got_grads = _outputs_and_grads(attend, inputs)
     want, want_grads = _outputs_and_grads(
         lambda q, k, v, s: per_document(q.float(), k.float(), v.float(), spans_of(ids), scale, window, s), inputs
