@@ -133,7 +133,7 @@ def test_sigkill_during_a_background_write_leaves_the_previous_step_loadable(tmp
 def _one_in_flight_worker(rank, world_size, folder):
     """Two saves back to back through ``BackgroundSaver`` with a slow write: how many writes ran at
     once, how long the second save stalled, and whether each write saw its state as it was staged
-    (the tensors are changed right after each save, as the next optimizer step would)."""
+    (the tensors are changed once staged, as the next optimizer step does)."""
     from seedckpt.checkpoint.background import BackgroundSaver
 
     saver = BackgroundSaver(torch.device("cpu"))
@@ -156,10 +156,12 @@ def _one_in_flight_worker(rank, world_size, folder):
 
     weight = torch.full((1000,), 1.0)
     saver.save(Path(folder) / "step-1", {"w": weight}, slow_write)
+    saver.wait_for_staging()  # as the trainer does before the state changes
     weight.fill_(2.0)
     first = saver.wait()
     gate.clear()
     saver.save(Path(folder) / "step-2", {"w": weight}, slow_write)
+    saver.wait_for_staging()
     weight.fill_(3.0)
     returned_while_writing = len(seen) == 1  # save() came back with its write still held at the gate
     try:
@@ -235,6 +237,7 @@ def _saves_three_times_worker(rank, world_size, folder):
     for step in (1, 2, 3):
         path = Path(folder) / f"step-{step}"
         saver.save(path, {"w": weight}, functools.partial(write_checkpoint, path, manifest={"kind": "test"}))
+        saver.wait_for_staging()
         weight.add_(1.0)
         saver.wait()
     return [DcpCheckpoint(Path(folder) / f"step-{s}").read_tensor("w").unique().tolist() for s in (1, 2, 3)]

@@ -16,11 +16,11 @@ synchronous one and a crash mid-write publishes nothing. What this module adds:
   with ``cudaHostRegister`` at their exact size (the caching host allocator behind
   ``pin_memory=True`` rounds each block up to a power of two), and the copies are issued
   ``non_blocking`` on a side stream, ordered after the step's kernels on the GPU rather than by a
-  host synchronize: the training thread waits only for those device-to-host copies, before the
-  optimizer changes the weights (``wait_for_staging``), so they overlap the next step's forward
-  and backward. On CPU the copy is a plain memory copy in the training thread (there is no device
-  to overlap). DTensors keep their mesh and placements. The checksums are computed by the write,
-  in the background thread, on the staged copy.
+  host synchronize. On CPU a staging thread copies (``copy_`` releases the GIL), its first save's
+  page faults included. Either way the copies overlap the next step's forward and backward, and
+  the training thread waits only for what is left of them, before anything changes the state
+  (``wait_for_staging``). DTensors keep their mesh and placements. The checksums are computed by
+  the write, in the background thread, on the staged copy.
 * **Its own gloo group** for the write's collectives (DCP's plan exchange, the partial directory's
   name, the final barrier). Two threads must not issue collectives on one group: the background
   write would interleave with training's all-reduces on the default group. Created once, by every
@@ -42,7 +42,6 @@ import weakref
 from collections.abc import Callable
 from concurrent import futures
 from concurrent.futures import Future
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,52 +60,67 @@ class StagingBuffers:
     """Host copies of a state dict, in buffers kept by each entry's key path (a tensor's buffer is
     reallocated only when its shape or dtype changes; a key no longer saved releases its own).
 
-    ``stage`` returns the staged state dict: the buffers (the writer reads them directly: each owns
-    exactly its tensor's bytes), DTensors rebuilt over them with their mesh and placements, and a
-    deep copy of everything else. On CUDA the copies may still be running when it returns:
-    ``copied`` is the event they end at, and the sources are kept alive until ``wait``, so that
-    the caching allocator cannot hand their memory to a new tensor while a copy still reads it."""
+    ``stage`` returns the staged state dict at once: the buffers (the writer reads them directly:
+    each owns exactly its tensor's bytes), DTensors rebuilt over them with their mesh and
+    placements, and a deep copy of everything else. The tensors' copies are still running then:
+    ``copied`` is what they end at (CUDA: an event on the side stream; CPU: a future, the copies
+    running in a thread, which ``copy_`` lets run beside the training thread). The sources are kept
+    alive until ``wait``: the caching allocator must not hand their memory to a new tensor while a
+    copy still reads it."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.device = device
         self.buffers: dict[tuple, torch.Tensor] = {}
         self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self.copied: torch.cuda.Event | None = None
+        self.copied: torch.cuda.Event | Future | None = None
         self.sources: dict | None = None
 
     @torch.no_grad()
     def stage(self, state_dict: dict) -> dict:
         used: dict[tuple, torch.Tensor] = {}
-        if self.cuda:
-            # The side stream starts after the step's last kernels (the optimizer's), on the GPU.
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream) if self.cuda else nullcontext():
-            staged = self._copy(state_dict, (), used)
-        self.buffers = used
-        if self.cuda:
-            self.copied, self.sources = self.stream.record_event(), state_dict
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        staged = self._plan(state_dict, (), used, copies)
+        self.buffers, self.sources = used, state_dict
+        self.copied = self._start(copies)
         return staged
 
     def wait(self) -> None:
-        """Until the copies are done (CUDA; on CPU ``stage`` copied synchronously)."""
-        if self.copied is not None:
+        """Until the copies are done. A failed copy is not raised here: the write, which waits for
+        them too (``copies_done``), fails with it, and every rank hears of it."""
+        if isinstance(self.copied, Future):
+            futures.wait([self.copied])
+        elif self.copied is not None:
             self.copied.synchronize()
         self.copied = self.sources = None
 
-    def _copy(self, value, key: tuple, used: dict):
+    def _start(self, copies: list) -> torch.cuda.Event | Future:
+        if not self.cuda:
+            done: Future = Future()
+            threading.Thread(target=_copy_all, args=(copies, done), daemon=True, name="seedckpt-staging").start()
+            return done
+        # The side stream starts after the step's last kernels (the optimizer's), on the GPU.
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream), torch.no_grad():
+            for buffer, source in copies:
+                buffer.copy_(source, non_blocking=True)
+        return self.stream.record_event()
+
+    def _plan(self, value, key: tuple, used: dict, copies: list):
+        """``value``'s staged counterpart; each tensor's (buffer, source) appended to ``copies``."""
         if isinstance(value, DTensor):
-            return DTensor(self._copy(value.to_local(), key, used), value._spec, requires_grad=False)
+            return DTensor(self._plan(value.to_local(), key, used, copies), value._spec, requires_grad=False)
         if isinstance(value, torch.Tensor):
             buffer = self.buffers.get(key)
             if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
                 buffer = self._allocate(value)
-            used[key] = buffer.copy_(value, non_blocking=self.cuda)
+            used[key] = buffer
+            copies.append((buffer, value.detach()))
             return buffer
         if isinstance(value, dict):
-            return {k: self._copy(v, (*key, k), used) for k, v in value.items()}
+            return {k: self._plan(v, (*key, k), used, copies) for k, v in value.items()}
         if type(value) in (list, tuple):
-            return type(value)(self._copy(v, (*key, i), used) for i, v in enumerate(value))
+            return type(value)(self._plan(v, (*key, i), used, copies) for i, v in enumerate(value))
         return copy.deepcopy(value)
 
     def _allocate(self, like: torch.Tensor) -> torch.Tensor:
@@ -114,6 +128,25 @@ class StagingBuffers:
         if self.cuda and buffer.nbytes:
             _pin(buffer)
         return buffer
+
+
+def _copy_all(copies: list[tuple[torch.Tensor, torch.Tensor]], done: Future) -> None:
+    try:
+        with torch.no_grad():
+            for buffer, source in copies:
+                buffer.copy_(source)
+    except BaseException as e:  # noqa: BLE001 -- reported by the write that waits for it
+        done.set_exception(e)
+    else:
+        done.set_result(None)
+
+
+def copies_done(copied: torch.cuda.Event | Future | None) -> None:
+    """Wait for ``StagingBuffers.copied``; raises what a copy raised."""
+    if isinstance(copied, Future):
+        copied.result()
+    elif copied is not None:
+        copied.synchronize()
 
 
 def _pin(buffer: torch.Tensor) -> None:
@@ -175,11 +208,10 @@ class BackgroundSaver:
         thread.start()
         self.in_flight.stall_s = time.perf_counter() - start
 
-    def _write(self, staged: dict, copied: torch.cuda.Event | None, write: Write, done: Future) -> None:
+    def _write(self, staged: dict, copied: torch.cuda.Event | Future | None, write: Write, done: Future) -> None:
         start = time.perf_counter()
         try:
-            if copied is not None:  # CUDA: the buffers are complete
-                copied.synchronize()
+            copies_done(copied)  # the buffers are complete
             write(staged, group=self.group)
         except BaseException as e:  # noqa: BLE001 -- DCP's CheckpointException is a BaseException
             done.set_exception(e)
@@ -187,8 +219,8 @@ class BackgroundSaver:
             done.set_result(time.perf_counter() - start)
 
     def wait_for_staging(self) -> None:
-        """Block until the staged copies are complete (CUDA; a no-op on CPU, whose copy is
-        synchronous). Call before anything changes the tensors being saved; the wait counts as stall."""
+        """Block until the staged copies are complete. Call before anything changes the tensors
+        being saved (the trainer: after the step's backward); the wait counts as stall."""
         if self.staging.sources is None:
             return
         start = time.perf_counter()
