@@ -152,7 +152,7 @@ def copies_done(copied: torch.cuda.Event | Future | None) -> None:
 def _pin(buffer: torch.Tensor) -> None:
     """Page-lock ``buffer``'s memory for asynchronous device-to-host copies, until it is freed."""
     cudart, ptr = torch.cuda.cudart(), buffer.data_ptr()
-    status = int(cudart.cudaHostRegister(ptr, buffer.nbytes, 0))
+    status = int(cudart.cudaHostRegister(ptr, buffer.nbytes, 1))  # cudaHostRegisterPortable: any context
     if status != 0:
         raise RuntimeError(f"pinning {buffer.nbytes:,} bytes of host memory for staging failed (cudaError {status})")
     weakref.finalize(buffer, cudart.cudaHostUnregister, ptr).atexit = False
