@@ -69,7 +69,8 @@ def chunk_generator(seed: int, fqn: str, chunk: int) -> torch.Generator:
 @dataclass(frozen=True)
 class TensorInit:
     """One tensor's recipe: ``normal`` / ``trunc_normal`` (N(0, std^2), cut at +-cutoff*std) / ``ones``
-    / ``zeros``.
+    / ``zeros`` / ``uniform`` (U(low, high)) / ``log_uniform`` (the log of U(low, high): a decay rate's
+    log, as Gated DeltaNet's ``A_log``).
 
     ``key``: the FQN whose values the tensor takes when not its own (a tied output projection on
     the last pipeline stage is drawn under the embedding's FQN)."""
@@ -78,6 +79,8 @@ class TensorInit:
     std: float = 1.0
     cutoff: float | None = None
     key: str | None = None
+    low: float = 0.0
+    high: float = 1.0
 
     def key_for(self, fqn: str) -> str:
         return self.key or fqn
@@ -85,6 +88,11 @@ class TensorInit:
     def fill_chunk(self, out: torch.Tensor, generator: torch.Generator) -> None:
         if self.kind in ("ones", "zeros"):
             out.fill_(1.0 if self.kind == "ones" else 0.0)
+            return
+        if self.kind in ("uniform", "log_uniform"):
+            out.uniform_(self.low, self.high, generator=generator)
+            if self.kind == "log_uniform":
+                out.log_()
             return
         out.normal_(0.0, self.std, generator=generator)
         if self.kind == "trunc_normal":
@@ -151,6 +159,9 @@ class Initializer:
 
     def trunc_normal_(self, tensor: torch.Tensor, std: float, cutoff: float = 2.0, key: str | None = None) -> None:
         self._apply(tensor, TensorInit("trunc_normal", std=std, cutoff=cutoff, key=key))
+
+    def uniform_(self, tensor: torch.Tensor, low: float, high: float, log: bool = False) -> None:
+        self._apply(tensor, TensorInit("log_uniform" if log else "uniform", low=low, high=high))
 
     def ones_(self, tensor: torch.Tensor) -> None:
         self._apply(tensor, TensorInit("ones"))

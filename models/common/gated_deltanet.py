@@ -1,0 +1,219 @@
+"""Gated DeltaNet: linear attention whose state is a fast-weight matrix written by the delta rule and
+decayed by a learned gate (Qwen3.5's ``linear_attention`` layers; Yang, Kautz and Hatamizadeh 2024).
+
+Per value head, with ``q``, ``k`` L2-normalized (``q`` also times ``k_head_dim^-0.5``), a decay
+``g_t <= 0`` and a write strength ``beta_t`` in (0, 1), the state ``S`` (``k_head_dim x
+v_head_dim``) runs
+
+    S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,    o_t = S_t^T q_t.
+
+``gated_delta_rule`` computes it a chunk of ``CHUNK`` positions at a time (the WY/UT form): inside
+a chunk starting from ``S_0``, with ``G_t`` the chunk's cumulative decay, every state is ``S_t =
+e^{G_t} S_0 + sum_{i<=t} e^{G_t - G_i} k_i w_i^T``, and the ``w`` solve one unit lower-triangular
+system ``(I + A) W = beta V - beta e^{G} K S_0`` with ``A_ti = beta_t e^{G_t - G_i} k_t.k_i``
+(``i < t``). So a chunk is a few matmuls and one triangular solve, and only the chunks run in
+sequence. ``recurrent_gated_delta_rule`` is the recurrence token by token: the reference the tests
+hold the chunked form to. On CUDA, where ``flash-linear-attention`` is installed (the ``fla`` extra),
+its fused chunked kernel computes the same (``fla_gated_delta_rule``).
+
+The layer (``GatedDeltaNet``), as ``transformers``' ``Qwen3_5GatedDeltaNet`` lays it out: one
+projection for q, k and v together (``in_proj_qkv``: all q heads, then k's, then v's), one for the
+output gate ``z`` (``in_proj_z``), one each for ``beta``'s and the decay's logits (``in_proj_b``,
+``in_proj_a``); a depthwise causal convolution of ``conv_kernel`` taps over q, k and v (``conv1d``)
+followed by SiLU; ``g = -exp(A_log) softplus(a + dt_bias)``; a value head per ``v_heads /
+k_heads`` of each q/k head; the output RMS-normed per head and gated by ``silu(z)`` (``norm``), then
+projected back (``out_proj``).
+
+Packed rows: each document starts from a zero state and an empty convolution window, as it would
+alone -- the recurrence's counterpart of attention's document mask. The documents are gathered into
+rows of their own (``Documents.groups``: those of a length class side by side, padded at the end,
+which a causal recurrence never reads back) and the convolution and the rule run on those rows; the
+projections, the norm and ``out_proj`` are per position and run on the packed rows as they are.
+
+Init (torchtitan 0.3.0's ``qwen3_5``): projections normal with std 0.02 truncated at +-2 absolute,
+``out_proj`` depth-scaled; ``conv1d`` uniform in +-1/sqrt(conv_kernel) (``nn.Conv1d``'s default);
+``A_log`` the log of U(0.01, 16); ``dt_bias`` ones; the gated norm's weight ones.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.common.feed_forward import TRUNC_BOUND
+from models.common.packed_attention import Documents
+
+CHUNK = 64  # positions per chunk of the chunked rule (FLA's and transformers' size)
+A_LOG_RANGE = (0.01, 16.0)  # A = exp(A_log) is drawn uniformly here (torchtitan, transformers)
+L2_EPS = 1e-6  # q and k are divided by sqrt(|x|^2 + eps), as FLA's kernel does
+
+
+def fla_available() -> bool:
+    """Whether ``flash-linear-attention``'s kernels are installed (the optional ``fla`` extra)."""
+    return importlib.util.find_spec("fla") is not None
+
+
+def l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta) -> torch.Tensor:
+    """The rule token by token, in float32. ``q``, ``k``: (bsz, seq, heads, dk), normalized and scaled;
+    ``v``: (bsz, seq, heads, dv); ``g``, ``beta``: (bsz, seq, heads). Returns (bsz, seq, heads, dv)."""
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    bsz, seq, heads, dk = k.shape
+    state = q.new_zeros(bsz, heads, dk, v.shape[-1])
+    out = []
+    for t in range(seq):
+        kt, decay, bt = k[:, t], g[:, t].exp()[..., None, None], beta[:, t][..., None]
+        state = decay * state
+        written = bt * (v[:, t] - torch.einsum("bhk,bhkv->bhv", kt, state))  # the delta: what S misses of v
+        state = state + kt[..., None] * written[..., None, :]
+        out.append(torch.einsum("bhk,bhkv->bhv", q[:, t], state))
+    return torch.stack(out, dim=1)
+
+
+def gated_delta_rule(q, k, v, g, beta, chunk: int = CHUNK) -> torch.Tensor:
+    """The rule of ``recurrent_gated_delta_rule``, ``chunk`` positions at a time (the module
+    docstring's WY form), in float32; the sequence padded at its end to whole chunks (zero decay and
+    zero writes, which no earlier position reads)."""
+    dtype = v.dtype
+    bsz, seq, heads, dk = k.shape
+    pad = -seq % chunk
+    q, k, v = (F.pad(x.float().transpose(1, 2), (0, 0, 0, pad)) for x in (q, k, v))
+    g, beta = (F.pad(x.float().transpose(1, 2), (0, pad)) for x in (g, beta))
+    q, k, v = (x.unflatten(2, (-1, chunk)) for x in (q, k, v))  # (bsz, heads, chunks, chunk, d)
+    g, beta = (x.unflatten(2, (-1, chunk)) for x in (g, beta))  # (bsz, heads, chunks, chunk)
+    cum = g.cumsum(-1)  # G_t within each chunk
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    # e^{G_t - G_i} for i <= t (0 elsewhere): masked before exp, so no overflow above the diagonal
+    decays = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    strict = ((k @ k.transpose(-1, -2)) * decays * beta[..., None]).tril(-1)  # A: i < t only
+    system = torch.eye(chunk, device=q.device) + strict
+    rhs = torch.cat([v * beta[..., None], k * (beta * cum.exp())[..., None]], dim=-1)
+    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    u, wk = solved.split([v.shape[-1], dk], dim=-1)  # W = u - wk S_0
+    scores = (q @ k.transpose(-1, -2)) * decays
+    state = q.new_zeros(bsz, heads, dk, v.shape[-1])
+    out = []
+    for c in range(q.shape[2]):
+        w = u[:, :, c] - wk[:, :, c] @ state
+        out.append((q[:, :, c] * cum[:, :, c, :, None].exp()) @ state + scores[:, :, c] @ w)
+        tail = (cum[:, :, c, -1:] - cum[:, :, c]).exp()[..., None]  # e^{G_C - G_i}
+        state = cum[:, :, c, -1, None, None].exp() * state + (k[:, :, c] * tail).transpose(-1, -2) @ w
+    out = torch.stack(out, dim=2).flatten(2, 3)[:, :, :seq]
+    return out.transpose(1, 2).to(dtype)
+
+
+def fla_gated_delta_rule(q, k, v, g, beta) -> torch.Tensor:
+    """FLA's fused chunked kernel (CUDA, ``flash-linear-attention`` installed); q and k as
+    ``gated_delta_rule`` takes them (normalized and scaled here, so the kernel does neither)."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    q, k, beta = (x.to(v.dtype) for x in (q, k, beta))  # the kernel takes one dtype
+    out, _ = chunk_gated_delta_rule(q, k, v, g=g.float(), beta=beta, scale=1.0)
+    return out
+
+
+def delta_rule_kernel(device: torch.device):
+    """The chunked rule for tensors on ``device``: FLA's on CUDA when installed, else ours."""
+    return fla_gated_delta_rule if device.type == "cuda" and fla_available() else gated_delta_rule
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over each head's values, then times ``silu(z)`` (transformers' ``RMSNormGated``): the
+    norm in float32, rounded to the input's dtype before the weight, the gate in float32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return (self.weight * normed * F.silu(z.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """One Gated DeltaNet layer (the module docstring). Called as the decoder's attention is:
+    ``(x, freqs_cis, documents)``; it has no positions to turn, so ``freqs_cis`` is unused."""
+
+    def __init__(
+        self,
+        dim: int,
+        k_heads: int,
+        v_heads: int,
+        k_head_dim: int,
+        v_head_dim: int,
+        conv_kernel: int,
+        norm_eps: float,
+        init_std: float,
+    ):
+        super().__init__()
+        if v_heads % k_heads:
+            raise ValueError(
+                f"linear_num_value_heads = {v_heads} must be a multiple of linear_num_key_heads = {k_heads}"
+            )
+        self.k_head_dim, self.v_head_dim = k_head_dim, v_head_dim
+        self.key_dim, self.value_dim = k_heads * k_head_dim, v_heads * v_head_dim
+        self.init_std = init_std
+        channels = 2 * self.key_dim + self.value_dim
+        self.in_proj_qkv = nn.Linear(dim, channels, bias=False)
+        self.in_proj_z = nn.Linear(dim, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(dim, v_heads, bias=False)
+        self.in_proj_a = nn.Linear(dim, v_heads, bias=False)
+        self.conv1d = nn.Conv1d(channels, channels, conv_kernel, groups=channels, bias=False)
+        self.A_log = nn.Parameter(torch.empty(v_heads))
+        self.dt_bias = nn.Parameter(torch.empty(v_heads))
+        self.norm = GatedRMSNorm(v_head_dim, norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, dim, bias=False)
+
+    def init_weights(self, init) -> None:
+        for linear in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a):
+            init.trunc_normal_(linear.weight, std=0.02, cutoff=TRUNC_BOUND / 0.02)
+        init.trunc_normal_(self.out_proj.weight, std=self.init_std, cutoff=TRUNC_BOUND / self.init_std)
+        bound = self.conv1d.kernel_size[0] ** -0.5  # nn.Conv1d's default: fan-in = the taps of one channel
+        init.uniform_(self.conv1d.weight, -bound, bound)
+        init.uniform_(self.A_log, *A_LOG_RANGE, log=True)
+        init.ones_(self.dt_bias)
+        init.ones_(self.norm.weight)
+
+    def forward(self, x: torch.Tensor, freqs_cis=None, documents: Documents | None = None) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        mixed = torch.cat([self.in_proj_qkv(x), self.in_proj_b(x), self.in_proj_a(x)], dim=-1)
+        out = self.mix(mixed) if documents is None else self.mix_documents(mixed, documents)
+        z = self.in_proj_z(x).unflatten(-1, (-1, self.v_head_dim))
+        return self.out_proj(self.norm(out, z).flatten(2))
+
+    def mix_documents(self, mixed: torch.Tensor, documents: Documents) -> torch.Tensor:
+        """``mix`` inside each document of a packed batch: its documents gathered into rows of their
+        own, one call per group of ``documents``, the outputs put back in place by one gather."""
+        bsz, seq, _ = mixed.shape
+        flat = mixed.flatten(0, 1)
+        outs = [self.mix(flat.index_select(0, index.flatten()).unflatten(0, index.shape)) for index in documents.groups]
+        out = torch.cat([o.flatten(0, 1) for o in outs]).index_select(0, documents.take)
+        return out.unflatten(0, (bsz, seq))
+
+    def mix(self, mixed: torch.Tensor) -> torch.Tensor:
+        """Rows of the projections' outputs (q, k, v, then b and a) -> the rule's output per value
+        head (bsz, seq, v_heads, v_head_dim), each row from a zero state."""
+        channels = 2 * self.key_dim + self.value_dim
+        qkv, b, a = mixed.split([channels, self.A_log.shape[0], self.A_log.shape[0]], dim=-1)
+        qkv = self.conv(qkv)
+        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q, k = (l2_normalize(x.float().unflatten(-1, (-1, self.k_head_dim))) for x in (q, k))
+        v = v.unflatten(-1, (-1, self.v_head_dim))
+        repeat = v.shape[2] // q.shape[2]  # each q/k head serves this many consecutive value heads
+        q, k = (x.repeat_interleave(repeat, dim=2) for x in (q, k))
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        kernel = delta_rule_kernel(mixed.device)
+        return kernel(q * self.k_head_dim**-0.5, k, v, g, b.sigmoid()).to(mixed.dtype)
+
+    def conv(self, x: torch.Tensor) -> torch.Tensor:
+        """The depthwise causal convolution over positions, then SiLU: (bsz, seq, channels) both ways."""
+        taps = self.conv1d.kernel_size[0]
+        out = F.conv1d(F.pad(x.transpose(1, 2), (taps - 1, 0)), self.conv1d.weight, groups=x.shape[-1])
+        return F.silu(out).transpose(1, 2)
