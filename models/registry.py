@@ -17,11 +17,25 @@ from models.mistral import MISTRAL
 from models.mixtral import MIXTRAL
 from models.qwen2 import QWEN2
 from models.qwen3 import QWEN3
+from models.qwen3_5 import QWEN3_5
 from models.qwen3_moe import QWEN3_MOE
 
 FAMILIES: dict[str, ModelFamily] = {
     family.name: family
-    for family in (LLAMA3, QWEN3, QWEN2, MISTRAL, GRANITE, QWEN3_MOE, MIXTRAL, GPT_OSS, DEEPSEEK_V3, GEMMA3, GLM4_MOE)
+    for family in (
+        LLAMA3,
+        QWEN3,
+        QWEN2,
+        MISTRAL,
+        GRANITE,
+        QWEN3_MOE,
+        MIXTRAL,
+        GPT_OSS,
+        DEEPSEEK_V3,
+        GEMMA3,
+        GLM4_MOE,
+        QWEN3_5,
+    )
 }
 DEFAULT_FAMILY = "llama3"  # the family of a config or a command that names none
 
