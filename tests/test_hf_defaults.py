@@ -25,6 +25,7 @@ from seedckpt import load_model
 from seedckpt.utils.errors import SeedckptError
 from tests.test_awkward_configs import DEEPSEEK, DENSE, GPT_OSS, hf_model, tokens
 from tests.test_deepseek_v2 import TINY as DEEPSEEK_V2
+from tests.test_qwen3_5 import TINY as QWEN3_5
 
 transformers = pytest.importorskip("transformers")
 
@@ -84,9 +85,20 @@ FAMILIES = {
             tie_word_embeddings=False,
         ),
     ),
+    # a linear and a full layer; small heads of both kinds (the class's 256 and 128 would not fit), a
+    # half of each head turned (the class's default: a quarter), two value heads per key head
+    "qwen3_5": (
+        "Qwen3_5",
+        QWEN3_5
+        | dict(
+            num_hidden_layers=2,
+            layer_types=["linear_attention", "full_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5},
+        ),
+    ),
 }
-# The config class where it is not ``<prefix>Config`` (``Gemma3Config`` is the multimodal model's)
-CONFIG_CLASSES = {"gemma3": "Gemma3TextConfig"}
+# The config class where it is not ``<prefix>Config`` (``Gemma3Config``, ``Qwen3_5Config``: the multimodal models')
+CONFIG_CLASSES = {"gemma3": "Gemma3TextConfig", "qwen3_5": "Qwen3_5TextConfig"}
 # The family that reads a model_type the sweep names by itself
 READER = {"deepseek_v2": "deepseek_v3"}
 # What transformers writes about itself or generation, not the model: left in every file.
