@@ -13,7 +13,9 @@ e^{G_t} S_0 + sum_{i<=t} e^{G_t - G_i} k_i w_i^T``, and the ``w`` solve one unit
 system ``(I + A) W = beta V - beta e^{G} K S_0`` with ``A_ti = beta_t e^{G_t - G_i} k_t.k_i``
 (``i < t``). So a chunk is a few matmuls and one triangular solve, and only the chunks run in
 sequence. ``recurrent_gated_delta_rule`` is the recurrence token by token: the reference the tests
-hold the chunked form to. On CUDA, where ``flash-linear-attention`` is installed (the ``fla`` extra),
+hold the chunked form to. Measured on one CPU thread, forward and backward of 2048 positions, 4 heads
+of 64, median of 3 interleaved rounds: 0.19 s chunked, 3.45 s token by token (18x), transformers'
+own chunked torch rule 0.17 s. On CUDA, where ``flash-linear-attention`` is installed (the ``fla`` extra),
 its fused chunked kernel computes the same (``fla_gated_delta_rule``).
 
 The layer (``GatedDeltaNet``), as ``transformers``' ``Qwen3_5GatedDeltaNet`` lays it out: one
@@ -29,6 +31,9 @@ alone -- the recurrence's counterpart of attention's document mask. The document
 rows of their own (``Documents.groups``: those of a length class side by side, padded at the end,
 which a causal recurrence never reads back) and the convolution and the rule run on those rows; the
 projections, the norm and ``out_proj`` are per position and run on the packed rows as they are.
+(Resetting by a decay of -inf at each start instead would leave the convolution to mask apart, and
+the chunk's cumulative decays then mix -inf, or, with a large finite stand-in such as -1e4, lose
+float32's precision past it: 2^-10 of the small decays that follow.)
 
 Init (torchtitan 0.3.0's ``qwen3_5``): projections normal with std 0.02 truncated at +-2 absolute,
 ``out_proj`` depth-scaled; ``conv1d`` uniform in +-1/sqrt(conv_kernel) (``nn.Conv1d``'s default);
