@@ -54,6 +54,11 @@ RELEASED = {
     ("gemma3", "27B"): 27_009_346_304,
     ("glm4_moe", "355B-A32B"): 352_797_814_784,  # GLM-4.5, without its multi-token-prediction layer
     ("glm4_moe", "106B-A12B"): 106_852_245_504,  # GLM-4.5-Air, the same
+    ("qwen3_5", "0.8B"): 752_393_024,  # the text decoders of the multimodal releases
+    ("qwen3_5", "2B"): 1_881_825_088,
+    ("qwen3_5", "4B"): 4_205_751_296,
+    ("qwen3_5", "9B"): 8_953_803_264,
+    ("qwen3_5", "27B"): 26_895_998_464,
 }
 CLASSES = {
     "llama3": "LlamaForCausalLM",
@@ -67,6 +72,7 @@ CLASSES = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "qwen3_5": "Qwen3_5ForCausalLM",
 }
 # A released flavor whose config.json is another class's: torchtitan's 16B routes by softmax, DeepSeek-V2's
 RELEASED_CLASSES = {("deepseek_v3", "16B"): "DeepseekV2ForCausalLM"}
