@@ -1,20 +1,31 @@
 """torchtitan 0.3.0's gpt-oss against ours: its names both ways (``models.gpt_oss.torchtitan``: the
 fused, row-interleaved ``mlp1``, q/k rows in HF's order, ``lm_head``) carry a transformers gpt-oss
 into our model with transformers' logits, and its routing -- the expert bias added to the softmax
-scores to choose, not to the logits -- is what our ``softmax_topk`` router computes."""
+scores to choose, not to the logits -- is what our ``softmax_topk`` router computes. Its DCP
+checkpoints (made here with plain ``dcp.save``, as its checkpointer writes them) read as ours, with a
+trained bias; ``convert --to torchtitan`` writes them back bitwise; a rank holding some experts
+requests only their rows of the fused ``mlp1``."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from models.common.decoder import Transformer
 from models.common.moe import MoEOptions, Router
 from models.gpt_oss.torchtitan import GptOssTorchtitanNames
+from seedckpt import load_model
+from seedckpt.checkpoint import RowWindow
+from seedckpt.checkpoint.owned_reads import OwnedFileSystemReader
+from seedckpt.cli.convert import convert, diff
 from seedckpt.materialize.model_checkpoint import open_model_checkpoint
 from seedckpt.utils.stored_parts import StoredParts
 from tests.test_deepseek_v3 import hf_tensors
-from tests.test_gpt_oss import hf_model
+from tests.test_gpt_oss import LAYERS, hf_model
+from tests.test_moe_interop import _stored
 
 transformers = pytest.importorskip("transformers")
 
@@ -113,3 +124,80 @@ def test_softmax_topk_routing_adds_the_expert_bias_to_the_softmax_scores():
     assert not torch.equal(on_logits, chosen.sort(-1).values)
     _, unbiased, _ = router(x)
     assert torch.equal(unbiased.sort(-1).values, logits.topk(3, dim=-1).indices.sort(-1).values)
+
+
+# A trained-looking bias per layer (torchtitan's moves by 1e-3 a step), large enough to change choices.
+BIAS = torch.tensor([[0.3, -0.2, 0.1, -0.25], [-0.3, 0.25, -0.1, 0.15]])
+MLP1 = "layers.1.moe.routed_experts.inner_experts.mlp1_weight_EGD"
+
+
+@pytest.fixture(scope="module")
+def titan(tmp_path_factory):
+    """A transformers gpt-oss, and its weights as torchtitan 0.3.0's checkpointer saves them (its
+    names, gate and up fused in ``mlp1``) with the trained ``BIAS``."""
+    root = tmp_path_factory.mktemp("titan")
+    path = hf_model(root / "hf")
+    state = _titan_state(hf_tensors(path), LAYERS)
+    for i in range(LAYERS):
+        state[f"layers.{i}.moe.expert_bias_E"] = BIAS[i].clone()
+    dcp.save(state, checkpoint_id=str(root / "titan"), no_dist=True)
+    args = dataclasses.replace(open_model_checkpoint(path).args, load_balance="bias")
+    return path, root / "titan", args
+
+
+def _logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(TOKENS)
+
+
+def test_a_torchtitan_checkpoint_reads_with_the_logits_its_bias_chooses(titan):
+    """Every stored tensor lands on one of ours (each ``mlp1`` on two); the logits are those of the
+    transformers model's weights given that bias in our router, which the bias moves off
+    transformers' own."""
+    hf_dir, path, args = titan
+    opened = open_model_checkpoint(path, args, model="gpt_oss")
+    assert set(opened.infos) == set(opened.layout.shapes)
+    model = load_model(path, model="gpt_oss", args=args)
+    assert all(torch.equal(model.layers[str(i)].moe.expert_bias, BIAS[i]) for i in range(LAYERS))
+    want = Transformer(args).eval()
+    biases = {f"layers.{i}.moe.expert_bias": BIAS[i] for i in range(LAYERS)}
+    want.load_state_dict(load_model(hf_dir).state_dict() | biases, strict=True)
+    assert torch.equal(_logits(model), _logits(want))
+    with torch.no_grad():
+        theirs = transformers.GptOssForCausalLM.from_pretrained(hf_dir).eval()(TOKENS).logits
+    moved = (_logits(model) - theirs).abs().max() / theirs.abs().max()
+    assert moved > 0.01, f"the bias moved the logits by {moved:.3%} only: it chooses nothing here"
+
+
+def test_ours_to_torchtitan_and_back_is_bitwise_in_its_fused_layout(titan, tmp_path):
+    """torchtitan -> ours -> torchtitan gives back every stored tensor bitwise under its name (gate
+    and up interleaved in ``mlp1`` again), and ours -> torchtitan -> ours is bitwise."""
+    _, path, args = titan
+    ours = convert(path, tmp_path / "ours", "dcp", progress=False, args=args, model="gpt_oss")
+    assert "layers.0.moe.experts.w1" in _stored(ours)
+    back = convert(ours, tmp_path / "titan", "torchtitan", progress=False)
+    original, written = _stored(path), _stored(back)
+    assert written.keys() == original.keys() and all(torch.equal(t, original[k]) for k, t in written.items())
+    equal, lines = diff(ours, convert(back, tmp_path / "again", "dcp", progress=False))
+    assert equal, lines
+
+
+def test_a_rank_holding_some_experts_requests_only_their_rows_of_mlp1(titan, monkeypatch):
+    """Experts [1, 3) of the gate, up and their biases (as an expert-parallel rank holds them): the
+    fused tensors are asked for those rows only, and split into the checkpoint's values."""
+    _, path, args = titan
+    opened = open_model_checkpoint(path, args, model="gpt_oss")
+    fqns = [f"layers.1.moe.experts.{w}" for w in ("w1", "w3", "b1", "b3")]
+    windows = {fqn: RowWindow(torch.empty(2, *opened.infos[fqn].shape[1:]), 1) for fqn in fqns}
+    asked, read_data = [], OwnedFileSystemReader.read_data
+    monkeypatch.setattr(
+        OwnedFileSystemReader,
+        "read_data",
+        lambda self, plan, planner: asked.extend(plan.items) or read_data(self, plan, planner),
+    )
+    opened.load(dict(windows))
+    rows = {(i.storage_offsets[0], i.storage_offsets[0] + i.lengths[0]) for i in asked if i.storage_index.fqn == MLP1}
+    assert rows == {(1, 3)}, f"{MLP1}: rows {rows} asked for"
+    assert all(0 < i.storage_offsets[0] and i.storage_offsets[0] + i.lengths[0] <= 3 for i in asked)
+    for fqn, window in windows.items():
+        assert torch.equal(window.dest, opened.read_tensor(fqn)[1:3]), fqn

@@ -15,7 +15,8 @@ Tensor names: the shared decoder's, plus ``layers.{i}.attention.sinks`` ``[n_hea
 attention biases (``attention.{wq,wk,wv,wo}.bias``); in every layer ``moe.router.gate.{weight,bias}``,
 ``moe.experts.{w1,w3}`` ``[experts, moe_ffn_dim, dim]``, ``moe.experts.w2`` ``[experts, dim,
 moe_ffn_dim]`` and their biases ``moe.experts.{b1,b3}`` ``[experts, moe_ffn_dim]``, ``moe.experts.b2``
-``[experts, dim]``. Hugging Face's are ``GptOssForCausalLM``'s, fused and transposed (``models.gpt_oss.hf``).
+``[experts, dim]``. Hugging Face's are ``GptOssForCausalLM``'s, fused and transposed (``models.gpt_oss.hf``);
+torchtitan 0.3.0's (``torchtitan``: gate and up fused by rows in ``mlp1``) are ``models.gpt_oss.torchtitan``.
 
 Balancing is HF's auxiliary loss at ``router_aux_loss_coef``. The init recipe is HF's (``normal``,
 std ``initializer_range``: weights, sinks and the router's bias; the other biases zero).
@@ -32,6 +33,7 @@ from models.common.args import MOE_SHAPE_FIELDS, MoEDecoderArgs, check_bool, che
 from models.common.decoder import DecoderOptions
 from models.common.rope import RopeScaling
 from models.gpt_oss.hf import GptOssNames
+from models.gpt_oss.torchtitan import GptOssTorchtitanNames
 
 ARCHITECTURE, MODEL_TYPE = "GptOssForCausalLM", "gpt_oss"
 # The RoPE both releases use: YaRN stretching a 4096-position training context 32 times.
@@ -228,4 +230,5 @@ GPT_OSS = decoder_family(
     names=GptOssNames,
     flops_per_token=moe_flops_per_token,
     osft_targets=tuple(t for t in OSFT_TARGETS if t.startswith("attention.")),  # no dense feed-forward
+    renamings={"torchtitan": GptOssTorchtitanNames},
 )

@@ -26,9 +26,8 @@ Measured against torchtitan 0.3.0 itself (its debugmodel, random weights, a non-
 its experts in fp32, 200 positions past the 128-position window): our logits within 2.6e-6 of its
 own; with the bias added to the logits instead, 0.70 off.
 
-Not yet in the family's ``renamings``: the DCP format maps one stored tensor to one FQN, and
-``mlp1_*`` each hold two of ours (a ``StoredParts``, which only the HF format reads and writes so
-far); registered before it does, a write would keep one of ``w1``/``w3`` under ``mlp1``.
+The DCP reader splits each ``mlp1_*`` into ours (only the experts a rank holds are read) and the
+writer joins them back, so ``convert --to torchtitan`` writes torchtitan's fused layout.
 """
 
 from __future__ import annotations

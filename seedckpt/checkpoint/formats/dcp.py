@@ -1,9 +1,11 @@
 """DCP checkpoints: ours (read at the recorded raw positions) and foreign ones (the stock way).
 
 Other tools' names for the model's tensors (the caller's ``codec.renamings``: torchtitan 0.3's) are
-mapped to ours, and rows they store in another order (torchtitan's Qwen3 q/k heads) put back in
-ours, so their checkpoints load as they are; our names never change. ``write`` streams
-any checkpoint into a DCP one through the one writer, optionally in another tool's names.
+mapped to ours, rows they store in another order (torchtitan's Qwen3 q/k heads) put back in ours,
+and a stored tensor that holds several of ours (torchtitan's gpt-oss ``mlp1``: gate and up
+interleaved, a ``StoredParts``) split into them, so their checkpoints load as they are; our names
+never change. ``write`` streams any checkpoint into a DCP one through the one writer, optionally in
+another tool's names and fused tensors.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ import torch
 
 from seedckpt.checkpoint.atomic import refuse_partial
 from seedckpt.checkpoint.base import OpenedCheckpoint, WriteJob, recorded_layout
+from seedckpt.checkpoint.fused import PartsRead, SplitOnce, joined_shape, split_shapes
 from seedckpt.checkpoint.integrity import Checksums, ItemChecks, check_data_files, data_file, verify_item
 from seedckpt.checkpoint.load import GroupedRows, copy_shared, load_state, one_destination_per_source
 from seedckpt.checkpoint.manifest import RAW_ITEMS_KEY, TOKENIZER_DIR, TensorInfo, is_model_key, read_manifest
-from seedckpt.checkpoint.model import ModelCodec, ModelLayout, NameAdapter
+from seedckpt.checkpoint.model import ModelCodec, ModelLayout, NameAdapter, StoredParts
 from seedckpt.checkpoint.owned_reads import READ_THREADS, OwnedFileSystemReader
 from seedckpt.checkpoint.safe_pickle import parse_dcp_metadata, tensor_infos
 from seedckpt.checkpoint.untrusted import MAX_METADATA_BYTES, read_bounded
@@ -81,12 +84,16 @@ class DcpCheckpoint(OpenedCheckpoint):
         self.check_reads = verify and self.checksums is not None
         recorded = recorded_layout(codec, manifest, path)
         renamings = codec.renamings(recorded or layout).values() if codec else ()
-        # Our FQN -> the name adapter of the tool whose names the checkpoint is in (none: ours).
-        self.renamed, left_out = _renamed(self.metadata.state_dict_metadata, renamings)
+        # Our FQN -> the name adapter of the tool whose names the checkpoint is in (none: ours); its
+        # stored keys that hold several of ours -> how (``StoredParts``).
+        self.renamed, fused, left_out = _renamed(self.metadata.state_dict_metadata, renamings)
         self.stored = {fqn: names.to_stored(fqn) for fqn, names in self.renamed.items()}  # our FQN -> key
-        ours = {key: fqn for fqn, key in self.stored.items()}
+        self.parts = {fqn: parts for parts in fused.values() for fqn in parts.fqns}
+        self.split_once = SplitOnce()
+        ours = {key: fqn for fqn, key in self.stored.items() if key not in fused}
         infos = tensor_infos(self.metadata)
-        self.all_tensors = {ours.get(k, k): v for k, v in infos.items() if k not in left_out}
+        self.all_tensors = {ours.get(k, k): v for k, v in infos.items() if k not in left_out and k not in fused}
+        self.all_tensors |= _split_infos(fused, infos)
         super().__init__(
             path, {f: i for f, i in self.all_tensors.items() if is_model_key(f)}, manifest, recorded, layout
         )
@@ -167,13 +174,20 @@ class DcpCheckpoint(OpenedCheckpoint):
         )
 
     def read_tensor(self, fqn: str) -> torch.Tensor:
-        info = self.all_tensors[fqn]
         key = self.stored.get(fqn, fqn)
-        out = {key: torch.empty(info.shape, dtype=info.dtype)}
-        load_state(out, self.reader(), self.path, no_dist=True)
+        if fqn in self.parts:
+            shape = joined_shape(self.parts[fqn], self.all_tensors)
+            return self.split_once.read(fqn, self.parts[fqn], lambda: self._read_whole(key, shape, fqn))
+        tensor = self._read_whole(key, self.all_tensors[fqn].shape, fqn)
         names = self.renamed.get(fqn)
         groups = names.row_groups(fqn) if names is not None else None
-        return names.from_stored_rows(out[key], groups) if groups else out[key]
+        return names.from_stored_rows(tensor, groups) if groups else tensor
+
+    def _read_whole(self, key: str, shape: tuple[int, ...], fqn: str) -> torch.Tensor:
+        """The stored ``key`` as it is stored, whole (of ``shape``, in ``fqn``'s dtype)."""
+        out = {key: torch.empty(shape, dtype=self.all_tensors[fqn].dtype)}
+        load_state(out, self.reader(), self.path, no_dist=True)
+        return out[key]
 
     def load(self, state_dict: dict) -> None:
         """Load ``state_dict`` (tensors, DTensors, ``RowWindow``s, training state) in place via DCP;
@@ -181,8 +195,10 @@ class DcpCheckpoint(OpenedCheckpoint):
         when one is initialized. DCP replaces non-tensor entries (training state) in the dict it
         loads; they are handed back in ``state_dict``."""
         self.check_covers(state_dict)
-        stored, shared = one_destination_per_source(state_dict, lambda key: self.stored.get(key, key))
-        permuted = self._grouped_rows(state_dict, stored)
+        plain = {key: wanted for key, wanted in state_dict.items() if key not in self.parts}
+        stored, shared = one_destination_per_source(plain, lambda key: self.stored.get(key, key))
+        permuted = self._grouped_rows(plain, stored)
+        split = self._parts_reads(state_dict, stored)
         # a permuted tensor's window is None where this rank holds none of its rows: nothing to read;
         # every other entry (training state passed as None included) is loaded, and DCP's values
         # for non-tensor entries come back through ``loading``
@@ -193,11 +209,22 @@ class DcpCheckpoint(OpenedCheckpoint):
         for key, grouped in permuted.items():
             grouped.finish(self.renamed[key].from_stored_rows)
             stored[self.stored[key]] = grouped.wanted
+        for read in split:
+            read.finish()
         copy_shared(state_dict, stored, shared)
         copies = {key for key, _ in shared}
-        for key in state_dict:
+        for key in plain:
             if key not in copies:
                 state_dict[key] = stored[self.stored.get(key, key)]
+
+    def _parts_reads(self, state_dict: dict, stored: dict) -> list[PartsRead]:
+        """Our tensors of ``state_dict`` that another tool stores fused (torchtitan's gpt-oss ``mlp1``):
+        in ``stored``, each stored key they share gets one buffer for the stored experts (dim-0 rows)
+        their destinations hold, split into them by the returned reads' ``finish``."""
+        fused: dict[str, dict] = {}  # stored key -> {our fqn: destination}
+        for fqn in [fqn for fqn in state_dict if fqn in self.parts]:
+            fused.setdefault(self.stored[fqn], {})[fqn] = state_dict[fqn]
+        return [PartsRead(self.parts[next(iter(d))], d, self.infos, key, stored) for key, d in fused.items()]
 
     def _grouped_rows(self, state_dict: dict, stored: dict) -> dict[str, GroupedRows]:
         """Tensors another tool stores with rows permuted in groups (torchtitan's Qwen3 q/k heads):
@@ -271,13 +298,13 @@ def _shared_bytes(metadata) -> dict[str, str]:
     }
 
 
-def _renamed(keys, renamings) -> tuple[dict, set[str]]:
+def _renamed(keys, renamings) -> tuple[dict, dict[str, StoredParts], set[str]]:
     """``{our FQN: name adapter}`` for every key of a checkpoint in another tool's names: those of the
     first of the ``renamings`` that maps one of its keys to another name. Every key, since a name
     that is ours may still hold rows in that tool's order (torchtitan's Qwen3 ``q_norm``). Also the
-    stored keys that tool's adapter leaves out on purpose (torchtitan's multi-token-prediction
-    layers), named in one warning line; keys it maps to nothing and does not leave out stay, so
-    the model's check refuses them."""
+    keys that hold several of ours (``{key: StoredParts}``), and the stored keys that tool's adapter
+    leaves out on purpose (torchtitan's multi-token-prediction layers), named in one warning line;
+    keys it maps to nothing and does not leave out stay, so the model's check refuses them."""
     for names in renamings:
         ours = {key: names.from_stored(key) for key in keys}
         if any(fqn is not None and fqn != key for key, fqn in ours.items()):
@@ -285,26 +312,44 @@ def _renamed(keys, renamings) -> tuple[dict, set[str]]:
             refused, note = names.left_out(skipped) if skipped else ([], None)
             if note is not None:
                 warnings.warn(note, stacklevel=4)
-            return {fqn: names for fqn in ours.values() if fqn is not None}, set(skipped) - set(refused)
-    return {}, set()
+            fused = {key: fqn for key, fqn in ours.items() if isinstance(fqn, StoredParts)}
+            fqns = [f for fqn in ours.values() if fqn is not None for f in getattr(fqn, "fqns", (fqn,))]
+            return dict.fromkeys(fqns, names), fused, set(skipped) - set(refused)
+    return {}, {}, set()
+
+
+def _split_infos(fused: dict[str, StoredParts], infos: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
+    """Ours that the stored keys of ``fused`` hold, each with its shape once split."""
+    return {
+        fqn: TensorInfo(shape, infos[key].dtype)
+        for key, parts in fused.items()
+        for fqn, shape in zip(parts.fqns, split_shapes(parts, infos[key].shape))
+    }
 
 
 def write(source: OpenedCheckpoint, dst: Path, job: WriteJob, names: NameAdapter | None = None) -> Path:
     """``source``'s tensors as a DCP checkpoint with ``job.manifest``, each read when the writer asks
-    for it (one tensor in memory at a time); ``names``: another tool's names (and row order) instead
-    of ours, with the zero tensors its model has and ours lacks."""
-    fqn_of = {names.to_stored(f) if names else f: f for f in job.infos}
+    for it (one stored tensor in memory at a time); ``names``: another tool's names (row order and
+    fused tensors) instead of ours, with the zero tensors its model has and ours lacks."""
+    try:
+        entries = _stored_entries(job.infos, names)
+    except ValueError as e:
+        raise SeedckptError(f"{source.path}: {e}") from None
     zeros = names.zero_filled() if names else {}
 
     def produce(key: str, start: int, stop: int) -> torch.Tensor:
         if key in zeros:
             return torch.zeros(zeros[key][0], dtype=zeros[key][1]).reshape(-1)[start:stop]
-        job.on_bytes(job.infos[fqn_of[key]].nbytes)
-        tensor = source.read_tensor(fqn_of[key])
-        tensor = names.to_stored_rows(fqn_of[key], tensor) if names else tensor
+        ours = entries[key][0]
+        job.on_bytes(entries[key][1].nbytes)
+        if isinstance(ours, StoredParts):
+            tensor = ours.join(tuple(source.read_tensor(fqn) for fqn in ours.fqns))
+        else:
+            tensor = source.read_tensor(ours)
+            tensor = names.to_stored_rows(ours, tensor) if names else tensor
         return tensor.reshape(-1)[start:stop]  # one block: the whole tensor
 
-    state = {k: torch.empty(job.infos[f].shape, dtype=job.infos[f].dtype, device="meta") for k, f in fqn_of.items()}
+    state = {k: torch.empty(info.shape, dtype=info.dtype, device="meta") for k, (_, info) in entries.items()}
     state.update((k, torch.empty(shape, dtype=dtype, device="meta")) for k, (shape, dtype) in zeros.items())
     return write_checkpoint(
         dst,
@@ -316,6 +361,20 @@ def write(source: OpenedCheckpoint, dst: Path, job: WriteJob, names: NameAdapter
         files=job.files,
         aliases=job.aliases,
     )
+
+
+def _stored_entries(infos: dict[str, TensorInfo], names: NameAdapter | None) -> dict:
+    """``{stored key: (our FQN, its info)}``, or where the key holds several of ours (``StoredParts``)
+    ``(the parts, the joined tensor's info)``; ``ValueError`` when one of those is missing."""
+    entries = {}
+    for fqn, info in infos.items():
+        key = names.to_stored(fqn) if names else fqn
+        parts = names.from_stored(key) if names else None
+        if isinstance(parts, StoredParts):
+            entries[key] = (parts, TensorInfo(joined_shape(parts, infos), info.dtype))
+        else:
+            entries[key] = (fqn, info)
+    return entries
 
 
 def _describe(index) -> str:

@@ -38,9 +38,9 @@ from seedckpt.checkpoint.atomic import atomic_output, write_json_synced
 from seedckpt.checkpoint.base import OpenedCheckpoint, WriteJob
 from seedckpt.checkpoint.formats.quantized import DequantizedLoad, Stored, quantized_tensors
 from seedckpt.checkpoint.formats.safetensors_file import read_safetensor, write_safetensors
+from seedckpt.checkpoint.fused import PartsRead, SplitOnce, joined_shape, split_shapes
 from seedckpt.checkpoint.load import (
     GroupedRows,
-    RowWindow,
     copy_shared,
     load_state,
     one_destination_per_source,
@@ -107,7 +107,7 @@ class HFCheckpoint(OpenedCheckpoint):
         # our fqn -> {index: (file, hf name, info)}: a tensor stored one dim-0 slice (expert) per entry
         pieces: dict[str, dict[int, tuple[Path, str, TensorInfo]]] = {}
         self.parts: dict[str, tuple[StoredParts, int]] = {}  # our fqn -> the stored tensor holding it, its place
-        self.unread_parts: dict[str, torch.Tensor] = {}  # the rest of the last split tensor, until read
+        self.split_once = SplitOnce()
         infos = {}
         headers = {}
         unaccounted: list[str] = []  # stored names of tensors the model lacks
@@ -142,7 +142,7 @@ class HFCheckpoint(OpenedCheckpoint):
                     pieces.setdefault(fqn[0], {})[fqn[1]] = (path / file, name, info)
                     continue
                 if isinstance(fqn, StoredParts):
-                    for k, (ours, shape) in enumerate(zip(fqn.fqns, _split_shapes(fqn, info.shape))):
+                    for k, (ours, shape) in enumerate(zip(fqn.fqns, split_shapes(fqn, info.shape))):
                         self.parts[ours] = (fqn, k)
                         self.location[ours] = (path / file, name)
                         infos[ours] = TensorInfo(shape, info.dtype)
@@ -222,14 +222,8 @@ class HFCheckpoint(OpenedCheckpoint):
         return self.names.from_stored_rows(tensor, groups) if groups else tensor
 
     def _read_part(self, fqn: str) -> torch.Tensor:
-        """Our ``fqn`` of a tensor stored with others (``StoredParts``): its stored tensor is read (and
-        dequantized) once for all of them, the others kept until asked for -- a conversion reads them
-        a tensor or two apart."""
-        if fqn not in self.unread_parts:
-            parts = self.parts[fqn][0]
-            split = parts.split(self._read_stored(*self.location[fqn]))
-            self.unread_parts = {ours: t.contiguous() for ours, t in zip(parts.fqns, split)}
-        return self.unread_parts.pop(fqn)
+        """Our ``fqn`` of a tensor stored with others (``StoredParts``), read (and dequantized) once for all."""
+        return self.split_once.read(fqn, self.parts[fqn][0], lambda: self._read_stored(*self.location[fqn]))
 
     def stored_reads(self):
         """Every tensor of the files under its name there and its file's, in file order; a quantized
@@ -265,7 +259,7 @@ class HFCheckpoint(OpenedCheckpoint):
         names, shared = one_destination_per_source(plain, lambda fqn: self.location[fqn][1])
         fqn_of = {self.location[fqn][1]: fqn for fqn in plain}
         by_name, permuted, whole = {}, [], []
-        split = [_PartsRead(self.parts[next(iter(d))][0], d, self.infos, name, by_name) for name, d in fused.items()]
+        split = [PartsRead(self.parts[next(iter(d))][0], d, self.infos, name, by_name) for name, d in fused.items()]
         for name, wanted in names.items():
             groups = self.names.row_groups(fqn_of[name])
             if fqn_of[name] in self.slices:
@@ -365,48 +359,6 @@ def _unaccounted_error(path: Path, config: dict, names: NameAdapter, stored: lis
 def _in_layer_order(name: str) -> tuple:
     """A sort key that puts ``model.layers.2`` before ``model.layers.10`` (and expert 2 before 10)."""
     return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in name.split("."))
-
-
-def _split_shapes(parts: StoredParts, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
-    return [tuple(t.shape) for t in parts.split(torch.empty(shape, device="meta"))]
-
-
-class _PartsRead:
-    """A load of ``wanted`` ({our fqn: destination}), some of the tensors ``parts`` rearranges from
-    the stored tensor ``name``: the stored experts (dim-0 rows) that this rank's destinations hold
-    are requested (``by_name``), then split into them. A destination that is not a block of whole
-    rows takes every expert."""
-
-    def __init__(self, parts: StoredParts, wanted: dict, infos: dict, name: str, by_name: dict):
-        self.parts, self.wanted = parts, wanted
-        experts = infos[parts.fqns[0]].shape[0]
-        spans = [local_rows(t) or (None if isinstance(t, DTensor) else (0, experts)) for t in wanted.values()]
-        whole = None in spans or not spans
-        self.lo = 0 if whole else min(lo for lo, _ in spans)
-        hi = experts if whole else max(hi for _, hi in spans)
-        shape = (hi - self.lo, *_joined_shape(parts, infos)[1:])
-        self.buffer = torch.empty(shape, dtype=next(iter(wanted.values())).dtype)
-        if hi > self.lo:
-            by_name[name] = RowWindow(self.buffer, self.lo) if (self.lo, hi) != (0, experts) else self.buffer
-
-    def finish(self) -> None:
-        ours = dict(zip(self.parts.fqns, self.parts.split(self.buffer)))
-        with torch.no_grad():
-            for fqn, wanted in self.wanted.items():
-                rows = local_rows(wanted)
-                if rows is None and isinstance(wanted, DTensor):
-                    copy_full_into(wanted, ours[fqn])
-                elif local(wanted).shape[0]:
-                    lo, hi = rows or (0, wanted.shape[0])
-                    local(wanted).copy_(ours[fqn][lo - self.lo : hi - self.lo])
-
-
-def _joined_shape(parts: StoredParts, infos: dict) -> tuple[int, ...]:
-    """The stored shape of the tensor ``parts`` joins from ours (``infos``: ours by FQN)."""
-    missing = [fqn for fqn in parts.fqns if fqn not in infos]
-    if missing:
-        raise ValueError(f"{', '.join(missing)} missing: {' and '.join(parts.fqns)} are stored as one tensor")
-    return tuple(parts.join(tuple(torch.empty(infos[fqn].shape, device="meta") for fqn in parts.fqns)).shape)
 
 
 def _info(entry: dict) -> TensorInfo:
@@ -510,7 +462,7 @@ def _hf_entries(names, infos: dict[str, TensorInfo]) -> dict:
             name = names.to_stored(fqn)
             parts = names.from_stored(name)
             if isinstance(parts, StoredParts):
-                entries[name] = (parts, None, TensorInfo(_joined_shape(parts, infos), info.dtype))
+                entries[name] = (parts, None, TensorInfo(joined_shape(parts, infos), info.dtype))
             else:
                 entries[name] = (fqn, None, info)
             continue
