@@ -18,13 +18,15 @@ of 64, median of 3 interleaved rounds: 0.19 s chunked, 3.45 s token by token (18
 own chunked torch rule 0.17 s. On CUDA, where ``flash-linear-attention`` is installed (the ``fla`` extra),
 its fused chunked kernel computes the same (``fla_gated_delta_rule``).
 
-The layer (``GatedDeltaNet``), as ``transformers``' ``Qwen3_5GatedDeltaNet`` lays it out: one
-projection for q, k and v together (``in_proj_qkv``: all q heads, then k's, then v's), one for the
-output gate ``z`` (``in_proj_z``), one each for ``beta``'s and the decay's logits (``in_proj_b``,
-``in_proj_a``); a depthwise causal convolution of ``conv_kernel`` taps over q, k and v (``conv1d``)
-followed by SiLU; ``g = -exp(A_log) softplus(a + dt_bias)``; a value head per ``v_heads /
-k_heads`` of each q/k head; the output RMS-normed per head and gated by ``silu(z)`` (``norm``), then
-projected back (``out_proj``).
+The layer (``GatedDeltaNet``), as ``transformers``' ``Qwen3_5GatedDeltaNet`` computes it: one
+projection for q, k and v together (``in_proj_qkv``), one for the output gate ``z`` (``in_proj_z``),
+one each for ``beta``'s and the decay's logits (``in_proj_b``, ``in_proj_a``); a depthwise causal
+convolution of ``conv_kernel`` taps over q, k and v (``conv1d``) followed by SiLU; ``g =
+-exp(A_log) softplus(a + dt_bias)``; ``v_heads / k_heads`` value heads per q/k head; the output
+RMS-normed per head and gated by ``silu(z)`` (``norm``), then projected back (``out_proj``).
+``in_proj_qkv``'s rows (and ``conv1d``'s channels) are grouped by key head -- its q rows, its k
+rows, then its value heads' rows (``qkv_from_hf`` reorders transformers' all-q, all-k, all-v) -- so
+a tensor-parallel rank's contiguous slice is whole heads with everything they read.
 
 Packed rows: each document starts from a zero state and an empty convolution window, as it would
 alone -- the recurrence's counterpart of attention's document mask. The documents are gathered into
@@ -128,18 +130,47 @@ def delta_rule_kernel(device: torch.device):
     return fla_gated_delta_rule if device.type == "cuda" and fla_available() else gated_delta_rule
 
 
-class GatedRMSNorm(nn.Module):
-    """RMSNorm over each head's values, then times ``silu(z)`` (transformers' ``RMSNormGated``): the
-    norm in float32, rounded to the input's dtype before the weight, the gate in float32."""
+def qkv_from_hf(rows: torch.Tensor, k_heads: int, k_head_dim: int) -> torch.Tensor:
+    """transformers' ``in_proj_qkv`` rows (every q head, every k head, every value head) -> ours,
+    grouped by key head (q, k, then its value heads); any trailing dims ride along (``conv1d``)."""
+    key_dim = k_heads * k_head_dim
+    q, k, v = rows.split([key_dim, key_dim, rows.shape[0] - 2 * key_dim])
+    return torch.cat([x.unflatten(0, (k_heads, -1)) for x in (q, k, v)], dim=1).flatten(0, 1)
+
+
+def qkv_to_hf(rows: torch.Tensor, k_heads: int, k_head_dim: int) -> torch.Tensor:
+    """The inverse of ``qkv_from_hf``."""
+    grouped = rows.unflatten(0, (k_heads, -1))
+    q, k, v = grouped.split([k_head_dim, k_head_dim, grouped.shape[1] - 2 * k_head_dim], dim=1)
+    return torch.cat([x.flatten(0, 1) for x in (q, k, v)])
+
+
+class HeadRMSNorm(nn.Module):
+    """RMSNorm over each head's values, in float32, rounded to the input's dtype before the weight:
+    the norm of transformers' ``RMSNormGated``, whose gate ``GatedDeltaNet`` applies after it (one
+    input, so a tensor-parallel plan norms each rank's heads as it norms q/k heads)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim))
 
-    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-        return (self.weight * normed * F.silu(z.float())).to(x.dtype)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
+class CausalConv1d(nn.Module):
+    """A depthwise causal convolution over positions, then SiLU: (bsz, seq, channels) both ways;
+    ``weight`` is ``nn.Conv1d``'s (channels, 1, taps), and its channels are the ones computed (a
+    tensor-parallel rank's own)."""
+
+    def __init__(self, channels: int, taps: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, taps))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        padded = F.pad(x.transpose(1, 2), (self.weight.shape[-1] - 1, 0))
+        return F.silu(F.conv1d(padded, self.weight, groups=self.weight.shape[0])).transpose(1, 2)
 
 
 class GatedDeltaNet(nn.Module):
@@ -163,24 +194,24 @@ class GatedDeltaNet(nn.Module):
                 f"linear_num_value_heads = {v_heads} must be a multiple of linear_num_key_heads = {k_heads}"
             )
         self.k_head_dim, self.v_head_dim = k_head_dim, v_head_dim
-        self.key_dim, self.value_dim = k_heads * k_head_dim, v_heads * v_head_dim
+        self.values_per_key = v_heads // k_heads  # value heads per q/k head
         self.init_std = init_std
-        channels = 2 * self.key_dim + self.value_dim
+        channels = k_heads * (2 * k_head_dim + self.values_per_key * v_head_dim)
         self.in_proj_qkv = nn.Linear(dim, channels, bias=False)
-        self.in_proj_z = nn.Linear(dim, self.value_dim, bias=False)
+        self.in_proj_z = nn.Linear(dim, v_heads * v_head_dim, bias=False)
         self.in_proj_b = nn.Linear(dim, v_heads, bias=False)
         self.in_proj_a = nn.Linear(dim, v_heads, bias=False)
-        self.conv1d = nn.Conv1d(channels, channels, conv_kernel, groups=channels, bias=False)
+        self.conv1d = CausalConv1d(channels, conv_kernel)
         self.A_log = nn.Parameter(torch.empty(v_heads))
         self.dt_bias = nn.Parameter(torch.empty(v_heads))
-        self.norm = GatedRMSNorm(v_head_dim, norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, dim, bias=False)
+        self.norm = HeadRMSNorm(v_head_dim, norm_eps)
+        self.out_proj = nn.Linear(v_heads * v_head_dim, dim, bias=False)
 
     def init_weights(self, init) -> None:
         for linear in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a):
             init.trunc_normal_(linear.weight, std=0.02, cutoff=TRUNC_BOUND / 0.02)
         init.trunc_normal_(self.out_proj.weight, std=self.init_std, cutoff=TRUNC_BOUND / self.init_std)
-        bound = self.conv1d.kernel_size[0] ** -0.5  # nn.Conv1d's default: fan-in = the taps of one channel
+        bound = self.conv1d.weight.shape[-1] ** -0.5  # nn.Conv1d's default: fan-in = the taps of one channel
         init.uniform_(self.conv1d.weight, -bound, bound)
         init.uniform_(self.A_log, *A_LOG_RANGE, log=True)
         init.ones_(self.dt_bias)
@@ -191,7 +222,8 @@ class GatedDeltaNet(nn.Module):
         mixed = torch.cat([self.in_proj_qkv(x), self.in_proj_b(x), self.in_proj_a(x)], dim=-1)
         out = self.mix(mixed) if documents is None else self.mix_documents(mixed, documents)
         z = self.in_proj_z(x).unflatten(-1, (-1, self.v_head_dim))
-        return self.out_proj(self.norm(out, z).flatten(2))
+        gated = (self.norm(out) * F.silu(z.float())).to(out.dtype)  # transformers' RMSNormGated
+        return self.out_proj(gated.flatten(2))
 
     def mix_documents(self, mixed: torch.Tensor, documents: Documents) -> torch.Tensor:
         """``mix`` inside each document of a packed batch: its documents gathered into rows of their
@@ -204,21 +236,18 @@ class GatedDeltaNet(nn.Module):
 
     def mix(self, mixed: torch.Tensor) -> torch.Tensor:
         """Rows of the projections' outputs (q, k, v, then b and a) -> the rule's output per value
-        head (bsz, seq, v_heads, v_head_dim), each row from a zero state."""
-        channels = 2 * self.key_dim + self.value_dim
-        qkv, b, a = mixed.split([channels, self.A_log.shape[0], self.A_log.shape[0]], dim=-1)
-        qkv = self.conv(qkv)
-        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q, k = (l2_normalize(x.float().unflatten(-1, (-1, self.k_head_dim))) for x in (q, k))
-        v = v.unflatten(-1, (-1, self.v_head_dim))
-        repeat = v.shape[2] // q.shape[2]  # each q/k head serves this many consecutive value heads
-        q, k = (x.repeat_interleave(repeat, dim=2) for x in (q, k))
+        head (bsz, seq, v_heads, v_head_dim), each row from a zero state. The heads are those of
+        ``A_log`` (a tensor-parallel rank's own)."""
+        v_heads = self.A_log.shape[0]
+        qkv, b, a = mixed.split([mixed.shape[-1] - 2 * v_heads, v_heads, v_heads], dim=-1)
+        width = self.values_per_key * self.v_head_dim
+        q, k, v = (
+            self.conv1d(qkv)
+            .unflatten(-1, (-1, 2 * self.k_head_dim + width))
+            .split([self.k_head_dim, self.k_head_dim, width], dim=-1)
+        )
+        q, k = (l2_normalize(x.float()).repeat_interleave(self.values_per_key, dim=2) for x in (q, k))
+        v = v.flatten(2).unflatten(-1, (-1, self.v_head_dim))
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         kernel = delta_rule_kernel(mixed.device)
         return kernel(q * self.k_head_dim**-0.5, k, v, g, b.sigmoid()).to(mixed.dtype)
-
-    def conv(self, x: torch.Tensor) -> torch.Tensor:
-        """The depthwise causal convolution over positions, then SiLU: (bsz, seq, channels) both ways."""
-        taps = self.conv1d.kernel_size[0]
-        out = F.conv1d(F.pad(x.transpose(1, 2), (taps - 1, 0)), self.conv1d.weight, groups=x.shape[-1])
-        return F.silu(out).transpose(1, 2)

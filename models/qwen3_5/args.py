@@ -60,6 +60,18 @@ class Qwen35Args(DecoderArgs):
                 f"linear_num_value_heads = {self.linear_num_value_heads} must be a multiple of "
                 f"linear_num_key_heads = {self.linear_num_key_heads}"
             )
+        one_head = {2 * self.head_dim: self.n_heads, self.head_dim: self.n_kv_heads}  # wq, wk rows: a head's
+        if one_head.get(self.linear_qkv_channels) == 1:
+            raise ValueError(
+                f"the linear layers' {self.linear_qkv_channels} q/k/v channels equal the rows of a one-head q or k "
+                "projection, which a Hugging Face reader could not tell apart: change head_dim or the linear heads"
+            )
+
+    @property
+    def linear_qkv_channels(self) -> int:
+        """The rows of a linear layer's ``in_proj_qkv``: q and k of every key head, and every value head."""
+        keys = 2 * self.linear_num_key_heads * self.linear_key_head_dim
+        return keys + self.linear_num_value_heads * self.linear_value_head_dim
 
     @property
     def rotary_dim(self) -> int:

@@ -19,6 +19,8 @@ Names: the shared decoder's for the full-attention layers, norms and MLPs; a Gat
 ``in_proj_a``, ``conv1d``, ``A_log``, ``dt_bias``, ``norm``, ``out_proj``), unchanged. RoPE rows: HF
 turns halves of each head's first ``rotary_dim`` channels, ours interleaved pairs of them, so only
 those rows of ``wq`` (a head's query rows, not its gate's), ``wk`` and the q/k norms are permuted.
+``in_proj_qkv``'s rows and ``conv1d``'s channels are HF's all-q, all-k, all-v, ours grouped by key
+head (``models.common.gated_deltanet.qkv_from_hf``): read and written whole, reordered.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 
 from models.common import hf_config
 from models.common.args import check_bool, check_int
+from models.common.gated_deltanet import qkv_from_hf, qkv_to_hf
 from models.common.hf_names import HFNames, permute_from_hf, permute_to_hf
 from models.qwen3_5.args import FULL_ATTENTION_INTERVAL, Qwen35Args
 
@@ -57,6 +60,7 @@ LINEAR_FIELDS = {
 LINEAR_PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "A_log", "dt_bias", "norm", "out_proj")
 _OURS = re.compile(r"layers\.(\d+)\.attention\.((?:" + "|".join(LINEAR_PARTS) + r")(?:\.weight)?|wo\.bias)")
 _THEIRS = re.compile(r"model\.layers\.(\d+)\.(?:linear_attn\.(.+)|self_attn\.o_proj\.bias)")
+QKV_ROWS = ("attention.in_proj_qkv.weight", "attention.conv1d.weight")  # ours grouped by key head
 _WRAPPED = "model.language_model."  # the multimodal class's prefix of its decoder's names
 _SKIPPED = ("model.visual.", "mtp.")  # its vision tower, and the multi-token-prediction module
 
@@ -102,7 +106,10 @@ class Qwen35Names(HFNames):
         return super().config_fields(text_name(name) or name)
 
     def row_groups(self, fqn: str) -> int | None:
-        """Per head, the rows of a query (and its gate), a key, or a q/k norm's one head."""
+        """Per head, the rows of a query (and its gate), a key, or a q/k norm's one head; the
+        linear layers' q/k/v rows whole."""
+        if fqn.endswith(QKV_ROWS):
+            return 1
         if fqn.endswith(("attention.wq.weight", "attention.wq.bias")):
             return self.args.n_heads
         if fqn.endswith(("attention.wk.weight", "attention.wk.bias")):
@@ -110,10 +117,16 @@ class Qwen35Names(HFNames):
         return 1 if fqn.endswith(("attention.q_norm.weight", "attention.k_norm.weight")) else None
 
     def to_stored_rows(self, fqn: str, tensor: torch.Tensor) -> torch.Tensor:
+        if fqn.endswith(QKV_ROWS):
+            return qkv_to_hf(tensor, self.args.linear_num_key_heads, self.args.linear_key_head_dim)
         groups = self.row_groups(fqn)
         return self._rope_rows(tensor, groups, permute_to_hf) if groups else tensor
 
     def from_stored_rows(self, tensor: torch.Tensor, groups: int) -> torch.Tensor:
+        """A linear layer's q/k/v rows are told by their count (the args refuse a q or k projection
+        of one head with as many rows); the rest are RoPE rows."""
+        if groups == 1 and tensor.dim() > 1 and tensor.shape[0] == self.args.linear_qkv_channels:
+            return qkv_from_hf(tensor, self.args.linear_num_key_heads, self.args.linear_key_head_dim)
         return self._rope_rows(tensor, groups, permute_from_hf)
 
     def _rope_rows(self, tensor: torch.Tensor, groups: int, permute) -> torch.Tensor:
