@@ -244,3 +244,15 @@ def test_the_seed_trains_on_pp2_x_dp_shard2_with_one_process_losses(tmp_path):
     with warnings.catch_warnings():
         torchrun(tmp_path / "pp2_dp2", seed, 4, *M, "--training.local_batch_size", "4", *STEPS)
     _close(losses(tmp_path / "pp2_dp2"), losses(tmp_path / "one"), "pp2 x dp_shard2")
+
+
+@pytest.mark.slow
+def test_the_seed_trains_on_tp2_x_dp_shard2_with_one_process_losses(tmp_path):
+    """The debug Qwen3.5 from its seed on tp2 x dp_shard2 (the linear layers split by heads,
+    sequence parallel between them) with one process's losses within 1e-5."""
+    seed = create_seed_checkpoint(tiny_config(*M), tmp_path / "seed", seed=0, progress=False, workers=1)
+    common = [*M, *STEPS, "--parallelism.pipeline_parallel_degree", "1"]
+    torchrun(tmp_path / "one", seed, 1, *common, "--training.local_batch_size", "8")
+    tp = ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"]
+    torchrun(tmp_path / "four", seed, 4, *common, *tp)
+    _close(losses(tmp_path / "four"), losses(tmp_path / "one"), "tp2 x dp_shard2")

@@ -24,7 +24,8 @@ Flavors: ``0.8B``, ``2B``, ``4B``, ``9B`` and ``27B`` are the released text deco
 first three tie their output to the embedding), with ``transformers``' parameter counts;
 ``debug`` trains on a CPU in seconds, its linear layers crossing the rule's chunk. The init recipe
 is torchtitan 0.3.0's ``qwen3_5``: the decoder's ``torchtitan`` recipe, and for the linear layers
-the one ``models.common.gated_deltanet`` names (``A_log`` the log of U(0.01, 16)).
+the one ``models.common.gated_deltanet`` names (``A_log`` the log of U(0.01, 16)). Tensor
+parallelism splits the linear layers by heads (``models.qwen3_5.tensor_parallel``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from models.common.decoder import Transformer
 from models.common.gated_deltanet import CHUNK
 from models.qwen3_5 import hf
 from models.qwen3_5.args import SHAPE_FIELDS, Qwen35Args
+from models.qwen3_5.tensor_parallel import QWEN3_5_TENSOR_PARALLEL
 
 # The block linears OSFT trains by default: every attention and feed-forward matrix, of both kinds.
 OSFT_TARGETS = (
@@ -124,5 +126,5 @@ QWEN3_5 = decoder_family(
     osft_targets=OSFT_TARGETS,
     flops_per_token=flops_per_token,
     layer_flops=lambda args, seq_len: decoder_layer_flops(args, seq_len, attention=attention_flops),
-    tensor_parallel=None,
+    tensor_parallel=QWEN3_5_TENSOR_PARALLEL,
 )
