@@ -150,10 +150,11 @@ def refuse(cfg: dict, what: str, **allowed) -> None:
             raise ValueError(f"config.json has {field} = {cfg[field]!r}; {what} supports only {value!r}")
 
 
-def layer_kinds(cfg: dict, default: list[str] | None = None) -> list[str]:
+def layer_kinds(cfg: dict, default: list[str] | None = None, allowed: tuple[str, ...] | None = None) -> list[str]:
     """``layer_types`` (transformers' per-layer attention: ``full_attention`` or
-    ``sliding_attention``), one per layer, checked; ``default`` where it is absent (None: every layer
-    full)."""
+    ``sliding_attention``, or the family's ``allowed`` kinds), one per layer, checked; ``default``
+    where it is absent (None: every layer full)."""
+    allowed = allowed or LAYER_KINDS
     n_layers = cfg.get("num_hidden_layers")
     kinds = cfg.get("layer_types")
     if kinds is None:
@@ -162,11 +163,11 @@ def layer_kinds(cfg: dict, default: list[str] | None = None) -> list[str]:
         raise ValueError(
             f"config.json has layer_types = {kinds!r}; it must list one kind per layer (num_hidden_layers)"
         )
-    others = sorted({str(kind) for kind in kinds} - set(LAYER_KINDS))
+    others = sorted({str(kind) for kind in kinds} - set(allowed))
     if others:
         raise ValueError(
             f"config.json has layer_types with {', '.join(map(repr, others))}; this version computes "
-            f"{' and '.join(map(repr, LAYER_KINDS))} layers"
+            f"{' and '.join(map(repr, allowed))} layers"
         )
     return kinds
 

@@ -30,11 +30,10 @@ parallelism splits the linear layers by heads (``models.qwen3_5.tensor_parallel`
 
 from __future__ import annotations
 
-import torch
-
-from models.common import decoder_family, decoder_layer_flops, parameters
+from models.common import decoder_family, decoder_layer_flops
 from models.common.decoder import Transformer
 from models.common.gated_deltanet import CHUNK
+from models.family import decoder_flops_per_token
 from models.qwen3_5 import hf
 from models.qwen3_5.args import SHAPE_FIELDS, Qwen35Args
 from models.qwen3_5.tensor_parallel import QWEN3_5_TENSOR_PARALLEL
@@ -101,17 +100,21 @@ def attention_flops(args: Qwen35Args, layer: int, seq_len: int) -> int:
     dv) (C = ``CHUNK``, or the sequence where shorter), and against the chunk's starting state its
     read, its correction and its write, 2·dk·dv each -- independent of T, which is the point of it."""
     if layer in args.full_attention_layers:
-        return 12 * args.n_heads * args.head_dim * seq_len
+        return attention_flops_full(args, seq_len)
     dk, dv, chunk = args.linear_key_head_dim, args.linear_value_head_dim, min(CHUNK, seq_len)
     return 3 * args.linear_num_value_heads * (2 * chunk * (dk + dv) + 6 * dk * dv)
 
 
 def flops_per_token(args: Qwen35Args, seq_len: int, num_params: int | None = None) -> int:
-    """6 FLOPs per parameter (counted on ``meta``, a tied matrix once) and each layer's mixing."""
-    if num_params is None:
-        with torch.device("meta"):
-            num_params = parameters(Transformer(args))
-    return 6 * num_params + sum(attention_flops(args, layer, seq_len) for layer in range(args.n_layers))
+    """The decoder's count (6 FLOPs per parameter, a tied matrix once), each layer's own mixing
+    (``attention_flops``) in place of the full attention it counts in every layer."""
+    every_layer_full = decoder_flops_per_token(Transformer, args, seq_len, num_params)
+    mixing = sum(attention_flops(args, layer, seq_len) for layer in range(args.n_layers))
+    return every_layer_full - args.n_layers * attention_flops_full(args, seq_len) + mixing
+
+
+def attention_flops_full(args: Qwen35Args, seq_len: int) -> int:
+    return 12 * args.n_heads * args.head_dim * seq_len
 
 
 QWEN3_5 = decoder_family(

@@ -176,18 +176,7 @@ def text_args(cfg: dict, tied: bool | None = None) -> Qwen35Args:
 
 def full_attention_layers(cfg: dict, n_layers: int) -> list[int]:
     """The layers ``layer_types`` makes full attention (absent: every ``full_attention_interval``-th)."""
-    kinds = cfg.get("layer_types")
-    if kinds is None:
-        interval = hf_config.read(cfg, "full_attention_interval", check_int, FULL_ATTENTION_INTERVAL)
-        return [i for i in range(n_layers) if (i + 1) % interval == 0]
-    if not isinstance(kinds, list) or len(kinds) != n_layers:
-        raise ValueError(
-            f"config.json has layer_types = {kinds!r}; it must list one kind per layer (num_hidden_layers)"
-        )
-    others = sorted({str(kind) for kind in kinds} - set(KINDS))
-    if others:
-        raise ValueError(
-            f"config.json has layer_types with {', '.join(map(repr, others))}; Qwen3.5 computes "
-            f"{' and '.join(map(repr, KINDS))} layers"
-        )
+    interval = hf_config.read(cfg, "full_attention_interval", check_int, FULL_ATTENTION_INTERVAL)
+    default = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n_layers)]
+    kinds = hf_config.layer_kinds({**cfg, "num_hidden_layers": n_layers}, default, allowed=KINDS)
     return [i for i, kind in enumerate(kinds) if kind == "full_attention"]
