@@ -256,3 +256,18 @@ def test_the_seed_trains_on_tp2_x_dp_shard2_with_one_process_losses(tmp_path):
     tp = ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"]
     torchrun(tmp_path / "four", seed, 4, *common, *tp)
     _close(losses(tmp_path / "four"), losses(tmp_path / "one"), "tp2 x dp_shard2")
+
+
+def test_osft_default_targets_are_every_projection_of_both_layer_kinds():
+    """OSFT's default targets select q/k/v/o (and the gate in ``wq``) of the full layer, the fused
+    q/k/v, the z gate and ``out_proj`` of each linear layer, and every feed-forward matrix."""
+    from seedckpt.finetune.osft import pattern_matches
+
+    args = FLAVORS["debug"]
+    with torch.device("meta"):
+        model = FAMILY.model(args)
+    matches = pattern_matches(model, FAMILY.osft_targets)
+    assert all(matches[target] for target in FAMILY.osft_targets), matches
+    linear_layers = args.n_layers - len(args.full_attention_layers)
+    assert len(matches["attention.in_proj_qkv"]) == linear_layers
+    assert len(matches["attention.wq"]) == len(args.full_attention_layers)
