@@ -33,6 +33,9 @@ alone -- the recurrence's counterpart of attention's document mask. The document
 rows of their own (``Documents.groups``: those of a length class side by side, padded at the end,
 which a causal recurrence never reads back) and the convolution and the rule run on those rows; the
 projections, the norm and ``out_proj`` are per position and run on the packed rows as they are.
+It costs nothing over whole rows: one layer (dim 256, 4 value heads of 64), forward and backward on
+4 rows of 2048 tokens, one CPU thread, median of 3 interleaved rounds: 1.30 s as whole rows, 1.17 s
+as ~50-token chats (20-80 tokens), 0.83 s as 300-900-token documents.
 (Resetting by a decay of -inf at each start instead would leave the convolution to mask apart, and
 the chunk's cumulative decays then mix -inf, or, with a large finite stand-in such as -1e4, lose
 float32's precision past it: 2^-10 of the small decays that follow.)
