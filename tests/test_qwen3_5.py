@@ -223,6 +223,11 @@ def test_linear_layers_count_their_rule_not_the_sequence():
         ("hidden_act", "gelu", "hidden_act = 'gelu'"),
         ("linear_num_value_heads", 3, "must be a multiple of linear_num_key_heads = 2"),
         ("rope_parameters", {"rope_type": "dynamic", "factor": 2.0}, "'dynamic' RoPE scaling"),
+        ("linear_conv_kernel_dim", 0, "linear_conv_kernel_dim = 0"),
+        ("linear_num_value_heads", None, "linear_num_value_heads = null"),
+        ("head_dim", None, "head_dim = null"),
+        ("attention_dropout", 0.1, "attention_dropout = 0.1"),
+        ("full_attention_interval", "4", "full_attention_interval = '4'"),
     ],
 )
 def test_config_fields_not_computed_are_refused_in_one_line(field, value, message):

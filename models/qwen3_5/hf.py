@@ -49,6 +49,29 @@ HF_DEFAULTS = dict(
 )
 PARTIAL_ROTARY_FACTOR = 0.25  # Qwen3_5TextConfig's
 KINDS = ("linear_attention", "full_attention")
+# Fields Qwen3_5TextConfig types without None, so transformers refuses a null one; the shared reader
+# would take it for the default or derive it (a null head_dim as hidden_size // num_attention_heads).
+NOT_NULL = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "max_position_embeddings",
+    "initializer_range",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+    "attention_bias",
+    "attention_dropout",
+    "linear_conv_kernel_dim",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+)
 # config.json's linear-attention fields -> ours, with Qwen3_5TextConfig's defaults
 LINEAR_FIELDS = {
     "linear_conv_kernel_dim": ("linear_conv_kernel", 4),
@@ -154,6 +177,12 @@ def args_from_config(cfg: dict) -> Qwen35Args:
 
 
 def text_args(cfg: dict, tied: bool | None = None) -> Qwen35Args:
+    null = next((name for name in NOT_NULL if name in cfg and cfg[name] is None), None)
+    if null is not None:
+        raise ValueError(
+            f"config.json has {null} = null, which transformers' Qwen3_5TextConfig refuses: give its value, "
+            "or leave the field out for the class's default"
+        )
     hf_config.refuse(cfg, "Qwen3.5", hidden_act="silu", attention_dropout=0.0)
     rope = {**hf_config.rope_table(cfg)}
     for name in ("mrope_section", "mrope_interleaved"):  # text positions: the same in every section
