@@ -268,6 +268,14 @@ PARTS = [
         "CRC32C at several GB/s on one core, a few times zlib.crc32; verify checks a 1B seed at GB/s",
     ),
     Part(
+        "tokenize",
+        "cpu",
+        ["benchmarks/tokenizing.py"],
+        1200,  # 7.5 and 12.5 min on the 2-core machine while others ran (32 MiB, 2 repeats)
+        "seedckpt tokenize at least 0.8x tokenizers' own encode_batch's MB/s on the same text and cores "
+        "(start-up apart)",
+    ),
+    Part(
         "moe_block",
         "moe",
         [

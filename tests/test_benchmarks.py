@@ -53,6 +53,7 @@ SMALL = {
     ],
     "init_rates": ["init_rates", "--mi-elements", "2", "--repeats", "1"],
     "checksums": ["checksums", "--flavor", "debug", "--mib", "8"],
+    "tokenize": ["tokenizing", "--mib", "0.5", "--vocab", "1000", "--repeats", "1"],
     "mla": ["mla", "--heads", "2", "--seq-len", "64", "--repeats", "1"],
     "moe": ["moe", "--tokens", "256", "--dim", "64", "--ffn", "32", "--repeats", "1"],
     "moe_ep": ["moe", "--ep", "2", "--set", "--model.n_experts 4"],

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import itertools
 import json
 import os
 import re
@@ -14,7 +15,6 @@ import signal
 import subprocess
 import sys
 import time
-import warnings
 
 import numpy as np
 import pytest
@@ -144,27 +144,6 @@ def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, tokenizer, corpus, c
     out.mkdir()
     assert tokenize(corpus / "a.jsonl", tokenizer, out) == 2
     assert "exists; choose a new output directory" in capsys.readouterr().err
-
-
-def test_a_directory_read_in_part_names_what_it_skipped_and_one_with_nothing_is_refused(
-    tmp_path, tokenizer, corpus, capsys
-):
-    mixed = tmp_path / "mixed"
-    mixed.mkdir()
-    (mixed / "a.jsonl").write_bytes((corpus / "a.jsonl").read_bytes())
-    for name in ("notes.txt", "blob.bin", "logo.png"):
-        (mixed / name).write_bytes(b"not read")
-    skipped = (
-        f"data.path {mixed}: read its 1 *.jsonl, *.jsonl.gz, *.parquet file(s); skipped blob.bin, logo.png, notes.txt"
-    )
-    with pytest.warns(UserWarning, match=re.escape(skipped)) as caught:
-        assert tokenize(mixed, tokenizer, tmp_path / "tokens", "--quiet") == 0
-    # the command prints its warnings as one line each, like its errors
-    assert warnings.formatwarning(caught[0].message, UserWarning, "x.py", 1) == f"warning: {skipped}\n"
-    (mixed / "a.jsonl").unlink()
-    assert tokenize(mixed, tokenizer, tmp_path / "none", "--quiet") == 2
-    assert "is a directory without *.jsonl, *.jsonl.gz, *.parquet files" in capsys.readouterr().err
-    assert not (tmp_path / "none").exists()
 
 
 def test_training_reads_windows_of_the_token_file(tmp_path, tokenizer, corpus, debug_seed):
@@ -340,7 +319,7 @@ def test_progress_counts_the_bytes_read_from_each_source(tmp_path, corpus, monke
     chats = tmp_path / "chats.jsonl.gz"
     with gzip.open(chats, "wt") as f:
         f.writelines(json.dumps(c) + "\n" for c in make_chats(10, seed=5))
-    assert sum(size for _, size in _sft_blocks(str(chats), 300)) == chats.stat().st_size
+    assert sum(size for _, size in _sft_blocks([chats], 300)) == chats.stat().st_size
 
 
 @pytest.fixture(scope="module")
@@ -355,53 +334,132 @@ def lines(tmp_path_factory):
     return path
 
 
-def test_cut_pieces_end_before_a_space_so_the_pieces_ids_are_the_whole_texts():
-    """The rule: pieces of at most the bound that join back to the text, each cut before its last space
-    after a non-space, else before such a whitespace, else at the bound; cut before spaces, the pieces'
-    ids joined are the whole text's for GPT-2's and Llama 3's byte-level pre-tokenizers and metaspace."""
-    import io
-    import random
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+    r"\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 
-    from seedckpt.data.sources import cut_pieces
+def _pre_tokenizers() -> dict:
+    """GPT-2's byte-level pre-tokenizer (as its tokenizer.json has it, and adding a prefix space),
+    Llama 3's pattern before a byte-level one, and metaspace."""
+    from tokenizers import Regex, pre_tokenizers
 
-    def cut(text: str, limit: int) -> list[str]:
-        return list(cut_pieces(io.StringIO(text), limit))
-
-    assert cut("ab cd  ef\ngh", 5) == ["ab", " cd", "  ef", "\ngh"]
-    assert cut("abcdefgh ij", 5) == ["abcde", "fgh", " ij"]  # no whitespace within the bound
-    assert cut("北京是首都\n东京", 7) == ["北京是首都", "\n东京"]  # no space: before the line break
-    assert cut("", 5) == [] and cut("   ", 2) == ["  ", " "]
-
-    rng = random.Random(0)
-    text = "".join(d + rng.choice([" ", "  ", "\n", ".\n\n", "\t", ",\n", "!\n "]) for d in DOCS * 4)
-    llama3 = (
-        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-        r"\s*[\r\n]+|\s+(?!\S)|\s+"
-    )
-    for pre_tokenizer in (
-        pre_tokenizers.ByteLevel(add_prefix_space=True),
-        pre_tokenizers.Sequence(
+    return {
+        "gpt2": pre_tokenizers.ByteLevel(add_prefix_space=False),
+        "gpt2_prefix_space": pre_tokenizers.ByteLevel(add_prefix_space=True),
+        "llama3": pre_tokenizers.Sequence(
             [
-                pre_tokenizers.Split(Regex(llama3), "isolated"),
+                pre_tokenizers.Split(Regex(LLAMA3_PATTERN), "isolated"),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         ),
-        pre_tokenizers.Metaspace(prepend_scheme="always"),
-    ):
-        bpe = Tokenizer(models.BPE())
-        bpe.pre_tokenizer = pre_tokenizer
-        alphabet = pre_tokenizers.ByteLevel.alphabet()
-        bpe.train_from_iterator(
-            [text], trainers.BpeTrainer(vocab_size=400, show_progress=False, initial_alphabet=alphabet)
-        )
-        for limit in (24, 61, 200):
-            pieces = cut(text, limit)
+        "metaspace": pre_tokenizers.Metaspace(prepend_scheme="always"),
+    }
+
+
+def _bpe(pre_tokenizer, texts: list[str], vocab_size: int = 400, special: tuple[str, ...] = ()):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizer
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(special), show_progress=False, initial_alphabet=alphabet
+    )
+    bpe.train_from_iterator(texts, trainer)
+    return bpe
+
+
+def _texts(seed: int = 0) -> dict[str, str]:
+    """Prose with assorted separators, indented code (lists of quoted names: long stretches where no
+    space follows a non-space), and lines of Chinese (no spaces at all)."""
+    import random
+
+    rng = random.Random(seed)
+    words = sorted({w for d in DOCS for w in d.split()})
+    prose = "".join(d + rng.choice([" ", "  ", "\n", ".\n\n", "\t", ",\n", "!\n "]) for d in DOCS * 4)
+    code = []
+    for _ in range(60):
+        indent = " " * rng.choice((4, 8))
+        code += [f"{indent}{rng.choice(words)} = [\n"]
+        code += [f'{indent}    "{rng.choice(words)}",\n' for _ in range(rng.randint(3, 12))]
+        code += [f"{indent}]  # {rng.choice(words)} {rng.randint(0, 9999)}\n\n"]
+    hanzi = "北京是中国的首都东京大阪市人口很多"
+    chinese = "".join(
+        "".join(rng.choices(hanzi, k=rng.randint(4, 20))) + rng.choice("，。！") + "\n" for _ in range(300)
+    )
+    return {"prose": prose, "code": "".join(code), "chinese": chinese}
+
+
+def test_cut_pieces_end_where_a_pre_token_does_so_the_pieces_ids_are_the_whole_texts():
+    """The rule: pieces that join back to the text, each cut before its last space that a non-space
+    follows, looking up to the bound for one; else after a line break between non-spaces; else at the
+    bound. The pieces' ids joined are the whole text's for GPT-2's and Llama 3's byte-level
+    pre-tokenizers on prose, indented code and Chinese, and for a prefix space and metaspace on prose
+    and code (a line cut, as in Chinese, gets their prefix). Before, code was cut before a line break
+    after a comma, which Llama 3's pattern joins to the comma."""
+    import io
+
+    from seedckpt.data.sources import cut_pieces
+
+    def cut(text: str, size: int, limit: int) -> list[str]:
+        return list(cut_pieces(io.StringIO(text), size, limit))
+
+    assert cut("ab cd  ef\ngh", 5, 64) == ["ab", " cd ", " ef\ngh"]
+    assert cut("abcdefgh ij", 5, 64) == ["abcdefgh", " ij"]  # no space before a non-space within 5: further
+    assert cut("abcdefgh ij", 5, 6) == ["abcdef", "gh", " ij"]  # nor within the bound: at the bound
+    assert cut("北京是首都\n东京。\n大阪", 3, 7) == ["北京是首都\n", "东京。\n大阪"]  # after a line break
+    assert cut("", 5, 8) == [] and cut("   ", 2, 8) == ["   "]
+
+    texts = _texts()
+    for name, pre_tokenizer in _pre_tokenizers().items():
+        prefixed = name in ("gpt2_prefix_space", "metaspace")
+        cases = {kind: text for kind, text in texts.items() if not (prefixed and kind == "chinese")}
+        bpe = _bpe(pre_tokenizer, list(cases.values()))
+        for (kind, text), (size, limit) in itertools.product(cases.items(), ((24, 64), (61, 200), (200, 600))):
+            pieces = cut(text, size, limit)
             assert "".join(pieces) == text and max(map(len, pieces)) <= limit
-            assert all(p[0] == " " and not q[-1].isspace() for q, p in zip(pieces, pieces[1:]))
-            joined = [i for p in pieces for i in bpe.encode(p).ids]
-            assert joined == bpe.encode(text).ids, (pre_tokenizer, limit)
+            joined = [i for e in bpe.encode_batch(pieces) for i in e.ids]
+            assert joined == bpe.encode(text).ids, (name, kind, size)
+
+
+def test_a_plain_text_file_in_pieces_has_the_ids_of_the_whole_text(tmp_path, monkeypatch):
+    """Prose, indented code and Chinese in one file, cut into pieces of about 64 characters (at most
+    256) in blocks of 512, tokenized by 2 workers with Llama 3's pattern: the ids of the whole text
+    encoded at once by transformers, then eos."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from seedckpt.data import sources
+    from seedckpt.data import tokenize as tokenizing
+
+    text = "".join(_texts(seed=1).values())
+    bpe = _bpe(_pre_tokenizers()["llama3"], [text], vocab_size=600, special=("<|end_of_text|>",))
+    PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|end_of_text|>").save_pretrained(tmp_path / "tok")
+    (tmp_path / "all.txt").write_text(text)
+    monkeypatch.setattr(sources, "PIECE_CHARS", 64)
+    monkeypatch.setattr(sources, "MAX_PIECE_CHARS", 256)
+    monkeypatch.setattr(tokenizing, "BLOCK_CHARS", 512)
+    assert tokenize(tmp_path / "all.txt", tmp_path / "tok", tmp_path / "t", "--workers", "2", "--quiet") == 0
+    tok = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    whole = [*tok(text, add_special_tokens=False)["input_ids"], tok.eos_token_id]
+    assert np.fromfile(tmp_path / "t" / "tokens.bin", dtype="<u4").tolist() == whole
+
+
+def test_workers_encode_as_transformers_calls_the_tokenizer(tmp_path, tokenizer):
+    """A worker runs the tokenizer transformers built, without transformers: as it calls it, a special
+    token's text in a document is that token, or with ``split_special_tokens`` its characters' ids."""
+    from transformers import AutoTokenizer
+
+    text = f"{DOCS[0]} <|eot_id|> {DOCS[1]}"
+    (tmp_path / "doc.txt").write_text(text)
+    AutoTokenizer.from_pretrained(tokenizer, split_special_tokens=True).save_pretrained(tmp_path / "splits")
+    ids = {}
+    for name, directory in (("whole", tokenizer), ("split", tmp_path / "splits")):
+        assert tokenize(tmp_path / "doc.txt", directory, tmp_path / name, "--quiet", "--workers", "1") == 0
+        ids[name] = np.fromfile(tmp_path / name / "tokens.bin", dtype="<u4").tolist()
+        assert ids[name] == _expected(directory, [text])
+    assert len(ids["split"]) > len(ids["whole"])
 
 
 def test_documents_in_small_pieces_and_blocks_give_the_same_ids_and_a_huge_jsonl_line_is_refused(

@@ -190,8 +190,10 @@ def _parser() -> argparse.ArgumentParser:
         "sources",
         nargs="+",
         metavar="INPUT",
-        help='JSONL {"text": ...} / JSONL.gz / parquet (a "text" column) / plain text file(s), or directories; '
-        'with --chat, JSONL {"messages": [...]} or Mini Trainer\'s {"input_ids", "labels"} file(s) or directories',
+        help='JSONL {"text": ...} / JSONL.gz / parquet (a "text" column) / plain text file(s), or directories of '
+        "them (*.jsonl, *.jsonl.gz, *.parquet, *.txt: a warning names the files skipped), each file once; a "
+        'file named of another kind is read as plain text. With --chat, JSONL {"messages": [...]} or Mini '
+        'Trainer\'s {"input_ids", "labels"} file(s) or directories (*.jsonl, *.jsonl.gz)',
     )
     tokenize.add_argument(
         "--chat",

@@ -17,6 +17,7 @@ but the step. Every dataset returns a ``Batch``.
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import hashlib
 import importlib.util
@@ -34,11 +35,18 @@ from seedckpt.utils.errors import SeedckptError
 
 IGNORE_INDEX = -100  # a label that carries no loss (cross_entropy's ignore_index)
 MAX_LINE_BYTES = 16 << 20  # longest JSONL line read: a bound on what a hostile file can make us parse
-# Longest text handed to a tokenizer at once (``pieces``). Encoding holds ~200 bytes per character
-# (the fast tokenizer's offsets and alignments, then the ids as Python ints): a 10 MB plain text file
-# encoded whole peaked at 2.0 GB RSS, a 20 MB one at 3.7 GB. Encoding 1 MiB of 12-word lines in
-# pieces of 64 KiB grew a process by 103 MiB, in one piece by 213 MiB (a 600-token byte-level BPE).
-PIECE_CHARS = 1 << 16
+# Text is handed to a tokenizer in pieces of about PIECE_CHARS characters, cut where its pre-tokenizer
+# splits anyway (``cut_pieces``). Short pieces encode faster -- a long text's alignments outgrow the
+# caches: with a 32k byte-level BPE (Llama 3's pattern) on 2 threads, encode_batch took 1.6-1.7x the
+# CPU on 64 Ki-character pieces that it took on lines; one thread encoded English prose at 5.2 MB per
+# CPU second in 4 Ki pieces, 3.7 in 1 Ki, 3.3 in 16 Ki, 2.7 in 64 Ki and 2.7 by lines (Python source:
+# 4.5, 3.6, 2.6, 2.7, 2.7; benchmarks/tokenizing.py).
+PIECE_CHARS = 1 << 12
+# The longest piece, where no such cut comes sooner: a bound on a tokenizer's memory. Encoding holds
+# ~200 bytes per character (the fast tokenizer's offsets and alignments, then the ids): a 10 MB plain
+# text file encoded whole peaked at 2.0 GB RSS, a 20 MB one at 3.7 GB. Encoding 1 MiB of 12-word lines
+# in pieces of 64 KiB grew a process by 103 MiB, in one piece by 213 MiB (a 600-token byte-level BPE).
+MAX_PIECE_CHARS = 1 << 16
 READ_REPORT_LINES = 1024  # a reader's progress callback hears of the bytes read this many lines at a time
 
 ALPHABET = 32
@@ -100,40 +108,56 @@ def keyed_generator(*key) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
 
 
-# The files a directory of documents is read for (``pieces``); chat data is JSONL only.
-TEXT_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
+# The files a directory of documents is read for (``pieces``): what ``seedckpt tokenize --help`` lists,
+# plain text as ``*.txt``. Chat data is JSONL only.
+TEXT_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet", ".txt")
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
 
 
-def data_files(path: str | list[str], suffixes: tuple[str, ...]) -> list[Path]:
+def data_files(path: str | list[str], suffixes: tuple[str, ...], name: str = "data.path") -> list[Path]:
     """``path``: one file, several comma-separated, or a directory (its files ending in one of
     ``suffixes``, sorted); or a list of such. A path that exists as written is not split at its
-    commas."""
-    files = []
+    commas. A file given twice (twice over, or alone and in its directory) is refused: it would be
+    read twice. Errors and warnings call the paths ``name``: the config key, or a command's input."""
+    files, given_as = [], {}
     given = path if isinstance(path, list) else [path]
     parts = [q.strip() for p in given for q in ([p] if Path(p).exists() else p.split(",")) if q.strip()]
     for part in parts:
         p = Path(part)
         if p.is_dir():
-            found = sorted(f for suffix in suffixes for f in p.glob(f"*{suffix}"))
-            names = ", ".join(f"*{suffix}" for suffix in suffixes)
-            if not found:
-                raise SeedckptError(f"data.path {p} is a directory without {names} files")
-            skipped = sorted(f.name for f in p.iterdir() if f not in found)
-            if skipped:  # a directory read in part says so: a .txt or .bin beside the data is not data
-                more = f" and {len(skipped) - 5} more" if len(skipped) > 5 else ""
-                warnings.warn(
-                    f"data.path {p}: read its {len(found)} {names} file(s); skipped {', '.join(skipped[:5])}{more}",
-                    stacklevel=2,
-                )
-            files += found
+            found = _directory_files(p, suffixes, name)
         elif p.is_file():
-            files.append(p)
+            found = [p]
         else:
-            raise SeedckptError(f"data.path {p} does not exist; give a file, comma-separated files or a directory")
+            raise SeedckptError(f"{name} {p} does not exist; give a file, comma-separated files or a directory")
+        for file in found:
+            if file.resolve() in given_as:
+                raise SeedckptError(
+                    f"{name} gives {file} twice (as {given_as[file.resolve()]} and as {part}); give each file once"
+                )
+            given_as[file.resolve()] = part
+            files.append(file)
     if not files:
-        raise SeedckptError("data.path is empty; give the data file(s)")
+        raise SeedckptError(f"{name} is empty; give the data file(s)")
     return files
+
+
+def _directory_files(directory: Path, suffixes: tuple[str, ...], name: str) -> list[Path]:
+    """The files of ``directory`` ending in one of ``suffixes``, sorted; a warning names the rest."""
+    found = sorted(f for suffix in suffixes for f in directory.glob(f"*{suffix}") if f.is_file())
+    names = ", ".join(f"*{suffix}" for suffix in suffixes)
+    if not found:
+        raise SeedckptError(
+            f"{name} {directory} holds no {names} file; give a directory that does, or the files by name"
+        )
+    skipped = sorted(f.name for f in directory.iterdir() if f not in found)
+    if skipped:  # a directory read in part says so: a .bin or .png beside the data is not data
+        more = f" and {len(skipped) - 5} more" if len(skipped) > 5 else ""
+        warnings.warn(
+            f"{name} {directory}: read its {len(found)} {names} file(s); skipped {', '.join(skipped[:5])}{more}",
+            stacklevel=3,
+        )
+    return found
 
 
 def jsonl_records(path: Path, read=None):
@@ -245,10 +269,9 @@ class TextData:
 def pieces(file: Path, read=None):
     """``(text, last)`` for the documents of ``file`` -- each JSONL record's ``"text"`` (a ``.jsonl`` or
     ``.jsonl.gz`` file, streamed), each row's ``text`` column of a ``.parquet`` file (streamed by
-    record batch), or the whole of any other file, read as UTF-8 text -- in pieces of at most
-    ``PIECE_CHARS`` characters, ``last`` true on a document's final piece. A document is tokenized
-    piece by piece, its ids joined, so no token spans a cut (``cut_pieces``). ``read(n)`` is told the
-    file's bytes as they are read (``jsonl_records``)."""
+    record batch), or the whole of any other file, read as UTF-8 text (``PlainText``) -- in pieces
+    (``cut_pieces``), ``last`` true on a document's final piece. A document is tokenized piece by
+    piece, its ids joined. ``read(n)`` is told the file's bytes as they are read (``jsonl_records``)."""
     if file.name.endswith(".parquet"):
         texts = parquet_texts(file, read)
     elif file.name.endswith(JSONL_SUFFIXES):
@@ -268,17 +291,62 @@ def _jsonl_texts(file: Path, read=None):
 
 
 def _plain_text_pieces(file: Path, read=None):
-    """A plain text file as one document, read ``PIECE_CHARS`` characters at a time: any size, with
-    or without line breaks, in bounded memory. Undecodable bytes become U+FFFD; universal newlines."""
-    with open(file, encoding="utf-8", errors="replace") as f:
-        position, reported = f.buffer.tell, 0
-        for text, last in _ending(cut_pieces(f)):
-            if read:
-                read(position() - reported)
-                reported = position()
-            yield text, last
-    if read:
-        read(file.stat().st_size - reported)
+    """A plain text file as one document, read a piece at a time: any size, with or without line
+    breaks, in bounded memory. An empty file is refused (it would be a document of eos alone); invalid
+    UTF-8 is read as U+FFFD, and a warning names the file, how many and where the first is."""
+    with open(file, "rb") as f:
+        text = PlainText(f, read)
+        for piece in _ending(cut_pieces(text)):
+            if not text.position:
+                raise SeedckptError(f"{file} is empty: it holds no document; remove it from the inputs")
+            yield piece
+    if text.invalid:
+        warnings.warn(
+            f"{file}: {text.invalid:,} invalid UTF-8 sequence(s), the first at byte {text.first_invalid:,}, read as "
+            "U+FFFD; if the file is in another encoding, convert it (iconv -f ENCODING -t UTF-8)",
+            stacklevel=2,
+        )
+
+
+class PlainText:
+    """A UTF-8 file as a text stream (``read(n)``, for ``cut_pieces``), with universal newlines, as
+    ``open(file, encoding="utf-8", errors="replace")`` reads it -- each invalid byte sequence becomes
+    U+FFFD -- but counting the sequences replaced and keeping the first one's byte offset, which a
+    text file object cannot tell. ``report(n)`` is told the bytes as they are read."""
+
+    def __init__(self, f, report=None):
+        self.f, self.report = f, report or (lambda n: None)
+        self.position = 0  # bytes read
+        self.pending = b""  # the start of a character that the next bytes complete
+        self.newlines = io.IncrementalNewlineDecoder(None, translate=True)
+        self.invalid, self.first_invalid = 0, -1
+
+    def read(self, n: int) -> str:
+        """Up to ``n`` characters; "" only at the end."""
+        while True:
+            raw = self.f.read(n)
+            self.report(len(raw))
+            data = self.pending + raw
+            decoded, used = self._decode(memoryview(data), self.position - len(self.pending), final=not raw)
+            self.position += len(raw)
+            self.pending = data[used:]
+            text = self.newlines.decode(decoded, final=not raw)
+            if text or not raw:
+                return text
+
+    def _decode(self, data: memoryview, offset: int, final: bool) -> tuple[str, int]:
+        """``data`` (at byte ``offset`` of the file) decoded, and the bytes used: an unfinished
+        character at its end waits for the next bytes unless ``final``."""
+        parts, at = [], 0
+        while True:
+            try:
+                text, used = codecs.utf_8_decode(data[at:], "strict", final)
+                return "".join([*parts, text]), at + used
+            except UnicodeDecodeError as e:
+                parts += (str(data[at : at + e.start], "utf-8"), "\ufffd")
+                self.invalid += 1
+                self.first_invalid = offset + at + e.start if self.first_invalid < 0 else self.first_invalid
+                at += e.end
 
 
 def _ending(texts):
@@ -292,41 +360,59 @@ def _ending(texts):
 
 
 # Where a piece may end, searched on the reversed text (so the first match is the last place): just
-# before a space that follows a non-whitespace character; failing that, before any whitespace that does.
-_CUTS_REVERSED = (re.compile(r" (?=\S)"), re.compile(r"\s(?=\S)"))
+# before a space that a non-whitespace character follows (the last space of its run); failing that,
+# just after a line break between two non-whitespace characters. A space at the end of the text read
+# so far is no place: what follows it is not known yet.
+_SPACE_BEFORE_NON_SPACE, _LINE_BREAK_BETWEEN = re.compile(r"(?<=\S) "), re.compile(r"(?<=\S)\n(?=\S)")
 
 
-def cut_pieces(stream: io.TextIOBase, limit: int | None = None):
-    """The text of ``stream`` in pieces of at most ``limit`` (``PIECE_CHARS``) characters that join
-    back to it. Each is cut just before its last space that follows a non-whitespace character;
-    failing that (text without spaces, e.g. Chinese), before its last such whitespace character;
-    failing that, at the bound.
+def cut_pieces(stream: io.TextIOBase, size: int | None = None, limit: int | None = None):
+    """The text of ``stream`` in pieces of about ``size`` (``PIECE_CHARS``) characters that join back
+    to it, each cut where the pre-tokenizers of byte-level BPE and SentencePiece split anyway, so the
+    pieces' ids joined are the ids of the whole text: just before the last space that a
+    non-whitespace character follows -- looking further, up to ``limit`` (``MAX_PIECE_CHARS``)
+    characters, where there is none within ``size``; failing that, just after the last line break
+    between two non-whitespace characters; failing that, at ``limit``.
 
-    Why before a space: there the pre-tokenizers of byte-level BPE (GPT-2's; Llama 3's and Qwen2's
-    patterns) end a pre-token, and a text that begins with a space gets no prefix (ByteLevel's
-    ``add_prefix_space``, SentencePiece's metaspace), so the ids of the pieces, joined, are the ids
-    of the whole text (tested with GPT-2's, Llama 3's and metaspace). A cut before a line break can
-    differ there (Llama 3's pattern joins punctuation with the line breaks after it), and so can any
-    cut for a tokenizer that prepends to every text (Llama 2's "\u2581" normalizer): a token or two."""
-    limit = limit or PIECE_CHARS
-    rest = ""
-    while True:
-        text = rest + stream.read(limit - len(rest))
-        if len(text) < limit:  # the end of the stream
-            if text:
-                yield text
-            return
-        cut = _cut(text)
-        yield text[:cut]
-        rest = text[cut:]
+    Why there: in GPT-2's, Llama 3's, Qwen2's, DeepSeek-V3's and o200k's patterns a space before a
+    non-space begins a pre-token (" word", " (") and the whitespace before it is a pre-token of its
+    own, before that space as at the end of a text ("\\s+(?!\\S)" stops short of the space,
+    "\\s*[\\r\\n]+" ends at a line break); metaspace splits before every space; and a text that
+    begins with a space gets no prefix (ByteLevel's ``add_prefix_space``, metaspace's
+    ``prepend_scheme``). So prose and indented code cut there give the whole text's ids (tested with
+    GPT-2's, Llama 3's and metaspace). A line break between non-whitespace ends a pre-token in those
+    patterns too (Llama 3's joins it to the punctuation before it, not to what follows), but a piece
+    after it gets the prefix of ``add_prefix_space`` or metaspace; a cut at the bound may split a
+    pre-token; and a tokenizer that prepends to every text (Llama 2's "\u2581" normalizer) differs at
+    every cut: a token or two each."""
+    size = size or PIECE_CHARS
+    limit = max(limit or MAX_PIECE_CHARS, size)
+    text, searched = "", 1  # text[1:searched] holds no place to cut (and a cut at 0 is no piece)
+    while chunk := stream.read(size):
+        text += chunk
+        while len(text) >= size:
+            window = text[:limit]
+            cut = _space_cut(window, searched) or (len(text) >= limit and _line_cut(window))
+            if not cut:  # read on, searching only what comes next: linear in text without spaces
+                searched = len(window) - 1
+                break
+            yield text[:cut]
+            text, searched = text[cut:], 1
+    if text:
+        yield text
 
 
-def _cut(text: str) -> int:
-    reversed_text = text[::-1]
-    for pattern in _CUTS_REVERSED:
-        if found := pattern.search(reversed_text):
-            return len(text) - 1 - found.start()
-    return len(text)
+def _space_cut(text: str, start: int) -> int:
+    """The last place in ``text[start:]`` just before a space that a non-whitespace character
+    follows, or 0."""
+    found = _SPACE_BEFORE_NON_SPACE.search(text[start:][::-1])
+    return len(text) - 1 - found.start() if found else 0
+
+
+def _line_cut(text: str) -> int:
+    """The last place just after a line break between two non-whitespace characters, else the end."""
+    found = _LINE_BREAK_BETWEEN.search(text[::-1])
+    return len(text) - found.start() if found else len(text)
 
 
 PARQUET_BATCH_ROWS = 1024  # rows read at a time: a file's row groups may be far larger
@@ -334,8 +420,8 @@ PARQUET_BATCH_ROWS = 1024  # rows read at a time: a file's row groups may be far
 
 def parquet_texts(file: Path, read=None):
     """The ``text`` column of a parquet file (as Hugging Face datasets store corpora), a batch of rows
-    at a time; a missing column, a row that is not a string, or a file pyarrow cannot read is one
-    error naming the file. ``read(n)`` is told the file's bytes in proportion to the rows read."""
+    at a time; a missing column, no rows, a row that is not a string, or a file pyarrow cannot read
+    is one error naming the file. ``read(n)`` is told the file's bytes in proportion to the rows read."""
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -348,6 +434,8 @@ def parquet_texts(file: Path, read=None):
         reader = pq.ParquetFile(file)
         if "text" not in reader.schema_arrow.names:
             raise SeedckptError(f'{file}: no "text" column (columns: {", ".join(reader.schema_arrow.names)})')
+        if not reader.metadata.num_rows:
+            raise SeedckptError(f"{file} is empty: it holds no rows; remove it from the inputs")
         for batch in reader.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=["text"]):
             for text in batch.column(0).to_pylist():
                 row += 1

@@ -2,13 +2,15 @@
 
 Tokenizing runs on a pool of processes (each with its own tokenizer), over blocks of documents or
 conversations taken in order; the parent writes their ids in that order, so the directory is the
-same for any number of workers. Memory is bounded whatever the corpus: a document is read and
-tokenized in pieces (``sources.pieces``), a block holds at most ``BLOCK_CHARS`` characters of them
-(unless one conversation is longer), and at most ``AHEAD`` blocks a worker are in flight. A worker
-that dies (the kernel's OOM killer, a signal) ends the command with one error and nothing written:
-``concurrent.futures`` reports a dead worker, where ``multiprocessing.Pool`` starts a new one and
-waits forever for the lost block. The progress bar counts the source bytes read (compressed bytes
-for gzip), against the sources' sizes.
+same for any number of workers. A text worker runs the ``tokenizers`` library alone, on the
+tokenizer transformers built here (``tokenize_worker``): it starts in a tenth of a second and
+encodes pieces of about 4 Ki characters without offsets, at ``encode_batch``'s own speed. Memory is
+bounded whatever the corpus: a document is read and tokenized in pieces (``sources.pieces``), a
+block holds at most ``BLOCK_CHARS`` characters of them (unless one conversation is longer), and at
+most ``AHEAD`` blocks a worker are in flight. A worker that dies (the kernel's OOM killer, a signal)
+ends the command with one error and nothing written: ``concurrent.futures`` reports a dead worker,
+where ``multiprocessing.Pool`` starts a new one and waits forever for the lost block. The progress
+bar counts the source bytes read (compressed bytes for gzip), against the sources' sizes.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
-import signal
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from seedckpt.data import tokenize_worker
 from seedckpt.data.chat import chat_tokenizer, conversation, first_label, pretokenized_record, render_samples
 from seedckpt.data.sources import IGNORE_INDEX, JSONL_SUFFIXES, TEXT_SUFFIXES, data_files, jsonl_records, pieces
 from seedckpt.data.token_files import (
@@ -46,6 +48,7 @@ from seedckpt.utils.progress import Progress
 # threads) grew by 54 MiB, in 1 MiB blocks by 128 MiB, and was no faster.
 BLOCK_CHARS = 1 << 18
 AHEAD = 2  # blocks in flight per worker: one being tokenized, one queued behind it
+INPUT = "input"  # what errors call the command's inputs
 
 
 def tokenize_corpus(
@@ -57,9 +60,9 @@ def tokenize_corpus(
     chat: bool = False,
 ) -> Path:
     """Tokenize ``sources`` (``data.path``'s syntax, or a list of such: files, comma-separated, or a
-    directory) into the token directory ``output``: documents (``*.jsonl`` / ``*.jsonl.gz`` /
-    ``*.parquet``; a plain text file is one document; each read and tokenized in pieces,
-    ``sources.pieces``), or with ``chat`` JSONL conversations with
+    directory; each file once) into the token directory ``output``: documents (``*.jsonl`` /
+    ``*.jsonl.gz`` / ``*.parquet``; a plain text file, ``*.txt`` in a directory, is one document;
+    each read and tokenized in pieces, ``sources.pieces``), or with ``chat`` JSONL conversations with
     their label mask (records already tokenized, Mini Trainer's ``{"input_ids", "labels"}``, are
     written as they are)."""
     from seedckpt.data.tokenizer import load_tokenizer, pad_token_id
@@ -68,20 +71,22 @@ def tokenize_corpus(
     meta = {"content": "chat" if chat else "text", "tokenizer": str(Path(tokenizer_dir).resolve())}
     meta["tokenizer_sha256"] = sha256(Path(tokenizer_dir) / "tokenizer.json")
     if chat:
-        files = data_files(sources, JSONL_SUFFIXES)
+        files = data_files(sources, JSONL_SUFFIXES, INPUT)
         meta["pad_token_id"], meta["pad_note"] = pad_token_id(tokenizer)
-        blocks, work, names = _sft_blocks(sources, len(tokenizer)), _tokenize_conversations, CHAT_FILES
+        blocks, work, names = _sft_blocks(files, len(tokenizer)), _tokenize_conversations, CHAT_FILES
+        start = _start_worker, (tokenizer_dir,)
     else:
         if tokenizer.eos_token_id is None:
             raise SeedckptError(f"the tokenizer in {tokenizer_dir} has no eos token to separate documents")
-        files = data_files(sources, TEXT_SUFFIXES)
+        files = data_files(sources, TEXT_SUFFIXES, INPUT)
         meta["eos_token_id"] = tokenizer.eos_token_id
-        blocks, work, names = _blocks(files), _tokenize_block, (TOKENS_FILE,)
+        blocks, work, names = _blocks(files), tokenize_worker.encode_block, (TOKENS_FILE,)
+        start = tokenize_worker.start, _text_worker_args(tokenizer)
     meta["sources"] = [{"path": str(f), "bytes": f.stat().st_size} for f in files]
     meter = Progress(sum(f.stat().st_size for f in files), f"tokenize {len(files)} file(s)", enabled=progress)
     workers = workers or len(os.sched_getaffinity(0))
     try:
-        with _pool(workers, tokenizer_dir) as pool:
+        with _pool(workers, *start) as pool:
             results = _in_order(pool, work, blocks, AHEAD * workers)
             return write_token_directory(output, results, len(tokenizer), meta, meter.update, names)
     finally:
@@ -89,11 +94,12 @@ def tokenize_corpus(
 
 
 @contextlib.contextmanager
-def _pool(workers: int, tokenizer_dir: str) -> Iterator[ProcessPoolExecutor]:
-    """``workers`` spawned processes, each with the tokenizer loaded; on the way out after an error,
-    the blocks not yet started are dropped rather than tokenized for nothing."""
+def _pool(workers: int, initializer, initargs: tuple) -> Iterator[ProcessPoolExecutor]:
+    """``workers`` spawned processes, each started with ``initializer(*initargs)`` (the tokenizer
+    loaded); on the way out after an error, the blocks not yet started are dropped rather than
+    tokenized for nothing."""
     context = multiprocessing.get_context("spawn")
-    pool = ProcessPoolExecutor(workers, context, _start_worker, (tokenizer_dir,))
+    pool = ProcessPoolExecutor(workers, context, initializer, initargs)
     try:
         yield pool
     finally:
@@ -163,39 +169,32 @@ def _blocks(files) -> Iterator[tuple[list[tuple[str, bool]], int]]:
     return _grouped(((piece, len(piece[0])) for file in files for piece in pieces(file, read)), read)
 
 
+def _text_worker_args(tokenizer) -> tuple:
+    """``tokenize_worker.start``'s arguments: the backend ``tokenizer(text)`` runs, serialized, and how
+    it is called; the ids' file and dtype."""
+    backend = tokenizer.backend_tokenizer.to_str()
+    return backend, tokenizer.eos_token_id, tokenizer.split_special_tokens, (TOKENS_FILE, TOKEN_DTYPE.str)
+
+
 _TOKENIZER = None
 
 
 def _start_worker(tokenizer_dir: str) -> None:
+    """A chat worker: the tokenizer loaded with transformers, for its chat template."""
     global _TOKENIZER
     from seedckpt.data.tokenizer import load_tokenizer
 
-    # One thread per worker: the pool is the parallelism. A block encoded by the tokenizer's own
-    # threads took the same CPU time and grew the worker's address space by 197 MiB instead of 37
-    # (each thread's stack and malloc arena), its RSS by 53 MiB instead of 38 (2 MiB in 256 KiB blocks).
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    # Ctrl-C reaches the whole process group: the parent stops the pool and removes its partial
-    # output, and a worker's own KeyboardInterrupt traceback would only bury that one line.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    tokenize_worker.prepare_process()
     _TOKENIZER = load_tokenizer(tokenizer_dir)
 
 
-def _tokenize_block(block: tuple[list[tuple[str, bool]], int]) -> tuple[dict, int, int]:
-    """The ids of a block's pieces, each document's last followed by eos; the documents it ends."""
-    items, size = block
-    encoded = _TOKENIZER([text for text, _ in items], add_special_tokens=False)["input_ids"]
-    eos = (_TOKENIZER.eos_token_id,)
-    ids = np.fromiter((t for piece, (_, last) in zip(encoded, items) for t in (*piece, *eos[:last])), TOKEN_DTYPE)
-    return {TOKENS_FILE: ids}, sum(last for _, last in items), size
-
-
-def _sft_blocks(sources: str | list[str], vocab_size: int) -> Iterator[tuple[list, int]]:
+def _sft_blocks(files: list[Path], vocab_size: int) -> Iterator[tuple[list, int]]:
     """``([(where, record), ...], source bytes)`` in order, grouped: each record a conversation's
     messages, or the ``(ids, label mask)`` of a record already tokenized (Mini Trainer's format)."""
     read = _BytesRead()
 
     def records():
-        for file in data_files(sources, JSONL_SUFFIXES):
+        for file in files:
             for number, record in jsonl_records(file, read):
                 where = f"{file}:{number}"
                 if isinstance(record, dict) and "input_ids" in record:
