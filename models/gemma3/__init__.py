@@ -19,12 +19,13 @@ Tensor names are the shared decoder's (``models.common.decoder``), plus per laye
 norms ``layers.{i}.post_attention_norm.weight`` and ``layers.{i}.post_ffn_norm.weight``;
 ``ffn_norm`` is HF's ``pre_feedforward_layernorm`` (``models.gemma3.hf``). The init recipe is HF's:
 every weight normal with std ``initializer_range``, every norm's weight zero (its identity). HF
-also zeroes the embedding's padding row (``pad_token_id`` 0), which a per-tensor recipe does not;
-training leaves that row at what the seed drew, where transformers keeps it from training.
+also zeroes the embedding's padding row (``pad_token_id`` 0) and never trains it (a padding index);
+here that row is drawn and trained like the others (packed padding carries no loss, so it moves
+only where a document uses the token).
 
 FLOPs count a sliding-window layer's attention over its window, not the whole sequence
-(``attention_flops``): 1B at 8192 tokens costs 6.54 GFLOPs a token so, 8.62 counted as if every
-layer attended to all 8192 positions -- an MFU overstated by 32 %.
+(``attention_flops``): 1B at 8192 tokens costs 6.54 GFLOPs a token, where counting every layer over
+all 8192 positions gives 8.62 -- an MFU overstated by 32 %.
 """
 
 from __future__ import annotations

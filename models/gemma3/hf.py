@@ -76,20 +76,7 @@ def args_from_config(cfg: dict) -> Gemma3Args:
 def text_args(cfg: dict, tied: bool | None = None, softcap: bool = True) -> Gemma3Args:
     """``tied``: the output's tie where another field decides it (None: this ``tie_word_embeddings``);
     ``softcap``: whether ``final_logit_softcapping`` applies."""
-    null = next((name for name in NOT_NULL if name in cfg and cfg[name] is None), None)
-    if null is not None:
-        raise ValueError(
-            f"config.json has {null} = null, which transformers' Gemma3TextConfig refuses: give its value, "
-            "or leave the field out for the class's default"
-        )
-    if cfg.get("attn_logit_softcapping") is not None:
-        raise ValueError(
-            f"config.json has attn_logit_softcapping = {cfg['attn_logit_softcapping']!r}; this version computes "
-            "no softcap on attention scores (Gemma 3's releases have none): set it null"
-        )
-    hf_config.refuse(
-        cfg, "Gemma 3", hidden_activation="gelu_pytorch_tanh", attention_dropout=0.0, use_bidirectional_attention=False
-    )
+    refuse_uncomputed(cfg)
     rope = {name: value for name, value in cfg.items() if name not in ("rope_theta", "rope_scaling", "rope_parameters")}
     fields = hf_config.decoder_fields(rope, **HF_DEFAULTS) | rope_fields(cfg)
     if tied is not None:
@@ -103,6 +90,24 @@ def text_args(cfg: dict, tied: bool | None = None, softcap: bool = True) -> Gemm
         query_pre_attn_scalar=hf_config.read(cfg, "query_pre_attn_scalar", check_int, 256),
         final_logit_softcap=hf_config.read(cfg, "final_logit_softcapping", check_float, None) if softcap else None,
         attention_bias=hf_config.read(cfg, "attention_bias", check_bool, False),
+    )
+
+
+def refuse_uncomputed(cfg: dict) -> None:
+    """Refuse, in one line each, a null ``Gemma3TextConfig`` refuses and what this version does not compute."""
+    null = next((name for name in NOT_NULL if name in cfg and cfg[name] is None), None)
+    if null is not None:
+        raise ValueError(
+            f"config.json has {null} = null, which transformers' Gemma3TextConfig refuses: give its value, "
+            "or leave the field out for the class's default"
+        )
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise ValueError(
+            f"config.json has attn_logit_softcapping = {cfg['attn_logit_softcapping']!r}; this version computes "
+            "no softcap on attention scores (Gemma 3's releases have none): set it null"
+        )
+    hf_config.refuse(
+        cfg, "Gemma 3", hidden_activation="gelu_pytorch_tanh", attention_dropout=0.0, use_bidirectional_attention=False
     )
 
 
