@@ -5,8 +5,9 @@ an exclusive lock on ``.NAME.lock`` for the whole write, so a second writer fail
 instead of mixing its tensors with the first one's manifest. It writes into ``.NAME.<pid>.partial``
 and renames that to ``NAME`` only when complete and fsynced, so any path with the final name is
 complete, and a killed writer leaves only a ``.partial`` that no reader accepts (and the next
-writer of ``NAME`` removes). ``--force`` replaces only an output of the same kind: a checkpoint
-directory (or an empty one) by a directory, a file by a file -- never an unrelated directory.
+writer of ``NAME`` removes, saying so; a writer of another destination beside it names it).
+``--force`` replaces only an output of the same kind: a checkpoint directory (or an empty one) by
+a directory, a file by a file -- never an unrelated directory.
 """
 
 from __future__ import annotations
@@ -15,17 +16,17 @@ import contextlib
 import fcntl
 import json
 import os
-import re
 import shlex
 import shutil
 import socket
 import sys
+import warnings
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
 from seedckpt.checkpoint.manifest import TOKENIZER_DIR
-from seedckpt.utils.errors import SeedckptError, interrupted, write_failure
+from seedckpt.utils.errors import SeedckptError, interruption, write_failure
 
 PARTIAL_SUFFIX = ".partial"  # every partial output's name ends with it; readers refuse such paths
 LOCK_SUFFIX = ".lock"
@@ -48,13 +49,14 @@ def destination_lock(path: str | os.PathLike):
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    lock = path.parent / f".{path.name}{LOCK_SUFFIX}"
+    lock = _lock_of(path)
     fd = _lock(lock, path)
     try:
         since = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
         command = shlex.join(sys.argv).replace("\n", " ")
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}, `{command}`, since {since}\n".encode(), 0)
+        _clear_stale_partials(path)
         yield path
     finally:
         with contextlib.suppress(FileNotFoundError):
@@ -66,18 +68,47 @@ def refuse_partial(path: Path) -> None:
     """A reader given ``.NAME[.<pid>].partial`` -- a writer's output before its rename -- stops here,
     saying whether a live writer still holds NAME's lock (then wait) or the write was interrupted
     (then delete it)."""
-    if not path.name.endswith(PARTIAL_SUFFIX):
+    destination = _destination_of(path)
+    if destination is None:
         return
-    name = path.name.removeprefix(".").removesuffix(PARTIAL_SUFFIX)
-    head, _, pid = name.rpartition(".")
-    destination = path.parent / (head if pid.isdigit() else name)
-    holder = _live_holder(destination.parent / f".{destination.name}{LOCK_SUFFIX}")
+    holder = _live_holder(_lock_of(destination))
     if holder is not None:
         raise SeedckptError(
             f"{path} is the output of a write still in progress, by {holder}: wait for it to finish and read "
             f"{destination}"
         )
     raise SeedckptError(f"{path} is an incomplete output of an interrupted write; delete it and write it again")
+
+
+def _destination_of(partial: Path) -> Path | None:
+    """The output ``.NAME[.<pid>].partial`` is the partial output of (``NAME``), or None for any other path."""
+    if not (partial.name.startswith(".") and partial.name.endswith(PARTIAL_SUFFIX)):
+        return None
+    name = partial.name.removeprefix(".").removesuffix(PARTIAL_SUFFIX)
+    head, _, pid = name.rpartition(".")
+    return partial.parent / (head if pid.isdigit() else name)
+
+
+def _lock_of(path: Path) -> Path:
+    return path.parent / f".{path.name}{LOCK_SUFFIX}"
+
+
+def _clear_stale_partials(path: Path) -> None:
+    """Deal with the partial outputs beside ``path`` that killed writers left (SIGKILL, a crash, a lost
+    machine: nothing of theirs ran to remove them). ``path``'s own are removed, since every writer of
+    ``path`` holds its lock, held here now; another destination's is named when no live writer holds
+    that one's lock, but not deleted (not ours: its next writer removes it)."""
+    for child in path.parent.iterdir():
+        destination = _destination_of(child)
+        if destination is not None and destination.name == path.name:
+            remove(child)
+            warnings.warn(
+                f"removed {child}, the partial output of an earlier write of {path} that was killed", stacklevel=2
+            )
+        elif destination is not None and _live_holder(_lock_of(destination)) is None and child.exists():
+            warnings.warn(
+                f"{child} is the partial output of a write of {destination} that was killed; delete it", stacklevel=2
+            )
 
 
 def _live_holder(lock: Path) -> str | None:
@@ -189,16 +220,15 @@ def atomic_output(
     replaced (``force``) only if ``replaces(path)`` (if given) accepts it: a file of the format written.
 
     The destination's lock is held throughout, so a second writer fails before doing any work and
-    every partial of ``path`` that exists meanwhile is a crashed writer's: those are removed. On
-    any error (a failed ``check`` included) this writer's partial output is removed, so a failed
-    or rejected write leaves nothing behind and publishes nothing.
+    every partial of ``path`` that exists meanwhile is a killed writer's: those are removed
+    (``destination_lock``). On any error (a failed ``check`` included) this writer's partial output
+    is removed, so a failed or rejected write leaves nothing behind and publishes nothing.
     """
     path = Path(path)
     with destination_lock(path):
         check_destination(path, force, directory)
         if not directory and replaces is not None and path.exists():
             _check_same_format(path, replaces)
-        _remove_stale_partials(path)
         partial = partial_of(path)
         if directory:
             partial.mkdir()
@@ -210,8 +240,9 @@ def atomic_output(
             _publish(partial, path)
         except BaseException as e:
             remove(partial)
-            if interrupted(e):
-                raise KeyboardInterrupt from None  # torch.save reports Ctrl-C as a failed write
+            stop = interruption(e)
+            if stop is not None:  # torch.save reports Ctrl-C (or SIGTERM, ``Stopped``) as a failed write
+                raise stop from None
             failure = write_failure(e, f"writing {path}")
             if failure is not None:
                 raise failure from None
@@ -229,14 +260,6 @@ def _check_same_format(path: Path, replaces: Callable[[Path], None]) -> None:
             f"{path} is not a file of the format being written ({reason}); --force replaces only "
             "such a file: choose another destination or remove it yourself"
         ) from None
-
-
-def _remove_stale_partials(path: Path) -> None:
-    """Remove ``.NAME.partial`` (the name before per-writer names) and ``.NAME.<pid>.partial``."""
-    stale = re.compile(re.escape(f".{path.name}") + r"(\.\d+)?" + re.escape(PARTIAL_SUFFIX))
-    for child in path.parent.iterdir():
-        if stale.fullmatch(child.name):
-            remove(child)
 
 
 def remove(path: Path) -> None:

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from seedckpt.checkpoint.manifest import TensorInfo, dtype_name
 from seedckpt.checkpoint.safe_pickle import load_plain_values
-from seedckpt.utils.errors import SeedckptError, interrupted, write_failure
+from seedckpt.utils.errors import SeedckptError, interruption, write_failure
 from seedckpt.utils.tensors import local, local_rows
 
 
@@ -180,8 +180,8 @@ def root_cause(error: CheckpointException, doing: str, writing: bool = False) ->
         cause = cause.failures[min(cause.failures)][0]
     if isinstance(cause, SeedckptError):
         return cause
-    if interrupted(cause):
-        return KeyboardInterrupt()
+    if interruption(cause) is not None:
+        return interruption(cause)  # Ctrl-C, or the signal that stopped it
     failure = write_failure(cause, f"{doing} (rank {rank})" if dist.is_initialized() else doing) if writing else None
     gone = _removed_while_read(cause) if not writing else None
     return failure or gone or SeedckptError(f"{doing} failed on rank {rank}: {type(cause).__name__}: {cause}")

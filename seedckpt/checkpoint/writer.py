@@ -16,7 +16,7 @@ import os
 import shutil
 import threading
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, CancelledError, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,18 +139,31 @@ class StreamingFileSystemWriter(FileSystemWriter):
         self.checks: list[ItemChecks] = []
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """The files written at once, each by its own thread. The first failure -- of a file, or
+        Ctrl-C (SIGTERM) in this thread while it waits -- stops every file at its next item, so
+        the error surfaces within one block: before, the files ran to their ends first (24 s after
+        Ctrl-C on a 1B seed, 2 workers, here)."""
         groups = _balanced(plan.items, self.files)
+        stop = threading.Event()
         with ThreadPoolExecutor(len(groups)) as writers:
             written = [
-                writers.submit(self._write_file, f"{plan.storage_data.prefix}{k}.distcp", items, planner)
+                writers.submit(self._write_file, f"{plan.storage_data.prefix}{k}.distcp", items, planner, stop)
                 for k, items in enumerate(groups)
             ]
-            results = [result for file in written for result in file.result()]
+            try:
+                for file in wait(written, return_when=FIRST_EXCEPTION).done:
+                    if file.exception() is not None:
+                        raise file.exception()
+                results = [result for file in written for result in file.result()]
+            finally:
+                stop.set()  # a no-op once every file is complete
         future: Future = Future()
         future.set_result(results)
         return future
 
-    def _write_file(self, file_name: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
+    def _write_file(
+        self, file_name: str, items: list[WriteItem], planner: SavePlanner, stop: threading.Event
+    ) -> list[WriteResult]:
         results = []
         fd = os.open(Path(self.path) / file_name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
@@ -166,6 +179,9 @@ class StreamingFileSystemWriter(FileSystemWriter):
                 for _ in range(self.lookahead):
                     submit_next()
                 while pending:
+                    if stop.is_set():  # another file failed, or the write was interrupted
+                        pool.shutdown(cancel_futures=True)
+                        raise CancelledError(f"{file_name} was left unfinished")
                     item, future = pending.popleft()
                     data = future.result()
                     submit_next()

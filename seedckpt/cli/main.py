@@ -1,7 +1,8 @@
 """The ``seedckpt`` command: seed, inspect, verify, plan, convert, diff, launch.
 
 User errors (``SeedckptError``) and environment errors (``OSError``: disk full, permission denied)
-print one line and exit 2; no traceback.
+print one line and exit 2; no traceback. Ctrl-C, SIGTERM and SIGHUP remove what was being written,
+print one line and exit 128 + the signal's number (``utils.signals``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from seedckpt.utils.collector import collector_paused
 from seedckpt.utils.errors import SeedckptError
+from seedckpt.utils.signals import how_stopped, stop_on_signals
 
 # When the command started (this module is imported first and imports nothing heavy): a duration a
 # command prints is its wall time from here, or names the part it times.
@@ -258,20 +260,22 @@ def main(argv: list[str] | None = None) -> int:
             "diff": _diff,
             "tokenize": _tokenize,
         }
-        return commands[opts.command](opts, rest)
+        with stop_on_signals():  # SIGTERM and SIGHUP clean up as Ctrl-C does
+            return commands[opts.command](opts, rest)
     except BrokenPipeError:  # output piped into `head` and closed: not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except (SeedckptError, OSError) as e:  # OSError: disk full, permission denied, ...
         print(f"seedckpt {opts.command}: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # every writer removes its partial output on the way out
+    except KeyboardInterrupt as e:  # every writer removes its partial output on the way out
         output = getattr(opts, "output", None) or getattr(opts, "dst", None)
+        words, status = how_stopped(e)
         print(
-            f"seedckpt {opts.command}: interrupted" + (f"; nothing was written to {output}" if output else ""),
+            f"seedckpt {opts.command}: {words}" + (f"; nothing was written to {output}" if output else ""),
             file=sys.stderr,
         )
-        return 130
+        return status
 
 
 def _seed(opts, overrides) -> int:

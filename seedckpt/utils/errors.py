@@ -30,9 +30,14 @@ def _chain(error: BaseException | None):
         error = error.__cause__ or error.__context__
 
 
+def interruption(error: BaseException) -> KeyboardInterrupt | None:
+    """The Ctrl-C (or SIGTERM, ``signals.Stopped``) behind ``error``, however deep, or None:
+    ``torch.save`` turns one raised by its writer into a ``RuntimeError``."""
+    return next((e for e in _chain(error) if isinstance(e, KeyboardInterrupt)), None)
+
+
 def interrupted(error: BaseException) -> bool:
-    """Ctrl-C, however deep: ``torch.save`` turns one raised by its writer into a ``RuntimeError``."""
-    return any(isinstance(e, KeyboardInterrupt) for e in _chain(error))
+    return interruption(error) is not None
 
 
 def write_failure(error: BaseException, doing: str) -> SeedckptError | None:
