@@ -10,7 +10,11 @@ Three measurements, each printed as one JSON line on stdout:
 * ``disk_write``: the sequential write bandwidth of the output disk -- 2 GiB written with
   ``os.write`` in 64 MiB blocks, then fsynced -- the ceiling any checkpoint writer can reach.
 * ``seedckpt``: the product, ``create_seed_checkpoint.py --config ... --output DIR --force --quiet``.
-  Its line includes ``fraction_of_disk_bw`` (its GB/s over the disk's).
+  Its line includes ``fraction_of_disk_bw`` (its GB/s over the disk's) and ``fraction_of_dd``.
+* ``dd``: ``dd if=/dev/zero of=FILE bs=64M conv=fsync`` of as many bytes as the seed wrote (rounded
+  up to 64 MiB), right after it, into the same directory, timed as the seed is (the process, then a
+  ``sync``): the yardstick anyone can rerun. The seed's line has ``fraction_of_dd``, its GB/s over
+  dd's, start-up included.
 * ``seed_workers`` (with ``--workers-sweep``): the product with ``--workers 1, 2, 4, ...`` up to the
   usable cores, each pinned to that many cores with ``taskset``, and ``speedup_vs_1_worker``
   against the 1-worker run of the same sweep.
@@ -63,6 +67,7 @@ import common
 from common import DISK_TEST_BYTES, disk_write_bandwidth, emit, measure, output_dir, remove
 
 SEED = 0
+DD_BLOCK_BYTES = 64 << 20
 
 # The naive baseline, run as `python -c NAIVE_BASELINE FLAVOR DTYPE SEED OUTPUT`.
 NAIVE_BASELINE = """
@@ -118,7 +123,10 @@ def run_all(opts: argparse.Namespace, out_dir: Path) -> None:
     labels = {"benchmark": "seed", "flavor": opts.flavor, "dtype": opts.dtype}
     seedckpt_dir = out_dir / "seedckpt"
     product = measure(seed_command(opts, seedckpt_dir), seedckpt_dir, **labels, impl="seedckpt")
+    dd = dd_write(out_dir / "dd.bin", product["bytes_written"])
+    emit(dd)
     product["fraction_of_disk_bw"] = product["gb_per_s"] / disk_gb_per_s
+    product["fraction_of_dd"] = product["gb_per_s"] / dd["gb_per_s"]
     product["bound_gb_per_s"] = bound_gb_per_s
     product["fraction_of_bound"] = product["gb_per_s"] / bound_gb_per_s
     emit(product)
@@ -143,6 +151,16 @@ def run_all(opts: argparse.Namespace, out_dir: Path) -> None:
             "rss_ratio_vs_baseline": product["peak_rss_gib"] / baseline["peak_rss_gib"],
         }
     )
+
+
+def dd_write(path: Path, nbytes: int) -> dict:
+    """``dd`` writing ``nbytes`` (rounded up to its 64 MiB blocks) to ``path`` and fsyncing, timed as
+    ``measure`` times the seed; the file is removed after."""
+    blocks = -(-nbytes // DD_BLOCK_BYTES)
+    command = ["dd", "if=/dev/zero", f"of={path}", f"bs={DD_BLOCK_BYTES}", f"count={blocks}", "conv=fsync"]
+    line = measure(command, path, benchmark="dd")
+    path.unlink()
+    return {key: line[key] for key in ("benchmark", "wall_s", "bytes_written", "gb_per_s")}
 
 
 def seed_command(opts: argparse.Namespace, output: Path, *extra: str) -> list[str]:

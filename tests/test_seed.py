@@ -234,3 +234,20 @@ def test_peak_memory_does_not_grow_with_the_expert_tensors(tmp_path):
     assert large - small < 32 << 20, f"peak RSS {small / 2**20:.0f} MiB -> {large / 2**20:.0f} MiB"
     written = sum(f.stat().st_size for f in (tmp_path / "32768").glob("*.distcp"))
     assert written > 3 * (128 << 20)  # the three expert tensors, 128 MiB each
+
+
+def test_the_seeds_meta_build_runs_none_of_torchs_default_inits(monkeypatch):
+    """``nn.Embedding`` and ``nn.Linear`` draw their defaults in their constructors: on ``meta`` that
+    is a Python meta kernel (``normal_`` imports ``torch._dynamo``) for values no meta tensor holds."""
+    from seedckpt.materialize.seed import meta_build
+
+    calls = []
+    for name in ("_no_grad_normal_", "_no_grad_uniform_"):
+        monkeypatch.setattr(torch.nn.init, name, lambda *args, name=name: calls.append(name))
+    with meta_build(None):
+        embedding, linear = torch.nn.Embedding(32, 8), torch.nn.Linear(8, 8)
+    assert embedding.weight.is_meta and linear.weight.shape == (8, 8) and linear.bias.is_meta
+    assert calls == []
+    with torch.device("meta"):
+        torch.nn.Embedding(32, 8)
+    assert calls == ["_no_grad_normal_"]  # the spy sees what a plain meta build runs

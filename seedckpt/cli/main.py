@@ -8,6 +8,8 @@ print one line and exit 128 + the signal's number (``utils.signals``).
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import json
 import math
 import os
@@ -24,6 +26,10 @@ from seedckpt.utils.signals import how_stopped, stop_on_signals
 # When the command started (this module is imported first and imports nothing heavy): a duration a
 # command prints is its wall time from here, or names the part it times.
 STARTED = time.perf_counter()
+# At exit Python's collector scans every object still alive, and torch's and DCP's imports leave
+# ~250,000: 1.8-2.2 s of a seed's end after its work was done (a busy 2-core machine), 0.4 s with
+# them frozen first. Nothing is collected by it then; the memory goes back whole with the process.
+atexit.register(gc.freeze)
 
 EXAMPLES = {
     "seed": """

@@ -25,13 +25,17 @@ every block in fp32 and casts it, so a bf16 seed is exactly the fp32 seed rounde
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from seedckpt.checkpoint import LazySavePlanner, check_destination, make_manifest, write_checkpoint
 from seedckpt.checkpoint.writer import BlockPool
@@ -103,6 +107,33 @@ def blocks(shape: torch.Size, target: int = BLOCK_NUMEL) -> list[tuple[list[int]
     ]
 
 
+@contextlib.contextmanager
+def meta_build(args) -> Iterator[None]:
+    """Around the build of the model ``args`` on ``meta``, for its shapes and recipe: torch's own
+    default inits skipped (``_NoInitOnMeta``), a size torch cannot index one line (``indexable_sizes``)."""
+    with torch.device("meta"), _NoInitOnMeta(), indexable_sizes(args):
+        yield
+
+
+class _NoInitOnMeta(TorchFunctionMode):
+    """``torch.nn.init``'s functions return their meta tensor untouched: the defaults torch's modules
+    apply in their constructors (``nn.Embedding``'s ``normal_``, ``nn.Linear``'s ``kaiming_uniform_``)
+    are values a meta tensor does not hold, and ``normal_``'s meta kernel, a Python reference, imports
+    ``torch._dynamo`` on its first call (0.6 s of CPU here, 1.6 s on a 16-core GPU host), before
+    any worker starts. The seed's values come from the recipe (``init_model``), never from these."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _TORCH_INITS:
+            tensor = args[0] if args else kwargs.get("tensor")
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                return tensor
+        return func(*args, **kwargs)
+
+
+_TORCH_INITS = frozenset(getattr(nn.init, name) for name in dir(nn.init) if name.endswith("_") and name[0] != "_")
+
+
 def check_free_space(output: Path, nbytes: int) -> None:
     """Refuse, before any byte is written, a seed larger than the free space where it goes (hours
     of a 405B seed would otherwise end in a full disk)."""
@@ -148,7 +179,7 @@ def _write_seed(
     torch_dtype = DTYPES[dtype]
     # The model is all a seed needs: not the fine-tuning source, the data, the tokenizer or the layout.
     family, args = cfg.model_family(), cfg.model_args()
-    with torch.device("meta"), indexable_sizes(args):
+    with meta_build(args):
         model = family.model(args)
     specs = init_model(model, seed, materialize=False)
     state = {fqn: torch.empty(t.shape, dtype=torch_dtype, device="meta") for fqn, t in state_tensors(model).items()}
