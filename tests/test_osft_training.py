@@ -210,7 +210,8 @@ def test_resume_gives_identical_losses_and_runs_no_svd(tmp_path, chat_inputs, hf
     )
     # One line from rank 0 before any rendezvous (torchrun itself then exits 1).
     assert changed.returncode != 0 and "train.py: error:" in changed.stderr
-    assert "resume with the same [finetune] settings" in changed.stderr
+    # other OSFT factors than the step holds: another job's step, not this one's to resume
+    assert "of another job" in changed.stderr and "a checkpoint.folder of its own" in changed.stderr
     with pytest.raises(SeedckptError, match="--to dcp --dense"):
         open_pretrained(str(step))
     with pytest.raises(SeedckptError, match="casting them would break their orthonormality"):

@@ -446,7 +446,7 @@ def test_bad_input_fails_before_training_with_one_line(tmp_path, chat_inputs):
         "1",
     ]
     err = _train_error(tmp_path, *common, "--data.path", str(chats), "--model.dim", "128")
-    assert "model.dim = 128, the checkpoint has 64" in err
+    assert "model.dim = 128 (the checkpoint: 64)" in err and "would change the tensors of finetune.pretrained" in err
     err = _train_error(tmp_path, *common, "--data.path", str(chats), "--model.flavor", "1B")
     assert "model.flavor = '1B' has dim = 2048, the checkpoint 64" in err
     broken = tmp_path / "broken.jsonl"
