@@ -25,12 +25,16 @@ from seedckpt import load_model
 from seedckpt.utils.errors import SeedckptError
 from tests.test_awkward_configs import DEEPSEEK, DENSE, GPT_OSS, hf_model, tokens
 from tests.test_deepseek_v2 import TINY as DEEPSEEK_V2
+from tests.test_glm4_moe import TINY as GLM4_MOE
 from tests.test_qwen3_5 import TINY as QWEN3_5
 
 transformers = pytest.importorskip("transformers")
 
 TWO_LAYERS = DENSE | dict(num_hidden_layers=2)
 V2_GROUPS = dict(topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=2.0)
+GLM_ROUTING = dict(use_qk_norm=True, n_routed_experts=16, n_group=4, topk_group=2, routed_scaling_factor=2.0)
+GLM_ROUTING |= dict(num_experts_per_tok=2)  # the class's 8 fit in the 2 groups kept
+GLM_ROUTING |= dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25})
 # family: (transformers class prefix, the tiny config's fields). Experts per token below the class's
 # default, with at least that many experts, so that the default computes and routes differently.
 FAMILIES = {
@@ -64,6 +68,8 @@ FAMILIES = {
     "deepseek_v3": ("DeepseekV3", DEEPSEEK | dict(num_hidden_layers=2)),
     # DeepSeek-V2, read by the deepseek_v3 family: softmax groups ranked by their best score
     "deepseek_v2": ("DeepseekV2", DEEPSEEK_V2 | dict(num_hidden_layers=2, **V2_GROUPS)),
+    # a quarter of each head turned (the class's default: a half), q/k norms, groups, fewer experts a token
+    "glm4_moe": ("Glm4Moe", GLM4_MOE | dict(num_hidden_layers=2, **GLM_ROUTING)),
     # a windowed and a global layer, each RoPE base its own, the global one stretched; untied, so that
     # the class's tie is seen (transformers keeps the stored head, and says so). Small heads: with the
     # class's 256 (norms scaling by ~2 here) transformers' own float32 logits are 1.4e-5 off its float64
