@@ -63,6 +63,11 @@ Balancing (``MoEOptions.load_balance``):
 Every MoE layer records, per forward, the tokens each expert received and its auxiliary loss
 (``routed``, cleared by the trainer each step) for the balance statistics a run reports and the
 bias updates. Recording skips activation checkpointing's recomputation, which runs inside backward.
+
+The layer compiles whole (``torch.compile(fullgraph=True)``, ``training.compile``): its
+data-dependent sizes are tensors or unbacked sizes in the graph, never Python numbers -- counts by
+``tally`` (``bincount``'s size depends on the values), the grouped GEMM by ``grouped_mm`` -- and a
+compiled forward leaves the record to its caller (``MoE.record_routed``).
 """
 
 from __future__ import annotations
@@ -201,8 +206,13 @@ def grouped_mm_applies(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     if x.device.type == "cpu":
         return aligned
     if x.device.type == "cuda":
-        return aligned and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
+        return aligned and x.dtype == torch.bfloat16 and _sm90_or_newer(x.device.index)
     return False
+
+
+@torch.compiler.assume_constant_result  # a compiled block reads it as a constant (dynamo cannot trace it)
+def _sm90_or_newer(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 class GroupedExperts(nn.Module):
@@ -249,7 +259,7 @@ class GroupedExperts(nn.Module):
             offsets = torch.cumsum(counts, 0, dtype=torch.int32)
 
             def project(h, w, b):
-                out = torch._grouped_mm(h, w.transpose(-2, -1), offs=offsets)
+                out = grouped_mm(h, w.transpose(-2, -1), offsets)
                 return out if b is None else out + b.repeat_interleave(counts, dim=0, output_size=h.shape[0])
 
             hidden = self._activation(project(x, w1, b1), project(x, w3, b3))
@@ -266,6 +276,47 @@ class GroupedExperts(nn.Module):
         limit = self.options.swiglu_limit
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.options.swiglu_alpha))
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm(x, w, offs=offsets)``, compilable in every dtype: in torch 2.13 the
+    op's fake kernel refuses all but bf16 operands, so other dtypes go through ``seedckpt::grouped_mm``
+    (the same kernel in eager, with a fake kernel of any dtype and the op's own backward)."""
+    if x.dtype == torch.bfloat16:
+        return torch._grouped_mm(x, w, offs=offsets)
+    return _any_dtype_grouped_mm(x, w, offsets)
+
+
+@torch.library.custom_op("seedckpt::grouped_mm", mutates_args=())
+def _any_dtype_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``x`` (rows, k) grouped by ``offsets`` times ``w`` (groups, k, n) -> (rows, n); or, for the
+    weights' gradient, ``x`` (k, rows) times ``w`` (rows, n), the rows grouped -> (groups, k, n)."""
+    return torch._grouped_mm(x, w, offs=offsets)
+
+
+@_any_dtype_grouped_mm.register_fake
+def _(x, w, offsets):
+    if w.dim() == 3:
+        return x.new_empty(x.shape[0], w.shape[-1])
+    return x.new_empty(offsets.shape[0], x.shape[0], w.shape[-1])
+
+
+def _setup_grouped_mm_backward(ctx, inputs, output) -> None:
+    x, w, offsets = inputs
+    ctx.save_for_backward(x, w, offsets)
+
+
+def _grouped_mm_backward(ctx, grad):
+    """The forward's (rows, k) x (groups, k, n) form only; the gradient made contiguous (the CPU
+    kernel refuses an expanded one)."""
+    x, w, offsets = ctx.saved_tensors
+    grad = grad.contiguous()
+    grad_x = _any_dtype_grouped_mm(grad, w.transpose(-2, -1), offsets) if ctx.needs_input_grad[0] else None
+    grad_w = _any_dtype_grouped_mm(x.transpose(0, 1), grad, offsets) if ctx.needs_input_grad[1] else None
+    return grad_x, grad_w, None
+
+
+_any_dtype_grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_setup_grouped_mm_backward)
 
 
 class _ContiguousGradient(torch.autograd.Function):
@@ -301,12 +352,18 @@ def sequence_balance_loss(scores: torch.Tensor, chosen: torch.Tensor, row_of_tok
     rows differ in length); a row without any adds nothing."""
     experts = scores.shape[-1]
     probs = scores / scores.sum(-1, keepdim=True)  # sigmoid scores: normalized per token first
-    tokens = torch.bincount(row_of_token, minlength=rows).clamp(min=1).float()[:, None]
+    tokens = tally(row_of_token, rows).clamp(min=1).float()[:, None]
     slots = (row_of_token[:, None] * experts + chosen).flatten()  # (row, expert) of each choice
     picks = torch.zeros(rows * experts, device=scores.device).index_add_(0, slots, probs.new_ones(slots.shape))
     picks = picks.view(rows, experts)
     mean_probs = torch.zeros_like(picks).index_add_(0, row_of_token, probs) / tokens
     return experts * (picks / tokens * mean_probs).sum()
+
+
+def tally(values: torch.Tensor, bins: int) -> torch.Tensor:
+    """``torch.bincount(values, minlength=bins)`` for ``values`` below ``bins``, with a size the
+    compiler knows (bincount's depends on the largest value)."""
+    return values.new_zeros(bins).index_add_(0, values, torch.ones_like(values))
 
 
 def in_backward() -> bool:
@@ -328,6 +385,7 @@ class MoE(nn.Module):
             self.expert_bias = None
         # Per forward since the trainer last cleared it: (tokens per expert, the auxiliary loss or None).
         self.routed: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self.last_routed: tuple[torch.Tensor, torch.Tensor | None] | None = None  # the latest forward's
         # The auxiliary loss's weight in the gradient: aux_loss_coef over the rows and MoE layers
         # it is averaged over, in the training loss's scale. Set by the trainer; 0: not trained.
         self.aux_loss_scale = 0.0
@@ -335,6 +393,14 @@ class MoE(nn.Module):
     def init_weights(self, init) -> None:
         if self.expert_bias is not None:
             init.zeros_(self.expert_bias)
+
+    def record_routed(self) -> None:
+        """Keep the latest forward's record in ``routed``, unless activation checkpointing is
+        recomputing that forward. Under ``torch.compile`` the forward leaves the call to whoever
+        runs the compiled code (``apply_compile``), after its graph: whether autograd's engine is
+        running is no value a graph can hold, and dynamo guards a list it appends to by length."""
+        if not in_backward():
+            self.routed.append(self.last_routed)
 
     def forward(self, x: torch.Tensor, owned: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` (bsz, seq, dim); ``owned`` (bsz, seq) bool: the positions a document owns (None:
@@ -347,7 +413,7 @@ class MoE(nn.Module):
         else:
             token_ids = owned.flatten().nonzero().squeeze(1)
         scores, chosen, weights = self.router(flat[token_ids], self.expert_bias)
-        counts = torch.bincount(chosen.flatten(), minlength=self.options.n_experts)
+        counts = tally(chosen.flatten(), self.options.n_experts)
         order = chosen.flatten().argsort(stable=True)  # (token, choice) slots sorted by expert
         token_of_slot = token_ids[order // self.options.top_k]
         routed = self.experts(flat[token_of_slot], counts)
@@ -358,8 +424,9 @@ class MoE(nn.Module):
         aux = None
         if self.options.load_balance == "aux_loss":
             aux = sequence_balance_loss(scores, chosen, token_ids // seqlen, bsz)
-        if not in_backward():
-            self.routed.append((counts.detach(), None if aux is None else aux.detach()))
+        self.last_routed = (counts.detach(), None if aux is None else aux.detach())
+        if not torch.compiler.is_compiling():
+            self.record_routed()
         if aux is not None and self.aux_loss_scale and torch.is_grad_enabled():
             out = _AddAuxGradient.apply(out, aux * self.aux_loss_scale)
         return out.view(bsz, seqlen, dim)

@@ -19,6 +19,10 @@ the all-to-all lives; the model's MoE layer (``models.common.moe``) stays a sing
 A token's experts and its weighted sum are computed as in one process (the same routing, the same
 order of its ``top_k`` terms); only the experts' matmuls see their rows in other batches.
 
+Under ``training.compile`` the exchanges (2. and 3.) stay out of the graphs: their splits come to
+the host, so they are ``torch.compiler.disable``-d and a compiled block's graph ends before each
+and resumes after it (``parallelize.apply_compile``); the local experts between them run compiled.
+
 Under tensor parallelism the MoE layer runs on the whole sequence on every TP rank (the TP plan
 gathers it), so its slots are the same on all of them: each TP rank then dispatches only its
 ``1/tp`` share of them (DTensor's ``Shard(0)`` chunks of the ``Replicate`` slots), and the shares
@@ -35,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single
+from torch.distributed._functional_collectives import all_to_all_single, wait_tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
@@ -76,9 +80,9 @@ def dispatched_forward(
     slots = x.shape[0]
     if tp_mesh is not None:
         x, counts = _tp_share(x, counts, tp_mesh)
-    received, local_counts, route = _dispatch(x, counts, ep_mesh.get_group())
+    received, local_counts, route = _dispatch(x, counts, ep_mesh)
     out = experts.compute(received, local_counts, **{n: local(w) for n, w in experts.named_parameters()})
-    out = _combine(out, route, ep_mesh.get_group())
+    out = _combine(out, route, ep_mesh)
     return out if tp_mesh is None else _tp_gather(out, slots, tp_mesh)
 
 
@@ -92,10 +96,14 @@ class _Route:
     order: torch.Tensor
 
 
-def _dispatch(x: torch.Tensor, counts: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor, _Route]:
+@torch.compiler.disable  # host-synced splits: a compiled block's graph ends before and resumes after
+def _dispatch(x: torch.Tensor, counts: torch.Tensor, ep_mesh: DeviceMesh) -> tuple[torch.Tensor, torch.Tensor, _Route]:
     """Send each expert's slots to the EP rank that owns it (experts ``[r * n, (r + 1) * n)`` on EP
     rank ``r``: a contiguous run of the expert-sorted slots); return the received slots sorted by
-    local expert, the slots per local expert, and the route back."""
+    local expert, the slots per local expert, and the route back. The received rows change in
+    number with every call: marked dynamic, so the compiled experts after this take any count (left
+    to dynamo, they compile again at the second call, the tiny model's second MoE layer)."""
+    group = ep_mesh.get_group()
     ep = group.size()
     send = counts.reshape(ep, -1)  # (destination rank, its local experts)
     recv = torch.empty_like(send)  # (source rank, my local experts)
@@ -104,14 +112,20 @@ def _dispatch(x: torch.Tensor, counts: torch.Tensor, group) -> tuple[torch.Tenso
     rows = all_to_all_single(x.contiguous(), received, sent, group)
     local_experts = torch.arange(send.shape[1], device=x.device).repeat(ep)
     order = local_experts.repeat_interleave(recv.flatten()).argsort(stable=True)
-    return rows[order], recv.sum(0), _Route(sent, received, order)
+    received_rows = rows[order]
+    torch._dynamo.maybe_mark_dynamic(received_rows, 0)
+    return received_rows, recv.sum(0), _Route(sent, received, order)
 
 
-def _combine(out: torch.Tensor, route: _Route, group) -> torch.Tensor:
-    """The inverse of ``_dispatch``: the experts' outputs back to the ranks (and slots) they came from."""
+@torch.compiler.disable
+def _combine(out: torch.Tensor, route: _Route, ep_mesh: DeviceMesh) -> torch.Tensor:
+    """The inverse of ``_dispatch``: the experts' outputs back to the ranks (and slots) they came from.
+    Waited for here: handed on unwaited (an ``AsyncCollectiveTensor``), it hung the compile of the
+    graph after it, which waits on its inputs (dp_shard2 x ep2 with full AC on gloo, torch 2.13)."""
     inverse = torch.empty_like(route.order)
     inverse[route.order] = torch.arange(route.order.numel(), device=route.order.device)
-    return all_to_all_single(out[inverse].contiguous(), route.sent, route.received, group)
+    back = all_to_all_single(out[inverse].contiguous(), route.sent, route.received, ep_mesh.get_group())
+    return wait_tensor(back)
 
 
 def _tp_share(x: torch.Tensor, counts: torch.Tensor, tp_mesh: DeviceMesh) -> tuple[torch.Tensor, torch.Tensor]:

@@ -254,7 +254,7 @@ def parallelize_stage(
     ac = cfg.activation_checkpoint
     apply_activation_checkpointing(module, ac.mode, ac.selective_every)
     if cfg.training.compile:
-        apply_compile(module, whole_blocks=dims.tp == 1 and not moe_modules(module))
+        apply_compile(module, whole_blocks=dims.tp == 1, fullgraph=dims.ep == 1)
     shard_data_parallel(module)
 
 
@@ -270,7 +270,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int) -> N
             checkpoint(block)
 
 
-def apply_compile(model: nn.Module, whole_blocks: bool = True) -> None:
+def apply_compile(model: nn.Module, whole_blocks: bool = True, fullgraph: bool = True) -> None:
     """``torch.compile`` each transformer block's ``forward`` (``training.compile``), after
     activation checkpointing and before data parallelism, as torchtitan does.
 
@@ -297,15 +297,39 @@ def apply_compile(model: nn.Module, whole_blocks: bool = True) -> None:
     split by the plan are compiled instead (attention, feed-forward: the matmuls), and the plan's
     hooks between them and the sequence-parallel norms stay eager. In torch 2.13 a compiled block
     with those hooks inside fails in DTensor's backward ("'Tensor' object has no attribute
-    '_local_tensor'"), and so does a compiled norm on a sequence-sharded DTensor. A stage with
-    mixture-of-experts layers is compiled by the same parts, its MoE layers eager: their routing and
-    the expert-parallel all-to-all have data-dependent shapes, and in torch 2.13 the fake kernel of
-    ``torch._grouped_mm`` refuses float32 operands, so a whole compiled block fails at its first step.
+    '_local_tensor'"), and so does a compiled norm on a sequence-sharded DTensor.
+
+    A block with mixture-of-experts layers compiles whole as well: its routing's data-dependent
+    counts stay tensors in the graph (the grouped GEMM's offsets; a padded batch's routed positions
+    an unbacked size), so one graph serves every batch, whatever it routes where
+    (``tests/test_compile.py`` counts it). Each MoE layer's routing record is kept after the graph
+    has run (``MoE.record_routed``), where it can tell activation checkpointing's recomputation.
+    Under expert parallelism (``fullgraph = False``) two things run eager between a block's graphs:
+    the dispatcher's all-to-all, whose splits come to the host (``torch.compiler.disable``), and
+    FSDP2's hooks on the experts' own unit, which torch 2.13 keeps from dynamo; the experts' graph
+    between them takes any count of received rows without recompiling.
     """
     family = family_of(model.args)
     for block in family.blocks(model).values():
         for unit in [block] if whole_blocks else _split_parts(block, family.tensor_parallel.splits):
-            unit.forward = torch.compile(unit.forward, fullgraph=True)
+            unit.forward = _compiled_forward(unit, fullgraph)
+
+
+def _compiled_forward(unit: nn.Module, fullgraph: bool):
+    """``unit.forward`` compiled whole; with MoE layers inside, each layer's routing record is kept
+    after the graph has run (``MoE.record_routed``: eager, where it can tell a recomputation)."""
+    compiled = torch.compile(unit.forward, fullgraph=fullgraph)
+    layers = moe_modules(unit)
+    if not layers:
+        return compiled
+
+    def forward(*args, **kwargs):
+        out = compiled(*args, **kwargs)
+        for layer in layers:
+            layer.record_routed()
+        return out
+
+    return forward
 
 
 def _split_parts(block: nn.Module, splits) -> list[nn.Module]:
