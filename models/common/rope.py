@@ -196,9 +196,14 @@ def precompute_freqs_cis(
     ``args.rope_scaling``, ``length`` positions (default ``args.max_seq_len``). ``theta``: a second
     table's own base, unstretched -- Gemma 3's sliding-window layers turn at 10^4 while its global
     layers turn at 10^6, stretched 8 times (``DecoderOptions.window_rope_theta``)."""
+    length = length or args.max_seq_len
+    if (device or torch.get_default_device()).type == "meta":
+        # the shape alone: the math's meta kernels (arange, pow, polar) import torch._dynamo on their
+        # first call, 0.3-1.6 s of a seed's serial start-up, for a table nothing reads on meta
+        return torch.empty(length, rotary_dim(args) // 2, dtype=torch.complex64, device="meta")
     base, scaling = (args.rope_theta, args.rope_scaling) if theta is None else (theta, None)
     freqs, attention_factor = rope_frequencies(rotary_dim(args), base, scaling, device)
-    return rope_table(freqs, attention_factor, length or args.max_seq_len, device)
+    return rope_table(freqs, attention_factor, length, device)
 
 
 def rotary_dim(args) -> int:
