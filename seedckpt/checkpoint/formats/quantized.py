@@ -133,7 +133,6 @@ class BlockFP8(Quantized):
         if codes.numel() and int((codes & 0x7F).max()) == 0x7F:
             dest[(codes & 0x7F) == 0x7F] = float("nan")
 
-
     def check_scales(self, scales: torch.Tensor, first: int) -> None:
         """Every scale (rows from ``first`` on) is a finite number > 0: the block's largest magnitude /
         448, which a quantizer keeps positive even for an all-zero block (``transformers``' writes 1
