@@ -71,6 +71,29 @@ def test_grouped_mm_equals_the_per_expert_loop_forward_and_backward(dtype, optio
         assert torch.allclose(a.float(), b.float(), atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("options", [OPTIONS, BIASED], ids=["swiglu", "biased_clamped"])
+def test_grouped_mm_runs_in_autocasts_dtype_as_the_loop_does(options):
+    """Under bf16 autocast the float32 experts' grouped GEMMs take bf16 operands, as the loop's
+    ``F.linear`` does (on CUDA bf16 is what the grouped GEMM runs at all), eager and compiled: a
+    bf16 output within bf16's precision of the loop's, gradients of the float32 weights."""
+    experts = _experts(options=options)
+    counts = torch.tensor([5, 0, 9, 1, 0, 3])
+    x = torch.randn(int(counts.sum()), 8, generator=torch.Generator().manual_seed(1))
+    compiled = torch.compile(experts.compute, fullgraph=True, backend="aot_eager")
+    results = []
+    for grouped, compute in ((True, experts.compute), (True, compiled), (False, experts.compute)):
+        experts.use_grouped_mm = grouped
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = compute(x, counts, **dict(experts.named_parameters()))
+        out.float().sum().backward()
+        results.append((out, *(w.grad.clone() for w in experts.parameters())))
+        experts.zero_grad()
+    for result in results:
+        assert result[0].dtype == torch.bfloat16
+        for a, b in zip(result, results[-1]):
+            assert torch.allclose(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("options", [OPTIONS, BIASED], ids=["swiglu", "biased_clamped"])
 def test_grouped_mm_on_cuda_equals_the_cpus_loop(options):

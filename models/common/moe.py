@@ -255,20 +255,26 @@ class GroupedExperts(nn.Module):
     def compute(self, x: torch.Tensor, counts: torch.Tensor, w1, w2, w3, b1=None, b2=None, b3=None) -> torch.Tensor:
         """``forward`` with the weights given: a parallel plan passes the block of experts it holds
         (``counts`` then counts the tokens of those experts only)."""
-        if self.use_grouped_mm and grouped_mm_applies(x, w1, w2):
-            offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-
-            def project(h, w, b):
-                out = grouped_mm(h, w.transpose(-2, -1), offsets)
-                return out if b is None else out + b.repeat_interleave(counts, dim=0, output_size=h.shape[0])
-
-            hidden = self._activation(project(x, w1, b1), project(x, w3, b3))
-            return _ContiguousGradient.apply(project(hidden, w2, b2))
+        if self.use_grouped_mm:
+            operands = _in_autocast_dtype(x, w1, w2, w3, b1, b2, b3)
+            if grouped_mm_applies(*operands[:3]):
+                return self._grouped(counts, *operands)
         outputs = []
         for e, part in enumerate(x.split(counts.tolist())):
             gate, up = (F.linear(part, w[e], None if b is None else b[e]) for w, b in ((w1, b1), (w3, b3)))
             outputs.append(F.linear(self._activation(gate, up), w2[e], None if b2 is None else b2[e]))
         return torch.cat(outputs) if outputs else x[:0]
+
+    def _grouped(self, counts: torch.Tensor, x, w1, w2, w3, b1, b2, b3) -> torch.Tensor:
+        """``compute`` by three grouped GEMMs, the experts' rows told apart by ``counts``' offsets."""
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+
+        def project(h, w, b):
+            out = grouped_mm(h, w.transpose(-2, -1), offsets)
+            return out if b is None else out + b.repeat_interleave(counts, dim=0, output_size=h.shape[0])
+
+        hidden = self._activation(project(x, w1, b1), project(x, w3, b3))
+        return _ContiguousGradient.apply(project(hidden, w2, b2))
 
     def _activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if self.options.activation == "silu":
@@ -276,6 +282,17 @@ class GroupedExperts(nn.Module):
         limit = self.options.swiglu_limit
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.options.swiglu_alpha))
+
+
+def _in_autocast_dtype(*tensors: torch.Tensor | None) -> tuple:
+    """``tensors`` in autocast's dtype where autocast is on (as ``F.linear``, the loop's matmul, takes
+    them), else as given: under CUDA's bf16 autocast the float32 activations and weights reach the
+    grouped GEMM, which runs bf16 only, instead of the per-expert loop."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(None if t is None else t.to(dtype) for t in tensors)
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
