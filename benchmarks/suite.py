@@ -56,9 +56,10 @@ class Part:
 
 
 # A lent machine allows 10 minutes per command, and every GPU part together took about 11 on one H100
-# (docs/benchmarks.md): so two groups, each under 9 minutes of caps (tests/test_suite.py checks),
-# one command each. The caps are the H100 runs' times plus a margin. throughput.py measures its
-# baseline, the bare eager loop, first in each of its two parts. The CPU group has no such limit: its
+# (docs/benchmarks.md): so the GPU parts are split into groups (training, io, moe, moe_train), each
+# under 9 minutes of caps (tests/test_suite.py checks), one command each. The caps are the H100
+# runs' times plus a margin. throughput.py measures its baseline, the bare eager loop, first in each
+# of its two parts. The CPU group has no such limit: its
 # caps are a 2-core machine's times with room for a disk several times slower.
 GROUPS = {"training": "cuda", "io": "cuda", "moe": "cuda", "moe_train": "cuda", "cpu": "cpu"}  # each group's device
 THROUGHPUT = ["benchmarks/throughput.py", "--dtype", "bfloat16", "--steps", "12", "--warmup", "4", "--variants"]
