@@ -154,10 +154,10 @@ class Training:
     )
     loss_chunk_tokens: int = option(
         -1,
-        "run the output projection and the cross-entropy this many tokens at a time, each chunk's logits "
-        "recomputed in backward, so at most one chunk's logits exist (-1: chunks sized from the vocabulary "
-        "so a chunk's float32 logits stay under 128 MiB, none when the micro-batch's fit; 0: the "
-        "micro-batch's logits all at once)",
+        "run the output projection and the cross-entropy this many tokens at a time, each chunk's gradients "
+        "taken in forward, so at most one chunk's logits exist and none is computed twice (-1: chunks sized "
+        "from the vocabulary so a chunk's float32 logits stay under 128 MiB, 1 GiB on a GPU, none when the "
+        "micro-batch's fit; 0: the micro-batch's logits all at once)",
     )
 
     def validate(self) -> None:
