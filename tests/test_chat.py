@@ -405,7 +405,7 @@ def test_sft_trains_on_a_pretokenized_file(tmp_path, debug_seed):
     "packing,seq_len,padding", [(True, 128, "9.6%"), (True, 256, "6.3%"), (False, 128, "61.6%"), (False, 256, "80.8%")]
 )
 def test_the_demo_sets_padding_is_what_the_docs_say(packing, seq_len, padding):
-    """The figures docs/finetuning.md gives for the shipped chat set (200 conversations of 28-98 tokens)."""
+    """The figures docs/benchmarks.md gives for the shipped chat set (200 conversations of 28-98 tokens)."""
     demo = Path(__file__).resolve().parents[1] / "configs" / "sft_demo"
     data = ChatData(
         Data(kind="chat", path=str(demo / "chats.jsonl"), tokenizer=str(demo / "tokenizer"), packing=packing),
