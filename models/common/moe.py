@@ -210,9 +210,14 @@ def grouped_mm_applies(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     return False
 
 
-@torch.compiler.assume_constant_result  # a compiled block reads it as a constant (dynamo cannot trace it)
 def _sm90_or_newer(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+# A compiled block reads it as a constant (dynamo would put the query in its graph, asked at every
+# call): the mark ``torch.compiler.assume_constant_result`` sets, set without that decorator's
+# import of torch._dynamo, 0.7 s of a seed's start-up (tests/test_startup.py checks both)
+_sm90_or_newer._dynamo_marked_constant = True
 
 
 class GroupedExperts(nn.Module):
