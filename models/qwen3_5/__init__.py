@@ -37,6 +37,7 @@ from models.family import decoder_flops_per_token
 from models.qwen3_5 import hf
 from models.qwen3_5.args import SHAPE_FIELDS, Qwen35Args
 from models.qwen3_5.tensor_parallel import QWEN3_5_TENSOR_PARALLEL
+from models.qwen3_5.torchtitan import Qwen35TorchtitanNames
 
 # The block linears OSFT trains by default: every attention and feed-forward matrix, of both kinds.
 OSFT_TARGETS = (
@@ -130,4 +131,5 @@ QWEN3_5 = decoder_family(
     flops_per_token=flops_per_token,
     layer_flops=lambda args, seq_len: decoder_layer_flops(args, seq_len, attention=attention_flops),
     tensor_parallel=QWEN3_5_TENSOR_PARALLEL,
+    renamings={"torchtitan": Qwen35TorchtitanNames},
 )

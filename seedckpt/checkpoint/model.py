@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
-from seedckpt.utils.stored_parts import StoredParts
+from seedckpt.utils.stored_parts import StoredParts, StoredSplit
 
 
 @dataclass(frozen=True)
@@ -36,11 +36,12 @@ class NameAdapter(Protocol):
 
     def to_stored(self, fqn: str) -> str: ...
 
-    def from_stored(self, name: str) -> str | tuple[str, int] | StoredParts | None:
+    def from_stored(self, name: str) -> str | tuple[str, int] | StoredParts | StoredSplit | None:
         """Our FQN for a stored name; ``(fqn, index)`` for a stored tensor that is slice ``index``
         along dim 0 of our ``fqn`` (another tool stores one tensor per expert where we store a
         layer's experts as one 3-D tensor); ``StoredParts`` for one that holds ours rearranged
-        (``to_stored`` of each of its ``fqns`` is its name); None for stored tensors the model does
+        (``to_stored`` of each of its ``fqns`` is its name); ``StoredSplit`` for a part of one of ours
+        stored as several (DCP only); None for stored tensors the model does
         not keep (an HF directory's reader asks ``left_out`` which of them it may skip); a
         ``ValueError`` for a name no model of the family has."""
 

@@ -23,3 +23,23 @@ class StoredParts:
     fqns: tuple[str, ...]
     split: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
     join: Callable[[tuple[torch.Tensor, ...]], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class StoredSplit:
+    """``StoredParts``' converse: one of ours (``fqn``) that another tool stores as several tensors
+    (``keys``), such as one projection of ours kept as three by a tool that runs them apart.
+    ``join((stored, ...)) -> ours`` (in ``keys``' order) and ``split(ours) -> (stored, ...)``, its
+    inverse, move whole dim-0 rows only, so a rank that holds some rows of ours reads only the stored
+    rows they come from. A name adapter's ``from_stored`` gives it for each of ``keys``, and its
+    ``to_stored(fqn)`` is the first of them."""
+
+    fqn: str
+    keys: tuple[str, ...]
+    join: Callable[[tuple[torch.Tensor, ...]], torch.Tensor]
+    split: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
+
+    @property
+    def fqns(self) -> tuple[str, ...]:
+        """Ours among the stored tensors, as ``StoredParts`` names them: the one."""
+        return (self.fqn,)

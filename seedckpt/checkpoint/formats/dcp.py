@@ -3,9 +3,10 @@
 Other tools' names for the model's tensors (the caller's ``codec.renamings``: torchtitan 0.3's) are
 mapped to ours, rows they store in another order (torchtitan's Qwen3 q/k heads) put back in ours,
 and a stored tensor that holds several of ours (torchtitan's gpt-oss ``mlp1``: gate and up
-interleaved, a ``StoredParts``) split into them, so their checkpoints load as they are; our names
-never change. ``write`` streams any checkpoint into a DCP one through the one writer, optionally in
-another tool's names and fused tensors.
+interleaved, a ``StoredParts``) split into them -- and one of ours stored as several (a
+``StoredSplit``) joined -- so their checkpoints load as they are; our names never change. ``write``
+streams any checkpoint into a DCP one through the one writer, optionally in another tool's names
+and fused tensors.
 """
 
 from __future__ import annotations
@@ -20,11 +21,18 @@ import torch
 
 from seedckpt.checkpoint.atomic import refuse_partial
 from seedckpt.checkpoint.base import OpenedCheckpoint, WriteJob, recorded_layout
-from seedckpt.checkpoint.fused import PartsRead, SplitOnce, joined_shape, split_shapes
+from seedckpt.checkpoint.fused import (
+    PartsRead,
+    SplitOnce,
+    SplitRead,
+    joined_shape,
+    split_joined_shape,
+    split_shapes,
+)
 from seedckpt.checkpoint.integrity import Checksums, ItemChecks, check_data_files, data_file, verify_item
 from seedckpt.checkpoint.load import GroupedRows, copy_shared, load_state, one_destination_per_source
 from seedckpt.checkpoint.manifest import RAW_ITEMS_KEY, TOKENIZER_DIR, TensorInfo, is_model_key, read_manifest
-from seedckpt.checkpoint.model import ModelCodec, ModelLayout, NameAdapter, StoredParts
+from seedckpt.checkpoint.model import ModelCodec, ModelLayout, NameAdapter, StoredParts, StoredSplit
 from seedckpt.checkpoint.owned_reads import READ_THREADS, OwnedFileSystemReader
 from seedckpt.checkpoint.safe_pickle import parse_dcp_metadata, tensor_infos
 from seedckpt.checkpoint.untrusted import MAX_METADATA_BYTES, read_bounded
@@ -93,7 +101,10 @@ class DcpCheckpoint(OpenedCheckpoint):
         ours = {key: fqn for fqn, key in self.stored.items() if key not in fused}
         infos = tensor_infos(self.metadata)
         self.all_tensors = {ours.get(k, k): v for k, v in infos.items() if k not in left_out and k not in fused}
-        self.all_tensors |= _split_infos(fused, infos)
+        try:
+            self.all_tensors |= _split_infos(fused, infos)
+        except ValueError as e:
+            raise SeedckptError(f"{path}: {e}") from None
         super().__init__(
             path, {f: i for f, i in self.all_tensors.items() if is_model_key(f)}, manifest, recorded, layout
         )
@@ -175,6 +186,10 @@ class DcpCheckpoint(OpenedCheckpoint):
 
     def read_tensor(self, fqn: str) -> torch.Tensor:
         key = self.stored.get(fqn, fqn)
+        if isinstance(self.parts.get(fqn), StoredSplit):
+            split = self.parts[fqn]
+            shapes = split_shapes(split, self.all_tensors[fqn].shape)
+            return split.join(tuple(self._read_whole(k, shape, fqn) for k, shape in zip(split.keys, shapes)))
         if fqn in self.parts:
             shape = joined_shape(self.parts[fqn], self.all_tensors)
             return self.split_once.read(fqn, self.parts[fqn], lambda: self._read_whole(key, shape, fqn))
@@ -224,7 +239,12 @@ class DcpCheckpoint(OpenedCheckpoint):
         fused: dict[str, dict] = {}  # stored key -> {our fqn: destination}
         for fqn in [fqn for fqn in state_dict if fqn in self.parts]:
             fused.setdefault(self.stored[fqn], {})[fqn] = state_dict[fqn]
-        return [PartsRead(self.parts[next(iter(d))], d, self.infos, key, stored) for key, d in fused.items()]
+        reads = []
+        for key, wanted in fused.items():
+            parts = self.parts[next(iter(wanted))]
+            read = SplitRead if isinstance(parts, StoredSplit) else PartsRead
+            reads.append(read(parts, wanted, self.infos, key, stored))
+        return reads
 
     def _grouped_rows(self, state_dict: dict, stored: dict) -> dict[str, GroupedRows]:
         """Tensors another tool stores with rows permuted in groups (torchtitan's Qwen3 q/k heads):
@@ -298,7 +318,7 @@ def _shared_bytes(metadata) -> dict[str, str]:
     }
 
 
-def _renamed(keys, renamings) -> tuple[dict, dict[str, StoredParts], set[str]]:
+def _renamed(keys, renamings) -> tuple[dict, dict[str, StoredParts | StoredSplit], set[str]]:
     """``{our FQN: name adapter}`` for every key of a checkpoint in another tool's names: those of the
     first of the ``renamings`` that maps one of its keys to another name. Every key, since a name
     that is ours may still hold rows in that tool's order (torchtitan's Qwen3 ``q_norm``). Also the
@@ -312,19 +332,25 @@ def _renamed(keys, renamings) -> tuple[dict, dict[str, StoredParts], set[str]]:
             refused, note = names.left_out(skipped) if skipped else ([], None)
             if note is not None:
                 warnings.warn(note, stacklevel=4)
-            fused = {key: fqn for key, fqn in ours.items() if isinstance(fqn, StoredParts)}
+            fused = {key: fqn for key, fqn in ours.items() if isinstance(fqn, (StoredParts, StoredSplit))}
             fqns = [f for fqn in ours.values() if fqn is not None for f in getattr(fqn, "fqns", (fqn,))]
             return dict.fromkeys(fqns, names), fused, set(skipped) - set(refused)
     return {}, {}, set()
 
 
-def _split_infos(fused: dict[str, StoredParts], infos: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
-    """Ours that the stored keys of ``fused`` hold, each with its shape once split."""
-    return {
-        fqn: TensorInfo(shape, infos[key].dtype)
-        for key, parts in fused.items()
-        for fqn, shape in zip(parts.fqns, split_shapes(parts, infos[key].shape))
-    }
+def _split_infos(fused: dict, infos: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
+    """Ours that the stored keys of ``fused`` hold, each with its shape once split (or joined, for a
+    ``StoredSplit``); ``ValueError`` when a stored part of one is missing."""
+    ours = {}
+    for key, parts in fused.items():
+        if isinstance(parts, StoredSplit):
+            ours[parts.fqn] = TensorInfo(split_joined_shape(parts, infos), infos[key].dtype)
+            continue
+        ours.update(
+            (fqn, TensorInfo(shape, infos[key].dtype))
+            for fqn, shape in zip(parts.fqns, split_shapes(parts, infos[key].shape))
+        )
+    return ours
 
 
 def write(source: OpenedCheckpoint, dst: Path, job: WriteJob, names: NameAdapter | None = None) -> Path:
@@ -336,13 +362,16 @@ def write(source: OpenedCheckpoint, dst: Path, job: WriteJob, names: NameAdapter
     except ValueError as e:
         raise SeedckptError(f"{source.path}: {e}") from None
     zeros = names.zero_filled() if names else {}
+    split_once = SplitOnce()
 
     def produce(key: str, start: int, stop: int) -> torch.Tensor:
         if key in zeros:
             return torch.zeros(zeros[key][0], dtype=zeros[key][1]).reshape(-1)[start:stop]
         ours = entries[key][0]
         job.on_bytes(entries[key][1].nbytes)
-        if isinstance(ours, StoredParts):
+        if isinstance(ours, StoredSplit):
+            tensor = split_once.take(key, ours.keys, ours.split, lambda: source.read_tensor(ours.fqn))
+        elif isinstance(ours, StoredParts):
             tensor = ours.join(tuple(source.read_tensor(fqn) for fqn in ours.fqns))
         else:
             tensor = source.read_tensor(ours)
@@ -365,12 +394,16 @@ def write(source: OpenedCheckpoint, dst: Path, job: WriteJob, names: NameAdapter
 
 def _stored_entries(infos: dict[str, TensorInfo], names: NameAdapter | None) -> dict:
     """``{stored key: (our FQN, its info)}``, or where the key holds several of ours (``StoredParts``)
-    ``(the parts, the joined tensor's info)``; ``ValueError`` when one of those is missing."""
+    ``(the parts, the joined tensor's info)``, or where it is part of one of ours (``StoredSplit``)
+    ``(the split, its part's info)``; ``ValueError`` when one of those is missing."""
     entries = {}
     for fqn, info in infos.items():
         key = names.to_stored(fqn) if names else fqn
         parts = names.from_stored(key) if names else None
-        if isinstance(parts, StoredParts):
+        if isinstance(parts, StoredSplit):
+            shapes = split_shapes(parts, info.shape)
+            entries.update((k, (parts, TensorInfo(shape, info.dtype))) for k, shape in zip(parts.keys, shapes))
+        elif isinstance(parts, StoredParts):
             entries[key] = (parts, TensorInfo(joined_shape(parts, infos), info.dtype))
         else:
             entries[key] = (fqn, info)
