@@ -23,7 +23,7 @@ The contract a family's model keeps (torchtitan's pipeline-friendly shape):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +84,9 @@ class ModelFamily:
     # {tool: args -> name adapter}: other tools' names (args: the model's, None where nobody described it)
     renamings: Mapping[str, Callable[[Any], Any]] = field(default_factory=dict)
     tensor_parallel: TensorParallelPlan | None = None  # None: no tensor parallelism for this family
+    # (args, layer ids per pipeline stage) -> None, or a ValueError naming a split the model cannot run
+    # (Gemma 4's kv-shared layers on another stage than the layer whose keys they reuse); None: any split
+    check_split: Callable[[Any, Sequence[Sequence[int]]], None] | None = None
 
     def flavor_of(self, args) -> str | None:
         """The released flavor with these tensor shapes, if any."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 from models.deepseek_v3 import DEEPSEEK_V3
 from models.family import ModelFamily
 from models.gemma3 import GEMMA3
+from models.gemma4 import GEMMA4
 from models.glm4_moe import GLM4_MOE
 from models.gpt_oss import GPT_OSS
 from models.granite import GRANITE
@@ -33,6 +34,7 @@ FAMILIES: dict[str, ModelFamily] = {
         GPT_OSS,
         DEEPSEEK_V3,
         GEMMA3,
+        GEMMA4,
         GLM4_MOE,
         QWEN3_5,
     )

@@ -251,12 +251,14 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
+    block = TransformerBlock  # built as ``block(layer_id, args)``; a family with blocks of its own sets it (Gemma 4)
+
     def __init__(self, args):
         super().__init__()
         self.args = args
         self.options = args.decoder_options
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): self.block(i, args) for i in range(args.n_layers)})
         self.norm = rms_norm(args.dim, args.norm_eps, self.options.norm_offset)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()

@@ -80,10 +80,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.common.feed_forward import TRUNC_BOUND, FeedForward
+from models.common.feed_forward import GATE_ACTIVATIONS, TRUNC_BOUND, FeedForward
 
 SCORE_FUNCS = ("softmax", "sigmoid", "softmax_topk")
-ACTIVATIONS = ("silu", "clamped_swiglu")
+ACTIVATIONS = (*GATE_ACTIVATIONS, "clamped_swiglu")  # the gated ones: SwiGLU, GeGLU (Gemma 4)
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ class MoEOptions:
     router_bias: bool = False  # a bias on the router's gate
     n_shared_experts: int = 0  # a dense SwiGLU of width n_shared_experts * ffn_dim beside the experts
     expert_bias_terms: bool = False  # biases on every expert's three projections
-    activation: Literal["silu", "clamped_swiglu"] = "silu"
+    activation: Literal["silu", "gelu_tanh", "clamped_swiglu"] = "silu"
     swiglu_alpha: float = 1.702  # clamped_swiglu: the sigmoid's slope
     swiglu_limit: float = 7.0  # clamped_swiglu: the clamp
     load_balance: Literal["aux_loss", "bias", "none"] = "aux_loss"
@@ -282,8 +282,8 @@ class GroupedExperts(nn.Module):
         return _ContiguousGradient.apply(project(hidden, w2, b2))
 
     def _activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        if self.options.activation == "silu":
-            return F.silu(gate) * up
+        if self.options.activation in GATE_ACTIVATIONS:
+            return GATE_ACTIVATIONS[self.options.activation](gate) * up
         limit = self.options.swiglu_limit
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.options.swiglu_alpha))
@@ -424,6 +424,10 @@ class MoE(nn.Module):
         if not in_backward():
             self.routed.append(self.last_routed)
 
+    def expert_inputs(self, flat: torch.Tensor) -> torch.Tensor:
+        """The tokens ``flat`` as the experts take them: as routed (Gemma 4's experts norm them first)."""
+        return flat
+
     def forward(self, x: torch.Tensor, owned: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` (bsz, seq, dim); ``owned`` (bsz, seq) bool: the positions a document owns (None:
         all). Only those are routed: padding reaches no expert, counts in no statistic and adds
@@ -438,7 +442,7 @@ class MoE(nn.Module):
         counts = tally(chosen.flatten(), self.options.n_experts)
         order = chosen.flatten().argsort(stable=True)  # (token, choice) slots sorted by expert
         token_of_slot = token_ids[order // self.options.top_k]
-        routed = self.experts(flat[token_of_slot], counts)
+        routed = self.experts(self.expert_inputs(flat)[token_of_slot], counts)
         routed = routed * weights.flatten()[order].to(routed.dtype)[:, None]
         out = torch.zeros_like(flat).index_add_(0, token_of_slot, routed.to(flat.dtype))
         if self.shared_experts is not None:

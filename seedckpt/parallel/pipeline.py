@@ -47,9 +47,17 @@ def pipeline_split(
     compute with attention at ``seq_len`` (default: the model's ``max_seq_len``); ``costs``: the
     family's ``layer_flops`` at that length, if the caller has them."""
     check_stage_count(args.n_layers, num_stages)
+    family = family_of(args)
     if split_points or num_stages == 1:
-        return explicit_split(args.n_layers, num_stages, split_points)
-    return balanced_split(costs or family_of(args).layer_flops(args, seq_len or args.max_seq_len), num_stages)
+        layers = explicit_split(args.n_layers, num_stages, split_points)
+    else:
+        layers = balanced_split(costs or family.layer_flops(args, seq_len or args.max_seq_len), num_stages)
+    if family.check_split is not None:
+        try:
+            family.check_split(args, layers)
+        except ValueError as e:
+            raise SeedckptError(str(e)) from None
+    return layers
 
 
 def check_stage_count(n_layers: int, num_stages: int) -> None:

@@ -1,0 +1,195 @@
+"""Gemma 4 against ``transformers``' ``Gemma4ForCausalLM`` and ``Gemma4ForConditionalGeneration``:
+HF directories both ways (per-layer inputs, kv-shared layers, values as keys, the experts beside the
+MLP), the multimodal layout, packed rows, the pipeline split the shared keys allow, released
+parameter counts, the init recipe, refusals, and training layouts against one process."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from models.gemma4 import FLAVORS
+from models.gemma4.model import Gemma4Transformer
+from seedckpt import load_model
+from seedckpt.cli.convert import convert
+from seedckpt.materialize.init_recipe import init_model
+from seedckpt.materialize.model_checkpoint import open_model_checkpoint
+from seedckpt.materialize.stages import build_stages
+from seedckpt.parallel.pipeline import pipeline_split, plan_rank_stages
+from seedckpt.utils.errors import SeedckptError
+from tests.test_convert import our_logits
+
+transformers = pytest.importorskip("transformers")
+
+# A tiny Gemma 4: windowed layers of heads of 16 (window 5) and global ones of 32 with one key/value
+# head whose values are its keys, "proportional" RoPE turning a quarter of a global head, per-layer
+# inputs, the last two layers reusing layers 2's and 3's keys and values with double-wide MLPs
+TINY = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    global_head_dim=32,
+    num_global_key_value_heads=1,
+    attention_k_eq_v=True,
+    sliding_window=5,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+    hidden_size_per_layer_input=8,
+    vocab_size_per_layer_input=96,
+    num_kv_shared_layers=2,
+    use_double_wide_mlp=True,
+    final_logit_softcapping=3.0,
+    max_position_embeddings=64,
+    rope_parameters={
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e4},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+    },
+)
+# 26B-A4B's block: eight experts beside each MLP, two a token
+MOE = dict(enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=16)
+TOKENS = torch.randint(0, 96, (2, 20), generator=torch.Generator().manual_seed(0))
+
+
+def randomized(model):
+    """Every weight random, norms and scales around one (the q/k norms' smaller, so that the unscaled
+    scores stay moderate: transformers' own float32 logits are then 4e-6 off its float64), the
+    layers' scalars 0.7."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.uniform_(0.75, 1.25) if p.dim() == 1 else p.normal_(0, 0.07)
+            if "q_norm" in name or "k_norm" in name:
+                p.uniform_(0.2, 0.4)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.fill_(0.7)
+    return model.eval()
+
+
+def tiny_text(**changes):
+    return randomized(transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(**TINY | changes)))
+
+
+def tiny_multimodal():
+    """A tiny ``Gemma4ForConditionalGeneration``: the tiny decoder under a small vision tower."""
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=8)
+    config = transformers.Gemma4Config(text_config=TINY, vision_config=vision)
+    return randomized(transformers.Gemma4ForConditionalGeneration(config))
+
+
+def two_stages(source, split: int) -> torch.Tensor:
+    """Logits of the checkpoint at ``source`` run as two pipeline stages split at layer ``split``."""
+    args = open_model_checkpoint(source).args
+    h = TOKENS
+    for rank in range(2):
+        [stage] = build_stages(args, plan_rank_stages(args, rank, 2, split_points=[split]), "cpu", checkpoint=source)
+        h = stage(h)
+    return h
+
+
+@pytest.mark.parametrize("changes", [{}, MOE], ids=["dense", "moe"])
+def test_hf_directories_read_and_write_with_transformers_logits(tmp_path, changes):
+    """HF -> DCP -> our model, HF -> two pipeline stages (the per-layer inputs carried beside the
+    hidden state), ``load_model``, and back to an HF directory -- its tensors the original's bitwise
+    -- that ``transformers`` loads as ``Gemma4ForCausalLM``: logits within 1e-5 each way."""
+    hf = tiny_text(**changes)
+    hf.save_pretrained(tmp_path / "hf")
+    with torch.no_grad():
+        want = hf(TOKENS).logits
+        convert(tmp_path / "hf", tmp_path / "dcp", "dcp", progress=False)
+        assert (our_logits(tmp_path / "dcp", TOKENS) - want).abs().max().item() <= 1e-5
+        assert (two_stages(tmp_path / "hf", 2) - want).abs().max().item() <= 1e-5
+        assert (load_model(tmp_path / "hf")(TOKENS) - want).abs().max().item() <= 1e-5
+        convert(tmp_path / "dcp", tmp_path / "back", "hf", progress=False)
+        back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+        assert type(back).__name__ == "Gemma4ForCausalLM"
+        assert (back(TOKENS).logits - want).abs().max().item() <= 1e-5
+    original = load_file(tmp_path / "hf" / "model.safetensors")
+    [exported] = [load_file(path) for path in (tmp_path / "back").glob("*.safetensors")]
+    assert original.keys() == exported.keys()
+    assert all(torch.equal(original[name], exported[name]) for name in original)
+
+
+def test_the_multimodal_directory_reads_its_decoder_and_skips_the_towers(tmp_path):
+    """A ``gemma4`` directory (``text_config``, the decoder under ``model.language_model.``): its text
+    logits within 1e-5, the vision tower skipped with one line, exported as ``Gemma4ForCausalLM``."""
+    hf = tiny_multimodal()
+    hf.save_pretrained(tmp_path / "hf")
+    with torch.no_grad():
+        want = hf(input_ids=TOKENS).logits
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = load_model(tmp_path / "hf")(TOKENS)
+        assert (got - want).abs().max().item() <= 1e-5
+        [line] = [str(w.message) for w in caught if "vision and audio towers" in str(w.message)]
+        assert "\n" not in line
+        with pytest.warns(UserWarning, match="vision and audio towers"):
+            convert(tmp_path / "hf", tmp_path / "back", "hf", progress=False)
+        back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+        assert type(back).__name__ == "Gemma4ForCausalLM"
+        assert (back(TOKENS).logits - want).abs().max().item() <= 1e-5
+
+
+def test_packed_rows_compute_each_document_alone(tmp_path):
+    """Documents packed in a row (positions restarting, longer than the window, the shared keys
+    reused within each document) within 1e-5 of ``transformers`` on each document alone."""
+    hf = tiny_text()
+    hf.save_pretrained(tmp_path)
+    lengths = (12, 3, 5)
+    positions = torch.cat([torch.arange(n) for n in lengths]).expand(2, -1)
+    documents = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]).expand(2, -1)
+    with torch.no_grad():
+        packed = load_model(tmp_path)(TOKENS, positions=positions, document_ids=documents)
+        alone = torch.cat([hf(part).logits for part in TOKENS.split(lengths, dim=1)], dim=1)
+    assert (packed - alone).abs().max().item() <= 1e-5
+
+
+def test_a_split_between_a_layer_and_the_layer_reusing_its_keys_is_refused_in_one_line():
+    """Layers 4 and 5 reuse layers 3's and 2's keys and values: a split after layer 2 runs, one
+    after layer 3 is refused, naming the layers to keep together."""
+    args = FLAVORS["debug"]
+    assert pipeline_split(args, 2, [2]) == [(0, 1), (2, 3, 4, 5)]
+    with pytest.raises(SeedckptError, match=r"keep layers 2\.\.5 on one stage") as refused:
+        pipeline_split(args, 2, [3])
+    assert "\n" not in str(refused.value)
+
+
+def test_the_seed_recipe_is_transformers_normal_init_with_norms_and_scales_at_one():
+    args = FLAVORS["debug"]
+    with torch.device("meta"):
+        recipe = init_model(Gemma4Transformer(args), seed=0, materialize=False)
+    ones = {fqn for fqn, spec in recipe.items() if spec.kind == "ones"}
+    assert {fqn for fqn in recipe if fqn.endswith(("norm.weight", "layer_scalar"))} == ones
+    assert {(spec.kind, spec.std) for fqn, spec in recipe.items() if fqn not in ones} == {
+        ("normal", args.initializer_range)
+    }
+    assert "output.weight" not in recipe and "layers.5.attention.wk.weight" not in recipe
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("use_bidirectional_attention", "all", "use_bidirectional_attention = 'all'"),
+        ("hidden_activation", "gelu", "hidden_activation = 'gelu'"),
+        ("attention_bias", True, "attention_bias = True"),
+        ("global_head_dim", None, "global_head_dim = null"),
+        ("rope_parameters", {"full_attention": {"rope_type": "yarn"}}, "lacks sliding_attention"),
+        ("per_layer_config", {"2": {"intermediate_size": 8}}, "gives layer 2 intermediate_size"),
+        ("num_kv_shared_layers", 5, "and there is none"),
+    ],
+)
+def test_config_fields_this_version_does_not_compute_are_refused_in_one_line(tmp_path, field, value, message):
+    tiny_text().save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop("per_layer_config", None)
+    (tmp_path / "config.json").write_text(json.dumps(config | {field: value}))
+    with pytest.raises(SeedckptError, match=message) as refused:
+        load_model(tmp_path)
+    assert "\n" not in str(refused.value)
