@@ -13,6 +13,7 @@ from models.gemma4 import GEMMA4
 from models.glm4_moe import GLM4_MOE
 from models.gpt_oss import GPT_OSS
 from models.granite import GRANITE
+from models.kimi_k2 import KIMI_K2
 from models.llama3 import LLAMA3
 from models.mistral import MISTRAL
 from models.mixtral import MIXTRAL
@@ -37,6 +38,7 @@ FAMILIES: dict[str, ModelFamily] = {
         GEMMA4,
         GLM4_MOE,
         QWEN3_5,
+        KIMI_K2,
     )
 }
 DEFAULT_FAMILY = "llama3"  # the family of a config or a command that names none

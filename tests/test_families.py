@@ -59,6 +59,7 @@ RELEASED = {
     ("qwen3_5", "4B"): 4_205_751_296,
     ("qwen3_5", "9B"): 8_953_803_264,
     ("qwen3_5", "27B"): 26_895_998_464,
+    ("kimi_k2", "1T"): 1_026_408_209_408,  # Kimi-K2-Instruct, as DeepseekV3ForCausalLM counts it
 }
 CLASSES = {
     "llama3": "LlamaForCausalLM",
@@ -73,7 +74,10 @@ CLASSES = {
     "gemma3": "Gemma3ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "qwen3_5": "Qwen3_5ForCausalLM",
+    "kimi_k2": "DeepseekV3ForCausalLM",
 }
+# A model_type transformers has no class for, and the one it reads such a config as
+READ_AS = {"kimi_k2": "deepseek_v3"}
 # A released flavor whose config.json is another class's: torchtitan's 16B routes by softmax, DeepSeek-V2's
 RELEASED_CLASSES = {("deepseek_v3", "16B"): "DeepseekV2ForCausalLM"}
 TOKENS = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
@@ -89,7 +93,8 @@ def _count(model: torch.nn.Module) -> int:
 def test_flavors_have_the_released_parameter_counts_and_transformers_agrees(name, flavor):
     family = get_family(name)
     args = family.flavors[flavor]
-    config = transformers.AutoConfig.for_model(**family.hf.config(args, torch.bfloat16))
+    written = family.hf.config(args, torch.bfloat16)
+    config = transformers.AutoConfig.for_model(**written | {"model_type": READ_AS.get(name, written["model_type"])})
     with torch.device("meta"):
         ours, theirs = family.model(args), transformers.AutoModelForCausalLM.from_config(config)
     assert type(theirs).__name__ == RELEASED_CLASSES.get((name, flavor), CLASSES[name])

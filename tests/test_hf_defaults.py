@@ -103,6 +103,13 @@ FAMILIES = {
         ),
     ),
 }
+# Kimi K2: DeepSeek-V3's file under model_type kimi_k2 (EDITS), K2's routing and YaRN betas; transformers reads it
+# as deepseek_v3 (READ_AS: it has no kimi_k2 class, and under that model_type leaves the experts unloaded)
+K2_YARN = dict(rope_type="yarn", rope_theta=5e4, factor=4.0, original_max_position_embeddings=16, beta_fast=1.0)
+K2 = dict(num_hidden_layers=2, routed_scaling_factor=2.827, rope_parameters=K2_YARN | dict(beta_slow=1.0))
+FAMILIES["kimi_k2"] = ("DeepseekV3", DEEPSEEK | K2)
+EDITS = {"kimi_k2": lambda cfg: {**cfg, "model_type": "kimi_k2"}}
+READ_AS = {"kimi_k2": "deepseek_v3"}
 # The config class where it is not ``<prefix>Config`` (``Gemma3Config``, ``Qwen3_5Config``: the multimodal models')
 CONFIG_CLASSES = {"gemma3": "Gemma3TextConfig", "qwen3_5": "Qwen3_5TextConfig"}
 # The family that reads a model_type the sweep names by itself
@@ -137,7 +144,7 @@ def saved(tmp_path_factory):
             prefix, fields = FAMILIES[family]
             with pytest.MonkeyPatch.context() as patch:  # ``hf_model`` builds ``<prefix>Config``
                 patch.setattr(transformers, f"{prefix}Config", config_class(family))
-                hf_model(paths[family], prefix, fields)
+                hf_model(paths[family], prefix, fields, EDITS.get(family))
         return paths[family]
 
     return directory
@@ -147,6 +154,10 @@ def transformers_logits(family: str, path, x: torch.Tensor) -> torch.Tensor | No
     """``transformers``' logits from the directory, or None where it cannot compute them: it refuses
     the config or the weights, leaves a weight uninitialized or drops one, or fails running."""
     model_class = getattr(transformers, f"{FAMILIES[family][0]}ForCausalLM")
+    if family in READ_AS:  # the file as transformers reads it, beside ours
+        cfg = json.loads((path / "config.json").read_text())
+        path = shutil.copytree(path, path.with_name(f"{path.name}-transformers"))
+        (path / "config.json").write_text(json.dumps({**cfg, "model_type": READ_AS[family]}))
     try:
         model, info = model_class.from_pretrained(path, output_loading_info=True)
         with torch.no_grad():

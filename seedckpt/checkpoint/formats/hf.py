@@ -2,15 +2,16 @@
 
 The model's HF names and row order come from the caller's codec (``codec.hf_names``): names are
 mapped to ours and permuted rows (e.g. q/k RoPE heads) put back in our order. A tied model (no
-separate output head in the files) gives the tied FQN its source's tensor. ``load`` goes through DCP's
-``HuggingFaceStorageReader`` (reading rows with ``owned_reads.OwnedHFReader``), so each rank reads
-only its tensors and rows. A quantized tensor (FP8 blocks, MXFP4: ``quantized``) stands under the name
-it would have unquantized, in float32, and a rank reads the rows of its values and scales under its
-own. A stored tensor that holds some of ours rearranged (``StoredParts``: gpt-oss's fused,
-interleaved, transposed experts) is split on reading, a rank reading only its experts' rows of it,
-and joined again on writing. ``write`` streams ``model-0000k-of-0000n.safetensors`` shards of at
-most ``shard_bytes``, the index and a ``config.json`` that ``transformers`` loads, with the
-tokenizer files and ``generation_config.json`` the caller hands it (``WriteJob``).
+separate output head in the files) gives the tied FQN its source's tensor. ``load`` goes through
+DCP's ``HuggingFaceStorageReader`` (reading rows with ``owned_reads.OwnedHFReader``), so each rank
+reads only its tensors and rows. A quantized tensor (FP8 blocks, MXFP4: ``quantized``; 4-bit
+integers: ``compressed_tensors``) stands under the name it would have unquantized, in float32, and a
+rank reads the rows of its values and scales under its own. A stored tensor that holds some of ours
+rearranged (``StoredParts``: gpt-oss's fused, interleaved, transposed experts) is split on reading,
+a rank reading only its experts' rows of it, and joined again on writing. ``write`` streams
+``model-0000k-of-0000n.safetensors`` shards of at most ``shard_bytes``, the index and a
+``config.json`` that ``transformers`` loads, with the tokenizer files and ``generation_config.json``
+the caller hands it (``WriteJob``).
 
 Weights are read from safetensors files only: a directory holding them as ``pytorch_model.bin``
 (a pickle, which runs code when loaded) is refused in one line saying so, as is an index that is
@@ -36,6 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from seedckpt.checkpoint.atomic import atomic_output, write_json_synced
 from seedckpt.checkpoint.base import OpenedCheckpoint, WriteJob
+from seedckpt.checkpoint.formats.compressed_tensors import packed_tensors
 from seedckpt.checkpoint.formats.quantized import DequantizedLoad, Stored, quantized_tensors
 from seedckpt.checkpoint.formats.safetensors_file import read_safetensor, write_safetensors
 from seedckpt.checkpoint.fused import PartsRead, SplitOnce, joined_shape, split_shapes
@@ -117,7 +119,9 @@ class HFCheckpoint(OpenedCheckpoint):
                 raise SeedckptError(f"{index} lists {file!r}, which is not a file in {path}")
             headers[file] = safetensors_header(path / file)
         self.stored_tensors = _stored(path, headers)  # every tensor of the files, by its name there
-        self.quantized = quantized_tensors(self.stored_tensors, self.config, path)  # hf name -> its stored parts
+        # hf name -> its stored parts
+        self.quantized = quantized_tensors(self.stored_tensors, self.config, path)
+        self.quantized |= packed_tensors(self.stored_tensors, self.config, path)
         quantized_part = {part.name: q for q in self.quantized.values() for part in q.parts}
         for file, (header, _, data_start) in headers.items():
             for name, entry in header.items():
@@ -229,7 +233,7 @@ class HFCheckpoint(OpenedCheckpoint):
         """Every tensor of the files under its name there and its file's, in file order; a quantized
         one once, dequantized (its scales checked), the models' tensors and those it leaves out alike."""
         by_values = {q.values.name: q for q in self.quantized.values()}
-        scales = {q.scales.name for q in self.quantized.values()}
+        scales = {part.name for q in self.quantized.values() for part in q.parts[1:]}
         for name, part in self.stored_tensors.items():
             q = by_values.get(name)
             if q is not None:

@@ -101,6 +101,16 @@ class Quantized:
         return out
 
 
+def impossible_scale(scales: torch.Tensor) -> tuple[int, int, float] | None:
+    """The row, column and value of the first of ``scales`` (2-D) that is not a finite number > 0, if any."""
+    wide = scales.float()
+    impossible = ~((wide > 0) & (wide < math.inf))  # NaN fails both
+    if not bool(impossible.any()):
+        return None
+    row, col = (int(i) for i in impossible.nonzero()[0])
+    return row, col, wide[row, col].item()
+
+
 def _window(info: TensorInfo, start: int, stop: int) -> RowWindow:
     return RowWindow(torch.empty((stop - start, *info.shape[1:]), dtype=info.dtype), start)
 
@@ -138,12 +148,11 @@ class BlockFP8(Quantized):
         448, which a quantizer keeps positive even for an all-zero block (``transformers``' writes 1
         there). A zero would read the block as zeros, a negative one flip its signs, NaN or Inf make
         every value of it non-finite -- whatever the values say; the first such scale is named."""
-        wide = scales.float()
-        impossible = ~((wide > 0) & (wide < math.inf))  # NaN fails both
-        if bool(impossible.any()):
-            row, col = (int(i) for i in impossible.nonzero()[0])
+        found = impossible_scale(scales)
+        if found is not None:
+            row, col, value = found
             raise SeedckptError(
-                f"{self.scales.file}: {self.scales.name}[{first + row}, {col}] = {wide[row, col].item()}, an "
+                f"{self.scales.file}: {self.scales.name}[{first + row}, {col}] = {value}, an "
                 f"impossible scale: each {FP8_BLOCK} x {FP8_BLOCK} block's scale_inv is a finite number > 0 (0 would "
                 "zero the block, a negative one flip its signs) -- the checkpoint is damaged"
             )
@@ -252,11 +261,10 @@ def _mxfp4(stored: dict[str, Stored], name: str) -> MXFP4:
     return MXFP4(name, blocks, scales, (experts, groups * 2 * MX_BYTES, rows))
 
 
-def _check_config(kind: type, example: Quantized, config: dict, where: Path) -> None:
-    """``quantization_config`` must describe the tensors found: FP8 in 128 x 128 e4m3 blocks, or MXFP4."""
-    method, what = ("fp8", "FP8 blocks") if kind is BlockFP8 else ("mxfp4", "MXFP4")
+def quantization_settings(config: dict, where: Path, method: str, stores: str) -> dict:
+    """``config.json``'s ``quantization_config``, which must exist and name ``method``, the one the
+    files use (``stores`` says what they store)."""
     settings = config.get("quantization_config")
-    stores = f"its files store {example.scales.name}, {what}"
     if not isinstance(settings, dict):
         raise SeedckptError(
             f"{where}/config.json has no quantization_config object, but {stores}: restore the release's "
@@ -265,8 +273,16 @@ def _check_config(kind: type, example: Quantized, config: dict, where: Path) -> 
     if settings.get("quant_method") != method:
         raise SeedckptError(
             f"{where}/config.json has quantization_config.quant_method = {settings.get('quant_method')!r}, but "
-            f"{stores} ({method!r}); seedckpt reads 'fp8' (128 x 128 blocks) and 'mxfp4'"
+            f"{stores} ({method!r}); seedckpt reads 'fp8' (128 x 128 blocks), 'mxfp4' and 'compressed-tensors' "
+            "(pack-quantized)"
         )
+    return settings
+
+
+def _check_config(kind: type, example: Quantized, config: dict, where: Path) -> None:
+    """``quantization_config`` must describe the tensors found: FP8 in 128 x 128 e4m3 blocks, or MXFP4."""
+    method, what = ("fp8", "FP8 blocks") if kind is BlockFP8 else ("mxfp4", "MXFP4")
+    settings = quantization_settings(config, where, method, f"its files store {example.scales.name}, {what}")
     if kind is not BlockFP8:
         return
     if settings.get("weight_block_size") != [FP8_BLOCK, FP8_BLOCK]:
