@@ -222,3 +222,31 @@ def test_a_missing_part_and_attention_biases_are_refused_in_one_line(titan, tmp_
     with pytest.raises(SeedckptError, match="torchtitan's Qwen3.5 has no attention biases"):
         convert(ours, tmp_path / "titan_b", "torchtitan", progress=False)
     assert not (tmp_path / "titan_b").exists()
+
+
+def _sharded_load(rank: int, world_size: int, path: str, args: Qwen35Args) -> list[str]:
+    """On each rank: layer 0's q/k/v and convolution loaded into DTensors cut by rows (``Shard(0)``,
+    3 ranks: cuts inside key-head groups) and by columns (``Shard(1)``: no block of whole rows); the
+    FQNs whose local block is not the checkpoint's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    opened = open_model_checkpoint(path, args, model="qwen3_5")
+    cuts = {f"layers.0.attention.{name}.weight": Shard(0) for name in ("in_proj_qkv", "conv1d")}
+    cuts["layers.1.attention.in_proj_qkv.weight"] = Shard(1)
+    wanted = {fqn: distribute_tensor(torch.zeros(opened.infos[fqn].shape), mesh, [cut]) for fqn, cut in cuts.items()}
+    opened.load(wanted)
+    return [
+        fqn
+        for fqn, cut in cuts.items()
+        if not torch.equal(wanted[fqn].to_local(), distribute_tensor(opened.read_tensor(fqn), mesh, [cut]).to_local())
+    ]
+
+
+def test_sharded_destinations_load_their_block_of_the_joined_rows(titan):
+    """FSDP-like row shards on 3 ranks, and a column shard, each get their block of ours."""
+    from tests.dist import run_distributed
+
+    _, path, args = titan
+    assert run_distributed(_sharded_load, 3, str(path), args) == [[], [], []]
