@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from models.deepseek_v3 import DEEPSEEK_V3
 from models.family import ModelFamily
+from models.gemma2 import GEMMA2
 from models.gemma3 import GEMMA3
 from models.gemma4 import GEMMA4
 from models.glm4_moe import GLM4_MOE
@@ -20,6 +21,7 @@ from models.mixtral import MIXTRAL
 from models.qwen2 import QWEN2
 from models.qwen3 import QWEN3
 from models.qwen3_5 import QWEN3_5
+from models.qwen3_5_moe import QWEN3_5_MOE
 from models.qwen3_moe import QWEN3_MOE
 
 FAMILIES: dict[str, ModelFamily] = {
@@ -36,8 +38,10 @@ FAMILIES: dict[str, ModelFamily] = {
         DEEPSEEK_V3,
         GEMMA3,
         GEMMA4,
+        GEMMA2,
         GLM4_MOE,
         QWEN3_5,
+        QWEN3_5_MOE,
         KIMI_K2,
     )
 }

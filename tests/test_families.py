@@ -52,6 +52,9 @@ RELEASED = {
     ("gemma3", "4B"): 3_880_263_168,  # the text decoders of the multimodal releases
     ("gemma3", "12B"): 11_766_034_176,
     ("gemma3", "27B"): 27_009_346_304,
+    ("gemma2", "2B"): 2_614_341_888,
+    ("gemma2", "9B"): 9_241_705_984,
+    ("gemma2", "27B"): 27_227_128_320,
     ("glm4_moe", "355B-A32B"): 352_797_814_784,  # GLM-4.5, without its multi-token-prediction layer
     ("glm4_moe", "106B-A12B"): 106_852_245_504,  # GLM-4.5-Air, the same
     ("qwen3_5", "0.8B"): 752_393_024,  # the text decoders of the multimodal releases
@@ -59,6 +62,9 @@ RELEASED = {
     ("qwen3_5", "4B"): 4_205_751_296,
     ("qwen3_5", "9B"): 8_953_803_264,
     ("qwen3_5", "27B"): 26_895_998_464,
+    ("qwen3_5_moe", "35B-A3B"): 34_660_610_688,  # the text decoders of the multimodal releases
+    ("qwen3_5_moe", "122B-A10B"): 122_111_526_912,
+    ("qwen3_5_moe", "397B-A17B"): 396_346_350_336,
     ("kimi_k2", "1T"): 1_026_408_209_408,  # Kimi-K2-Instruct, as DeepseekV3ForCausalLM counts it
 }
 CLASSES = {
@@ -72,8 +78,10 @@ CLASSES = {
     "gpt_oss": "GptOssForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "qwen3_5": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
     "kimi_k2": "DeepseekV3ForCausalLM",
 }
 # A model_type transformers has no class for, and the one it reads such a config as
@@ -252,9 +260,9 @@ def test_config_values_of_the_wrong_type_or_range_are_refused_naming_the_field(
     [
         ("qwen3", "llama3", "model_type 'qwen3', not a llama3 model: set model.name = 'qwen3'"),
         (
-            "gemma2",
+            "phi3",
             None,
-            f"config.json has model_type 'gemma2', which no model family here reads (they read {MODEL_TYPES_READ}); "
+            f"config.json has model_type 'phi3', which no model family here reads (they read {MODEL_TYPES_READ}); "
             "a family is added as 'Adding a family' in docs/model_families.md describes",
         ),
     ],

@@ -110,6 +110,9 @@ K2 = dict(num_hidden_layers=2, routed_scaling_factor=2.827, rope_parameters=K2_Y
 FAMILIES["kimi_k2"] = ("DeepseekV3", DEEPSEEK | K2)
 EDITS = {"kimi_k2": lambda cfg: {**cfg, "model_type": "kimi_k2"}}
 READ_AS = {"kimi_k2": "deepseek_v3"}
+# Gemma 2: Gemma 3's tiny layers with one RoPE table, the scores' softcap small enough to bite (the class's: 50)
+GEMMA2 = dict(attn_logit_softcapping=2.0, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+FAMILIES["gemma2"] = ("Gemma2", FAMILIES["gemma3"][1] | GEMMA2)
 # The config class where it is not ``<prefix>Config`` (``Gemma3Config``, ``Qwen3_5Config``: the multimodal models')
 CONFIG_CLASSES = {"gemma3": "Gemma3TextConfig", "qwen3_5": "Qwen3_5TextConfig"}
 # The family that reads a model_type the sweep names by itself

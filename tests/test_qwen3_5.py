@@ -136,8 +136,13 @@ def test_logits_match_transformers_both_ways(tmp_path, case):
 def test_the_multimodal_directory_reads_its_decoder_and_skips_the_vision_tower(tmp_path):
     """A ``qwen3_5`` directory (``text_config``; the decoder under ``model.language_model.``, a vision
     tower and an MTP module beside it): the text logits within 1e-5, what is skipped named in one line."""
-    path = hf_model(tmp_path / "hf")
-    want = transformers.Qwen3_5ForCausalLM.from_pretrained(path).eval()
+    assert_the_multimodal_directory_reads_its_decoder(hf_model(tmp_path / "hf"), "qwen3_5", tmp_path)
+
+
+def assert_the_multimodal_directory_reads_its_decoder(path, wrapper_type: str, tmp_path):
+    """The ``transformers`` directory at ``path`` as the multimodal ``wrapper_type``'s, with a vision
+    tower and an MTP module: our text logits within 1e-5 of the causal LM's, one line for the skip."""
+    want = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
     stored = load_file(path / "model.safetensors")
     wrapped = {name.replace("model.", "model.language_model.", 1): t for name, t in stored.items()}
     wrapped |= {"model.visual.blocks.0.attn.qkv.weight": torch.ones(6, 2), "mtp.fc.weight": torch.ones(4, 8)}
@@ -145,7 +150,7 @@ def test_the_multimodal_directory_reads_its_decoder_and_skips_the_vision_tower(t
     multimodal.mkdir()
     save_file(wrapped, multimodal / "model.safetensors", metadata={"format": "pt"})
     text = json.loads((path / "config.json").read_text())
-    (multimodal / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": text}))
+    (multimodal / "config.json").write_text(json.dumps({"model_type": wrapper_type, "text_config": text}))
     with warnings.catch_warnings(record=True) as caught, torch.no_grad():
         warnings.simplefilter("always")
         got = load_model(multimodal)(TOKENS)

@@ -5,9 +5,10 @@ on q/k/v (Qwen2), an RMSNorm over each q and k head before RoPE (Qwen3), Granite
 the embedding, the residual branches, the attention scores and the logits, and HF's plain normal
 init; for gpt-oss a bias on the output projection too and a learned sink logit per head; for Gemma
 norms scaled by ``1 + weight`` (``models.common.norms``) also on each branch's output (sandwich norms:
-``layers.{i}.{post_attention_norm,post_ffn_norm}``), GeGLU, a softcap on the logits and the
-sliding-window layers' own RoPE table (``window_freqs_cis``). Each family's args provide the shapes
-and ``decoder_options``; its folder says which. Any layer may attend through a sliding window
+``layers.{i}.{post_attention_norm,post_ffn_norm}``), GeGLU, a softcap on the logits (and one on
+the attention scores where configured: Gemma 2's) and the sliding-window layers' own RoPE table
+(``window_freqs_cis``). Each family's args provide the shapes and ``decoder_options``; its folder
+says which. Any layer may attend through a sliding window
 (``DecoderOptions.layer_windows``: Mistral v0.1's, Qwen2's upper layers, gpt-oss's every other
 layer), in whole rows and in packed documents alike. RoPE and its stretches (linear, Llama 3.1's,
 YaRN) are ``models.common.rope``.
@@ -114,6 +115,8 @@ class DecoderOptions:
     # the tuple: every earlier position.
     layer_windows: tuple[int | None, ...] = ()
     attention_sinks: bool = False  # a learned logit per head joins each softmax, without a value (gpt-oss)
+    # the attention scores become cap * tanh(scores / cap), after their scale, before mask and softmax (Gemma 2)
+    attn_softcap: float | None = None
     o_bias: bool = False  # a bias on the output projection ``wo`` (gpt-oss, with ``qkv_bias``)
     # The blocks' attention module, built as ``attention(args, init_std)`` and called as ``Attention``
     # is; None: ``Attention`` (DeepSeek-V3's multi-head latent attention is its family's own)
@@ -194,10 +197,11 @@ class Attention(nn.Module):
         q, k = apply_rotary_emb(q, freqs_cis), apply_rotary_emb(k, freqs_cis)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         scale = self.options.attention_multiplier
+        cap = self.options.attn_softcap
         if documents is None:
-            out = causal_attention(q, k, v, scale, self.window, self.sinks)
+            out = causal_attention(q, k, v, scale, self.window, self.sinks, cap)
         else:
-            out = packed_attention(q, k, v, documents, scale, self.window, self.sinks)
+            out = packed_attention(q, k, v, documents, scale, self.window, self.sinks, cap)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
@@ -330,7 +334,7 @@ class Transformer(nn.Module):
         """
         h = tokens if self.tok_embeddings is None else self.embed(tokens)
         freqs_cis, window_freqs_cis = self.rope_tables(tokens.shape[1], positions)
-        documents = None if document_ids is None else Documents.of(document_ids, self.sink_windows())
+        documents = self.documents(document_ids, h)
         owned = owned_positions(document_ids)
         for i, layer in self.layers.items():
             h = layer(h, freqs_cis if self.options.window(int(i)) is None else window_freqs_cis, documents, owned)
@@ -366,10 +370,18 @@ class Transformer(nn.Module):
                 rows.append(table if positions is None else table[positions])
         return rows[0], rows[-1]
 
-    def sink_windows(self) -> set[int | None]:
-        """The windows of this module's layers that have sinks, whose packed attention takes flex
-        attention's block masks on CUDA (``packed_attention``)."""
-        if not self.options.attention_sinks:
+    def documents(self, document_ids: torch.Tensor | None, h: torch.Tensor) -> Documents | None:
+        """The documents of a packed batch (``Documents.of``), None for whole rows -- but on CUDA with
+        capped attention scores, whole rows are one document each: flex attention computes the cap
+        there, under a block mask built once per forward (``packed_attention``)."""
+        if document_ids is None and self.options.attn_softcap is not None and h.device.type == "cuda":
+            document_ids = torch.zeros(h.shape[:2], dtype=torch.long, device=h.device)
+        return None if document_ids is None else Documents.of(document_ids, self.flex_windows())
+
+    def flex_windows(self) -> set[int | None]:
+        """The windows of this module's layers that have sinks or capped scores, whose packed
+        attention takes flex attention's block masks on CUDA (``packed_attention``)."""
+        if not self.options.attention_sinks and self.options.attn_softcap is None:
             return set()
         return {self.options.window(int(i)) for i in self.layers}
 

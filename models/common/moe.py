@@ -32,16 +32,20 @@ Three parts, each small (torchtitan's split):
   elsewhere, tested equal.
 * ``MoE`` -- routes, runs the experts, weighs and sums each token's ``top_k`` outputs, and adds
   the shared experts' output when ``n_shared_experts`` > 0 (DeepSeek-V3): one dense SwiGLU
-  (``models.common.feed_forward``) of width ``n_shared_experts * ffn_dim`` that every token runs,
-  ``moe.shared_experts.{w1,w2,w3}`` (torchtitan's names).
+  (``models.common.feed_forward``) of width ``n_shared_experts * ffn_dim`` (``shared_ffn_dim`` in
+  place of ``ffn_dim`` where a shared expert has a width of its own) that every token runs,
+  ``moe.shared_experts.{w1,w2,w3}`` (torchtitan's names). With ``shared_gate`` (Qwen3.5-MoE) each
+  token's shared output is scaled by ``sigmoid(x . g)``, a learned gate of one output,
+  ``moe.shared_experts.gate.weight`` ``[1, dim]`` (``GatedFeedForward``).
 
 Init (``MoEOptions.init``): ``normal`` is HF's (every weight normal at ``init_std``; the experts'
 biases zero, the router's bias normal). ``torchtitan`` is torchtitan 0.3's truncated normals:
 the router's gate at 0.02, or with ``router_depth_init`` at the layer's depth-scaled std
 (DeepSeek-V3, gpt-oss), its bias zero; the experts' ``w1`` at 0.02 and ``w2``/``w3`` at the
 depth-scaled std, or with ``expert_depth_init`` every expert tensor, biases included, at the
-depth-scaled std (gpt-oss); the shared experts as a dense feed-forward. Each tensor is drawn whole
-in order, so an expert's slice is a fixed range of its values.
+depth-scaled std (gpt-oss); the shared experts as a dense feed-forward, their gate at 0.02 (as
+``w1``; ``normal``: at ``init_std``). Each tensor is drawn whole in order, so an expert's slice is a
+fixed range of its values.
 
 Balancing (``MoEOptions.load_balance``):
 
@@ -99,6 +103,8 @@ class MoEOptions:
     group_top: int = 2  # a group is ranked by the sum of its group_top best scores
     router_bias: bool = False  # a bias on the router's gate
     n_shared_experts: int = 0  # a dense SwiGLU of width n_shared_experts * ffn_dim beside the experts
+    shared_ffn_dim: int | None = None  # a shared expert's width where not ffn_dim (Qwen3.5-MoE's own)
+    shared_gate: bool = False  # the shared experts' output times sigmoid(x . gate), per token
     expert_bias_terms: bool = False  # biases on every expert's three projections
     activation: Literal["silu", "gelu_tanh", "clamped_swiglu"] = "silu"
     swiglu_alpha: float = 1.702  # clamped_swiglu: the sigmoid's slope
@@ -135,6 +141,13 @@ class MoEOptions:
             )
         if self.n_shared_experts < 0:
             raise ValueError(f"n_shared_experts = {self.n_shared_experts}; it must be >= 0")
+        if self.shared_gate and not self.shared_dim:
+            raise ValueError("shared_gate gates the shared experts' output: set n_shared_experts >= 1")
+
+    @property
+    def shared_dim(self) -> int:
+        """The shared experts' width together (0: none), the one dense SwiGLU they are."""
+        return self.n_shared_experts * (self.ffn_dim if self.shared_ffn_dim is None else self.shared_ffn_dim)
 
     def expert_numel(self, dim: int) -> int:
         """The parameters of one routed expert."""
@@ -393,14 +406,33 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+class GatedFeedForward(FeedForward):
+    """Shared experts whose output each token scales by ``sigmoid(gate(x))``, one learned logit
+    (``MoEOptions.shared_gate``): the token decides how much of the shared path it takes."""
+
+    def __init__(self, dim: int, hidden_dim: int, options: MoEOptions, init_std: float):
+        super().__init__(dim, hidden_dim, options, init_std)
+        self.gate = nn.Linear(dim, 1, bias=False)
+
+    def init_weights(self, init) -> None:
+        super().init_weights(init)  # this module's own w1, w2, w3 (leaves), not a child's init
+        if self.options.init == "normal":
+            init.normal_(self.gate.weight, std=self.options.init_std)
+        else:
+            _trunc_normal(init, self.gate.weight, 0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.gate(x)) * super().forward(x)
+
+
 class MoE(nn.Module):
     def __init__(self, dim: int, options: MoEOptions, init_std: float):
         super().__init__()
         self.options = options
         self.router = Router(dim, options, init_std)
         self.experts = GroupedExperts(dim, options, init_std)
-        shared = options.n_shared_experts * options.ffn_dim
-        self.shared_experts = FeedForward(dim, shared, options, init_std) if shared else None
+        shared = GatedFeedForward if options.shared_gate else FeedForward
+        self.shared_experts = shared(dim, options.shared_dim, options, init_std) if options.shared_dim else None
         if options.load_balance == "bias":
             self.register_buffer("expert_bias", torch.empty(options.n_experts, dtype=torch.float32))
         else:

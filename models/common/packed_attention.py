@@ -11,9 +11,10 @@ given, so every kernel below runs under pipeline parallelism as it does without.
   variable-length kernel), the rows laid end to end as one sequence cut at ``cu_seqlens``, a window
   as ``window_size = (window - 1, 0)``, GQA's kv heads served by the kernel (no copies per q head); a
   value head narrower than q's (MLA's) padded with zeros, as the kernel takes one head size.
-* CUDA with sinks (gpt-oss): flex attention under a block mask of the documents (causal, windowed
-  where the layer is), built once per forward and window; flex is compiled (once per shape) and
-  returns each query's log-sum-exp, so the sink's share of the softmax is applied afterwards.
+* CUDA with sinks (gpt-oss) or capped scores (Gemma 2): flex attention under a block mask of the
+  documents (causal, windowed where the layer is), built once per forward and window; flex is
+  compiled (once per shape), caps the scores in its ``score_mod`` and returns each query's
+  log-sum-exp, so the sink's share of the softmax is applied afterwards.
 * Everywhere else (the CPU, float32, a head size flash does not take): documents batched into few
   SDPA calls of ``causal_attention``, those shorter than ``ALONE`` tokens by power-of-two length
   class, each padded to its class's longest, and each longer document alone (the one-call-per-document
@@ -49,27 +50,31 @@ ALONE = 128
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def causal_attention(q, k, v, scale: float | None, window: int | None = None, sinks=None) -> torch.Tensor:
+def causal_attention(
+    q, k, v, scale: float | None, window: int | None = None, sinks=None, softcap: float | None = None
+) -> torch.Tensor:
     """Causal attention over ``(bsz, heads, seq, head_dim)`` (k and v may have fewer heads: GQA).
 
     ``window``: each query sees itself and the ``window - 1`` positions before it (transformers'
     ``sliding_window``: key j is seen by query i when ``i - window < j <= i``). ``sinks``: one logit
     per q head that joins every query's softmax and takes its share of the probability mass without
-    contributing a value (gpt-oss).
+    contributing a value (gpt-oss). ``softcap``: the scaled scores become ``softcap * tanh(scores /
+    softcap)`` before the mask and the softmax (Gemma 2's ``attn_logit_softcapping``); a sink is a
+    logit of its own, not a score, and joins uncapped.
 
-    Always one SDPA call. Without a window it is SDPA's ``is_causal`` (sinks too: ``_with_sink_key``).
-    A window is a boolean mask: a banded ``(seq, seq)`` one, or, when the sequence is much longer
-    than the window, one over blocks of queries that each see only the keys their window reaches
-    (``_window_blocks``), so that work and memory grow with ``seq * window``, not ``seq^2``
-    (measured on a busy 2-core CPU, window 128, 4096 tokens, forward and backward: 14x and 22x
-    faster than full causal SDPA in two runs; ``benchmarks/attention_sinks.py``). A sink is one
-    more key whose value is zero.
+    One SDPA call, or without SDPA where the scores are capped (``_softcapped``). Without a window it
+    is SDPA's ``is_causal`` (sinks too: ``_with_sink_key``). A window is a boolean mask: a banded
+    ``(seq, seq)`` one, or, when the sequence is much longer than the window, one over blocks of
+    queries that each see only the keys their window reaches (``_window_blocks``), so that work and
+    memory grow with ``seq * window``, not ``seq^2`` (measured on a busy 2-core CPU, window 128, 4096
+    tokens, forward and backward: 14x and 22x faster than full causal SDPA in two runs;
+    ``benchmarks/attention_sinks.py``). A sink is one more key whose value is zero.
     """
     bsz, heads, seqlen, dim = q.shape
     v_dim = v.shape[-1]  # the output's head size (MLA's is narrower than q's)
     scale = dim**-0.5 if scale is None else scale
     windowed = window is not None and window < seqlen
-    if sinks is None and not windowed:
+    if sinks is None and not windowed and softcap is None:
         # GQA: each kv head serves n_heads / n_kv_heads q heads, without copying K and V per q head.
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     blocked = windowed and seqlen > 2 * (_block_size(window) + window)
@@ -78,16 +83,57 @@ def causal_attention(q, k, v, scale: float | None, window: int | None = None, si
         q, k, v, mask = _window_blocks(q, k, v, window)
     elif windowed:
         mask = torch.ones(seqlen, seqlen, dtype=torch.bool, device=q.device).tril().triu(1 - window)
-    if sinks is not None:
-        q, k, v, mask = _with_sink_key(q, k, v, mask, sinks, scale)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
-    if sinks is not None:  # drop the sink's channels, and the query placed before the sequence
-        out = out[..., :v_dim] if mask is not None else out[:, :, 1:, :v_dim]
+    if softcap is None:
+        out = _sdpa(q, k, v, mask, scale, sinks)
+    else:
+        out = _softcapped(q, k, v, mask, scale, sinks, softcap)
     if not blocked:
         return out
     # (bsz * blocks, heads, block, v_dim) -> (bsz, heads, seq, v_dim)
     out = out.view(bsz, -1, heads, out.shape[2], v_dim).transpose(1, 2)
     return out.reshape(bsz, heads, -1, v_dim)[:, :, :seqlen]
+
+
+def _sdpa(q, k, v, mask, scale: float, sinks) -> torch.Tensor:
+    """One SDPA call under ``mask`` (None: causal), a sink key added where there are sinks."""
+    v_dim = v.shape[-1]
+    if sinks is not None:
+        q, k, v, mask = _with_sink_key(q, k, v, mask, sinks, scale)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
+    if sinks is None:
+        return out
+    # drop the sink's channels, and the query placed before the sequence
+    return out[..., :v_dim] if mask is not None else out[:, :, 1:, :v_dim]
+
+
+def _softcapped(q, k, v, mask, scale: float, sinks, softcap: float) -> torch.Tensor:
+    """Attention with its scores capped, written out: SDPA takes no function of the scores.
+
+    The scores of each kv head's q heads are one matmul (q's heads of a group laid end to end; K and
+    V are not copied per q head), capped, masked (``mask``, broadcast over heads; None: causal), a
+    sink column joined uncapped, then softmax in float32 (at least) cast back, as transformers' eager
+    attention computes it. Every score of the call is kept for backward: ``seq^2`` per head over
+    whole rows, ``seq * (block + window)`` in a window's blocks (``_window_blocks``). Measured on a
+    busy 2-core CPU (1,024 tokens, GQA 4/2 of 64, float32, forward and backward, median of 7
+    interleaved): 0.32 s against SDPA's 0.10 s uncapped; with a window of 128, 0.055 s against 0.043.
+    Flex attention with a ``score_mod`` computes the same on a CPU 4-7x faster forward (compiled;
+    7 s to compile a shape), but has no backward there in torch 2.13, so training takes this path.
+    """
+    bsz, heads, seqlen, dim = q.shape
+    kv_heads, keys = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    scores = torch.matmul(q.reshape(bsz, kv_heads, group * seqlen, dim), k.transpose(-1, -2)) * scale
+    scores = (torch.tanh(scores / softcap) * softcap).view(bsz, kv_heads, group, seqlen, keys)
+    if mask is None:
+        mask = torch.ones(seqlen, keys, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask.unsqueeze(-3), float("-inf"))  # (.., seq, keys) -> (.., 1, seq, keys)
+    if sinks is not None:
+        sink = sinks.to(scores.dtype).view(kv_heads, group, 1, 1).expand(bsz, -1, -1, seqlen, 1)
+        scores = torch.cat([scores, sink], dim=-1)
+    accurate = torch.promote_types(scores.dtype, torch.float32)  # float32 for 16-bit scores
+    weights = scores.softmax(dim=-1, dtype=accurate).to(q.dtype)[..., :keys]
+    out = torch.matmul(weights.view(bsz, kv_heads, group * seqlen, keys), v)
+    return out.view(bsz, heads, seqlen, v.shape[-1])
 
 
 def _block_size(window: int) -> int:
@@ -154,12 +200,13 @@ class Documents:
     groups: tuple[torch.Tensor, ...]  # per SDPA call, (documents, width): each one's positions, padded
     take: torch.Tensor  # (bsz * seq,): each position's row in the SDPA calls' outputs laid end to end
     flash: bool  # varlen_attn's kernel runs on this device (CUDA, compute capability 8.0 or later)
-    block_masks: dict  # window -> flex attention's block mask of the documents (CUDA, layers with sinks)
+    block_masks: dict  # window -> flex attention's block mask of the documents (CUDA, layers taking flex)
 
     @classmethod
     def of(cls, document_ids: torch.Tensor, mask_windows=()) -> Documents:
         """The documents of ``document_ids`` (bsz, seq): each run of equal ids is one. Flex attention's
-        block masks are built (on CUDA) for each of ``mask_windows``: the layers with sinks' windows."""
+        block masks are built (on CUDA) for each of ``mask_windows``: the windows of the layers with
+        sinks or capped scores."""
         bsz, seq = document_ids.shape
         device = document_ids.device
         change = document_starts(document_ids)
@@ -230,16 +277,24 @@ def document_block_mask(change: torch.Tensor, window: int | None):
 
 
 def packed_attention(
-    q, k, v, documents: Documents, scale: float | None, window: int | None = None, sinks=None
+    q,
+    k,
+    v,
+    documents: Documents,
+    scale: float | None,
+    window: int | None = None,
+    sinks=None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``causal_attention`` inside each document of ``documents``, ``(bsz, heads, seq, head_dim)`` in
     and out (k and v may have fewer heads; v another head size), on the kernel the module docstring
     names for this device, dtype and layer."""
-    if sinks is not None and window in documents.block_masks:
-        return _flex_with_sinks(q, k, v, documents.block_masks[window], scale, sinks)
-    if sinks is None and documents.flash and _flash_takes(q, k, v):
+    flex = sinks is not None or softcap is not None  # what flash attention's kernel does not compute
+    if flex and window in documents.block_masks:
+        return _flex_attention(q, k, v, documents.block_masks[window], scale, sinks, softcap)
+    if not flex and documents.flash and _flash_takes(q, k, v):
         return _varlen(q, k, v, documents, scale, window)
-    return _batched(q, k, v, documents, scale, window, sinks)
+    return _batched(q, k, v, documents, scale, window, sinks, softcap)
 
 
 def _flash_takes(q, k, v) -> bool:
@@ -274,14 +329,30 @@ def _varlen(q, k, v, documents: Documents, scale: float | None, window: int | No
     return out[..., :v_dim].unflatten(0, (bsz, seq)).transpose(1, 2)
 
 
-def _flex_with_sinks(q, k, v, block_mask, scale: float | None, sinks) -> torch.Tensor:
-    """Flex attention under the documents' block mask, then each query's output scaled by the share
-    of its softmax mass the real keys keep beside the sink: ``exp(lse) / (exp(lse) + exp(sink))``."""
+def _flex_attention(q, k, v, block_mask, scale: float | None, sinks, softcap: float | None) -> torch.Tensor:
+    """Flex attention under the documents' block mask, the scores capped (``softcap``), then with
+    sinks each query's output scaled by the share of its softmax mass the real keys keep beside the
+    sink: ``exp(lse) / (exp(lse) + exp(sink))``."""
     from torch.nn.attention.flex_attention import AuxRequest
 
-    out, aux = _flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True, return_aux=AuxRequest(lse=True))
+    score_mod = None if softcap is None else _softcap_mod(softcap)
+    attend = functools.partial(_flex, q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=True)
+    if sinks is None:
+        return attend()
+    out, aux = attend(return_aux=AuxRequest(lse=True))
     kept = torch.sigmoid(aux.lse - sinks.float()[:, None])  # (bsz, heads, seq)
     return (out * kept.unsqueeze(-1)).to(out.dtype)
+
+
+@functools.cache
+def _softcap_mod(softcap: float):
+    """Flex attention's ``score_mod`` capping the scaled scores; one function per cap, so the
+    compiled flex is not traced again for a new closure of the same cap."""
+
+    def capped(score, batch, head, query, key):
+        return torch.tanh(score / softcap) * softcap
+
+    return capped
 
 
 def _flex(*args, **kwargs):
@@ -300,13 +371,13 @@ def _compiled_flex():
     return torch.compile(flex_attention)  # uncompiled, flex computes and keeps every score
 
 
-def _batched(q, k, v, documents: Documents, scale: float | None, window: int | None, sinks) -> torch.Tensor:
+def _batched(q, k, v, documents: Documents, scale: float | None, window: int | None, sinks, softcap) -> torch.Tensor:
     """``causal_attention`` once per call of ``documents.groups``, each of its documents a row of the
     call's batch; the outputs put back in place by one gather."""
     bsz, _, seq, _ = q.shape
     q, k, v = (x.transpose(1, 2).flatten(0, 1) for x in (q, k, v))  # (bsz * seq, heads, dim)
     outs = [
-        causal_attention(_rows(q, index), _rows(k, index), _rows(v, index), scale, window, sinks)
+        causal_attention(_rows(q, index), _rows(k, index), _rows(v, index), scale, window, sinks, softcap)
         .transpose(1, 2)
         .flatten(0, 1)
         for index in documents.groups

@@ -128,7 +128,7 @@ def tensor_parallel_sizes(args) -> dict[str, int]:
     width of the dense layers, if any, and the vocabulary (equal slices)."""
     dense = len(getattr(args, "moe_layers", ())) < args.n_layers  # mixtures of experts are not split
     moe = args.decoder_options.moe
-    shared = moe.n_shared_experts * moe.ffn_dim if moe is not None else 0  # split like a dense layer
+    shared = moe.shared_dim if moe is not None else 0  # split like a dense layer
     return {
         "model.n_heads": args.n_heads,
         "model.n_kv_heads": args.n_kv_heads,
@@ -211,6 +211,8 @@ def _moe_plan(between, moe) -> dict:
             "moe.shared_experts.w3": ColwiseParallel(),
             "moe.shared_experts.w2": RowwiseParallel(),
         }
+        if moe.options.shared_gate:  # one logit per token: whole on every rank, on the replicated tokens
+            shared["moe.shared_experts.gate"] = ReplicatedParameters()
     return {
         **shared,
         "moe": PrepareModuleInputOutput(

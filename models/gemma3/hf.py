@@ -13,9 +13,11 @@ A field the file leaves out takes ``Gemma3TextConfig``'s default (``HF_DEFAULTS`
 from ``sliding_window_pattern``, 6; the RoPE bases 10^6 and 10^4). RoPE is read in both forms
 transformers reads: per layer kind in ``rope_parameters`` (``full_attention``, ``sliding_attention``),
 or transformers 4's ``rope_theta``, ``rope_local_base_freq`` and ``rope_scaling`` (the global
-layers' stretch). Refused in one line: attention logit softcapping (Gemma 2's; Gemma 3's releases set
-none), bidirectional attention, attention dropout, another activation, a stretch of the
-sliding-window layers' RoPE, and a null where ``Gemma3TextConfig`` holds no null.
+layers' stretch). Refused in one line: bidirectional attention, attention dropout, another
+activation, a stretch of the sliding-window layers' RoPE, a null where ``Gemma3TextConfig`` holds no
+null, and ``attn_logit_softcapping`` (Gemma 2's; Gemma 3's releases set none): transformers'
+``Gemma3Attention`` keeps the field but never hands it to its attention, so its logits are those of
+no softcap, and reading the field either way would compute another model than someone expects.
 
 Names: the shared decoder's (``models.common.hf_names``) but for the norms. Gemma's
 ``post_attention_layernorm`` is the norm on the attention's output (ours ``post_attention_norm``),
@@ -49,7 +51,7 @@ HF_DEFAULTS = dict(
     tie_word_embeddings=True,
 )
 ROPE_THETA, LOCAL_ROPE_THETA = 1e6, 1e4  # Gemma3TextConfig's bases, global and sliding-window layers
-# Fields Gemma3TextConfig types without None, so transformers refuses a null one; the shared reader
+# Fields Gemma3TextConfig (and Gemma2Config) types without None, so transformers refuses a null one; the shared reader
 # would take it for the default or derive it (a null head_dim as hidden_size // num_attention_heads).
 NOT_NULL = (
     "num_key_value_heads",
@@ -95,19 +97,25 @@ def text_args(cfg: dict, tied: bool | None = None, softcap: bool = True) -> Gemm
 
 def refuse_uncomputed(cfg: dict) -> None:
     """Refuse, in one line each, a null ``Gemma3TextConfig`` refuses and what this version does not compute."""
+    refuse_gemma(cfg, "Gemma3TextConfig", "Gemma 3")
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise ValueError(
+            f"config.json has attn_logit_softcapping = {cfg['attn_logit_softcapping']!r}, which transformers' "
+            "Gemma 3 reads but never applies (Gemma 2 applies it): set it null to compute what transformers computes"
+        )
+
+
+def refuse_gemma(cfg: dict, config_class: str, what: str) -> None:
+    """What every Gemma reader refuses in one line: a null where transformers' ``config_class`` takes
+    none, and what no Gemma here computes (``what``: the family's name in the message)."""
     null = next((name for name in NOT_NULL if name in cfg and cfg[name] is None), None)
     if null is not None:
         raise ValueError(
-            f"config.json has {null} = null, which transformers' Gemma3TextConfig refuses: give its value, "
+            f"config.json has {null} = null, which transformers' {config_class} refuses: give its value, "
             "or leave the field out for the class's default"
         )
-    if cfg.get("attn_logit_softcapping") is not None:
-        raise ValueError(
-            f"config.json has attn_logit_softcapping = {cfg['attn_logit_softcapping']!r}; this version computes "
-            "no softcap on attention scores (Gemma 3's releases have none): set it null"
-        )
     hf_config.refuse(
-        cfg, "Gemma 3", hidden_activation="gelu_pytorch_tanh", attention_dropout=0.0, use_bidirectional_attention=False
+        cfg, what, hidden_activation="gelu_pytorch_tanh", attention_dropout=0.0, use_bidirectional_attention=False
     )
 
 

@@ -176,19 +176,15 @@ def args_from_config(cfg: dict) -> Qwen35Args:
     return text_args(hf_config.table(cfg, "text_config"), tied=tied)
 
 
-def text_args(cfg: dict, tied: bool | None = None) -> Qwen35Args:
-    null = next((name for name in NOT_NULL if name in cfg and cfg[name] is None), None)
-    if null is not None:
-        raise ValueError(
-            f"config.json has {null} = null, which transformers' Qwen3_5TextConfig refuses: give its value, "
-            "or leave the field out for the class's default"
-        )
+def text_args(cfg: dict, tied: bool | None = None, defaults: dict = HF_DEFAULTS, what="Qwen3_5TextConfig"):
+    """``defaults``, ``what``: the config class's defaults and name (Qwen3.5-MoE's reads through here)."""
+    refuse_nulls(cfg, NOT_NULL, what)
     hf_config.refuse(cfg, "Qwen3.5", hidden_act="silu", attention_dropout=0.0)
     rope = {**hf_config.rope_table(cfg)}
     for name in ("mrope_section", "mrope_interleaved"):  # text positions: the same in every section
         rope.pop(name, None)
     plain = {**cfg, "rope_parameters": rope} if "rope_parameters" in cfg else cfg
-    fields = hf_config.decoder_fields(plain, partial_rotary=True, **HF_DEFAULTS)
+    fields = hf_config.decoder_fields(plain, partial_rotary=True, **defaults)
     if tied is not None:
         fields["tie_word_embeddings"] = tied
     linear = {
@@ -201,6 +197,17 @@ def text_args(cfg: dict, tied: bool | None = None) -> Qwen35Args:
         full_attention_layers=full_attention_layers(cfg, fields["n_layers"]),
         **linear,
     )
+
+
+def refuse_nulls(cfg: dict, names: tuple[str, ...], what: str) -> None:
+    """One line for the first of ``names`` that ``cfg`` holds as null, which the config class ``what``
+    refuses (the shared reader would read it as the default, or derive it)."""
+    null = next((name for name in names if name in cfg and cfg[name] is None), None)
+    if null is not None:
+        raise ValueError(
+            f"config.json has {null} = null, which transformers' {what} refuses: give its value, "
+            "or leave the field out for the class's default"
+        )
 
 
 def full_attention_layers(cfg: dict, n_layers: int) -> list[int]:
