@@ -25,6 +25,8 @@ from seedckpt import load_model
 from seedckpt.utils.errors import SeedckptError
 from tests.test_awkward_configs import DEEPSEEK, DENSE, GPT_OSS, hf_model, tokens
 from tests.test_deepseek_v2 import TINY as DEEPSEEK_V2
+from tests.test_gemma4 import MOE as GEMMA4_MOE
+from tests.test_gemma4 import TINY as GEMMA4
 from tests.test_glm4_moe import TINY as GLM4_MOE
 from tests.test_qwen3_5 import TINY as QWEN3_5
 
@@ -117,6 +119,12 @@ FAMILIES["gemma2"] = ("Gemma2", FAMILIES["gemma3"][1] | GEMMA2)
 CONFIG_CLASSES = {"gemma3": "Gemma3TextConfig", "qwen3_5": "Qwen3_5TextConfig"}
 # The family that reads a model_type the sweep names by itself
 READER = {"deepseek_v2": "deepseek_v3"}
+# Gemma 4: test_gemma4's tiny decoder (per-layer inputs, values as keys) with its experts, in four layers, the last
+# two reusing the first two's keys, heads of 8 and 16: under this file's random weights ours and transformers'
+# float32 logits were 3e-5 apart in six layers of heads of 16 and 32, 1.1e-5 in four
+GEMMA4_LAYERS = dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2)
+FAMILIES["gemma4"] = ("Gemma4", GEMMA4 | GEMMA4_MOE | GEMMA4_LAYERS | dict(head_dim=8, global_head_dim=16))
+CONFIG_CLASSES["gemma4"] = "Gemma4TextConfig"
 # What transformers writes about itself or generation, not the model: left in every file.
 NOT_THE_MODEL = {"model_type", "transformers_version", "use_cache", "bos_token_id", "eos_token_id", "pad_token_id"}
 
