@@ -8,6 +8,7 @@ needed here."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -209,14 +210,18 @@ def test_a_rank_holding_some_rows_reads_only_the_stored_rows_they_come_from(tita
 
 
 def test_a_missing_part_and_attention_biases_are_refused_in_one_line(titan, tmp_path):
-    """A checkpoint lacking one of the q/k/v parts is refused naming it; a model with attention
-    biases (torchtitan's has none) is refused ``--to torchtitan``, nothing written."""
+    """A checkpoint lacking one of the q/k/v parts is refused naming it, and one whose parts a model of
+    other key heads cannot hold naming their rows; a model with attention biases (torchtitan's has
+    none) is refused ``--to torchtitan``, nothing written."""
     _, path, args = titan
     state = _stored(path)
     del state["layers.1.attn.in_proj_k.weight"]
     dcp.save(state, checkpoint_id=str(tmp_path / "cut"), no_dist=True)
     with pytest.raises(SeedckptError, match=r"layers\.1\.attn\.in_proj_k\.weight missing"):
         open_model_checkpoint(tmp_path / "cut", args, model="qwen3_5")
+    wider = dataclasses.replace(args, linear_key_head_dim=16)  # 32 q and k rows where 16 are stored
+    with pytest.raises(SeedckptError, match=r"have \[16, 16, 48\] rows, which this model's linear layers cannot hold"):
+        open_model_checkpoint(path, wider, model="qwen3_5")
     ours = convert(hf_model(tmp_path / "hf", attention_bias=True), tmp_path / "ours", "dcp", progress=False)
     assert open_model_checkpoint(ours).args.attention_bias
     with pytest.raises(SeedckptError, match="torchtitan's Qwen3.5 has no attention biases"):

@@ -84,15 +84,22 @@ class Qwen35TorchtitanNames(Qwen35Names):
     def _split(self, layer: str, ours: str) -> StoredSplit:
         """Our ``ours`` of layer ``layer`` as torchtitan's three tensors: HF's rows, cut into q, k, v."""
         heads, head_dim = self.args.linear_num_key_heads, self.args.linear_key_head_dim
+        key_rows = heads * head_dim
+        keys = tuple(f"layers.{layer}.attn.{part}" for part in _SPLIT[ours])
 
         def join(parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+            rows = [part.shape[0] for part in parts]
+            if rows[:2] != [key_rows, key_rows] or rows[2] % heads:
+                raise ValueError(
+                    f"{', '.join(keys)} have {rows} rows, which this model's linear layers cannot hold "
+                    f"({key_rows} q and k rows: linear_num_key_heads x linear_key_head_dim); "
+                    "describe the model the checkpoint holds (--config)"
+                )
             return qkv_from_hf(torch.cat(parts), heads, head_dim)
 
         def split(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            key_rows = heads * head_dim
             return qkv_to_hf(tensor, heads, head_dim).split([key_rows, key_rows, tensor.shape[0] - 2 * key_rows])
 
-        keys = tuple(f"layers.{layer}.attn.{part}" for part in _SPLIT[ours])
         return StoredSplit(f"layers.{layer}.attention.{ours}", keys, join, split)
 
     def left_out(self, skipped: list[str]) -> tuple[list[str], str | None]:
