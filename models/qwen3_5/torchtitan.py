@@ -77,6 +77,8 @@ class Qwen35TorchtitanNames(Qwen35Names):
         if m is None or m.group(2) != "attn":
             return name
         layer, part = m.group(1), m.group(3)
+        if part.endswith(".bias"):
+            return None  # no torchtitan Qwen3.5 has one: ``left_out`` refuses it
         if part in _SPLIT_OF:
             return self._split(layer, _SPLIT_OF[part])
         return f"layers.{layer}.attention.{part}"
