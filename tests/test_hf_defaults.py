@@ -29,6 +29,7 @@ from tests.test_gemma4 import MOE as GEMMA4_MOE
 from tests.test_gemma4 import TINY as GEMMA4
 from tests.test_glm4_moe import TINY as GLM4_MOE
 from tests.test_qwen3_5 import TINY as QWEN3_5
+from tests.test_qwen3_5_moe import TINY as QWEN3_5_MOE
 
 transformers = pytest.importorskip("transformers")
 
@@ -104,6 +105,18 @@ FAMILIES = {
             rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5},
         ),
     ),
+    # the same two layers, each with 8 experts (3 a token: the class's 8 route to all) and a shared
+    # expert; an aux-loss weight of its own, which changes no logit
+    "qwen3_5_moe": (
+        "Qwen3_5Moe",
+        QWEN3_5_MOE
+        | dict(
+            num_hidden_layers=2,
+            layer_types=["linear_attention", "full_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5},
+            router_aux_loss_coef=0.01,
+        ),
+    ),
 }
 # Kimi K2: DeepSeek-V3's file under model_type kimi_k2 (EDITS), K2's routing and YaRN betas; transformers reads it
 # as deepseek_v3 (READ_AS: it has no kimi_k2 class, and under that model_type leaves the experts unloaded)
@@ -116,7 +129,7 @@ READ_AS = {"kimi_k2": "deepseek_v3"}
 GEMMA2 = dict(attn_logit_softcapping=2.0, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
 FAMILIES["gemma2"] = ("Gemma2", FAMILIES["gemma3"][1] | GEMMA2)
 # The config class where it is not ``<prefix>Config`` (``Gemma3Config``, ``Qwen3_5Config``: the multimodal models')
-CONFIG_CLASSES = {"gemma3": "Gemma3TextConfig", "qwen3_5": "Qwen3_5TextConfig"}
+CONFIG_CLASSES = {"gemma3": "Gemma3TextConfig", "qwen3_5": "Qwen3_5TextConfig", "qwen3_5_moe": "Qwen3_5MoeTextConfig"}
 # The family that reads a model_type the sweep names by itself
 READER = {"deepseek_v2": "deepseek_v3"}
 # Gemma 4: test_gemma4's tiny decoder (per-layer inputs, values as keys) with its experts, in four layers, the last
