@@ -71,9 +71,9 @@ EXAMPLES = {
         examples:
           seedckpt tokenize corpus/ --tokenizer ./tokenizer --output tokens/
           seedckpt tokenize a.jsonl b.jsonl.gz c.parquet --tokenizer ./tokenizer --output tokens/ --workers 8
-          torchrun --nproc-per-node 4 train.py --config C --data.kind tokens --data.path tokens/
+          seedckpt launch --nproc-per-node 4 train.py --config C --data.kind tokens --data.path tokens/
           seedckpt tokenize chats.jsonl --chat --tokenizer ./tokenizer --output chat_tokens/   # SFT, label mask
-          torchrun --nproc-per-node 4 train.py --config C --finetune.mode sft ... --data.kind tokens \\
+          seedckpt launch --nproc-per-node 4 train.py --config C --finetune.mode sft ... --data.kind tokens \\
               --data.path chat_tokens/""",
 }
 

@@ -690,8 +690,8 @@ def main(argv: list[str] | None = None) -> int:
         description="Pipeline x FSDP2 pretraining from a seed checkpoint. Any config key can be "
         "overridden with --section.key value.",
         epilog="examples:\n"
-        "  torchrun --nproc-per-node 4 train.py --config configs/debug.toml\n"
-        "  torchrun --nproc-per-node 4 train.py --config configs/debug.toml --training.steps 50 \\\n"
+        "  seedckpt launch --nproc-per-node 4 train.py --config configs/debug.toml\n"
+        "  seedckpt launch --nproc-per-node 4 train.py --config configs/debug.toml --training.steps 50 \\\n"
         "      --parallelism.pipeline_parallel_schedule Interleaved1F1B "
         "--parallelism.pipeline_parallel_stages_per_rank 2\n\n" + config_reference(),
     )
