@@ -55,6 +55,10 @@ RELEASED = {
     ("gemma2", "2B"): 2_614_341_888,
     ("gemma2", "9B"): 9_241_705_984,
     ("gemma2", "27B"): 27_227_128_320,
+    ("gemma4", "E2B"): 4_628_569_344,  # the text decoders of the multimodal releases (E2B, E4B: per-layer inputs)
+    ("gemma4", "E4B"): 7_463_013_376,
+    ("gemma4", "26B-A4B"): 25_233_141_760,
+    ("gemma4", "31B"): 30_697_345_280,
     ("glm4_moe", "355B-A32B"): 352_797_814_784,  # GLM-4.5, without its multi-token-prediction layer
     ("glm4_moe", "106B-A12B"): 106_852_245_504,  # GLM-4.5-Air, the same
     ("qwen3_5", "0.8B"): 752_393_024,  # the text decoders of the multimodal releases
@@ -79,6 +83,7 @@ CLASSES = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
+    "gemma4": "Gemma4ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "qwen3_5": "Qwen3_5ForCausalLM",
     "qwen3_5_moe": "Qwen3_5MoeForCausalLM",

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from models.gemma4 import FLAVORS
+from models.gemma4 import FLAVORS, GEMMA4
 from models.gemma4.model import Gemma4Transformer
 from seedckpt import load_model
 from seedckpt.cli.convert import convert
@@ -55,6 +55,47 @@ TINY = dict(
 # 26B-A4B's block: eight experts beside each MLP, two a token
 MOE = dict(enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=16)
 TOKENS = torch.randint(0, 96, (2, 20), generator=torch.Generator().manual_seed(0))
+# The released decoders' text_config, as Gemma4TextConfig takes them (the rest: the class's defaults)
+SMALL = dict(max_position_embeddings=131072, sliding_window=512, hidden_size_per_layer_input=256)
+LARGE = dict(max_position_embeddings=262144, sliding_window=1024, hidden_size_per_layer_input=0, attention_k_eq_v=True)
+RELEASED = {
+    "E2B": SMALL
+    | dict(
+        hidden_size=1536,
+        num_hidden_layers=35,
+        intermediate_size=6144,
+        num_key_value_heads=1,
+        layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 7,
+        num_kv_shared_layers=20,
+        use_double_wide_mlp=True,
+    ),
+    "E4B": SMALL
+    | dict(
+        hidden_size=2560, num_hidden_layers=42, intermediate_size=10240, num_key_value_heads=2, num_kv_shared_layers=18
+    ),
+    "26B-A4B": LARGE
+    | dict(
+        hidden_size=2816,
+        num_hidden_layers=30,
+        intermediate_size=2112,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        num_global_key_value_heads=2,
+        enable_moe_block=True,
+        num_experts=128,
+        top_k_experts=8,
+        moe_intermediate_size=704,
+    ),
+    "31B": LARGE
+    | dict(
+        hidden_size=5376,
+        num_hidden_layers=60,
+        intermediate_size=21504,
+        num_attention_heads=32,
+        num_key_value_heads=16,
+        num_global_key_value_heads=4,
+    ),
+}
 
 
 def randomized(model):
@@ -135,6 +176,15 @@ def test_the_multimodal_directory_reads_its_decoder_and_skips_the_towers(tmp_pat
         back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
         assert type(back).__name__ == "Gemma4ForCausalLM"
         assert (back(TOKENS).logits - want).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("flavor", sorted(RELEASED))
+def test_the_released_text_configs_read_as_the_flavors(flavor):
+    """Each released text_config reads as its flavor, every field (``tests/test_families.py`` checks
+    the parameter counts: E2B 4.63 B and E4B 7.46 B without their towers, 26B-A4B 25.2 B, 31B 30.7 B)."""
+    config = transformers.Gemma4TextConfig(**RELEASED[flavor], final_logit_softcapping=30.0)
+    args = GEMMA4.hf.args_from_config(config.to_dict())
+    assert args == FLAVORS[flavor] and GEMMA4.flavor_of(args) == flavor
 
 
 def test_packed_rows_compute_each_document_alone(tmp_path):

@@ -67,9 +67,32 @@ import torch
 from models.common import OSFT_TARGETS, decoder_family, decoder_layer_flops, parameters
 from models.family import LayerCosts
 from models.gemma4 import hf
-from models.gemma4.args import SHAPE_FIELDS, Gemma4Args
+from models.gemma4.args import SHAPE_FIELDS, Gemma4Args, sliding_layers
 from models.gemma4.model import Gemma4Transformer
 from models.gemma4.tensor_parallel import GEMMA4_TENSOR_PARALLEL
+
+
+def _released(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_dim: int, **fields) -> Gemma4Args:
+    """A released text decoder: 262,144 tokens, heads of 256 (windowed) and 512 (global), a final
+    softcap of 30, tied; E2B and E4B with per-layer inputs of 256 and windows of 512 over 128k
+    positions, 26B-A4B and 31B with values as keys and windows of 1024 over 256k."""
+    per_layer_dim = fields.pop("per_layer_dim", 0)
+    small = per_layer_dim > 0
+    return Gemma4Args(
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        ffn_dim=ffn_dim,
+        max_seq_len=131072 if small else 262144,
+        sliding_window=512 if small else 1024,
+        window_layers=fields.pop("window_layers", sliding_layers(n_layers)),
+        attention_k_eq_v=not small,
+        per_layer_dim=per_layer_dim,
+        final_logit_softcap=30.0,
+        **fields,
+    )
+
 
 FLAVORS = {
     "debug": Gemma4Args(
@@ -91,6 +114,20 @@ FLAVORS = {
         kv_shared_layers=2,
         final_logit_softcap=30.0,
     ),
+    "E2B": _released(
+        1536,
+        35,
+        8,
+        1,
+        6144,
+        window_layers=sliding_layers(35, 5),
+        per_layer_dim=256,
+        kv_shared_layers=20,
+        double_wide_mlp=True,
+    ),
+    "E4B": _released(2560, 42, 8, 2, 10240, per_layer_dim=256, kv_shared_layers=18),
+    "26B-A4B": _released(2816, 30, 16, 8, 2112, global_kv_heads=2, n_experts=128, top_k=8, moe_ffn_dim=704),
+    "31B": _released(5376, 60, 32, 16, 21504, global_kv_heads=4),
 }
 
 

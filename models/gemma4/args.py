@@ -78,6 +78,11 @@ class Gemma4Args(DecoderArgs):
             self.final_logit_softcap = check_float("final_logit_softcap", self.final_logit_softcap)
         for name in ("attention_k_eq_v", "double_wide_mlp"):
             check_bool(name, getattr(self, name))
+        if self.per_layer_dim and self.per_layer_vocab_size < self.vocab_size:
+            raise ValueError(
+                f"per_layer_vocab_size = {self.per_layer_vocab_size} is below vocab_size = {self.vocab_size}: tokens "
+                "past it would have no per-layer input; give them equal"
+            )
         self._check_kv_sharing()
         if self.n_experts:
             self.moe_options  # noqa: B018 -- MoEOptions refuses what it cannot run, naming the field
