@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install demo test lint format bench bench-gpu bench-gpu-prepare clean
+.PHONY: install demo test lint format bench bench-gpu bench-check bench-gpu-prepare clean
 
 install: $(STAMP)
 
@@ -69,19 +69,32 @@ bench: install
 clean:
 	rm -rf $(VENV) outputs .pytest_cache
 
-# Every GPU figure (benchmarks/suite.py; GPU_SUITE_ARGS="--group training" or "--group io" for one
-# command of under 9 minutes each; on a machine without CUDA it says what it
-# would measure and exits 0). On a lent GPU machine without network or venv it runs with the
-# image's python3 and installs the wheels bench-gpu-prepare fetched into GPU_WHEELS.
+# Every GPU figure in one command of under 10 minutes (benchmarks/suite.py: the rows by issue 47's
+# priority, each within what is left of 570 s; what does not fit is recorded as skipped), into
+# benchmarks/results/gpu-<date>T<time>.json, rewritten after every row. GPU_SUITE_ARGS="--parts a,b"
+# for some rows. On a machine without CUDA it says what it would measure and exits 0. On a lent GPU
+# machine without network or venv it runs with the image's python3 and installs the wheels
+# bench-gpu-prepare fetched into GPU_WHEELS.
 GPU_WHEELS ?= .gpu-wheels
 GPU_PYTHON ?= $(shell test -x $(BIN)/python && echo $(BIN)/python || echo python3)
 GPU_PYTHON_VERSION ?= 3.12
 bench-gpu:
 	$(GPU_PYTHON) benchmarks/suite.py --wheels $(GPU_WHEELS) $(GPU_SUITE_ARGS)
 
-# On a machine with network: the wheels the GPU image lacks (crc32c; pytest and its dependencies),
-# for its Python (GPU_PYTHON_VERSION), into GPU_WHEELS (git-ignored) to travel with the tree.
+# Each GPU row's command on this CPU with tiny shapes, a step or two (a few minutes on 2 cores): a typo
+# fails here rather than on the lent machine.
+bench-check: install
+	$(BIN)/python benchmarks/suite.py --dry-run $(GPU_SUITE_ARGS)
+
+# On a machine with network: the wheels the GPU image lacks, for its Python (GPU_PYTHON_VERSION), into
+# GPU_WHEELS (git-ignored; emptied first: one version of each) to travel with the tree -- crc32c;
+# pytest and its dependencies; torchtitan 0.3.0 (the peer rows) and those of its dependencies the
+# image has not: tyro (docstring-parser, typeguard), spmd_types, torchdata, torch_checkpointing,
+# datasets (dill, multiprocess).
 bench-gpu-prepare:
+	rm -rf $(GPU_WHEELS)
 	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version $(GPU_PYTHON_VERSION) \
 		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-		-d $(GPU_WHEELS) crc32c pytest pluggy iniconfig pygments packaging
+		-d $(GPU_WHEELS) crc32c pytest pluggy iniconfig pygments packaging \
+		torchtitan==0.3.0 tyro docstring-parser typeguard spmd_types==0.2.3 torchdata torch_checkpointing \
+		"datasets>=3.6,<4.8" "dill>=0.3,<0.4.1" "multiprocess<0.70.19"

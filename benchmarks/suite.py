@@ -1,25 +1,36 @@
-"""Every figure the docs cite, measured by one command: on a lent GPU within the minutes it allows,
-and on the CPU machine the project is developed and tested on.
+"""Every figure the docs cite, measured by one command: on a lent GPU within the 10 minutes one
+command may run, and on the CPU machine the project is developed and tested on.
 
     make bench-gpu                                    # or: python benchmarks/suite.py
     python benchmarks/suite.py --parts throughput_eager,load --json /tmp/gpu.json
+    make bench-check                                  # or: python benchmarks/suite.py --dry-run
     make bench                                        # or: python benchmarks/suite.py --device cpu
 
 Each part is one benchmark script (or ``pytest -m cuda``) in its own process with its own time cap,
 so one slow or failing part cannot take the others down: a part that fails or runs out of time is
 recorded with its last line of output, and the suite goes on. The parts' JSON lines -- each script
-measures its own baseline in the same run (stock DCP, the bare training loop, the disk's bandwidth)
--- go into one file, ``benchmarks/results/<gpu|cpu>-<date>.json``, with the device, the torch and
-CUDA versions, the core count and the date; a table of every figure beside its target follows.
+measures its own baseline in the same run (stock DCP, the bare training loop, the disk's bandwidth,
+torchtitan's own trainer) -- go into one file, ``benchmarks/results/gpu-<date>T<time>.json`` or
+``cpu-<date>.json``, with the device, the torch and CUDA versions, the core count and the date,
+rewritten after every part (a call stopped at its limit keeps what it measured), then ``finished``.
+Each part's line says its status and headline figures as it ends; a table of every figure beside
+its target follows, and the ratios across parts (``RATIOS``: train.py against torchtitan's trainer,
+SFT against pretraining).
 
-On a machine without CUDA every GPU part prints ``skipped: no CUDA device`` and the command exits 0.
+The GPU parts run in priority order within ``--budget-s`` (570 s; see BUDGET_S for the arithmetic):
+a part starts only where its estimate fits in what is left, capped at the rest, and one that does not
+fit is recorded as skipped, with why. On a machine without CUDA every GPU part prints ``skipped: no
+CUDA device`` and the command exits 0. ``--dry-run`` runs each GPU part's own command on the CPU with
+the part's ``tiny`` options appended (a small model, a step or two): a renamed option, a typo or a
+missing module fails there, before a lent machine's minutes are spent; exit 1 if one failed.
 
-A lent GPU machine has no network and no project venv, only its image's torch: the suite runs with
-the Python that starts it (``make bench-gpu`` picks the image's ``python3`` when there is no venv).
-The one wheel the project needs beyond the image (``crc32c``) -- and pytest, for the ``cuda`` tests --
-are fetched beforehand on a machine with network by ``make bench-gpu-prepare`` into ``.gpu-wheels/``
-(git-ignored), which travels with a copy of the working tree; ``--wheels`` installs them from there
-into a temporary directory on the children's ``PYTHONPATH`` when they are not importable already.
+A lent GPU machine has no network and no project venv, only its image's torch (2.11 when last seen),
+transformers and safetensors: the suite runs with the Python that starts it (``make bench-gpu`` picks
+the image's ``python3`` when there is no venv). The wheels the project needs beyond the image
+(``crc32c``; pytest, for the ``cuda`` tests; torchtitan 0.3.0 and the dependencies the image lacks,
+for the peer rows) are fetched beforehand on a machine with network by ``make bench-gpu-prepare``
+into ``.gpu-wheels/`` (git-ignored), which travels with a copy of the working tree; ``--wheels``
+installs them from there into a temporary directory first on the children's ``PYTHONPATH``.
 """
 
 from __future__ import annotations
@@ -48,105 +59,206 @@ LABEL_FIELDS = ("phase", "variant", "method", "mode", "measure", "name", "kind",
 @dataclass(frozen=True)
 class Part:
     name: str
-    group: str  # GROUPS: the parts run together (on a lent GPU, in one command)
+    device: str  # cuda: a row of `make bench-gpu`; cpu: of `make bench`
     argv: list[str]  # after the Python interpreter
     cap_s: int  # the part's wall-clock limit
     target: str  # what the figures should show, as the docs claim it
     needs: tuple[str, ...] = ()  # modules the part imports beyond torch
+    estimate_s: int = 0  # GPU rows: its expected seconds on one H100 / H200 (the budget's arithmetic)
+    tiny: tuple[str, ...] = ()  # GPU rows: options appended for --dry-run (the CPU, tiny shapes, a step or two)
 
 
-# A lent machine allows 10 minutes per command, and every GPU part together took about 11 on one H100
-# (docs/benchmarks.md): so the GPU parts are split into groups (training, io, moe, moe_train), each
-# under 9 minutes of caps (tests/test_suite.py checks), one command each. The caps are the H100
-# runs' times plus a margin. throughput.py measures its baseline, the bare eager loop, first in each
-# of its two parts. The CPU group has no such limit: its
-# caps are a 2-core machine's times with room for a disk several times slower.
-GROUPS = {"training": "cuda", "io": "cuda", "moe": "cuda", "moe_train": "cuda", "cpu": "cpu"}  # each group's device
+# The GPU rows run in one command, in this order: issue 47's priorities first (the loss and train.py
+# against the bare loops eager and compiled, packed SFT against pretraining, torchtitan's own trainer,
+# compiled MoE against torchtitan's MoE layer, the save's stall against stock async_save and pinned
+# staging, the seed against dd), then the rest. A lent machine allows 10 minutes a command: the suite
+# keeps to BUDGET_S from its start (the rest covers make, the wheels' install and the last write).
+# A row starts only where its estimate fits in what is left, and is stopped at its cap or at the
+# budget's end, whichever comes first; one that does not fit is recorded as skipped, with why.
+#
+# Estimates: the H200 / H100 runs of 2026-11-25/26 (benchmarks/results/gpu-2026-11-2*.json) plus a
+# margin -- throughput.py's 1B rows ~20 s a variant eager and ~30 s compiled (a process, the FSDP2
+# set-up, 12 steps of 0.14-0.2 s, the compile) after ~15 s of probe and seed; torchtitan's two runs
+# ~35 s eager and ~60 s compiled (torchrun, its 1B init, flex attention's compile, 12 steps); the MoE
+# layer's three compilations ~20 s each. Priority rows, in seconds:
+#   loss 20 + throughput_eager 85 + throughput_compiled 90 + torchtitan_peer 100 + moe_block 75
+#   + save 60 + seed 20 = 450 of the 570: about 2 minutes are left for the rows after them, in order
+#   (packed_attention 70, attention 15, load 65, osft 20, mla_attention 30, throughput_more 110,
+#   cuda_tests 90, moe_train 330); whatever does not fit waits for `--parts` in a later call.
+BUDGET_S = 570
+# Figures across the rows of one call, tokens/s over tokens/s: (variant, its same-call baseline)
+RATIOS = {
+    "train_eager_vs_bare_eager": ("train_eager", "bare_eager"),
+    "train_compiled_vs_bare_compiled": ("train_compiled", "bare_compiled"),
+    "sft_vs_train_eager": ("sft", "train_eager"),
+    "train_eager_vs_torchtitan_eager": ("train_eager", "torchtitan_eager"),
+    "train_compiled_vs_torchtitan_compiled": ("train_compiled", "torchtitan_compiled"),
+}
 THROUGHPUT = ["benchmarks/throughput.py", "--dtype", "bfloat16", "--steps", "12", "--warmup", "4", "--variants"]
+# --dry-run: train.py's rows on the debug model, 2 x 32 tokens, float32, 2 steps
+TINY_TRAINING = ("--config", "configs/debug.toml", "--flavor", "debug", "--batch", "2", "--seq-len", "32")
+TINY_TRAINING += ("--dtype", "float32", "--steps", "2", "--warmup", "1")
 PARTS = [
     Part(
-        "cuda_tests",
-        "training",
-        ["-m", "pytest", "-q", "-m", "cuda", "--durations=20", "tests"],
-        120,
-        "every cuda-marked test passes",
-        ("pytest",),
+        "loss",
+        "cuda",
+        ["benchmarks/loss.py", "--device", "cuda", "--tokens", "16384", "--dim", "2048", "--dtype", "bfloat16"],
+        45,
+        "the default loss at most 1.15x the whole logits' time at a fraction of its peak memory (1B head, 16k "
+        "tokens), the same loss",
+        estimate_s=20,
+        tiny=("--device", "cpu", "--tokens", "256", "--dim", "64", "--dtype", "float32", "--repeats", "1"),
     ),
     Part(
         "throughput_eager",
-        "training",
-        [*THROUGHPUT, "bare_eager,hf,train_eager,train_eager_selective,sft,osft"],
-        230,  # the first five took 145 s on the H100 (gpu-2026-11-25.json), OSFT's SVDs and steps ~60 s
-        "train.py eager within 10 % of the bare eager loop's tokens/s (1B, 4 x 2048, bf16); HF beside it; MFU; "
-        "sft (rows packed with ~50-token chats: varlen_attn) at least 0.8x train_eager's tokens/s",
-        ("transformers",),
+        "cuda",
+        [*THROUGHPUT, "bare_eager,train_eager,sft"],
+        150,
+        "train.py eager at least 0.95x the bare eager loop's tokens/s (1B, 4 x 2048, bf16); "
+        "sft (rows packed with ~50-token chats) at least 0.8x train_eager's tokens/s",
+        estimate_s=85,
+        tiny=TINY_TRAINING,
     ),
     Part(
         "throughput_compiled",
-        "training",
-        [*THROUGHPUT, "bare_compiled,train_compiled,train_compiled_selective"],
-        190,
-        "train.py compiled within 10 % of the bare compiled loop's tokens/s; MFU",
+        "cuda",
+        [*THROUGHPUT, "bare_compiled,train_compiled"],
+        150,
+        "train.py compiled at least 0.95x the bare compiled loop's tokens/s (bare_eager again: its baseline)",
+        estimate_s=90,
+        tiny=TINY_TRAINING,
+    ),
+    Part(
+        "torchtitan_peer",
+        "cuda",
+        ["benchmarks/torchtitan_peer.py", "--steps", "12", "--warmup", "4"],
+        170,
+        "train.py at least 1.0x torchtitan 0.3.0's own trainer's tokens/s, eager and compiled (1B, 4 x 2048, bf16)",
+        estimate_s=100,
+        tiny=("--flavor", "debugmodel", "--batch", "2", "--seq-len", "64", "--dtype", "float32", "--steps", "2"),
+    ),
+    Part(
+        "moe_block",
+        "cuda",
+        [
+            *["benchmarks/moe.py", "--device", "cuda", "--dtype", "bfloat16", "--tokens", "16384", "--dim", "2048"],
+            *["--experts", "128", "--top-k", "8", "--ffn", "768"],
+        ],
+        150,  # eager in 9 s on the H200; now three compilations (ours, the dense FFN, torchtitan's)
+        "Qwen3-30B-A3B's MoE layer compiled at least torchtitan 0.3.0's own layer's speed (where torchtitan "
+        "imports); grouped GEMM faster than the per-expert loop, near a dense FFN of its active size",
+        estimate_s=75,
+        tiny=(
+            *("--device", "cpu", "--dtype", "float32", "--tokens", "256", "--dim", "64", "--experts", "4"),
+            *("--top-k", "2", "--ffn", "32", "--repeats", "1"),
+        ),
     ),
     Part(
         "save",
-        "io",
+        "cuda",
         ["benchmarks/save.py", "--mib", "4096", "--saves", "2", "--device", "cuda"],
-        80,
-        "the async stall a small fraction of the sync save, and no larger than stock dcp.async_save's "
+        90,
+        "the async save's stall no longer than stock dcp.async_save's or torchtitan's async_with_pinned_mem "
         "(4 GiB of train state on the GPU)",
+        estimate_s=60,
+        tiny=("--mib", "64", "--saves", "1", "--device", "cpu"),
+    ),
+    Part(
+        "seed",
+        "cuda",
+        ["benchmarks/seed.py", "--skip-baseline"],
+        45,
+        "the 1B seed at least 0.8 of dd's write bandwidth on the machine's 16 cores, dd in the same run",
+        estimate_s=20,
+        tiny=("--flavor", "debug"),
+    ),
+    Part(
+        "packed_attention",
+        "cuda",
+        [
+            *["benchmarks/packed_attention.py", "--device", "cuda", "--dtype", "bfloat16", "--heads", "32"],
+            *["--kv-heads", "8", "--variants", "dense_mask,batched,varlen,flex_sinks"],
+        ],
+        120,  # not yet run on a GPU in this form: 12 processes of ~6 s and flex attention's compile
+        "varlen_attn (and flex attention with sinks) faster than one SDPA call per document on ~50-token "
+        "chats and no slower on long documents (4 x 2048 tokens), the same outputs",
+        estimate_s=70,
+        tiny=(
+            *("--device", "cpu", "--dtype", "float32", "--heads", "4", "--kv-heads", "2", "--seq-lens", "128"),
+            *("--doc-len", "32", "--variants", "dense_mask,batched", "--repeats", "1"),
+        ),
+    ),
+    Part(
+        "attention",
+        "cuda",
+        ["benchmarks/attention.py", "--device", "cuda", "--batch", "4", "--dtype", "bfloat16"],
+        40,
+        "SDPA's enable_gqa faster and smaller than the K/V copies",
+        estimate_s=15,
+        tiny=("--device", "cpu", "--flavor", "debug", "--batch", "1", "--dtype", "float32", "--seq-len", "64"),
     ),
     Part(
         "load",
-        "io",
+        "cuda",
         [
             *["benchmarks/load.py", "--device", "cuda", "--ranks", "1", "--skip-cold"],
             *["--methods", "seedckpt,stock_dcp", "--repeats", "1"],  # a 3x gap: one run each fits the cap
         ],
-        125,  # 76 s measured on the H100 before load.py's warm-up job (~15 s more)
+        110,  # 63 s on the H200, 76 s on the H100
         "seedckpt at least stock dcp.load's GB/s onto the GPU (1B)",
+        estimate_s=65,
+        tiny=("--device", "cpu", "--flavor", "debug"),
     ),
-    Part("seed", "io", ["benchmarks/seed.py", "--skip-baseline"], 45, "the 1B seed near the disk's write bandwidth"),
     Part(
         "osft",
-        "io",
+        "cuda",
         ["benchmarks/osft.py", "--flavor", "1B", "--n-layers", "2", "--measure", "device"],
         60,
         "OSFT's SVD of each 1B target shape on the GPU against the CPU's 16 cores, the same factors",
+        estimate_s=20,
+        tiny=("--flavor", "debug", "--measure", "svd", "--ranks", ""),
     ),
     Part(
-        "loss",
-        "io",
-        ["benchmarks/loss.py", "--device", "cuda", "--tokens", "16384", "--dim", "2048", "--dtype", "bfloat16"],
-        40,
-        "the chunked loss's peak memory a fraction of the whole logits' (1B head, 16k tokens), the same loss",
-    ),
-    Part(
-        "packed_attention",
-        "io",
+        "mla_attention",
+        "cuda",
         [
-            "benchmarks/packed_attention.py",
-            "--device",
-            "cuda",
-            "--dtype",
-            "bfloat16",
-            "--heads",
-            "32",
-            "--kv-heads",
-            "8",
-            "--variants",
-            "dense_mask,batched,varlen,flex_sinks",
+            *["benchmarks/mla.py", "--device", "cuda", "--dtype", "bfloat16", "--heads", "128"],
+            *["--seq-len", "4096", "--repeats", "5"],
         ],
-        120,  # not yet run on a GPU: 12 processes of ~6 s and flex attention's compile
-        "varlen_attn (and flex attention with sinks) faster than one SDPA call per document on ~50-token "
-        "chats and no slower on long documents (4 x 2048 tokens), the same outputs",
+        90,
+        "DeepSeek-V3-671B's MLA layer (128 heads, 4k tokens) against plain multi-head attention of its widths",
+        estimate_s=30,
+        tiny=("--device", "cpu", "--dtype", "float32", "--heads", "2", "--seq-len", "64", "--repeats", "1"),
     ),
     Part(
-        "attention",
-        "io",
-        ["benchmarks/attention.py", "--device", "cuda", "--batch", "4", "--dtype", "bfloat16"],
-        40,
-        "SDPA's enable_gqa faster and smaller than the K/V copies",
+        "throughput_more",
+        "cuda",
+        [*THROUGHPUT, "hf,train_eager_selective,osft,train_compiled_selective"],
+        180,
+        "HF transformers' Llama beside the bare loop; selective activation checkpointing's cost, eager and "
+        "compiled; OSFT's step beside SFT's",
+        ("transformers",),
+        estimate_s=110,
+        tiny=TINY_TRAINING,
+    ),
+    Part(
+        "cuda_tests",
+        "cuda",
+        ["-m", "pytest", "-q", "-m", "cuda", "--durations=20", "tests"],
+        120,
+        "every cuda-marked test passes",
+        ("pytest",),
+        estimate_s=90,
+        tiny=("--collect-only",),
+    ),
+    Part(
+        "moe_train",
+        "cuda",
+        ["benchmarks/moe.py", "--train", "30B-A3B"],
+        540,  # not yet run on a GPU: a 1.9B seed, then three loops (two compiling) of 25 steps
+        "train.py compiled on two of Qwen3-30B-A3B's layers at least 0.9x the bare compiled loop's tokens/s",
+        estimate_s=330,
+        tiny=("--train", "debug", "--train-layers", "1"),
     ),
     Part(
         "demo",
@@ -277,34 +389,6 @@ PARTS = [
         "(start-up apart)",
     ),
     Part(
-        "moe_block",
-        "moe",
-        [
-            *["benchmarks/moe.py", "--device", "cuda", "--dtype", "bfloat16", "--tokens", "16384", "--dim", "2048"],
-            *["--experts", "128", "--top-k", "8", "--ffn", "768"],
-        ],
-        240,  # not yet run on a GPU: the eager rows, then three compilations (ours, dense, torchtitan's)
-        "Qwen3-30B-A3B's MoE layer: grouped GEMM faster than the per-expert loop, near a dense FFN of its active "
-        "size; compiled at least torchtitan 0.3.0's own layer's speed (where torchtitan is installed)",
-    ),
-    Part(
-        "moe_train",
-        "moe_train",
-        ["benchmarks/moe.py", "--train", "30B-A3B"],
-        540,  # not yet run on a GPU: a 1.9B seed, then three loops (two compiling) of 25 steps
-        "train.py compiled on two of Qwen3-30B-A3B's layers at least 0.9x the bare compiled loop's tokens/s",
-    ),
-    Part(
-        "mla_attention",
-        "moe",
-        [
-            *["benchmarks/mla.py", "--device", "cuda", "--dtype", "bfloat16", "--heads", "128"],
-            *["--seq-len", "4096", "--repeats", "5"],
-        ],
-        90,
-        "DeepSeek-V3-671B's MLA layer (128 heads, 4k tokens) against plain multi-head attention of its widths",
-    ),
-    Part(
         "mla_attention",
         "cpu",
         ["benchmarks/mla.py"],
@@ -391,9 +475,13 @@ class Result:
     last_line: str = ""  # of its output, when it did not succeed
 
 
-def run_part(part: Part, env: dict, python: str, log: Path | None = None) -> Result:
-    """Run one part within its cap; its JSON lines, or why it did not succeed. ``log``: where its whole
-    output is kept (a failure's cause is rarely in its last line)."""
+def run_part(
+    part: Part, env: dict, python: str, log: Path | None = None, cap_s: int | None = None, extra: tuple = ()
+) -> Result:
+    """Run one part within its cap (``cap_s``, default the part's own), ``extra`` after its options;
+    its JSON lines, or why it did not succeed. ``log``: where its whole output is kept (a failure's
+    cause is rarely in its last line)."""
+    cap_s = part.cap_s if cap_s is None else cap_s
     missing = [m for m in part.needs if importlib.util.find_spec(m) is None and not _on_path(m, env)]
     if missing:
         return Result(part.name, f"skipped: {', '.join(missing)} not installed")
@@ -404,7 +492,7 @@ def run_part(part: Part, env: dict, python: str, log: Path | None = None) -> Res
         # Its own session: a part over its cap is stopped with every process it started (torchrun
         # workers included), so none holds the GPU while the next part runs.
         proc = subprocess.Popen(
-            [python, *part.argv],
+            [python, *part.argv, *extra],
             cwd=ROOT,
             env={**env, "PYTHONUNBUFFERED": "1", "TMPDIR": tmp},  # stdout and stderr in the order written
             stdout=out,
@@ -412,7 +500,7 @@ def run_part(part: Part, env: dict, python: str, log: Path | None = None) -> Res
             start_new_session=True,
         )
         try:
-            code = proc.wait(timeout=part.cap_s)
+            code = proc.wait(timeout=cap_s)
             status = "ok" if code == 0 else f"failed (exit {code})"
         except subprocess.TimeoutExpired:
             # SIGTERM first: a torchrun agent passes it to its workers, which run in sessions of their own
@@ -424,7 +512,7 @@ def run_part(part: Part, env: dict, python: str, log: Path | None = None) -> Res
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            status = f"timed out after {part.cap_s} s"
+            status = f"timed out after {cap_s} s"
         out.seek(0)
         text = out.read()
     if log is not None:
@@ -438,6 +526,8 @@ def run_part(part: Part, env: dict, python: str, log: Path | None = None) -> Res
             record = None
         (lines if isinstance(record, dict) else other).append(record if isinstance(record, dict) else line)
     last = next((line for line in reversed(other) if line.strip()), "")
+    if status == "ok" and lines and all(line.get("skipped") for line in lines):
+        status = f"skipped: {lines[0].get('reason', 'the script measured nothing here')}"
     return Result(part.name, status, time.perf_counter() - start, lines, "" if status == "ok" else last)
 
 
@@ -479,6 +569,8 @@ def table(report: dict) -> str:
         if part["last_line"]:
             rows.append(f"  last line: {part['last_line'][-200:]}")
         rows += [f"  {label(line):<28} {figures(line)}" for line in part["lines"]]
+    if report.get("ratios"):
+        rows.append("\nacross rows: " + "  ".join(f"{k}={v:.3g}" for k, v in report["ratios"].items()))
     return "\n".join(rows)
 
 
@@ -512,45 +604,115 @@ def cpu_name() -> str:
     return f"cpu: {platform.machine()}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="which figures (default: cuda)")
-    p.add_argument("--group", choices=(*GROUPS, "all"), default="all", help="the parts of one group (default: all)")
-    p.add_argument("--parts", help="comma list of parts (default: those of --group)")
-    p.add_argument("--wheels", default=str(ROOT / ".gpu-wheels"), help="wheels to install first (default .gpu-wheels)")
-    p.add_argument("--json", help="where the results go (default: benchmarks/results/<gpu|cpu>-<date>.json)")
-    p.add_argument("--logs", help="a folder for each part's whole output, <part>.log (default: not kept)")
-    opts = p.parse_args(argv)
-    if opts.group != "all" and GROUPS[opts.group] != opts.device:
-        p.error(f"--group {opts.group} measures {GROUPS[opts.group]}: add --device {GROUPS[opts.group]}")
-    mine = [part for part in PARTS if GROUPS[part.group] == opts.device]
-    wanted = opts.parts.split(",") if opts.parts else [p.name for p in mine if opts.group in ("all", p.group)]
+def headline(lines: list[dict]) -> str:
+    """A row's figures in one line: its comparisons' numbers, else each variant's ``vs_baseline``,
+    else its last line's numbers."""
+    compared = [figures(line) for line in lines if "comparison" in line]
+    if compared:
+        return "; ".join(compared)
+    relative = [f"{line['variant']} {line['vs_baseline']:.3g}x" for line in lines if line.get("vs_baseline")]
+    return ", ".join(relative) if relative else figures(lines[-1]) if lines else ""
+
+
+def ratios(report: dict) -> dict[str, float]:
+    """RATIOS of the variants measured so far in this call (each variant's first tokens/s)."""
+    rate: dict[str, float] = {}
+    for part in report["parts"]:
+        for line in part["lines"]:
+            if isinstance(line.get("tokens_per_s"), (int, float)) and "variant" in line:
+                rate.setdefault(line["variant"], line["tokens_per_s"])
+    return {name: rate[a] / rate[b] for name, (a, b) in RATIOS.items() if a in rate and b in rate}
+
+
+def cap_within(part: Part, left_s: float, budget_s: int) -> tuple[int | None, str]:
+    """The cap ``part`` runs under with ``left_s`` of the call's budget left, or None and why it is
+    skipped (its estimate does not fit)."""
+    if part.estimate_s > left_s:
+        return None, f"skipped: needs ~{part.estimate_s} s, {max(0.0, left_s):.0f} s left of the {budget_s} s budget"
+    return min(part.cap_s, int(left_s)), ""
+
+
+def select(p: argparse.ArgumentParser, opts) -> list[Part]:
+    """The parts of ``opts.device`` that ``opts.parts`` names (default: all of them), in PARTS' order."""
+    mine = [part for part in PARTS if part.device == opts.device]
+    if not opts.parts:
+        return mine
+    wanted = opts.parts.split(",")
     unknown = sorted(set(wanted) - {part.name for part in mine})
     if unknown:
         p.error(f"unknown {opts.device} parts {unknown}; choose from {', '.join(part.name for part in mine)}")
-    parts = [part for part in mine if part.name in wanted]
+    return [part for part in mine if part.name in wanted]
+
+
+def dry_run(parts: list[Part], env: dict, logs: str | None) -> int:
+    """Each GPU row's command with its ``tiny`` options on the CPU: a typo, a renamed option or a
+    missing module fails here, not on the lent machine. Exit 1 if one failed."""
+    env = {**env, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    failed = 0
+    for part in parts:
+        result = run_part(part, env, sys.executable, Path(logs) / f"{part.name}.log" if logs else None, 300, part.tiny)
+        failed += result.status.startswith(("failed", "timed out"))
+        print(f"{part.name}: {result.status} in {result.seconds:.0f} s {result.last_line[-200:]}".rstrip(), flush=True)
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    started = time.monotonic()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="which figures (default: cuda)")
+    p.add_argument("--parts", help="comma list of parts (default: all of the device's)")
+    p.add_argument("--wheels", help="wheels to install first (default .gpu-wheels on a GPU; none in --dry-run)")
+    p.add_argument("--json", help="where the results go (default: benchmarks/results/<gpu|cpu>-<date>.json)")
+    p.add_argument("--logs", help="a folder for each part's whole output, <part>.log (default: not kept)")
+    p.add_argument("--budget-s", type=int, default=BUDGET_S, help=f"the GPU call's seconds (default {BUDGET_S})")
+    p.add_argument("--dry-run", action="store_true", help="each GPU row's set-up on the CPU, tiny, one step or two")
+    opts = p.parse_args(argv)
+    if opts.dry_run and opts.device != "cuda":
+        p.error("--dry-run checks the GPU rows: leave out --device cpu")
+    parts = select(p, opts)
     import torch
 
-    report = {**device_report(torch, opts.device), "parts": []}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    if opts.dry_run:
+        if opts.wheels:
+            print(install_wheels(Path(opts.wheels), env, sys.executable), flush=True)
+        return dry_run(parts, env, opts.logs)
     if opts.device == "cuda" and not torch.cuda.is_available():
         for part in parts:
             print(f"{part.name}: skipped: no CUDA device (would measure: {part.target})")
         return 0
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    if opts.device == "cuda":
-        print(install_wheels(Path(opts.wheels), env, sys.executable), flush=True)
-    for part in parts:
-        print(f"{part.name}: running (cap {part.cap_s} s)", flush=True)
-        result = run_part(part, env, sys.executable, Path(opts.logs) / f"{part.name}.log" if opts.logs else None)
-        report["parts"].append({**result.__dict__, "target": part.target})
-        print(f"{part.name}: {result.status} in {result.seconds:.0f} s", flush=True)
-    suffix = f"-{opts.group}" if opts.group != "all" and opts.device == "cuda" else ""
+    report = {**device_report(torch, opts.device), "parts": []}
     prefix = "gpu" if opts.device == "cuda" else "cpu"
-    path = Path(opts.json) if opts.json else RESULTS / f"{prefix}-{report['date'][:10]}{suffix}.json"
+    # GPU files to the minute: two calls of a day keep both
+    stamp = report["date"][:16].replace(":", "") if opts.device == "cuda" else report["date"][:10]
+    path = Path(opts.json) if opts.json else RESULTS / f"{prefix}-{stamp}.json"
+    budget = opts.budget_s if opts.device == "cuda" else None  # the CPU suite has no lender's limit
+    if opts.device == "cuda":
+        report["budget_s"] = budget
+        print(install_wheels(Path(opts.wheels or ROOT / ".gpu-wheels"), env, sys.executable), flush=True)
+    deadline = None if budget is None else (budget, started + budget)
+    for part in parts:
+        run_one(part, report, env, opts, deadline)
+        write_report(report, path)  # after every row: a call stopped at its limit keeps what it measured
+    report["finished"] = True
     write_report(report, path)
     print(table(report))
     print(f"\nwrote {path}")
     return 0
+
+
+def run_one(part: Part, report: dict, env: dict, opts, budget: tuple[int, float] | None) -> None:
+    """Run ``part`` within what is left of ``budget`` (seconds, the monotonic deadline) and add its
+    result to ``report``, with the call's RATIOS so far; one line says what it measured."""
+    cap, why = (part.cap_s, "") if budget is None else cap_within(part, budget[1] - time.monotonic(), budget[0])
+    if cap is None:
+        result = Result(part.name, why)
+    else:
+        print(f"{part.name}: running (cap {cap} s)", flush=True)
+        result = run_part(part, env, sys.executable, Path(opts.logs) / f"{part.name}.log" if opts.logs else None, cap)
+    report["parts"].append({**result.__dict__, "target": part.target})
+    report["ratios"] = ratios(report)
+    print(f"{part.name}: {result.status} in {result.seconds:.0f} s -- {headline(result.lines)}", flush=True)
 
 
 if __name__ == "__main__":

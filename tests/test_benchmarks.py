@@ -57,6 +57,8 @@ SMALL = {
     "mla": ["mla", "--heads", "2", "--seq-len", "64", "--repeats", "1"],
     "moe": ["moe", "--tokens", "256", "--dim", "64", "--ffn", "32", "--repeats", "1"],
     "moe_ep": ["moe", "--ep", "2", "--set", "--model.n_experts 4"],
+    # here torchtitan does not import: a skipped line per variant (on a GPU its trainer runs)
+    "torchtitan_peer": ["torchtitan_peer", "--flavor", "debugmodel", "--batch", "2", "--seq-len", "64", "--steps", "2"],
 }
 
 

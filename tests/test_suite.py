@@ -1,14 +1,17 @@
 """``make bench-gpu`` and ``make bench`` (``benchmarks/suite.py``): on a machine without CUDA the GPU
-suite says what it would measure and exits 0; each part runs within its own cap, a failing or slow
-part is recorded with its last line while the others go on; the JSON file and the table carry every
-figure."""
+suite says what it would measure and exits 0; each part runs within its own cap and what is left of
+the call's budget (or is skipped, saying why), a failing or slow part is recorded with its last line
+while the others go on; the JSON file and the table carry every figure; ``--dry-run`` runs each GPU
+row's command with its tiny options on the CPU."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from tests.dist import HANG_S
@@ -30,24 +33,66 @@ def test_without_cuda_every_part_says_skipped_and_the_suite_exits_0():
     )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert [line.split(":")[0] for line in lines] == [p.name for p in suite.PARTS if suite.GROUPS[p.group] == "cuda"]
+    assert [line.split(":")[0] for line in lines] == [p.name for p in suite.PARTS if p.device == "cuda"]
     assert all(": skipped: no CUDA device (would measure: " in line for line in lines), lines
 
 
-def test_each_gpu_groups_caps_fit_one_command_on_a_lent_machine():
-    assert {part.group for part in suite.PARTS} == set(suite.GROUPS)
-    for group in (g for g, device in suite.GROUPS.items() if device == "cuda"):
-        assert sum(part.cap_s for part in suite.PARTS if part.group == group) <= 9 * 60, group
+def test_the_priority_rows_fit_one_command_and_every_gpu_row_has_a_budget_and_a_dry_run_form():
+    gpu = [part for part in suite.PARTS if part.device == "cuda"]
+    assert suite.BUDGET_S <= 600 - 30  # a lent machine's command limit, less make, the wheels, the last write
+    priority = [p.name for p in gpu[:7]]
+    assert priority == ["loss", "throughput_eager", "throughput_compiled", "torchtitan_peer", "moe_block"] + [
+        "save",
+        "seed",
+    ]
+    assert sum(part.estimate_s for part in gpu[:7]) <= suite.BUDGET_S - 60  # a minute's room for the estimates
+    for part in gpu:
+        assert 0 < part.estimate_s <= part.cap_s and part.tiny, part.name
+
+
+def test_a_row_runs_capped_at_what_is_left_of_the_budget_or_is_skipped_with_why():
+    part = suite.Part("row", "cuda", ["-c", "pass"], 150, "-", estimate_s=100)
+    assert suite.cap_within(part, 400.0, 570) == (150, "")
+    assert suite.cap_within(part, 120.4, 570) == (120, "")
+    assert suite.cap_within(part, 90.0, 570) == (None, "skipped: needs ~100 s, 90 s left of the 570 s budget")
+
+    opts = argparse.Namespace(logs=None)
+    report = {"parts": []}
+    rate = 'import json; print(json.dumps({"variant": "%s", "tokens_per_s": %d}))'
+    ours = suite.Part("ours", "cuda", ["-c", rate % ("train_eager", 40000)], 30, "-", estimate_s=1)
+    peer = suite.Part("peer", "cuda", ["-c", rate % ("torchtitan_eager", 50000)], 30, "-", estimate_s=1)
+    late = suite.Part("late", "cuda", ["-c", "pass"], 30, "-", estimate_s=60)
+    deadline = (570, time.monotonic() + 30)
+    for row in (ours, peer, late):
+        suite.run_one(row, report, {"PATH": "/usr/bin:/bin"}, opts, deadline)
+    assert [(p["name"], p["status"].split(":")[0]) for p in report["parts"]] == [
+        ("ours", "ok"),
+        ("peer", "ok"),
+        ("late", "skipped"),
+    ]
+    assert report["ratios"] == {"train_eager_vs_torchtitan_eager": 0.8}
+
+
+def test_the_dry_run_runs_each_row_with_its_tiny_options_on_the_cpu_and_fails_if_one_fails(tmp_path, capsys):
+    echo = "import json, os, sys; print(json.dumps({'args': sys.argv[1:], 'gpus': os.environ['CUDA_VISIBLE_DEVICES']}))"
+    ok = suite.Part("ok", "cuda", ["-c", echo, "--tokens", "16384"], 30, "-", estimate_s=1, tiny=("--tokens", "8"))
+    broken = suite.Part("broken", "cuda", ["-c", "raise SystemExit('no such option')"], 30, "-", tiny=("--x",))
+    assert suite.dry_run([ok], {"PATH": "/usr/bin:/bin"}, str(tmp_path)) == 0
+    assert json.loads((tmp_path / "ok.log").read_text()) == {"args": ["--tokens", "16384", "--tokens", "8"], "gpus": ""}
+    assert suite.dry_run([ok, broken], {"PATH": "/usr/bin:/bin"}, None) == 1
+    assert capsys.readouterr().out.splitlines()[-1] == "broken: failed (exit 1) in 0 s no such option"
 
 
 def test_a_part_that_fails_or_overruns_is_recorded_and_the_rest_still_run(tmp_path):
     env = {"PATH": "/usr/bin:/bin"}
     figures = 'import json; print(json.dumps({"method": "ours", "gb_per_s": 2.5})); print("done")'
+    skipped = 'import json; print(json.dumps({"variant": "peer", "skipped": True, "reason": "torch too old"}))'
     parts = {
-        "ok": suite.Part("ok", "io", ["-c", figures], 30, "fast"),
-        "failed": suite.Part("failed", "io", ["-c", "print('reading...'); raise SystemExit('disk gone')"], 30, "-"),
-        "slow": suite.Part("slow", "io", ["-c", "import time; print('started', flush=True); time.sleep(30)"], 1, "-"),
-        "absent": suite.Part("absent", "io", ["-c", "pass"], 30, "-", ("no_such_module_here",)),
+        "ok": suite.Part("ok", "cuda", ["-c", figures], 30, "fast"),
+        "failed": suite.Part("failed", "cuda", ["-c", "print('reading...'); raise SystemExit('disk gone')"], 30, "-"),
+        "slow": suite.Part("slow", "cuda", ["-c", "import time; print('started', flush=True); time.sleep(30)"], 1, "-"),
+        "absent": suite.Part("absent", "cuda", ["-c", "pass"], 30, "-", ("no_such_module_here",)),
+        "unmeasured": suite.Part("unmeasured", "cuda", ["-c", skipped], 30, "-"),
     }
     logs = tmp_path / "logs"
     results = {name: suite.run_part(part, env, sys.executable, logs / f"{name}.log") for name, part in parts.items()}
@@ -57,6 +102,7 @@ def test_a_part_that_fails_or_overruns_is_recorded_and_the_rest_still_run(tmp_pa
     assert results["failed"].status == "failed (exit 1)" and results["failed"].last_line == "disk gone"
     assert results["slow"].status == "timed out after 1 s" and results["slow"].last_line == "started"
     assert results["absent"].status == "skipped: no_such_module_here not installed"
+    assert results["unmeasured"].status == "skipped: torch too old"
 
     report = {
         "device": "NVIDIA H100 80GB HBM3",
@@ -79,7 +125,7 @@ def test_a_part_that_fails_or_overruns_is_recorded_and_the_rest_still_run(tmp_pa
     assert "slow: timed out after 1 s" in table
 
 
-def test_the_cpu_suite_names_the_processor_and_refuses_a_gpu_group():
+def test_the_cpu_suite_names_the_processor_and_refuses_a_gpu_part():
     import torch
 
     report = {**suite.device_report(torch, "cpu"), "parts": []}
@@ -88,7 +134,7 @@ def test_the_cpu_suite_names_the_processor_and_refuses_a_gpu_group():
         f"{report['device']} | torch {torch.__version__} | {report['cores']} cores | {report['date']}"
     )
     for args, message in (
-        (["--device", "cpu", "--group", "io"], "--group io measures cuda: add --device cuda"),
+        (["--device", "cpu", "--dry-run"], "--dry-run checks the GPU rows: leave out --device cpu"),
         (["--device", "cpu", "--parts", "cuda_tests"], "unknown cpu parts ['cuda_tests']; choose from demo, seed"),
     ):
         proc = subprocess.run(
