@@ -344,10 +344,10 @@ def _flex_attention(q, k, v, block_mask, scale: float | None, sinks, softcap: fl
     return (out * kept.unsqueeze(-1)).to(out.dtype)
 
 
-@functools.cache
 def _softcap_mod(softcap: float):
-    """Flex attention's ``score_mod`` capping the scaled scores; one function per cap, so the
-    compiled flex is not traced again for a new closure of the same cap."""
+    """Flex attention's ``score_mod`` capping the scaled scores. A new function each call: the
+    compiled flex guards on the closure's cap, not on the function, so it is traced once per cap
+    (4 calls, caps 1, 1, 1 and 2: 2 graphs)."""
 
     def capped(score, batch, head, query, key):
         return torch.tanh(score / softcap) * softcap
