@@ -184,7 +184,10 @@ def test_logits_match_transformers_both_ways_and_export_as_kimi_k2(tmp_path):
 
 def test_the_1t_flavor_is_the_released_config_and_transformers_counts_its_parameters():
     """The hub's config.json reads as the ``1T`` flavor, which writes back as itself; ours and
-    ``DeepseekV3ForCausalLM`` of that config count 1,026,408,209,408 parameters on ``meta``."""
+    ``DeepseekV3ForCausalLM`` of that config count 1,026,408,209,408 parameters on ``meta``. OSFT
+    trains DeepSeek-V3's targets, tensor parallelism splits as DeepSeek-V3's."""
+    deepseek = get_family("deepseek_v3")
+    assert (FAMILY.osft_targets, FAMILY.tensor_parallel) == (deepseek.osft_targets, deepseek.tensor_parallel)
     args = args_from_config(HUB_K2)
     assert args == FLAVORS["1T"] and FAMILY.flavor_of(args) == "1T"
     for name, flavor in FLAVORS.items():
@@ -461,13 +464,17 @@ def _crafted(int4, tmp_path, change) -> Path:
 
 
 def test_the_1t_shape_is_planned_and_its_full_seed_refused_for_disk_before_a_byte(tmp_path, capsys):
-    """``seedckpt plan`` of the 1T shape on 256 GPUs (pp 8, ep 8: 48 experts an EP rank) counts every
-    parameter on one stage; its seed (3.73 TiB in float32) is refused up front against the test
-    disk's real free space, naming the size, nothing written."""
-    assert cli(["plan", "--config", "configs/kimi_k2_1t.toml", "--world-size", "256", "--json"]) == 0
+    """``seedckpt plan`` of the 1T shape on 512 GPUs (pp 8, ep 8: 48 experts an EP rank, 6 a GPU) counts
+    every parameter on one stage, compute within 5 % of balanced, 31.8 GiB of training state the
+    largest share of a GPU (the figure configs/kimi_k2_1t.toml quotes); its seed (3,824 GiB in
+    float32) is refused up front against the test disk's real free space, naming the size, nothing
+    written."""
+    assert cli(["plan", "--config", "configs/kimi_k2_1t.toml", "--world-size", "512", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["total_params"] == sum(stage["params"] for stage in plan["stages"]) == K2_PARAMETERS
-    assert plan["experts_per_ep_rank"] == 48
+    assert (plan["experts_per_ep_rank"], plan["expert_rows_per_gpu"]) == (48, 6)
+    assert plan["imbalance"]["stage_flops"] <= 1.05
+    assert round(max(rank["train_state_bytes_per_gpu"] for rank in plan["ranks"]) / 2**30, 1) == 31.8
     out = tmp_path / "1t"
     assert cli(["seed", "--config", "configs/kimi_k2_1t.toml", "--output", str(out), "--quiet"]) == 2
     err = capsys.readouterr().err.strip()

@@ -12,9 +12,10 @@ A quantized ``X.weight`` ``[R, C]`` is stored as three tensors:
 
 Element ``(r, c)`` is ``q[r, c] * scale[r, c // G]``: symmetric, no zero point. In float32 that
 product is exact (a 4-bit integer times a bfloat16 scale), so the reader and the definition agree
-bitwise. On a little-endian machine (every one torch ships for) a word's bytes hold its values in
-order, two a byte, the first in the low nibble -- so the values are read a byte at a time rather
-than shifted out of each word eight times.
+bitwise. On a little-endian machine (x86-64 and ARM, torch's wheels) a word's bytes hold its values
+in order, two a byte, the first in the low nibble, so the values are read a byte at a time rather than
+shifted out of each word eight times: one Kimi K2 expert weight (2048 x 7168) in 23-47 ms against
+40-80 ms (1.7x; one core of a busy 2-core machine, best and median of 5 interleaved runs).
 
 What is quantized is decided by the tensors present, as for the other quantized formats; the
 ``quantization_config`` must describe them: ``pack-quantized``, every config group's weights
@@ -196,7 +197,9 @@ WEIGHTS = {"num_bits": BITS, "type": "int", "symmetric": True, "strategy": "grou
 def _weights(settings: dict, key: str, group, where: Path) -> int:
     """One config group's weights checked (``WEIGHTS``, the format): their group size."""
     field = f"{where}/config.json has quantization_config.config_groups.{key}"
-    fmt = group.get("format") if isinstance(group, dict) else None
+    if not isinstance(group, dict):
+        raise SeedckptError(f"{field} = {group!r}; it must be an object (targets, weights)")
+    fmt = group.get("format")
     if (fmt or settings.get("format")) != FORMAT:
         raise SeedckptError(
             f"{field} in format {fmt or settings.get('format')!r}; seedckpt reads compressed-tensors' {FORMAT!r}"
