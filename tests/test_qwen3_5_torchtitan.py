@@ -1,10 +1,10 @@
-"""torchtitan 0.3.0's Qwen3.5 names both ways (``models.qwen3_5.torchtitan``): its debugmodel's names
-and shapes (written down below, as built from the installed package) are what the adapter gives ours;
-a transformers Qwen3.5 laid out as torchtitan's checkpointer saves it (its state-dict adapter's
-rules: renamed, ``in_proj_qkv`` and ``conv1d`` cut into q, k and v) loads with transformers' logits,
-its vision encoder skipped in one line; ``convert --to torchtitan`` writes it back bitwise; a rank
-holding some rows of ``in_proj_qkv`` reads only the stored rows they come from. torchtitan is not
-needed here."""
+"""torchtitan 0.3.0's Qwen3.5 names both ways (``models.qwen3_5.torchtitan``; the MoE's,
+``models.qwen3_5_moe.torchtitan``): its debugmodel's names and shapes (written down below, as built
+from the installed package) are what the adapters give ours; a transformers Qwen3.5 laid out as
+torchtitan's checkpointer saves it (its state-dict adapter's rules: renamed, ``in_proj_qkv`` and
+``conv1d`` cut into q, k and v) loads with transformers' logits, its vision encoder skipped in one
+line; ``convert --to torchtitan`` writes it back bitwise; a rank holding some rows of ``in_proj_qkv``
+reads only the stored rows they come from. torchtitan is not needed here."""
 
 from __future__ import annotations
 
@@ -18,13 +18,17 @@ import torch.distributed.checkpoint as dcp
 from models.common.decoder import Transformer
 from models.qwen3_5.args import Qwen35Args
 from models.qwen3_5.torchtitan import Qwen35TorchtitanNames
+from models.qwen3_5_moe.args import Qwen35MoeArgs
+from models.qwen3_5_moe.torchtitan import Qwen35MoeTorchtitanNames
 from seedckpt import load_model
 from seedckpt.checkpoint import RowWindow
 from seedckpt.checkpoint.owned_reads import OwnedFileSystemReader
 from seedckpt.cli.convert import convert, diff
 from seedckpt.materialize.model_checkpoint import open_model_checkpoint
+from seedckpt.materialize.seed import create_seed_checkpoint
 from seedckpt.utils.errors import SeedckptError
 from seedckpt.utils.stored_parts import StoredSplit
+from tests.conftest import tiny_config
 from tests.test_deepseek_v3 import hf_tensors
 from tests.test_moe_interop import _stored
 from tests.test_qwen3_5 import TOKENS, hf_model
@@ -85,9 +89,9 @@ DEBUG_ARGS = Qwen35Args(
 )
 
 
-def _titan_names(args: Qwen35Args) -> dict[str, tuple[int, ...]]:
+def _titan_names(args: Qwen35Args, adapter=Qwen35TorchtitanNames) -> dict[str, tuple[int, ...]]:
     """Our model's tensors under the adapter's names, each part of a ``StoredSplit`` with its shape."""
-    names = Qwen35TorchtitanNames(args)
+    names = adapter(args)
     with torch.device("meta"):
         ours = Transformer(args).state_dict()
     stored = {}
@@ -255,3 +259,47 @@ def test_sharded_destinations_load_their_block_of_the_joined_rows(titan):
 
     _, path, args = titan
     assert run_distributed(_sharded_load, 3, str(path), args) == [[], [], []]
+
+
+# torchtitan 0.3.0's qwen3_5 ``debugmodel_moe`` (vocab cut to 512): layer 0's mixture of experts
+# (its other tensors are named as in the dense model above), and our args of its shapes.
+TITAN_DEBUG_MOE = {
+    "layers.0.moe.expert_bias_E": (8,),
+    "layers.0.moe.routed_experts.inner_experts.w1_EFD": (8, 256, 256),
+    "layers.0.moe.routed_experts.inner_experts.w2_EDF": (8, 256, 256),
+    "layers.0.moe.routed_experts.inner_experts.w3_EFD": (8, 256, 256),
+    "layers.0.moe.router.gate.weight": (8, 256),
+    "layers.0.moe.shared_experts.w1.weight": (256, 256),
+    "layers.0.moe.shared_experts.w2.weight": (256, 256),
+    "layers.0.moe.shared_experts.w3.weight": (256, 256),
+    "layers.0.moe.shared_experts.gate.weight": (1, 256),
+}
+DEBUG_MOE_ARGS = Qwen35MoeArgs(
+    **{**DEBUG_ARGS.to_dict(), "n_layers": 4, "full_attention_layers": [3], "ffn_dim": 256},
+    n_experts=8,
+    top_k=2,
+    moe_ffn_dim=256,
+    load_balance="bias",
+)
+
+
+def test_the_moe_adapter_gives_torchtitans_debugmodel_moe_names_and_shapes():
+    """Layer 0's experts, router, expert bias and shared expert under torchtitan's names and shapes;
+    the attention's as the dense model's."""
+    stored = _titan_names(DEBUG_MOE_ARGS, Qwen35MoeTorchtitanNames)
+    assert {k: s for k, s in stored.items() if k.startswith("layers.0.moe.")} == TITAN_DEBUG_MOE
+    dense = {k: s for k, s in TITAN_DEBUG.items() if k.startswith("layers.0.attn") or not k.startswith("layers.")}
+    assert dense.items() <= stored.items()
+
+
+def test_a_qwen3_5_moe_seed_goes_to_torchtitan_and_back_bitwise(tmp_path):
+    """The debug Qwen3.5-MoE's seed (balanced by its auxiliary loss) written in torchtitan's names
+    gets the zero ``expert_bias_E`` torchtitan's model has, and reads back as the seed, bitwise."""
+    m = ("--model.name", "qwen3_5_moe")
+    seed = create_seed_checkpoint(tiny_config(*m), tmp_path / "seed", seed=0, progress=False, workers=1)
+    titan = convert(seed, tmp_path / "titan", "torchtitan", progress=False)
+    stored = _stored(titan)
+    assert "layers.0.moe.routed_experts.inner_experts.w1_EFD" in stored
+    assert not stored["layers.0.moe.expert_bias_E"].any()
+    equal, lines = diff(seed, convert(titan, tmp_path / "back", "dcp", progress=False))
+    assert equal, lines

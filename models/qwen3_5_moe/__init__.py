@@ -37,6 +37,7 @@ from models.qwen3_5 import QWEN3_5
 from models.qwen3_5 import flops_per_token as dense_flops_per_token
 from models.qwen3_5_moe import hf
 from models.qwen3_5_moe.args import SHAPE_FIELDS, Qwen35MoeArgs
+from models.qwen3_5_moe.torchtitan import Qwen35MoeTorchtitanNames
 
 # The block linears OSFT trains by default: every attention matrix of both kinds, and the shared
 # expert (the dense feed-forward every token runs); the router and the routed experts stay frozen.
@@ -103,4 +104,5 @@ QWEN3_5_MOE = decoder_family(
     flops_per_token=flops_per_token,
     layer_flops=QWEN3_5.layer_flops,  # counts each block's active parameters (experts by top_k)
     tensor_parallel=QWEN3_5.tensor_parallel,
+    renamings={"torchtitan": Qwen35MoeTorchtitanNames},
 )
