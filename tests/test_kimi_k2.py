@@ -31,7 +31,7 @@ from seedckpt.checkpoint.formats.quantized import Stored
 from seedckpt.checkpoint.manifest import TensorInfo
 from seedckpt.cli.convert import convert
 from seedckpt.cli.main import main as cli
-from seedckpt.materialize.model_checkpoint import open_model_checkpoint, parameter_count
+from seedckpt.materialize.model_checkpoint import open_model_checkpoint
 from seedckpt.utils.errors import SeedckptError
 from tests.dist import run_distributed
 from tests.test_convert import our_logits
@@ -182,21 +182,17 @@ def test_logits_match_transformers_both_ways_and_export_as_kimi_k2(tmp_path):
     assert open_model_checkpoint(tmp_path / "dcp").manifest["model"]["name"] == "kimi_k2"
 
 
-def test_the_1t_flavor_is_the_released_config_and_transformers_counts_its_parameters():
-    """The hub's config.json reads as the ``1T`` flavor, which writes back as itself; ours and
-    ``DeepseekV3ForCausalLM`` of that config count 1,026,408,209,408 parameters on ``meta``. OSFT
-    trains DeepSeek-V3's targets, tensor parallelism splits as DeepSeek-V3's."""
+def test_the_1t_flavor_is_the_released_config():
+    """The hub's config.json reads as the ``1T`` flavor, which writes back as itself (its 1,026,408,209,408
+    parameters, as ``DeepseekV3ForCausalLM`` counts them on ``meta``: ``tests/test_families.py``); a
+    softmax-routed model is refused an export as Kimi K2. OSFT trains DeepSeek-V3's targets, tensor
+    parallelism splits as DeepSeek-V3's."""
     deepseek = get_family("deepseek_v3")
     assert (FAMILY.osft_targets, FAMILY.tensor_parallel) == (deepseek.osft_targets, deepseek.tensor_parallel)
     args = args_from_config(HUB_K2)
     assert args == FLAVORS["1T"] and FAMILY.flavor_of(args) == "1T"
     for name, flavor in FLAVORS.items():
         assert args_from_config(config(flavor, torch.bfloat16)) == flavor, name
-    with torch.device("meta"):
-        theirs = transformers.DeepseekV3ForCausalLM(deepseek_config(args))
-        ours = FAMILY.model(args)
-    count = sum(p.numel() for p in theirs.parameters())
-    assert count == sum(p.numel() for p in ours.parameters()) == parameter_count(FAMILY, args) == K2_PARAMETERS
     with pytest.raises(ValueError, match="Kimi K2's config.json .* routes by sigmoid; export to dcp"):
         config(KimiK2Args(**{**DEBUG.to_dict(), "score_func": "softmax", "norm_topk_prob": False}), torch.float32)
 

@@ -28,7 +28,9 @@ read), a scale that is not a finite number > 0 (zero would read its group as zer
 flip its signs).
 
 Each rank reads only the rows under its own: a layer's experts are one stored tensor each, so an
-expert-parallel rank reads its experts' words and scales and no other's (``hf``).
+expert-parallel rank reads its experts' words and scales and no other's (``hf``). A load holds the
+words and scales it asked for until the read ends -- half a byte a value and a scale per group,
+beside the destination's four bytes -- and unpacks at most ``quantized.CHUNK_VALUES`` values at a time.
 """
 
 from __future__ import annotations
