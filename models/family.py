@@ -84,9 +84,9 @@ class ModelFamily:
     # {tool: args -> name adapter}: other tools' names (args: the model's, None where nobody described it)
     renamings: Mapping[str, Callable[[Any], Any]] = field(default_factory=dict)
     tensor_parallel: TensorParallelPlan | None = None  # None: no tensor parallelism for this family
-    # (args, layer ids per pipeline stage) -> None, or a ValueError naming a split the model cannot run
-    # (Gemma 4's kv-shared layers on another stage than the layer whose keys they reuse); None: any split
-    check_split: Callable[[Any, Sequence[Sequence[int]]], None] | None = None
+    # args -> runs of blocks a pipeline stage holds whole, ``(first, last, why)`` each (Gemma 4's layers
+    # that reuse an earlier layer's keys and values, with that layer): the split keeps them together
+    joined_layers: Callable[[Any], Sequence[tuple[int, int, str]]] | None = None
 
     def flavor_of(self, args) -> str | None:
         """The released flavor with these tensor shapes, if any."""

@@ -201,14 +201,17 @@ def test_packed_rows_compute_each_document_alone(tmp_path):
     assert (packed - alone).abs().max().item() <= 1e-5
 
 
-def test_a_split_between_a_layer_and_the_layer_reusing_its_keys_is_refused_in_one_line():
-    """Layers 4 and 5 reuse layers 3's and 2's keys and values: a split after layer 2 runs, one
-    after layer 3 is refused, naming the layers to keep together."""
+def test_the_pipeline_keeps_a_layer_and_the_layers_reusing_its_keys_on_one_stage():
+    """Layers 4 and 5 reuse layers 3's and 2's keys and values: the balanced split keeps 2..5 on one
+    stage, split points after layer 2 are refused in one line, one at layer 2 runs."""
     args = FLAVORS["debug"]
+    assert pipeline_split(args, 2) == [(0, 1), (2, 3, 4, 5)]
     assert pipeline_split(args, 2, [2]) == [(0, 1), (2, 3, 4, 5)]
-    with pytest.raises(SeedckptError, match=r"keep layers 2\.\.5 on one stage") as refused:
+    with pytest.raises(SeedckptError, match=r"layers 2\.\.5 .* at layers\.2 or before") as refused:
         pipeline_split(args, 2, [3])
     assert "\n" not in str(refused.value)
+    with pytest.raises(SeedckptError, match="keeping layers 2..5 on one stage"):
+        pipeline_split(args, 4)
 
 
 def test_the_seed_recipe_is_transformers_normal_init_with_norms_and_scales_at_one():

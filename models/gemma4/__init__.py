@@ -36,10 +36,12 @@ Design, for pipeline parallelism and a model free of distributed code:
   copy of the second table, which is 2.3 B of E2B's 5.1 B parameters;
 * a kv-shared layer takes its keys and values from the block that computed them, handed on by the
   model's loop within a stage (blocks return them; only the layers reused are kept through the
-  forward, so activation checkpointing still frees the others). A pipeline split that puts a reused
-  layer and a layer reusing it on different stages is refused before training starts, naming the
-  split that keeps them together (``check_pipeline_split``): sending keys and values between stages
-  would tie a stage's inputs to the attention's head layout (and, under TP, to each rank's heads);
+  forward, so activation checkpointing still frees the others). The layers from the first one
+  reused to the last are one run a pipeline stage holds whole (``joined_layers``): the balanced split
+  keeps them together, and split points that cut them are refused before training starts, naming
+  the split points that do not. Sending keys and values between stages instead would tie a stage's
+  inputs to the attention's head layout (and, under TP, to each rank's heads). E2B's run is layers
+  13..34 of 35, so its stages but the last hold at most 13 layers;
 * q/k rows are kept in transformers' order and RoPE turns halves of each head (``rotate_halves``),
   where the shared decoder permutes rows to turn interleaved pairs: with ``attention_k_eq_v`` the
   values are the keys' projection, so a permutation of the key rows would permute the values'
@@ -158,27 +160,21 @@ def flops_per_token(args: Gemma4Args, seq_len: int, num_params: int | None = Non
 
 
 def layer_flops(args: Gemma4Args, seq_len: int) -> LayerCosts:
-    """The decoder's per-part count (``decoder_layer_flops``), the first stage's projection to the
-    per-layer inputs counted (their table is a lookup)."""
+    """The decoder's per-part count (``decoder_layer_flops``), the projection to the per-layer
+    inputs (and its norm) counted with the first block, which the first stage runs with it (their
+    table is a lookup)."""
     costs = decoder_layer_flops(args, seq_len, model=Gemma4Transformer, attention=attention_flops)
-    projection = 6 * args.dim * args.n_layers * args.per_layer_dim
-    return dataclasses.replace(costs, first=costs.first + projection)
+    projection = 6 * (args.dim * args.n_layers + 1) * args.per_layer_dim  # and its norm
+    return dataclasses.replace(costs, blocks=(costs.blocks[0] + projection, *costs.blocks[1:]))
 
 
-def check_pipeline_split(args: Gemma4Args, layers) -> None:
-    """Refuse a pipeline split that puts a kv-shared layer on another stage than the layer whose keys
-    and values it reuses (see the module docstring)."""
-    stage = {layer: s for s, ids in enumerate(layers) for layer in ids}
-    reused = {i: args.kv_source(i) for i in range(args.first_kv_shared_layer, args.n_layers)}
-    apart = [(source, layer) for layer, source in reused.items() if stage[source] != stage[layer]]
-    if apart:
-        first = min(reused.values())
-        source, layer = apart[0]
-        raise ValueError(
-            f"the pipeline split puts layer {layer} on stage {stage[layer]} and layer {source}, whose keys and "
-            f"values it reuses, on stage {stage[source]}: keep layers {first}..{args.n_layers - 1} on one stage "
-            f"(pipeline_parallel_split_points at or before layers.{first})"
-        )
+def joined_layers(args: Gemma4Args) -> list[tuple[int, int, str]]:
+    """The layers a pipeline stage holds whole: the kv-shared layers with the layers whose keys and
+    values they reuse (see the module docstring)."""
+    if not args.kv_shared_layers:
+        return []
+    first = min(args.kv_source(i) for i in range(args.first_kv_shared_layer, args.n_layers))
+    return [(first, args.n_layers - 1, "the last layers reuse the keys and values of the layers before them")]
 
 
 GEMMA4 = dataclasses.replace(
@@ -198,5 +194,5 @@ GEMMA4 = dataclasses.replace(
     ),
     model=Gemma4Transformer,
     first_stage=("tok_embeddings", "per_layer_inputs"),
-    check_split=check_pipeline_split,
+    joined_layers=joined_layers,
 )

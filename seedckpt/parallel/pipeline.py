@@ -48,16 +48,43 @@ def pipeline_split(
     family's ``layer_flops`` at that length, if the caller has them."""
     check_stage_count(args.n_layers, num_stages)
     family = family_of(args)
+    joined = family.joined_layers(args) if family.joined_layers is not None else ()
     if split_points or num_stages == 1:
-        layers = explicit_split(args.n_layers, num_stages, split_points)
-    else:
-        layers = balanced_split(costs or family.layer_flops(args, seq_len or args.max_seq_len), num_stages)
-    if family.check_split is not None:
-        try:
-            family.check_split(args, layers)
-        except ValueError as e:
-            raise SeedckptError(str(e)) from None
+        return check_joined(explicit_split(args.n_layers, num_stages, split_points), joined)
+    costs = costs or family.layer_flops(args, seq_len or args.max_seq_len)
+    units = _joined_units(args.n_layers, joined)  # runs of blocks no stage boundary cuts
+    merged = LayerCosts(costs.first, tuple(sum(costs.blocks[i] for i in unit) for unit in units), costs.last)
+    if len(units) < num_stages:
+        first, last, why = joined[0]
+        raise SeedckptError(
+            f"cannot split {args.n_layers} layers into {num_stages} pipeline stages keeping layers {first}..{last} "
+            f"on one stage ({why}); lower parallelism.pipeline_parallel_degree"
+        )
+    return [tuple(i for u in stage for i in units[u]) for stage in balanced_split(merged, num_stages)]
+
+
+def check_joined(layers: list[tuple[int, ...]], joined) -> list[tuple[int, ...]]:
+    """``layers`` per stage, refused where a boundary cuts a run of ``joined`` (``ModelFamily.joined_layers``)."""
+    stage = {layer: s for s, ids in enumerate(layers) for layer in ids}
+    for first, last, why in joined:
+        if stage[first] != stage[last]:
+            raise SeedckptError(
+                f"the pipeline split puts layers {first}..{last} on stages {stage[first]}..{stage[last]}; they stay "
+                f"on one stage ({why}): give parallelism.pipeline_parallel_split_points at layers.{first} or before, "
+                f"or past layers.{last}"
+            )
     return layers
+
+
+def _joined_units(n_layers: int, joined) -> list[tuple[int, ...]]:
+    """The blocks as runs a stage holds whole: each of ``joined``, every other block alone."""
+    start_of = {first: last for first, last, _ in joined}
+    units, i = [], 0
+    while i < n_layers:
+        last = start_of.get(i, i)
+        units.append(tuple(range(i, last + 1)))
+        i = last + 1
+    return units
 
 
 def check_stage_count(n_layers: int, num_stages: int) -> None:
