@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from seedckpt.checkpoint.formats import quantized
-from seedckpt.checkpoint.formats.quantized import Quantized, Stored, impossible_scale, quantization_settings
+from seedckpt.checkpoint.formats.quantized import Quantized, Stored, quantization_settings, refuse_impossible_scales
 from seedckpt.checkpoint.load import RowWindow
 from seedckpt.checkpoint.manifest import dtype_name
 from seedckpt.utils.errors import SeedckptError
@@ -103,14 +103,8 @@ class PackedInt4(Quantized):
     def check_scales(self, scales: torch.Tensor, first: int) -> None:
         """Every scale (rows from ``first`` on) is a finite number > 0 (a group's largest magnitude
         over the integers' range, which a quantizer keeps positive); the first other one is named."""
-        found = impossible_scale(scales)
-        if found is not None:
-            row, col, value = found
-            raise SeedckptError(
-                f"{self.scales.file}: {self.scales.name}[{first + row}, {col}] = {value}, an impossible scale: each "
-                f"group of {self.group} values has a finite scale > 0 (0 would zero the group, a negative one flip "
-                "its signs) -- the checkpoint is damaged"
-            )
+        rule = f"each group of {self.group} values has a finite scale > 0"
+        refuse_impossible_scales(self.scales, scales, first, rule, "group")
 
 
 def packed_tensors(stored: dict[str, Stored], config: dict, where: Path) -> dict[str, PackedInt4]:

@@ -101,14 +101,17 @@ class Quantized:
         return out
 
 
-def impossible_scale(scales: torch.Tensor) -> tuple[int, int, float] | None:
-    """The row, column and value of the first of ``scales`` (2-D) that is not a finite number > 0, if any."""
+def refuse_impossible_scales(part: Stored, scales: torch.Tensor, first: int, rule: str, unit: str) -> None:
+    """Refuse the first of ``scales`` (rows ``first`` on of ``part``, 2-D) that is not a finite number
+    > 0, naming it, the ``rule`` it breaks and what it would do to its ``unit`` of values."""
     wide = scales.float()
     impossible = ~((wide > 0) & (wide < math.inf))  # NaN fails both
-    if not bool(impossible.any()):
-        return None
-    row, col = (int(i) for i in impossible.nonzero()[0])
-    return row, col, wide[row, col].item()
+    if bool(impossible.any()):
+        row, col = (int(i) for i in impossible.nonzero()[0])
+        raise SeedckptError(
+            f"{part.file}: {part.name}[{first + row}, {col}] = {wide[row, col].item()}, an impossible scale: {rule} "
+            f"(0 would zero the {unit}, a negative one flip its signs) -- the checkpoint is damaged"
+        )
 
 
 def _window(info: TensorInfo, start: int, stop: int) -> RowWindow:
@@ -148,14 +151,8 @@ class BlockFP8(Quantized):
         448, which a quantizer keeps positive even for an all-zero block (``transformers``' writes 1
         there). A zero would read the block as zeros, a negative one flip its signs, NaN or Inf make
         every value of it non-finite -- whatever the values say; the first such scale is named."""
-        found = impossible_scale(scales)
-        if found is not None:
-            row, col, value = found
-            raise SeedckptError(
-                f"{self.scales.file}: {self.scales.name}[{first + row}, {col}] = {value}, an "
-                f"impossible scale: each {FP8_BLOCK} x {FP8_BLOCK} block's scale_inv is a finite number > 0 (0 would "
-                "zero the block, a negative one flip its signs) -- the checkpoint is damaged"
-            )
+        rule = f"each {FP8_BLOCK} x {FP8_BLOCK} block's scale_inv is a finite number > 0"
+        refuse_impossible_scales(self.scales, scales, first, rule, "block")
 
 
 class MXFP4(Quantized):
