@@ -21,9 +21,9 @@ Flavors: ``35B-A3B``, ``122B-A10B`` and ``397B-A17B`` are the released text deco
 rule's 64-position chunk, its linear layers cross it: the tests train on 80). The init recipe is
 torchtitan 0.3.0's ``qwen3_5`` MoE: Qwen3.5's, the router at the layer's depth-scaled std, the
 experts' and the shared expert's ``w1`` at 0.02 and ``w2``/``w3`` depth-scaled, the shared expert's
-gate at 0.02. Tensor parallelism is
-Qwen3.5's plan, each mixture of experts whole on every TP rank (its shared expert split as a dense
-feed-forward) unless expert parallelism spreads its experts.
+gate at 0.02. Tensor parallelism is Qwen3.5's plan, each mixture of experts whole on every TP rank
+(its shared expert split as a dense feed-forward, its gate whole) unless expert parallelism spreads
+its experts.
 """
 
 from __future__ import annotations
