@@ -303,3 +303,18 @@ def test_a_qwen3_5_moe_seed_goes_to_torchtitan_and_back_bitwise(tmp_path):
     assert not stored["layers.0.moe.expert_bias_E"].any()
     equal, lines = diff(seed, convert(titan, tmp_path / "back", "dcp", progress=False))
     assert equal, lines
+
+
+def test_a_tied_model_says_it_skips_torchtitans_lm_head(tmp_path):
+    """torchtitan ties no embedding: a tied model's export holds ``lm_head`` as the embedding's copy,
+    and reading it back (or any torchtitan checkpoint) into a tied model skips ``lm_head`` in one line,
+    the model as it was."""
+    ours = convert(hf_model(tmp_path / "hf", tie_word_embeddings=True), tmp_path / "ours", "dcp", progress=False)
+    titan = convert(ours, tmp_path / "titan", "torchtitan", progress=False)
+    stored = _stored(titan)
+    assert torch.equal(stored["lm_head.weight"], stored["tok_embeddings.weight"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        equal, lines = diff(ours, convert(titan, tmp_path / "back", "dcp", progress=False))
+    assert equal, lines
+    assert any(str(w.message).startswith("lm_head.weight is skipped: this model ties") for w in caught)
