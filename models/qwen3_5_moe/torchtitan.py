@@ -25,30 +25,19 @@ from models.qwen3_5.torchtitan import Qwen35TorchtitanNames
 from models.qwen3_moe.torchtitan import Qwen3MoeTorchtitanNames
 from seedckpt.utils.stored_parts import StoredSplit
 
-# ours after ``layers.{i}.moe.`` -> torchtitan's
-_MOE = {
-    "experts.w1": "routed_experts.inner_experts.w1_EFD",
-    "experts.w2": "routed_experts.inner_experts.w2_EDF",
-    "experts.w3": "routed_experts.inner_experts.w3_EFD",
-    "expert_bias": "expert_bias_E",
-}
-_MOE_THEIRS = {theirs: ours for ours, theirs in _MOE.items()}
-_IN_MOE = re.compile(r"(layers\.\d+\.moe)\.(.+)")
+_IN_MOE = re.compile(r"layers\.\d+\.moe\..+")
 
 
 class Qwen35MoeTorchtitanNames(Qwen35TorchtitanNames):
     """torchtitan 0.3's Qwen3.5-MoE names as the checkpoint layer's name adapter, for a model of
-    ``args`` (its heads order the permuted rows; its balancing decides where the bias goes)."""
+    ``args`` (its heads order the permuted rows; its balancing decides where the bias goes): the
+    mixture of experts' tensors by the Qwen3-MoE adapter, the rest by Qwen3.5's."""
 
     def to_stored(self, fqn: str) -> str:
-        m = _IN_MOE.fullmatch(fqn)
-        return f"{m.group(1)}.{_MOE[m.group(2)]}" if m and m.group(2) in _MOE else super().to_stored(fqn)
+        return Qwen3MoeTorchtitanNames.to_stored(self, fqn) if _IN_MOE.fullmatch(fqn) else super().to_stored(fqn)
 
     def from_stored(self, name: str) -> str | StoredSplit | None:
-        m = _IN_MOE.fullmatch(name)
-        return (
-            f"{m.group(1)}.{_MOE_THEIRS[m.group(2)]}" if m and m.group(2) in _MOE_THEIRS else super().from_stored(name)
-        )
+        return Qwen3MoeTorchtitanNames.from_stored(self, name) if _IN_MOE.fullmatch(name) else super().from_stored(name)
 
     # the expert bias by Qwen3-MoE's rule: a model balanced without one reads it at zero only
     unkept_unless_zero = Qwen3MoeTorchtitanNames.unkept_unless_zero
