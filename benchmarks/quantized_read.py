@@ -1,5 +1,5 @@
-"""Read rate of quantized Hugging Face directories (FP8 blocks, MXFP4 experts) against the same
-model stored in bf16, measured in the same run.
+"""Read rate of quantized Hugging Face directories (FP8 blocks, MXFP4 and INT4 experts) against the
+same model stored in bf16, measured in the same run.
 
 Run from the repository root:
 
@@ -8,12 +8,13 @@ Run from the repository root:
 
 Per format, one model: FP8, Llama 3 1B's layers (dim 2048, FFN 8192) x 4 with a 32k vocabulary, so
 the quantized layers hold most of the bytes; MXFP4, gpt-oss's block (the ``debug`` flavor widened to
-dim 1024, 8 experts 1024 wide, 4 layers). Its bf16 seed is converted to a Hugging Face directory
-(the baseline), and a copy is quantized by ``tests/quantizers.py`` (FP8: every 2-D weight of the
-layers, as DeepSeek-V3 releases; MXFP4: the experts, as gpt-oss does). Each directory is read by
-``seedckpt.load_model`` (a float32 model, one process) once to warm the page cache, then
-``--repeats`` times; the median is kept, so the figure is the reader's (reading, dequantizing,
-copying), not the disk's.
+dim 1024, 8 experts 1024 wide, 4 layers); INT4, Kimi K2's (its ``debug`` flavor widened the same
+way, 4 layers of which 3 hold experts). Its bf16 seed is converted to a Hugging Face directory (the
+baseline), and a copy is quantized by ``tests/quantizers.py`` (FP8: every 2-D weight of the layers,
+as DeepSeek-V3 releases; MXFP4 and INT4: the experts, as gpt-oss and Kimi-K2-Thinking do). Each
+directory is read by ``seedckpt.load_model`` (a float32 model, one process) once to warm the page
+cache, then ``--repeats`` times; the median is kept, so the figure is the reader's (reading,
+dequantizing, copying), not the disk's.
 
 JSON lines: one per directory (``format``, ``source`` bf16 or quantized, ``stored_bytes``,
 ``parameters``, ``load_s``, ``gb_per_s`` of stored bytes, ``mparams_per_s``), then one ``comparison``
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -45,13 +47,23 @@ MODELS = {  # format: (the config's model overrides, the full form; the small fo
         ],
         ["--model.name", "gpt_oss", "--model.flavor", "debug"],
     ),
+    "int4": (
+        [
+            *["--model.name", "kimi_k2", "--model.flavor", "debug", "--model.dim", "1024"],
+            *["--model.moe_ffn_dim", "1024", "--model.n_experts", "8"],
+        ],
+        ["--model.name", "kimi_k2", "--model.flavor", "debug"],
+    ),
 }
+EXPERT = re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight")  # one per expert
 
 
 def chosen(method: str):
-    """Which tensors a release quantizes: FP8, the layers' 2-D weights; MXFP4, the experts."""
+    """Which tensors a release quantizes: FP8, the layers' 2-D weights; MXFP4 and INT4, the experts."""
     if method == "fp8":
         return lambda name, t: name.startswith("model.layers.") and name.endswith(".weight") and t.dim() == 2
+    if method == "int4":
+        return lambda name, t: EXPERT.fullmatch(name) is not None
     return lambda name, t: name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
 
 
@@ -97,7 +109,7 @@ def read_rate(path: Path, repeats: int) -> dict:
 
 def main() -> None:
     p = parser(__doc__)
-    p.add_argument("--formats", default="fp8,mxfp4", help="comma-separated: fp8, mxfp4 (default both)")
+    p.add_argument("--formats", default="fp8,mxfp4,int4", help="comma-separated: fp8, mxfp4, int4 (default all)")
     p.add_argument("--repeats", type=int, default=3, help="timed reads per directory (default 3)")
     p.add_argument("--small", action="store_true", help="debug shapes: a quick check of the harness")
     opts = p.parse_args()

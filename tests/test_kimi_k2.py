@@ -2,12 +2,12 @@
 has no ``kimi_k2`` class; its Kimi K2.5 wrapper reads a ``kimi_k2`` config as DeepSeek-V3's), and its
 INT4 experts in compressed-tensors' ``pack-quantized`` format.
 
-The INT4 files are made here, from a random tiny K2 of the debug flavor's shapes: each routed
-expert's weight, in groups of 32 along a row, is divided by the group's largest magnitude / 7,
-rounded to an integer in [-8, 7] and packed eight to an int32 word, the first value in the lowest
-four bits, stored as ``q + 8`` (compressed-tensors' ``pack_to_int32``); the scale is stored in
-bfloat16. The reference dequantization below shifts each value out of its word (the reader reads
-bytes), so the two are independent.
+The INT4 files are made here (``tests.quantizers``), from a random tiny K2 of the debug flavor's
+shapes: each routed expert's weight, in groups of 32 along a row, is divided by the group's largest
+magnitude / 7, rounded to an integer in [-8, 7] and packed eight to an int32 word, the first value in
+the lowest four bits, stored as ``q + 8`` (compressed-tensors' ``pack_to_int32``); the scale is
+stored in bfloat16. The reference dequantization there shifts each value out of its word (the reader
+reads bytes), so the two are independent.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from seedckpt.cli.main import main as cli
 from seedckpt.materialize.model_checkpoint import open_model_checkpoint
 from seedckpt.utils.errors import SeedckptError
 from tests.dist import run_distributed
+from tests.quantizers import INT4_CONFIG, quantize_directory, reference_int4
 from tests.test_convert import our_logits
 from tests.test_deepseek_v3 import hf_tensors
 from tests.test_train import losses, torchrun
@@ -43,32 +44,6 @@ transformers = pytest.importorskip("transformers")
 FAMILY = get_family("kimi_k2")
 DEBUG = FLAVORS["debug"]
 TOKENS = torch.randint(0, DEBUG.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
-GROUP = 32
-# Kimi-K2-Thinking's quantization_config: the routed experts' linears only
-INT4_CONFIG = {
-    "quant_method": "compressed-tensors",
-    "format": "pack-quantized",
-    "quantization_status": "compressed",
-    "kv_cache_scheme": None,
-    "config_groups": {
-        "group_0": {
-            "targets": ["Linear"],
-            "input_activations": None,
-            "output_activations": None,
-            "weights": {
-                "num_bits": 4,
-                "type": "int",
-                "symmetric": True,
-                "strategy": "group",
-                "group_size": GROUP,
-                "dynamic": False,
-                "actorder": None,
-                "observer": "minmax",
-            },
-        }
-    },
-    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"],
-}
 # Kimi-K2-Instruct's config.json as released (its auto_map, token ids and generation fields aside)
 HUB_K2 = {
     "architectures": ["DeepseekV3ForCausalLM"],
@@ -197,27 +172,6 @@ def test_the_1t_flavor_is_the_released_config():
         config(KimiK2Args(**{**DEBUG.to_dict(), "score_func": "softmax", "norm_topk_prob": False}), torch.float32)
 
 
-def quantize_int4(w: torch.Tensor) -> dict[str, torch.Tensor]:
-    """``w`` [R, C] as compressed-tensors stores it: packed words, bfloat16 scales, its shape."""
-    groups = w.reshape(w.shape[0], -1, GROUP)
-    scale = (groups.abs().amax(-1) / 7).clamp(min=1e-8).to(torch.bfloat16)
-    q = torch.round(groups / scale.float().unsqueeze(-1)).clamp(-8, 7).reshape(w.shape).long()
-    return {"weight_packed": pack_int4(q), "weight_scale": scale, "weight_shape": torch.tensor(list(w.shape))}
-
-
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """Integers in [-8, 7] ``[R, C]`` as int32 words ``[R, C / 8]``, value i of a word at bits 4i."""
-    words = sum((q[:, i::8] + 8) << (4 * i) for i in range(8))
-    return (words - (words >= 2**31).long() * 2**32).to(torch.int32)  # the top bit is the sign's
-
-
-def dequantize_reference(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The definition, value by value: the word's bits 4i..4i+3, less 8, times the group's scale."""
-    words = packed.long() & 0xFFFFFFFF
-    q = torch.stack([((words >> (4 * i)) & 0xF) - 8 for i in range(8)], dim=-1).reshape(packed.shape[0], -1)
-    return q.float() * scale.float().repeat_interleave(GROUP, dim=1)
-
-
 def _stored(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Stored]:
     save_file(tensors, path / "model.safetensors")
     return {n: Stored(path / "model.safetensors", n, TensorInfo(tuple(t.shape), t.dtype)) for n, t in tensors.items()}
@@ -238,7 +192,7 @@ def test_packed_words_read_as_compressed_tensors_defines_them(tmp_path):
         _stored(tmp_path, {name + k: t for k, t in parts.items()}), {"quantization_config": INT4_CONFIG}, tmp_path
     )
     q = found[name]
-    expected = dequantize_reference(packed, scale)
+    expected = reference_int4(packed, scale)
     assert q.info == TensorInfo((5, 64), torch.float32)
     assert q.read()[0, :8].tolist() == [v * 0.5 for v in range(-8, 0)]
     assert torch.equal(q.read(), expected)
@@ -260,18 +214,7 @@ def int4(tmp_path_factory):
     values the INT4 files stand for (``dequantized``)."""
     root = tmp_path_factory.mktemp("int4")
     plain = hf_model(root / "plain")
-    shutil.copytree(plain, root / "int4")
-    shutil.copytree(plain, root / "dequantized")
-    tensors = load_file(plain / "model.safetensors")
-    packed, values = {}, dict(tensors)
-    for name in [n for n in tensors if _experts(n)]:
-        parts = quantize_int4(tensors[name])
-        packed |= {f"{name}{k.removeprefix('weight')}": t for k, t in parts.items()}
-        values[name] = dequantize_reference(parts["weight_packed"], parts["weight_scale"])
-    save_file({n: t for n, t in tensors.items() if not _experts(n)} | packed, root / "int4" / "model.safetensors")
-    save_file(values, root / "dequantized" / "model.safetensors")
-    cfg = json.loads((plain / "config.json").read_text())
-    (root / "int4" / "config.json").write_text(json.dumps({**cfg, "quantization_config": INT4_CONFIG}))
+    quantize_directory(plain, root / "int4", "int4", lambda name, _: _experts(name), root / "dequantized")
     return {"int4": root / "int4", "dequantized": root / "dequantized", "plain": plain}
 
 
