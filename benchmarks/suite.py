@@ -77,13 +77,14 @@ class Part:
 # budget's end, whichever comes first; one that does not fit is recorded as skipped, with why.
 #
 # Estimates: the H200 / H100 runs of 2026-11-25/26 (benchmarks/results/gpu-2026-11-2*.json) plus a
-# margin -- throughput.py's 1B rows ~20 s a variant eager and ~30 s compiled (a process, the FSDP2
-# set-up, 12 steps of 0.14-0.2 s, the compile) after ~15 s of probe and seed; torchtitan's two runs
+# margin. throughput.py: ~20 s of probe and 1B seed, then each variant's process (its wall_s on the
+# H200: bare_eager 10 s, train_eager 12, sft 31, bare_compiled 38, train_compiled 21, hf 27, osft 39,
+# the selective ones 12 and 19), bare_eager first in each part as its baseline. torchtitan's two runs
 # ~35 s eager and ~60 s compiled (torchrun, its 1B init, flex attention's compile, 12 steps); the MoE
 # layer's three compilations ~20 s each. Priority rows, in seconds:
-#   loss 20 + throughput_eager 85 + throughput_compiled 90 + torchtitan_peer 100 + moe_block 75
-#   + save 60 + seed 20 = 450 of the 570: about 2 minutes are left for the rows after them, in order
-#   (packed_attention 70, attention 15, load 65, osft 20, mla_attention 30, throughput_more 110,
+#   loss 20 + throughput_eager 85 + throughput_compiled 95 + torchtitan_peer 100 + moe_block 75
+#   + save 60 + seed 20 = 455 of the 570: about 2 minutes are left for the rows after them, in order
+#   (packed_attention 70, attention 15, load 65, osft 20, mla_attention 30, throughput_more 130,
 #   cuda_tests 90, moe_train 330); whatever does not fit waits for `--parts` in a later call.
 BUDGET_S = 570
 # Figures across the rows of one call, tokens/s over tokens/s: (variant, its same-call baseline)
@@ -125,7 +126,7 @@ PARTS = [
         [*THROUGHPUT, "bare_compiled,train_compiled"],
         150,
         "train.py compiled at least 0.95x the bare compiled loop's tokens/s (bare_eager again: its baseline)",
-        estimate_s=90,
+        estimate_s=95,
         tiny=TINY_TRAINING,
     ),
     Part(
@@ -238,7 +239,7 @@ PARTS = [
         "HF transformers' Llama beside the bare loop; selective activation checkpointing's cost, eager and "
         "compiled; OSFT's step beside SFT's",
         ("transformers",),
-        estimate_s=110,
+        estimate_s=130,
         tiny=TINY_TRAINING,
     ),
     Part(

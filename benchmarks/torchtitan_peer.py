@@ -6,7 +6,7 @@ bf16 parameters under FSDP2 with float32 reduction -- the shapes, batch and prec
 AdamW, CUDA graphs around forward + backward, no activation checkpointing (as ``train_eager``).
 
 The data are random tokens, one document per row (positions 0 .. seq_len - 1), made by this
-module's own ``SyntheticText`` inside torchtitan's ``ParallelAwareDataloader``, as ``train.py``'s
+module's own ``SyntheticRows`` inside torchtitan's ``ParallelAwareDataloader``, as ``train.py``'s
 rows use ``--data.kind synthetic``: nothing is read or tokenized, and a GPU machine without network
 runs it. torchtitan still builds a tokenizer; a tiny ``tokenizer.json`` is written for it.
 
@@ -35,7 +35,7 @@ import sys
 from pathlib import Path
 
 import torch
-from common import ROOT, emit, output_dir, parser
+from common import emit, output_dir, parser
 
 HERE = Path(__file__).resolve().parent
 VARIANTS = {"torchtitan_eager": [], "torchtitan_compiled": ["--compile.enable"]}
@@ -216,5 +216,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     main()
