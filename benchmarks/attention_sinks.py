@@ -1,4 +1,5 @@
-"""Benchmark the attention variants gpt-oss uses: sinks and sliding windows through SDPA.
+"""Benchmark the attention variants gpt-oss uses: sinks and sliding windows through SDPA; and
+Gemma 2's capped scores, which SDPA cannot compute.
 
 Forward and backward of causal attention over ``(batch, heads, seq, head_dim)`` q and GQA k/v
 (gpt-oss's head_dim 64, 8 q heads per kv head), per sequence length, each variant in its own
@@ -11,12 +12,17 @@ process so that its peak memory (CUDA: max allocated; CPU: peak RSS growth) is i
 ``window``       ``causal_attention`` with a sliding window (``--window``, gpt-oss: 128), no sinks:
                  blocks of queries with the keys their window reaches, once the sequence is long.
 ``window_sinks`` the same with sinks (gpt-oss's sliding layers).
+``capped``       with ``--softcap CAP``: ``causal_attention`` with the scores capped (Gemma 2: 50),
+                 the scores written out.
+``window_capped`` with ``--softcap CAP``: the same in a window (Gemma 2's sliding layers).
 
 Prints one JSON line per variant and length, then one comparing each sink variant with
-``eager_sinks`` and ``window`` with ``sdpa`` (windowed against full attention).
+``eager_sinks``, ``window`` with ``sdpa`` (windowed against full attention), and each capped variant
+with its uncapped one.
 
   python benchmarks/attention_sinks.py                                # CPU, 1 x 8 heads, 2048 and 4096
   python benchmarks/attention_sinks.py --device cuda --dtype bfloat16 --heads 64 --seq-lens 4096,8192
+  python benchmarks/attention_sinks.py --softcap 50                  # and Gemma 2's capped scores
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import sys
 from common import ROOT, emit, parser, time_steps
 
 VARIANTS = ("sdpa", "eager_sinks", "sdpa_sinks", "window", "window_sinks")
+CAPPED = ("capped", "window_capped")  # with --softcap
 
 
 def _eager_sinks(q, k, v, sinks, scale):
@@ -67,6 +74,8 @@ def run_variant(opts) -> dict:
         "sdpa_sinks": lambda: causal_attention(q, k, v, scale, None, sinks),
         "window": lambda: causal_attention(q, k, v, scale, opts.window),
         "window_sinks": lambda: causal_attention(q, k, v, scale, opts.window, sinks),
+        "capped": lambda: causal_attention(q, k, v, scale, None, None, opts.softcap),
+        "window_capped": lambda: causal_attention(q, k, v, scale, opts.window, None, opts.softcap),
     }[opts.variant]
 
     def step():
@@ -97,7 +106,8 @@ def main() -> None:
     p.add_argument("--seq-lens", default="2048,4096")
     p.add_argument("--window", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--variant", choices=VARIANTS, help="run one variant in this process (used by the driver)")
+    p.add_argument("--softcap", type=float, help="also the capped variants, the scores capped at this")
+    p.add_argument("--variant", choices=VARIANTS + CAPPED, help="run one variant in this process (used by the driver)")
     p.add_argument("--seq-len", type=int, help="with --variant: the one length")
     opts = p.parse_args()
     if opts.variant:
@@ -105,15 +115,17 @@ def main() -> None:
         return
     for seq_len in map(int, opts.seq_lens.split(",")):
         results = {}
-        for variant in VARIANTS:
+        for variant in VARIANTS + (CAPPED if opts.softcap else ()):
             cmd = [sys.executable, __file__, "--variant", variant, "--seq-len", str(seq_len)]
-            for name in ("device", "dtype", "batch", "heads", "window", "repeats"):
-                cmd += [f"--{name}", str(getattr(opts, name))]
+            for name in ("device", "dtype", "batch", "heads", "window", "repeats", "softcap"):
+                cmd += [f"--{name}", str(getattr(opts, name))] if getattr(opts, name) is not None else []
             out = subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ}).stdout
             results[variant] = json.loads(out.strip().splitlines()[-1])
             emit(results[variant])
         memory = next(k for k in results["sdpa"] if k.startswith("peak_"))
-        for variant, base in (("sdpa_sinks", "eager_sinks"), ("window_sinks", "eager_sinks"), ("window", "sdpa")):
+        pairs = [("sdpa_sinks", "eager_sinks"), ("window_sinks", "eager_sinks"), ("window", "sdpa")]
+        capped = [("capped", "sdpa"), ("window_capped", "window")] if opts.softcap else []
+        for variant, base in pairs + capped:
             emit(
                 {
                     "comparison": f"{variant} vs {base}",

@@ -114,8 +114,10 @@ def _softcapped(q, k, v, mask, scale: float, sinks, softcap: float) -> torch.Ten
     sink column joined uncapped, then softmax in float32 (at least) cast back, as transformers' eager
     attention computes it. Every score of the call is kept for backward: ``seq^2`` per head over
     whole rows, ``seq * (block + window)`` in a window's blocks (``_window_blocks``). Measured on a
-    busy 2-core CPU (1,024 tokens, GQA 4/2 of 64, float32, forward and backward, median of 7
-    interleaved): 0.32 s against SDPA's 0.10 s uncapped; with a window of 128, 0.055 s against 0.043.
+    busy 2-core CPU (``benchmarks/attention_sinks.py --softcap 50``: 4096 tokens, GQA 8/1 of 64,
+    float32, forward and backward, two runs): 12.6-13.7 s and 2.3 GB peak against SDPA's 2.0-2.1 s
+    and 0.11-0.14 GB uncapped (transformers' eager form, with sinks: 11.3-14.0 s, 1.8 GB); in a
+    window of 128, 0.20-0.33 s against 0.36-0.39 s uncapped.
     Flex attention with a ``score_mod`` computes the same on a CPU 4-7x faster forward (compiled;
     7 s to compile a shape), but has no backward there in torch 2.13, so training takes this path.
     """
