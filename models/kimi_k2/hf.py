@@ -5,10 +5,13 @@ The released ``config.json`` names ``DeepseekV3ForCausalLM`` as its architecture
 DeepSeek-V3's fields; ``transformers`` 5.24 has no ``kimi_k2`` class of its own (its Kimi K2.5
 wrapper reads a ``kimi_k2`` text config as ``deepseek_v3``), so a file is read here as DeepSeek-V3's
 reader reads it (``models.deepseek_v3.hf``: every field checked, ``DeepseekV3Config``'s default for
-one left out) and written as DeepSeek-V3's with ``model_type: kimi_k2``, which
-``DeepseekV3ForCausalLM.from_pretrained`` loads (``AutoConfig`` knows no ``kimi_k2``; the hub's
-files name their own code in ``auto_map``, which is not written). A model that is not routed by
-sigmoid -- Kimi K2's routing and the one ``DeepseekV3ForCausalLM`` computes -- is refused before
+one left out) and written as DeepSeek-V3's with ``model_type: kimi_k2``, as released (the hub's
+files also name their own code in ``auto_map``, which is not written). ``transformers`` 5.24 loads
+such a file as ``DeepseekV3ForCausalLM`` once its ``model_type`` reads ``deepseek_v3``, as its Kimi
+K2.5 reader rewrites it: under ``kimi_k2`` its ``AutoConfig`` knows no class, and
+``DeepseekV3ForCausalLM.from_pretrained`` leaves every routed expert unloaded (it stacks the
+per-expert tensors by a rule it looks up by model_type) with a warning. A model that is not routed
+by sigmoid -- Kimi K2's routing and the one ``DeepseekV3ForCausalLM`` computes -- is refused before
 anything is written.
 
 Kimi-K2-Thinking's routed experts are stored as 4-bit integers (compressed-tensors'
