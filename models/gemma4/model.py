@@ -79,6 +79,7 @@ class Attention(nn.Module):
         self.head_dim = head_dim = args.layer_head_dim(layer_id)
         kv_width = args.layer_kv_heads(layer_id) * head_dim
         self.window = args.layer_windows[layer_id]
+        self.options = args.decoder_options  # what a tensor-parallel plan reads (q/k norms)
         self.eps = args.norm_eps
         self.init_std = args.initializer_range
         self.wq = nn.Linear(args.dim, args.n_heads * head_dim, bias=False)
