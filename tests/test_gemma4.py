@@ -22,6 +22,7 @@ from seedckpt.materialize.stages import build_stages
 from seedckpt.parallel.pipeline import pipeline_split, plan_rank_stages
 from seedckpt.utils.errors import SeedckptError
 from tests.test_convert import our_logits
+from tests.test_sft import chat_inputs  # noqa: F401 (a fixture)
 
 transformers = pytest.importorskip("transformers")
 
@@ -330,3 +331,28 @@ def test_the_experts_train_on_pp2_x_dp_shard2_x_ep2_like_one_process(tmp_path):
     assert len(got) == len(reference) == 3
     for step, (a, b) in enumerate(zip(got, reference), start=1):
         assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: {a} vs {b}"
+
+
+@pytest.mark.slow
+def test_osft_from_the_multimodal_directory_grows_both_tables_and_exports_what_transformers_loads(
+    tmp_path, chat_inputs
+):
+    """A fine-tuning start from the multimodal directory (its decoder; the vocabulary grown to the
+    tokenizer's, the per-layer inputs' table with it), OSFT on the default targets, then its dense
+    export, which ``transformers`` loads as ``Gemma4ForCausalLM`` with the step's logits."""
+    from tests.test_sft import sft
+
+    tokenizer, chats, _ = chat_inputs
+    tiny_multimodal().save_pretrained(tmp_path / "hf")
+    overrides = ["--finetune.mode", "osft", "--parallelism.pipeline_parallel_degree", "1"]
+    sft(tmp_path / "run", tmp_path / "hf", tokenizer, chats, 1, *overrides, "--training.steps", "3")
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and all(row["osft_leak"] < 1e-4 for row in rows)
+    convert(tmp_path / "run" / "ckpt" / "step-3", tmp_path / "export", "hf", dense=True, progress=False)
+    export = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    assert type(export).__name__ == "Gemma4ForCausalLM"
+    step = load_model(tmp_path / "run" / "ckpt" / "step-3")
+    assert step.per_layer_inputs.embeddings.weight.shape[0] == step.args.vocab_size > TINY["vocab_size"]
+    tokens = TOKENS + step.args.vocab_size - TINY["vocab_size"]  # the grown rows too
+    with torch.no_grad():
+        assert (step(tokens) - export(tokens).logits).abs().max().item() <= 1e-5

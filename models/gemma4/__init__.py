@@ -112,7 +112,6 @@ FLAVORS = {
         global_kv_heads=1,
         attention_k_eq_v=True,
         per_layer_dim=16,
-        per_layer_vocab_size=512,
         kv_shared_layers=2,
         final_logit_softcap=30.0,
     ),
@@ -143,7 +142,7 @@ def attention_flops(args: Gemma4Args, layer: int, seq_len: int) -> int:
 def idle_parameters(args: Gemma4Args) -> int:
     """The parameters no matmul uses: the per-layer inputs' table (a lookup) and, per layer, the
     routed experts a token is not sent to."""
-    table = args.per_layer_vocab_size * args.n_layers * args.per_layer_dim
+    table = args.per_layer_vocab * args.n_layers * args.per_layer_dim
     return table + args.n_layers * (args.n_experts - args.top_k) * 3 * args.dim * args.moe_ffn_dim * bool(
         args.n_experts
     )
@@ -194,5 +193,7 @@ GEMMA4 = dataclasses.replace(
     ),
     model=Gemma4Transformer,
     first_stage=("tok_embeddings", "per_layer_inputs"),
+    # a grown vocabulary grows the per-layer inputs' table with the embedding (as transformers resizes it)
+    vocab_fqns=("tok_embeddings.weight", "output.weight", "per_layer_inputs.embeddings.weight"),
     joined_layers=joined_layers,
 )

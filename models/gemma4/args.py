@@ -43,7 +43,7 @@ class Gemma4Args(DecoderArgs):
     global_rope_factor: float = 1.0  # the turning pairs' frequencies are divided by it
     final_logit_softcap: float | None = None  # None: no softcap
     per_layer_dim: int = 256  # each layer's input width (hidden_size_per_layer_input); 0: none
-    per_layer_vocab_size: int = 262144
+    per_layer_vocab_size: int | None = None  # the per-layer inputs' table's rows (None: vocab_size, grown with it)
     kv_shared_layers: int = 0  # the last layers, which reuse the keys and values of an earlier one
     double_wide_mlp: bool = False  # the kv-shared layers' MLP twice as wide
     n_experts: int = 0  # 0: no mixture of experts beside the MLP
@@ -59,7 +59,7 @@ class Gemma4Args(DecoderArgs):
         super().__post_init__()
         if self.rope_scaling is not None:
             raise ValueError("Gemma 4 stretches no RoPE (rope_scaling); remove model.rope_scaling")
-        for name in ("global_head_dim", "per_layer_vocab_size", "top_k", "moe_ffn_dim"):
+        for name in ("global_head_dim", "top_k", "moe_ffn_dim"):
             check_int(name, getattr(self, name))
         for name in ("per_layer_dim", "kv_shared_layers", "n_experts"):
             check_int(name, getattr(self, name), least=0)
@@ -78,7 +78,10 @@ class Gemma4Args(DecoderArgs):
             self.final_logit_softcap = check_float("final_logit_softcap", self.final_logit_softcap)
         for name in ("attention_k_eq_v", "double_wide_mlp"):
             check_bool(name, getattr(self, name))
-        if self.per_layer_dim and self.per_layer_vocab_size < self.vocab_size:
+        if (
+            self.per_layer_vocab_size is not None
+            and check_int("per_layer_vocab_size", self.per_layer_vocab_size) < self.vocab_size
+        ):
             raise ValueError(
                 f"per_layer_vocab_size = {self.per_layer_vocab_size} is below vocab_size = {self.vocab_size}: tokens "
                 "past it would have no per-layer input; give them equal"
@@ -101,6 +104,10 @@ class Gemma4Args(DecoderArgs):
                     f"kv_shared_layers = {self.kv_shared_layers} makes {name} layers reuse the keys of a {name} "
                     f"layer before layer {first}, and there is none: lower kv_shared_layers or change window_layers"
                 )
+
+    @property
+    def per_layer_vocab(self) -> int:
+        return self.vocab_size if self.per_layer_vocab_size is None else self.per_layer_vocab_size
 
     def is_sliding(self, layer: int) -> bool:
         return self.layer_windows[layer] is not None

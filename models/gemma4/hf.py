@@ -104,10 +104,17 @@ def text_args(cfg: dict, tied: bool | None = None) -> Gemma4Args:
         attention_k_eq_v=k_eq_v,
         final_logit_softcap=hf_config.read(cfg, "final_logit_softcapping", check_float, None),
         per_layer_dim=hf_config.read(cfg, "hidden_size_per_layer_input", check_int, 256, least=0),
-        per_layer_vocab_size=hf_config.read(cfg, "vocab_size_per_layer_input", check_int, 262144),
+        per_layer_vocab_size=per_layer_vocab(cfg, fields["vocab_size"]),
         kv_shared_layers=hf_config.read(cfg, "num_kv_shared_layers", check_int, 0, least=0),
         double_wide_mlp=hf_config.read(cfg, "use_double_wide_mlp", check_bool, False),
     )
+
+
+def per_layer_vocab(cfg: dict, vocab_size: int) -> int | None:
+    """``vocab_size_per_layer_input``; None where it is the vocabulary's (a grown vocabulary grows it,
+    as transformers' ``resize_token_embeddings`` does)."""
+    rows = hf_config.read(cfg, "vocab_size_per_layer_input", check_int, 262144)
+    return None if rows == vocab_size else rows
 
 
 def refuse_uncomputed(cfg: dict) -> None:
@@ -240,7 +247,7 @@ def config(args: Gemma4Args, dtype: torch.dtype) -> dict:
         "attention_dropout": 0.0,
         "attention_k_eq_v": args.attention_k_eq_v,
         "hidden_size_per_layer_input": args.per_layer_dim,
-        "vocab_size_per_layer_input": args.per_layer_vocab_size,
+        "vocab_size_per_layer_input": args.per_layer_vocab,
         "num_kv_shared_layers": args.kv_shared_layers,
         "use_double_wide_mlp": args.double_wide_mlp,
         "enable_moe_block": bool(args.n_experts),

@@ -183,7 +183,7 @@ class PerLayerInputs(nn.Module):
         super().__init__()
         self.shape = (args.n_layers, args.per_layer_dim)
         self.init_std = args.initializer_range
-        self.embeddings = nn.Embedding(args.per_layer_vocab_size, args.n_layers * args.per_layer_dim)
+        self.embeddings = nn.Embedding(args.per_layer_vocab, args.n_layers * args.per_layer_dim)
         self.projection = nn.Linear(args.dim, args.n_layers * args.per_layer_dim, bias=False)
         self.norm = RMSNorm(args.per_layer_dim, args.norm_eps)
 
