@@ -42,6 +42,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import signal
 import subprocess
 import sys
@@ -53,6 +54,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 # The label of a JSON line: the first of these fields it has.
+# A row's ratios, for its one-line summary
+HEADLINE = re.compile(r"ratio|_vs_|speedup|fraction_of")
 LABEL_FIELDS = ("phase", "variant", "method", "mode", "measure", "name", "kind", "comparison")
 
 
@@ -605,14 +608,20 @@ def cpu_name() -> str:
     return f"cpu: {platform.machine()}"
 
 
-def headline(lines: list[dict]) -> str:
-    """A row's figures in one line: its comparisons' numbers, else each variant's ``vs_baseline``,
+def headline(lines: list[dict], most: int = 10) -> str:
+    """A row's figures in one line, at most ``most``: every ratio its lines give (``*ratio*``,
+    ``*_vs_*``, ``*speedup*``, ``fraction_of*``), then each variant's ``vs_baseline`` (or tokens/s);
     else its last line's numbers."""
-    compared = [figures(line) for line in lines if "comparison" in line]
-    if compared:
-        return "; ".join(compared)
-    relative = [f"{line['variant']} {line['vs_baseline']:.3g}x" for line in lines if line.get("vs_baseline")]
-    return ", ".join(relative) if relative else figures(lines[-1]) if lines else ""
+    found, variants = [], []
+    for line in lines:
+        numbers = {k: v for k, v in line.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        found += [f"{k}={v:.3g}" for k, v in numbers.items() if HEADLINE.search(k)]
+        if "variant" in line and "vs_baseline" in numbers:
+            variants.append(f"{line['variant']} {numbers['vs_baseline']:.3g}x")
+        elif "variant" in line and "tokens_per_s" in numbers:
+            variants.append(f"{line['variant']} {numbers['tokens_per_s']:.4g} tokens/s")
+    found += variants
+    return ", ".join(found[:most]) if found else figures(lines[-1]) if lines else ""
 
 
 def ratios(report: dict) -> dict[str, float]:

@@ -50,7 +50,7 @@ def test_the_priority_rows_fit_one_command_and_every_gpu_row_has_a_budget_and_a_
         assert 0 < part.estimate_s <= part.cap_s and part.tiny, part.name
 
 
-def test_a_row_runs_capped_at_what_is_left_of_the_budget_or_is_skipped_with_why():
+def test_a_row_runs_capped_at_what_is_left_of_the_budget_or_is_skipped_with_why(capsys):
     part = suite.Part("row", "cuda", ["-c", "pass"], 150, "-", estimate_s=100)
     assert suite.cap_within(part, 400.0, 570) == (150, "")
     assert suite.cap_within(part, 120.4, 570) == (120, "")
@@ -71,6 +71,10 @@ def test_a_row_runs_capped_at_what_is_left_of_the_budget_or_is_skipped_with_why(
         ("late", "skipped"),
     ]
     assert report["ratios"] == {"train_eager_vs_torchtitan_eager": 0.8}
+    summaries = [line for line in capsys.readouterr().out.splitlines() if " in " in line]
+    assert summaries[1].startswith("peer: ok in ") and summaries[1].endswith(" s -- torchtitan_eager 5e+04 tokens/s")
+    assert summaries[2].startswith("late: skipped: needs ~60 s, ")
+    assert summaries[2].endswith(" s left of the 570 s budget in 0 s -- ")
 
 
 def test_the_dry_run_runs_each_row_with_its_tiny_options_on_the_cpu_and_fails_if_one_fails(tmp_path, capsys):
