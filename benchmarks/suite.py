@@ -53,9 +53,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-# The label of a JSON line: the first of these fields it has.
 # A row's ratios, for its one-line summary
 HEADLINE = re.compile(r"ratio|_vs_|speedup|fraction_of")
+# The label of a JSON line: the first of these fields it has.
 LABEL_FIELDS = ("phase", "variant", "method", "mode", "measure", "name", "kind", "comparison")
 
 
@@ -88,7 +88,8 @@ class Part:
 #   loss 20 + throughput_eager 85 + throughput_compiled 95 + torchtitan_peer 100 + moe_block 75
 #   + save 60 + seed 20 = 455 of the 570: about 2 minutes are left for the rows after them, in order
 #   (packed_attention 70, attention 15, load 65, osft 20, mla_attention 30, throughput_more 130,
-#   cuda_tests 90, moe_train 330); whatever does not fit waits for `--parts` in a later call.
+#   cuda_tests 90, moe_train 330); whatever does not fit waits for `--parts` in a later call. On the
+#   torch 2.11 image torchtitan's trainer does not import: its row ends in ~10 s, leaving ~90 s more.
 BUDGET_S = 570
 # Figures across the rows of one call, tokens/s over tokens/s: (variant, its same-call baseline)
 RATIOS = {
@@ -437,6 +438,14 @@ PARTS = [
         ["benchmarks/loss.py"],
         300,
         "the chunked loss's peak a fraction of the whole logits', the same loss",
+    ),
+    Part(
+        "loss_train",
+        "cpu",
+        ["benchmarks/loss.py", "--train"],
+        900,  # four train.py runs of 3 steps: 8 minutes on 2 busy cores
+        "the default loss's train.py step at most 1.15x the whole logits' at 0.5x its peak RSS or less "
+        "(2 layers, vocabulary 65 536, 8192 tokens), the same losses",
     ),
     Part(
         "packed_attention",
