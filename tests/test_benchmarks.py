@@ -39,6 +39,10 @@ SMALL = {
     "osft": ["osft", "--flavor", "debug", "--n-layers", "2", "--measure", "svd,device,forward", "--ranks", ""],
     "attention": ["attention", "--flavor", "debug", "--seq-len", "128", "--repeats", "1"],
     "loss": ["loss", "--tokens", "256", "--dim", "64", "--chunk-tokens", "100", "--repeats", "1"],
+    "loss_train": [
+        *["loss", "--train", "--vocab", "1024", "--seq-len", "64"],
+        *["--batch", "2", "--steps", "2", "--rounds", "1"],
+    ],
     "packed_attention": ["packed_attention", "--seq-lens", "256", "--doc-len", "64", "--repeats", "1"],
     "attention_sinks": ["attention_sinks", "--seq-lens", "128", "--window", "32", "--repeats", "1"],
     "sft_start": ["sft_start", "--flavor", "debug", "--ranks", "2", "--skip-baseline"],
