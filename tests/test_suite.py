@@ -145,3 +145,20 @@ def test_the_cpu_suite_names_the_processor_and_refuses_a_gpu_part():
             [sys.executable, "benchmarks/suite.py", *args], cwd=REPO, capture_output=True, text=True, timeout=HANG_S
         )
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_the_gpu_call_rewrites_its_json_after_every_row(tmp_path, monkeypatch):
+    import torch
+
+    results = tmp_path / "gpu.json"
+    seen = f"import json; print(json.dumps({{'seen': [p['name'] for p in json.load(open('{results}'))['parts']]}}))"
+    first = suite.Part("first", "cuda", ["-c", "pass"], 30, "-", estimate_s=1)
+    second = suite.Part("second", "cuda", ["-c", seen], 30, "-", estimate_s=1)
+    monkeypatch.setattr(suite, "PARTS", [first, second])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    machine = {"device": "a GPU", "torch": "2.11", "cores": 16, "date": "2026-11-28T03:00:00+00:00"}
+    monkeypatch.setattr(suite, "device_report", lambda torch, device: machine)
+    assert suite.main(["--json", str(results), "--wheels", str(tmp_path / "none")]) == 0
+    report = json.loads(results.read_text())
+    assert report["parts"][1]["lines"] == [{"seen": ["first"]}]  # the file as the first row left it
+    assert report["finished"] and report["budget_s"] == suite.BUDGET_S
