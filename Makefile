@@ -81,10 +81,12 @@ GPU_PYTHON_VERSION ?= 3.12
 bench-gpu:
 	$(GPU_PYTHON) benchmarks/suite.py --wheels $(GPU_WHEELS) $(GPU_SUITE_ARGS)
 
-# Each GPU row's command on this CPU with tiny shapes, a step or two (a few minutes on 2 cores): a typo
-# fails here rather than on the lent machine.
+# Each GPU row's command on this CPU with tiny shapes, a step or two (4-5 min of CPU, 10-16 of wall on 2
+# loaded cores): a typo fails here rather than on the lent machine. As the lent machine runs them:
+# CHECK_PYTHON=<a Python 3.12 venv with the image's torch 2.11> GPU_SUITE_ARGS="--wheels .gpu-wheels".
+CHECK_PYTHON ?= $(BIN)/python
 bench-check: install
-	$(BIN)/python benchmarks/suite.py --dry-run $(GPU_SUITE_ARGS)
+	$(CHECK_PYTHON) benchmarks/suite.py --dry-run $(GPU_SUITE_ARGS)
 
 # On a machine with network: the wheels the GPU image lacks, for its Python (GPU_PYTHON_VERSION), into
 # GPU_WHEELS (git-ignored; emptied first: one version of each) to travel with the tree -- crc32c;
