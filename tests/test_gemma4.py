@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from models.gemma4 import FLAVORS, GEMMA4
 from models.gemma4.model import Gemma4Transformer
@@ -188,6 +188,22 @@ def test_the_released_text_configs_read_as_the_flavors(flavor):
     assert args == FLAVORS[flavor] and GEMMA4.flavor_of(args) == flavor
 
 
+def test_a_kv_shared_layers_stored_keys_and_values_are_skipped_with_one_line(tmp_path):
+    """A file holding keys and values for the layers that reuse another's (transformers ignores them):
+    skipped with one line, the logits transformers computes."""
+    hf = tiny_text()
+    hf.save_pretrained(tmp_path)
+    stored = load_file(tmp_path / "model.safetensors")
+    for name in ("k_proj", "v_proj"):
+        stored[f"model.layers.5.self_attn.{name}.weight"] = torch.ones(32, 64)
+    save_file(stored, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match="2 key/value tensors of the kv-shared layers") as caught:
+        model = load_model(tmp_path)
+    assert all("\n" not in str(w.message) for w in caught)
+    with torch.no_grad():
+        assert (model(TOKENS) - hf(TOKENS).logits).abs().max().item() <= 1e-5
+
+
 def test_packed_rows_compute_each_document_alone(tmp_path):
     """Documents packed in a row (positions restarting, longer than the window, the shared keys
     reused within each document) within 1e-5 of ``transformers`` on each document alone."""
@@ -237,6 +253,7 @@ def test_the_seed_recipe_is_transformers_normal_init_with_norms_and_scales_at_on
         ("rope_parameters", {"full_attention": {"rope_type": "yarn"}}, "lacks sliding_attention"),
         ("per_layer_config", {"2": {"intermediate_size": 8}}, "gives layer 2 intermediate_size"),
         ("num_kv_shared_layers", 5, "and there is none"),
+        ("enable_moe_block", True, "lacks num_experts"),
     ],
 )
 def test_config_fields_this_version_does_not_compute_are_refused_in_one_line(tmp_path, field, value, message):

@@ -87,8 +87,8 @@ class Gemma4Args(DecoderArgs):
                 "past it would have no per-layer input; give them equal"
             )
         self._check_kv_sharing()
-        if self.n_experts:
-            self.moe_options  # noqa: B018 -- MoEOptions refuses what it cannot run, naming the field
+        if self.n_experts and self.top_k > self.n_experts:
+            raise ValueError(f"top_k = {self.top_k} exceeds n_experts = {self.n_experts}")
 
     def _check_kv_sharing(self) -> None:
         if self.kv_shared_layers >= self.n_layers:
