@@ -550,17 +550,20 @@ def _on_path(module: str, env: dict) -> bool:
 
 def install_wheels(wheels: Path, env: dict, python: str) -> str:
     """``wheels/*.whl`` installed (no index, no dependencies) into a temporary directory put first on
-    the children's ``PYTHONPATH``; a line saying what was done."""
+    the children's ``PYTHONPATH``; a line saying what was done. Where pip refuses the lot (a wheel of
+    another Python, two versions of one), each is installed alone and the refused are named: the rows
+    that need none of them still run."""
     files = sorted(wheels.glob("*.whl")) if wheels.is_dir() else []
     if not files:
         return f"no wheels in {wheels} (make bench-gpu-prepare fetches them): using what is installed"
     target = Path(tempfile.mkdtemp(prefix="seedckpt-gpu-site-"))
-    subprocess.run(
-        [python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(target), *map(str, files)],
-        check=True,
-    )
+    pip = [python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(target)]
+    refused = []
+    if subprocess.run([*pip, *map(str, files)], capture_output=True).returncode != 0:
+        refused = [f.name for f in files if subprocess.run([*pip, str(f)], capture_output=True).returncode != 0]
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(target), env.get("PYTHONPATH", "")) if p)
-    return f"installed {', '.join(f.name.split('-')[0] for f in files)} from {wheels} into {target}"
+    names = ", ".join(f.name.split("-")[0] for f in files if f.name not in refused)
+    return f"installed {names} from {wheels} into {target}" + (f"; pip refused {', '.join(refused)}" if refused else "")
 
 
 def label(line: dict) -> str:

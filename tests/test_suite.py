@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 from tests.dist import HANG_S
@@ -162,3 +163,19 @@ def test_the_gpu_call_rewrites_its_json_after_every_row(tmp_path, monkeypatch):
     report = json.loads(results.read_text())
     assert report["parts"][1]["lines"] == [{"seen": ["first"]}]  # the file as the first row left it
     assert report["finished"] and report["budget_s"] == suite.BUDGET_S
+
+
+def test_a_wheel_pip_refuses_is_named_and_the_others_still_install(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    with zipfile.ZipFile(wheels / "tinypkg-1.0-py3-none-any.whl", "w") as whl:
+        whl.writestr("tinypkg.py", "VALUE = 7\n")
+        whl.writestr("tinypkg-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: tinypkg\nVersion: 1.0\n")
+        whl.writestr("tinypkg-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        whl.writestr("tinypkg-1.0.dist-info/RECORD", "")
+    (wheels / "other-1.0-cp27-cp27m-win32.whl").write_bytes(b"not for this machine")
+    env = {"PYTHONPATH": "/elsewhere"}
+    said = suite.install_wheels(wheels, env, sys.executable)
+    site = env["PYTHONPATH"].split(os.pathsep)[0]
+    assert said == f"installed tinypkg from {wheels} into {site}; pip refused other-1.0-cp27-cp27m-win32.whl"
+    assert (Path(site) / "tinypkg.py").read_text() == "VALUE = 7\n" and env["PYTHONPATH"].endswith("/elsewhere")
