@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from models.common.decoder import Transformer
 from models.deepseek_v3 import FLAVORS, attention_flops
 from models.deepseek_v3.hf import args_from_config, config
-from models.registry import get_family
+from models.registry import family_of, get_family
 from seedckpt import load_model
 from seedckpt.cli.convert import convert
 from seedckpt.cli.main import main as cli
@@ -412,7 +412,8 @@ def test_an_fp8_directory_loads_to_fp8s_error(tmp_path):
 
 def _tp_worker(rank, world_size, seeds):
     """Per seed: the loss and every full gradient of one packed batch on one process and under tp2
-    (sequence parallel, loss parallel), through the family's plan."""
+    (sequence parallel, loss parallel), through the seed's family's plan: (loss on one process, under
+    tp2, each gradient's largest gap, the same gradients' names, each gradient's largest value)."""
     import contextlib
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -432,7 +433,8 @@ def _tp_worker(rank, world_size, seeds):
         args = open_model_checkpoint(seed).args
         results = []
         for tp in (False, True):
-            shard = (lambda m: FAMILY.tensor_parallel.apply(m, mesh["tp"], True)) if tp else None
+            plan = family_of(args).tensor_parallel
+            shard = (lambda m: plan.apply(m, mesh["tp"], True)) if tp else None
             [model] = build_stages(args, plan_rank_stages(args, 0, 1), "cpu", checkpoint=seed, shard_fn=shard)
             with loss_parallel() if tp else contextlib.nullcontext():
                 loss = token_cross_entropy(model(tokens, positions=positions, document_ids=documents), labels)
@@ -441,7 +443,8 @@ def _tp_worker(rank, world_size, seeds):
             results.append((float(loss.full_tensor() if tp else loss), full))
         (loss_one, grads_one), (loss_tp, grads_tp) = results
         gaps = {n: (grads_tp[n] - grads_one[n]).abs().max().item() for n in grads_one}
-        out[name] = (loss_one, loss_tp, gaps, sorted(grads_one) == sorted(grads_tp))
+        scales = {n: grads_one[n].abs().max().item() for n in grads_one}
+        out[name] = (loss_one, loss_tp, gaps, sorted(grads_one) == sorted(grads_tp), scales)
     return out
 
 
@@ -464,7 +467,7 @@ def test_mla_under_tp_computes_one_process_gradients(tmp_path):
     }
     results = run_distributed(_tp_worker, 2, seeds)
     for name in seeds:
-        loss_one, loss_tp, gaps, same_names = results[0][name]
+        loss_one, loss_tp, gaps, same_names, _ = results[0][name]
         assert same_names and "layers.1.attention.wkv_a.weight" in gaps, name
         assert ("layers.1.attention.wo.bias" in gaps) == (name == "0"), name
         assert abs(loss_tp - loss_one) <= 1e-5 * loss_one, (name, loss_tp, loss_one)

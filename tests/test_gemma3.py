@@ -166,15 +166,19 @@ def test_packed_rows_compute_each_document_alone(tmp_path):
     """Documents packed in a row (positions restarting, longer than the window, the global layers'
     and the windowed layers' tables each indexed by them) within 1e-5 of ``transformers`` on each
     document alone."""
-    hf = tiny_text()
-    hf.save_pretrained(tmp_path)
-    lengths = (12, 3, 5)
-    positions = torch.cat([torch.arange(n) for n in lengths]).expand(2, -1)
-    documents = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]).expand(2, -1)
+    assert packed_rows_gap(tiny_text(), tmp_path, TOKENS) <= 1e-5
+
+
+def packed_rows_gap(hf, path, tokens: torch.Tensor, lengths=(12, 3, 5)) -> float:
+    """The largest gap between our logits of ``tokens``' rows packed as documents of ``lengths``
+    (positions restarting) and ``hf``'s logits of each document alone, ``hf`` saved at ``path``."""
+    hf.save_pretrained(path)
+    positions = torch.cat([torch.arange(n) for n in lengths]).expand(len(tokens), -1)
+    documents = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]).expand(len(tokens), -1)
     with torch.no_grad():
-        packed = load_model(tmp_path)(TOKENS, positions=positions, document_ids=documents)
-        alone = torch.cat([hf(part).logits for part in TOKENS.split(lengths, dim=1)], dim=1)
-    assert (packed - alone).abs().max().item() <= 1e-5
+        packed = load_model(path)(tokens, positions=positions, document_ids=documents)
+        alone = torch.cat([hf(part).logits for part in tokens.split(lengths, dim=1)], dim=1)
+    return (packed - alone).abs().max().item()
 
 
 def test_the_embedding_scale_is_rounded_to_the_embedding_dtype_as_transformers_rounds_it():

@@ -33,6 +33,7 @@ import torch
 from models.common import hf_config
 from models.common.args import check_bool, check_float, check_int
 from models.common.hf_names import ExpertNames, HFNames
+from models.gemma3 import hf as gemma3_hf
 from models.gemma4.args import Gemma4Args, sliding_layers
 from seedckpt.utils.stored_parts import StoredParts
 
@@ -50,16 +51,10 @@ HF_DEFAULTS = dict(
     max_position_embeddings=131072,
     tie_word_embeddings=True,
 )
-# Fields Gemma4TextConfig types without None, so transformers refuses a null one.
+# Fields Gemma4TextConfig types without None, so transformers refuses a null one: Gemma3TextConfig's
+# (but its score scale, which Gemma 4 has not) and Gemma 4's own
 NOT_NULL = (
-    "num_key_value_heads",
-    "head_dim",
-    "hidden_activation",
-    "max_position_embeddings",
-    "initializer_range",
-    "rms_norm_eps",
-    "tie_word_embeddings",
-    "attention_bias",
+    *(name for name in gemma3_hf.NOT_NULL if name != "query_pre_attn_scalar"),
     "sliding_window",
     "vocab_size_per_layer_input",
     "hidden_size_per_layer_input",
