@@ -60,6 +60,7 @@ TOKENS = torch.randint(0, 96, (2, 20), generator=torch.Generator().manual_seed(0
 # The released decoders' text_config, as Gemma4TextConfig takes them (the rest: the class's defaults)
 SMALL = dict(max_position_embeddings=131072, sliding_window=512, hidden_size_per_layer_input=256)
 LARGE = dict(max_position_embeddings=262144, sliding_window=1024, hidden_size_per_layer_input=0, attention_k_eq_v=True)
+LARGE |= dict(use_bidirectional_attention="vision")  # image tokens both ways: text stays causal
 RELEASED = {
     "E2B": SMALL
     | dict(
