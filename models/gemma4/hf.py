@@ -17,9 +17,9 @@ global ones). The global layers' head size and key/value heads are read as trans
 ``per_layer_config`` (what transformers 5.24 writes), else ``global_head_dim`` (512) and, with
 ``attention_k_eq_v``, ``num_global_key_value_heads``. Refused in one line: a head shape that differs
 within a layer kind, another per-layer override, attention biases, dropout, bidirectional
-attention over text (``use_bidirectional_attention`` "all"; the large releases' "vision" turns image
-tokens only, so their text reads as causal), another activation, a RoPE kind other than these, and
-a null where ``Gemma4TextConfig`` holds no null.
+attention over text (``use_bidirectional_attention`` "all"; "vision", which configs derived from
+26B-A4B carry, turns image tokens only, so text reads as causal), another activation, a RoPE kind
+other than these, and a null where ``Gemma4TextConfig`` holds no null.
 
 Names: as transformers names the modules (``models.gemma4``'s docstring lists ours); the q/k rows
 are stored as they are (no RoPE permutation: Gemma 4 turns halves, as transformers does).
