@@ -206,6 +206,17 @@ def test_a_kv_shared_layers_stored_keys_and_values_are_skipped_with_one_line(tmp
         assert (model(TOKENS) - hf(TOKENS).logits).abs().max().item() <= 1e-5
 
 
+def test_the_per_layer_table_counts_as_a_lookup_and_a_windowed_layer_over_its_window():
+    """E2B at 4096 tokens: 6 FLOPs per parameter but the per-layer table's 2.35 B (15.4 GFLOPs a
+    token, not 29.5), each layer's attention in its kind's head size, a windowed one over 512."""
+    from seedckpt.materialize.model_checkpoint import parameter_count
+
+    args = FLAVORS["E2B"]
+    table = args.vocab_size * args.n_layers * args.per_layer_dim
+    attention = sum(12 * 8 * (256 * 512 if args.is_sliding(i) else 512 * 4096) for i in range(args.n_layers))
+    assert GEMMA4.flops_per_token(args, 4096) == 6 * (parameter_count(GEMMA4, args) - table) + attention
+
+
 def test_packed_rows_compute_each_document_alone(tmp_path):
     """Documents packed in a row (positions restarting, longer than the window, the shared keys
     reused within each document) within 1e-5 of ``transformers`` on each document alone."""
