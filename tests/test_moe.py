@@ -477,7 +477,7 @@ def test_moe_init_recipes():
         ({"n_group": 4, "topk_group": 5}, "topk_group = 5; it must be between 1 and n_group = 4"),
         ({"n_group": 4, "topk_group": 1, "top_k": 3}, "top_k = 3 exceeds the experts of topk_group = 1 groups (2)"),
         ({"score_func": "sparsemax"}, "score_func = 'sparsemax'; choose one of softmax, sigmoid, softmax_topk"),
-        ({"activation": "gelu"}, "activation = 'gelu'; choose one of silu, clamped_swiglu"),
+        ({"activation": "gelu"}, "activation = 'gelu'; choose one of silu, gelu_tanh, clamped_swiglu"),
     ],
 )
 def test_moe_options_refuse_what_the_block_cannot_run(fields, message):
