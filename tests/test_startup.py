@@ -43,7 +43,8 @@ def test_seed_imports_nothing_heavy(tmp_path):
         timeout=HANG_S,
     )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip().splitlines()[-1] == "[]"
+    imported = proc.stdout.strip().splitlines()[-1]
+    assert imported == "[]", f"the seed imported {imported}: import it where it is used (-X importtime shows who)"
 
 
 def test_compiled_code_reads_the_capability_as_a_constant(monkeypatch):
