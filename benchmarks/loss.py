@@ -10,13 +10,15 @@ float32. Each variant runs in its own process, so its peak (CUDA: max allocated;
 growth over the weights and inputs) is its own; the losses of the two are compared too. Prints one
 JSON line per variant and one comparing them.
 
-``--train``: the loss inside a ``train.py`` step instead (one process, float32, initialized directly
-from the seed): ``configs/debug.toml``'s model cut to ``--n-layers`` (2) with a ``--vocab`` (65 536)
-vocabulary, ``--batch`` (4) rows of ``--seq-len`` (2048) tokens, ``training.loss_chunk_tokens``'s
-default (-1) against 0 (the whole logits), ``--rounds`` of each in turn (whole, default, default,
-whole, ...) so a machine's drifting load weighs on both. Per variant: the median step time after
-each run's first step, the median of the runs' peak RSS (``VmHWM``), the runs' CPU seconds, the
-first run's losses; then a line comparing the default to the whole logits of the same call.
+``--train``: the loss inside a ``train.py`` step instead (one process, float32, no seed file:
+``checkpoint.init_from = direct``): ``configs/debug.toml``'s model cut to ``--n-layers`` (2) with a
+``--vocab`` (65 536) vocabulary, ``--batch`` (4) rows of ``--seq-len`` (2048) tokens,
+``training.loss_chunk_tokens``'s default (-1) against 0 (the whole logits), ``--rounds`` of each in
+turn (whole, default, default, whole, ...) so a machine's drifting load weighs on both. Per
+variant: the median step time after each run's first step, the median of the runs' peak RSS
+(``VmHWM``), the runs' CPU seconds, the first run's losses; then a line comparing the default to the
+whole logits of the same call (on 2 quiet cores: 0.64x the step, 0.17x the peak RSS, the losses
+within 1e-7).
 
   python benchmarks/loss.py                                  # CPU: 4096 tokens, dim 256, the default's chunks
   python benchmarks/loss.py --device cuda --tokens 32768 --dim 2048 --dtype bfloat16
