@@ -20,8 +20,8 @@ Prints one JSON line per variant (``torchtitan_eager``, ``torchtitan_compiled``)
 (the median of torchtitan's own per-step ``tps`` after ``--warmup`` steps), ``step_time_s``
 (tokens a step over that), ``peak_reserved_gib`` and ``final_loss`` from its log. Where torchtitan
 does not import (not installed, or this torch too old for it: 0.3.0 needs the
-``torch.distributed.fsdp.DataParallelMeshDims`` of torch 2.12+, so the torch 2.11 image cannot run
-it), one ``skipped`` line per variant says why and the script exits 0.
+``torch.distributed.fsdp.DataParallelMeshDims`` that torch 2.13 has and 2.11 has not, so the torch
+2.11 image cannot run it; 2.12 untried), one ``skipped`` line per variant says why and the script exits 0.
 """
 
 from __future__ import annotations
