@@ -154,6 +154,31 @@ def test_varlen_path_hands_the_kernel_every_row_as_one_packed_sequence(window, m
     assert seen == [(-1, 0) if window is None else (window - 1, 0)]
 
 
+def test_varlen_path_repeats_key_heads_for_a_kernel_without_gqa(monkeypatch):
+    """torch 2.11's ``varlen_attn`` has no ``enable_gqa``: the key and value heads are repeated to the
+    query's count and the result is the same as one call per document, outputs and gradients."""
+    import torch.nn.attention.varlen as varlen
+
+    seen, full = [], _flash_stand_in([])
+
+    def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size):  # torch 2.11's signature
+        seen.append((q.shape[1], k.shape[1], v.shape[1]))
+        return full(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size, enable_gqa=False)
+
+    monkeypatch.setattr(varlen, "varlen_attn", varlen_attn)
+    monkeypatch.setattr(pa, "FLASH_DTYPES", (torch.float32,))
+    pa._varlen_takes_gqa.cache_clear()
+    try:
+        ids = document_ids()
+        documents = dataclasses.replace(Documents.of(ids), flash=True)
+        inputs = _inputs(v_dim=8)
+        _assert_same(lambda q, k, v, s: packed_attention(q, k, v, documents, 0.3, 16, s), inputs, ids, 0.3, 16)
+    finally:
+        pa._varlen_takes_gqa.cache_clear()
+    heads, kv_heads = inputs[0].shape[1], inputs[1].shape[1]
+    assert kv_heads < heads and seen == [(heads, heads, heads)]
+
+
 @pytest.mark.parametrize("window", WINDOWS)
 def test_flex_path_with_sinks_equals_each_document_alone(window, monkeypatch):
     """Layers with sinks take flex attention under the documents' block mask, the sink's share of

@@ -38,6 +38,7 @@ each batch's length classes, so a CPU recompiles for new ones.
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -317,6 +318,10 @@ def _varlen(q, k, v, documents: Documents, scale: float | None, window: int | No
     def tokens(x):  # (bsz, heads, seq, dim) -> (bsz * seq, heads, dim): a view of the projection's output
         return x.transpose(1, 2).flatten(0, 1)
 
+    gqa = {"enable_gqa": True}
+    if not _varlen_takes_gqa():  # torch 2.11's varlen_attn: the key/value heads repeated to q's count
+        k, v = (x.repeat_interleave(heads // x.shape[1], dim=1) for x in (k, v))
+        gqa = {}
     cu, longest = documents.cu_seqlens, documents.max_len
     out = varlen_attn(
         *map(tokens, (q, k, v)),
@@ -326,9 +331,17 @@ def _varlen(q, k, v, documents: Documents, scale: float | None, window: int | No
         longest,
         scale=scale,
         window_size=(-1, 0) if window is None else (window - 1, 0),  # (-1, 0): causal; (w, 0): w keys back
-        enable_gqa=True,
+        **gqa,
     )
     return out[..., :v_dim].unflatten(0, (bsz, seq)).transpose(1, 2)
+
+
+@functools.cache
+def _varlen_takes_gqa() -> bool:
+    """Whether this torch's ``varlen_attn`` takes ``enable_gqa`` (2.13 does; 2.11 has no such argument)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
 def _flex_attention(q, k, v, block_mask, scale: float | None, sinks, softcap: float | None) -> torch.Tensor:
