@@ -1,27 +1,35 @@
 """Qwen3.5-MoE against ``transformers``' ``Qwen3_5MoeForCausalLM``: logits both ways on tiny configs
 whose linear layers cross the rule's chunk (the experts, the router and the gated shared expert
-included), the multimodal directory's decoder, the auxiliary loss against transformers', the released
-flavors' parameter counts, the init recipe, refusals, OSFT's targets, tp2 against one process, and
-pp2 x dp_shard2 x ep2 training."""
+included), the multimodal directory's decoder, the releases' fused experts, the auxiliary loss against
+transformers', the released flavors' parameter counts, the init recipe, refusals, OSFT's targets, tp2
+against one process, and pp2 x dp_shard2 x ep2 training."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import warnings
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from models.common.moe import moe_modules
 from models.qwen3_5_moe import FLAVORS
 from models.qwen3_5_moe.hf import args_from_config, config
 from models.registry import get_family
 from seedckpt import load_model
+from seedckpt.checkpoint.load import RowWindow
+from seedckpt.checkpoint.owned_reads import OwnedHFReader
+from seedckpt.cli.convert import convert
+from seedckpt.cli.main import main as cli
 from seedckpt.materialize.init_recipe import init_model
+from seedckpt.materialize.model_checkpoint import open_model_checkpoint
 from seedckpt.materialize.seed import create_seed_checkpoint
 from tests.conftest import tiny_config
 from tests.dist import run_distributed
-from tests.test_deepseek_v3 import _close, assert_both_ways
+from tests.test_convert import our_logits
+from tests.test_deepseek_v3 import _close, assert_both_ways, hf_tensors
 from tests.test_qwen3_5 import CASES as DENSE_CASES
 from tests.test_qwen3_5 import TINY as DENSE_TINY
 from tests.test_qwen3_5 import TOKENS, assert_the_multimodal_directory_reads_its_decoder
@@ -75,6 +83,95 @@ def test_the_multimodal_directory_reads_its_decoder_and_skips_the_vision_tower(t
     """A ``qwen3_5_moe`` directory (``text_config``; the decoder under ``model.language_model.``, a
     vision tower and an MTP module beside it): the text logits within 1e-5, the skip named in one line."""
     assert_the_multimodal_directory_reads_its_decoder(hf_model(tmp_path / "hf"), "qwen3_5_moe", tmp_path)
+
+
+def released_layout(path, tmp_path, extra: dict | None = None):
+    """The transformers directory at ``path`` laid out as the releases are (Qwen3.5-35B-A3B's files):
+    transformers' own state dict written by safetensors, so each layer's experts are its fused
+    ``mlp.experts.gate_up_proj`` ``[E, 2 ffn, dim]`` and ``down_proj`` ``[E, dim, ffn]``, under the
+    multimodal ``model.language_model.`` with a ``qwen3_5_moe`` config.json, and Qwen3.6's fused MTP
+    experts beside them; plus ``extra``."""
+    hf = transformers.Qwen3_5MoeForCausalLM.from_pretrained(path)
+    stored = {name.replace("model.", "model.language_model.", 1): t.contiguous() for name, t in hf.state_dict().items()}
+    stored |= {"mtp.layers.0.mlp.experts.gate_up_proj": torch.ones(8, 32, 64), **(extra or {})}
+    release = tmp_path / f"release{len(list(tmp_path.glob('release*')))}"
+    release.mkdir()
+    save_file(stored, release / "model.safetensors", metadata={"format": "pt"})
+    text = json.loads((path / "config.json").read_text())
+    (release / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe", "text_config": text}))
+    return release
+
+
+def test_the_releases_fused_experts_compute_transformers_logits(tmp_path):
+    """A directory laid out as the releases are (fused experts, multimodal prefix, fused MTP experts):
+    ``convert`` to DCP, our pp=2 stages straight from it (a fine-tuning start's load) and
+    ``load_model`` all give transformers' logits within 1e-5, the MTP skipped in one line; exported
+    back, it is written one tensor per expert, as transformers' ``save_pretrained`` writes it."""
+    path = hf_model(tmp_path / "hf")
+    release = released_layout(path, tmp_path)
+    with torch.no_grad():
+        want = transformers.Qwen3_5MoeForCausalLM.from_pretrained(path).eval()(TOKENS).logits
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            convert(release, tmp_path / "dcp", "dcp", progress=False)
+        assert [str(w.message) for w in caught if "multi-token" in str(w.message)][0].startswith("1 tensors")
+        for source, pp in ((tmp_path / "dcp", 1), (release, 2)):
+            assert (our_logits(source, TOKENS, pp) - want).abs().max().item() <= 1e-5, (source, pp)
+        assert (load_model(release)(TOKENS) - want).abs().max().item() <= 1e-5
+        convert(release, tmp_path / "back", "hf", progress=False)
+        back = transformers.Qwen3_5MoeForCausalLM.from_pretrained(tmp_path / "back").eval()
+        assert (back(TOKENS).logits - want).abs().max().item() <= 1e-5
+    assert hf_tensors(tmp_path / "back").keys() == load_file(path / "model.safetensors").keys()
+
+
+def test_a_rank_reads_only_its_experts_rows_of_the_fused_tensors(tmp_path, monkeypatch):
+    """Experts 4..8 of layer 1 into a rank's rows (an expert-parallel or FSDP shard): only those rows
+    of ``gate_up_proj`` and ``down_proj`` are asked of the files, and they equal the whole read's."""
+    release = released_layout(hf_model(tmp_path / "hf"), tmp_path)
+    asked, read_data = [], OwnedHFReader.read_data
+    monkeypatch.setattr(
+        OwnedHFReader,
+        "read_data",
+        lambda self, plan, planner: (
+            asked.extend((i.storage_index.fqn, i.storage_offsets[0], i.lengths[0]) for i in plan.items)
+            or read_data(self, plan, planner)
+        ),
+    )
+    opened = open_model_checkpoint(release)
+    ours = {
+        f"layers.1.moe.experts.{w}": torch.empty(4, *opened.infos[f"layers.1.moe.experts.{w}"].shape[1:])
+        for w in ("w1", "w3", "w2")
+    }
+    opened.load({fqn: RowWindow(rows, 4) for fqn, rows in ours.items()})
+    stored = "model.language_model.layers.1.mlp.experts."
+    assert sorted(asked) == [(stored + "down_proj", 4, 4), (stored + "gate_up_proj", 4, 4)]
+    assert all(torch.equal(rows, opened.read_tensor(fqn)[4:]) for fqn, rows in ours.items())
+
+
+PER_EXPERT = "model.language_model.layers.0.mlp.experts.{e}.{p}_proj.weight"
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (
+            {PER_EXPERT.format(e=e, p=p): torch.ones(16, 64) for e in range(8) for p in ("gate", "up")},
+            "stores layers.0.moe.experts.w1 twice, one slice (expert) per tensor",
+        ),
+        ({"model.language_model.layers.1.mlp.experts.gate_up_proj": torch.ones(8, 33, 64)}, "as [8, 33, 64]"),
+        ({"model.language_model.layers.1.mlp.experts.gate_up_proj": torch.ones(32)}, "as [32], which is not"),
+        ({"model.language_model.layers.1.mlp.experts.down_proj": torch.ones(9, 64, 16)}, "shape [9, 64, 16]"),
+    ],
+    ids=["both_layouts", "odd_gate_up", "flat_gate_up", "nine_experts"],
+)
+def test_fused_experts_in_two_layouts_or_lying_shapes_are_refused_in_one_line(tmp_path, capsys, extra, message):
+    release = released_layout(hf_model(tmp_path / "hf"), tmp_path, extra)
+    capsys.readouterr()  # transformers' progress bars
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert cli(["convert", str(release), str(tmp_path / "dcp"), "--to", "dcp", "--quiet"]) != 0
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and not (tmp_path / "dcp").exists()
 
 
 def test_each_rows_aux_loss_is_transformers_load_balancing_loss(tmp_path):

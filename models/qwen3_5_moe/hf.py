@@ -4,7 +4,9 @@ Read: ``Qwen3_5MoeForCausalLM``'s directories (model_type ``qwen3_5_moe_text``) 
 ``Qwen3_5MoeForConditionalGeneration``'s (``qwen3_5_moe``: the releases), whose decoder is its
 ``text_config``, stored under ``model.language_model.``; their vision tower and multi-token-prediction
 module are skipped with one line, as for the dense Qwen3.5 (``models.qwen3_5.hf``, which reads
-everything but the experts). Written: a ``Qwen3_5MoeForCausalLM`` directory.
+everything but the experts). Qwen3.6-35B-A3B is the same ``qwen3_5_moe`` model to transformers (its
+documentation: the same ``model_type`` and classes), read alike. Written: a ``Qwen3_5MoeForCausalLM``
+directory.
 
 A field the file leaves out takes ``Qwen3_5MoeTextConfig``'s default (``HF_DEFAULTS``, and 256
 experts of 512, 8 a token, a shared expert of 512). The class keeps no ``intermediate_size``,
@@ -15,6 +17,16 @@ Names: Qwen3.5's, and the experts as ``transformers`` 5.24 saves them, one tenso
 (``mlp.experts.{e}.{gate,up,down}_proj.weight``, router ``mlp.gate.weight``: Qwen3-MoE's); the
 shared expert ``mlp.shared_expert.{gate,up,down}_proj.weight`` is our ``moe.shared_experts.{w1,w3,w2}``
 and its gate ``mlp.shared_expert_gate.weight`` our ``moe.shared_experts.gate.weight``.
+
+The releases (Qwen3.5-35B-A3B, Qwen3.6-35B-A3B) store each layer's experts fused instead, as
+transformers' ``Qwen3_5MoeExperts`` holds them: ``mlp.experts.gate_up_proj`` ``[E, 2 ffn, dim]``, the
+gate's rows (our ``w1``) then the up projection's (``w3``), and ``mlp.experts.down_proj`` ``[E, dim,
+ffn]``, our ``w2`` as it is (no ``.weight``; their MTP layer's alike, under ``mtp.``, skipped). Both
+are read as ``StoredParts``, so a rank reads only its experts' rows of them; a directory holding some
+expert both ways, or a ``gate_up_proj`` that is not 3-D with an even row count, is refused in one line.
+An export writes one tensor per expert whatever layout was read: it is what ``save_pretrained`` writes
+and transformers reads both, and the layout read is not kept past the read (a seed or a training step
+holds ours), so following it would export the same weights two ways depending on the path they took.
 """
 
 from __future__ import annotations
@@ -29,6 +41,7 @@ from models.qwen3_5 import hf as dense
 from models.qwen3_5.hf import Qwen35Names, text_name
 from models.qwen3_5_moe.args import Qwen35MoeArgs
 from models.qwen3_moe import EXPERTS
+from seedckpt.utils.stored_parts import StoredParts
 
 ARCHITECTURE, MODEL_TYPE, WRAPPER_TYPE = "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", "qwen3_5_moe"
 CONFIG_CLASS = "Qwen3_5MoeTextConfig"
@@ -52,10 +65,28 @@ _SHARED = {
 _SHARED_INV = {theirs: ours for ours, theirs in _SHARED.items()}
 _OURS = re.compile(r"layers\.(\d+)\.moe\.shared_experts\.(.+)")
 _THEIRS = re.compile(r"model\.layers\.(\d+)\.mlp\.(shared_expert.+)")
+_FUSED_THEIRS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
+
+
+def _halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gate_up_proj``'s rows (dim 1) -> the gate's (the first half) and the up projection's."""
+    if t.dim() != 3 or t.shape[1] % 2:
+        raise ValueError("gate_up_proj is [experts, 2 * moe_intermediate_size, hidden_size], the gate's rows first")
+    gate, up = t.chunk(2, dim=1)
+    return gate, up
+
+
+# The release's fused experts, within a layer's ``mlp.experts.``: (ours, split, join); both are
+# already ours' orientation, ``[experts, out, in]``
+_FUSED = {
+    "gate_up_proj": (("w1", "w3"), _halves, lambda ours: torch.cat(ours, dim=1)),
+    "down_proj": (("w2",), lambda t: (t,), lambda ours: ours[0]),
+}
 
 
 class Qwen35MoeNames(Qwen35Names):
-    """Qwen3.5's name adapter (``models.qwen3_5.hf``) with the experts and the gated shared expert."""
+    """Qwen3.5's name adapter (``models.qwen3_5.hf``) with the experts (one tensor each, or the
+    releases' fused ones) and the gated shared expert."""
 
     def __init__(self, args):
         super().__init__(args, EXPERTS)
@@ -67,6 +98,10 @@ class Qwen35MoeNames(Qwen35Names):
         return f"model.layers.{m.group(1)}.mlp.{_SHARED[m.group(2)]}"
 
     def from_stored(self, name: str):
+        fused = _FUSED_THEIRS.fullmatch(text_name(name) or "")
+        if fused is not None:
+            ours, split, join = _FUSED[fused.group(2)]
+            return StoredParts(tuple(f"layers.{fused.group(1)}.moe.experts.{w}" for w in ours), split, join)
         m = _THEIRS.fullmatch(text_name(name) or "")
         if m is None or m.group(2) not in _SHARED_INV:
             return super().from_stored(name)

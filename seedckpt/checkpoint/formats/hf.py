@@ -8,8 +8,9 @@ reads only its tensors and rows. A quantized tensor (FP8 blocks, MXFP4: ``quanti
 integers: ``compressed_tensors``) stands under the name it would have unquantized, in float32, and a
 rank reads the rows of its values and scales under its own. A stored tensor that holds some of ours
 rearranged (``StoredParts``: gpt-oss's fused, interleaved, transposed experts) is split on reading,
-a rank reading only its experts' rows of it, and joined again on writing. ``write`` streams
-``model-0000k-of-0000n.safetensors`` shards of at most ``shard_bytes``, the index and a
+a rank reading only its experts' rows of it, and joined again on writing; one of ours stored both
+so and one slice (expert) per tensor is refused in one line, as is one that does not split.
+``write`` streams ``model-0000k-of-0000n.safetensors`` shards of at most ``shard_bytes``, the index and a
 ``config.json`` that ``transformers`` loads, with the tokenizer files and ``generation_config.json``
 the caller hands it (``WriteJob``).
 
@@ -146,7 +147,7 @@ class HFCheckpoint(OpenedCheckpoint):
                     pieces.setdefault(fqn[0], {})[fqn[1]] = (path / file, name, info)
                     continue
                 if isinstance(fqn, StoredParts):
-                    for k, (ours, shape) in enumerate(zip(fqn.fqns, split_shapes(fqn, info.shape))):
+                    for k, (ours, shape) in enumerate(zip(fqn.fqns, _parts_shapes(fqn, info, path / file, name))):
                         self.parts[ours] = (fqn, k)
                         self.location[ours] = (path / file, name)
                         infos[ours] = TensorInfo(shape, info.dtype)
@@ -155,6 +156,7 @@ class HFCheckpoint(OpenedCheckpoint):
                 self.spans[fqn] = (data_start + entry["data_offsets"][0], data_start + entry["data_offsets"][1])
                 infos[fqn] = info
         self._refuse_unaccounted(path, unaccounted, skipped)
+        _refuse_two_layouts(path, pieces, self.parts, self.location)
         self.slices = {fqn: _stacked(fqn, found, path) for fqn, found in pieces.items()}
         for fqn, parts in self.slices.items():
             self.location[fqn] = parts[0][:2]
@@ -376,6 +378,26 @@ def _stored(path: Path, headers: dict) -> dict[str, Stored]:
         for file, (header, _, _) in headers.items()
         for name, entry in header.items()
     }
+
+
+def _parts_shapes(parts: StoredParts, info: TensorInfo, file: Path, name: str) -> list[tuple[int, ...]]:
+    """The shapes of ours that the stored ``name`` of ``file`` splits into; one line if it cannot."""
+    try:
+        return split_shapes(parts, info.shape)
+    except ValueError as e:
+        raise SeedckptError(f"{file} stores {name} as {list(info.shape)}, which is not its layout: {e}") from None
+
+
+def _refuse_two_layouts(path: Path, pieces: dict, parts: dict, location: dict) -> None:
+    """One line if some tensor of ours is stored both one slice (expert) per tensor and within a
+    fused one: which to read is not the files' to leave open."""
+    both = sorted(set(pieces) & set(parts))
+    if both:
+        sliced = next(iter(pieces[both[0]].values()))[1]
+        raise SeedckptError(
+            f"{path} stores {both[0]} twice, one slice (expert) per tensor ({sliced} ...) and within "
+            f"{location[both[0]][1]}: keep one layout, removing the other's tensors"
+        )
 
 
 def _stacked(fqn: str, found: dict[int, tuple[Path, str, TensorInfo]], path: Path) -> list:
