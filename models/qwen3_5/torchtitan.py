@@ -12,8 +12,9 @@ Its model state, as its checkpointer saves it (no ``model.`` prefix), against ou
   are one ``in_proj_qkv`` and one ``conv1d`` grouped by key head: each a ``StoredSplit``, so a rank
   holding some of our rows reads only the stored rows they come from;
 * ``lm_head.weight`` is our ``output.weight``. torchtitan ties no embedding (its 0.8B, 2B and 4B
-  keep ``lm_head`` apart): a tied model of ours is written with a copy of its embedding, and reads a
-  torchtitan checkpoint without ``lm_head``, saying so in one line; ``tok_embeddings``, ``norm``,
+  keep ``lm_head`` apart): a tied model of ours is written with a copy of its embedding, reads such a
+  copy as the tie and refuses a distinct ``lm_head`` in one line, as every reader of a tied model
+  does (``OpenedCheckpoint.refuse_distinct_tied``); ``tok_embeddings``, ``norm``,
   ``feed_forward.{w1,w2,w3}``, ``attention_norm`` and ``ffn_norm`` are ours;
 * its vision encoder (``vision_encoder.*``, always built) is skipped with one line, as the vision
   tower of a Hugging Face directory is: this model is the text decoder.
@@ -71,7 +72,7 @@ class Qwen35TorchtitanNames(Qwen35Names):
 
     def from_stored(self, name: str) -> str | StoredSplit | None:
         if name == "lm_head.weight":
-            return None if self.args.tie_word_embeddings else "output.weight"  # tied: ``left_out``
+            return "output.weight"
         if name.startswith(_VISION):
             return None  # ``left_out``
         m = _LAYER.fullmatch(name)
@@ -106,22 +107,16 @@ class Qwen35TorchtitanNames(Qwen35Names):
         return StoredSplit(f"layers.{layer}.attention.{ours}", keys, join, split)
 
     def left_out(self, skipped: list[str]) -> tuple[list[str], str | None]:
-        """torchtitan's vision encoder is skipped with one line, and so is its ``lm_head`` where this
-        model ties its output to the embedding (torchtitan ties none); nothing else is."""
-        refused = [name for name in skipped if not name.startswith(_VISION) and name != "lm_head.weight"]
-        vision = sum(name.startswith(_VISION) for name in skipped)
-        notes = []
+        """torchtitan's vision encoder is skipped with one line; nothing else is."""
+        refused = [name for name in skipped if not name.startswith(_VISION)]
+        vision = len(skipped) - len(refused)
+        note = None
         if vision:
-            notes.append(
+            note = (
                 f"{vision} tensors of torchtitan's Qwen3.5 vision encoder (vision_encoder.*) are skipped: "
                 "this model is its text decoder"
             )
-        if "lm_head.weight" in skipped:
-            notes.append(
-                "lm_head.weight is skipped: this model ties its output to the embedding "
-                "(set model.tie_word_embeddings = false to read it)"
-            )
-        return refused, "; ".join(notes) or None
+        return refused, note
 
     def row_groups(self, fqn: str) -> int | None:
         """The RoPE rows as Hugging Face's; the q/k/v parts are put in order by their ``StoredSplit``."""

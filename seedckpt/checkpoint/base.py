@@ -59,6 +59,32 @@ class OpenedCheckpoint:
                 self.infos[fqn] = stored[source]
                 self.aliases[fqn] = source
 
+    def refuse_distinct_tied(self, tied: dict[str, str]) -> None:
+        """Refuse, in one line naming the fix, a checkpoint that stores apart a matrix (an output
+        projection) that the model about to read it ties to another (``tied``: ``{fqn: source}``,
+        the embedding), with other values: it was trained untied, and a tied model keeps one of the
+        two -- the untied debug seed's logits (at most 4) move by up to 147 -- where the config and
+        the checkpoint disagree on the model. Refused, not skipped with a warning: a run or a
+        conversion would go on computing another model. A stored copy of the source is the tie
+        (torchtitan ties none: a tied model's export holds its embedding twice), read as one. A
+        Hugging Face directory storing a distinct head is read untied before this, as transformers
+        does (``config.json`` is the model's own word there). Both matrices are read whole, once,
+        only where a tied model meets one stored apart (0.5 GiB each for Llama 3.2 1B in bf16)."""
+        for fqn, source in tied.items():
+            if fqn in self.aliases or fqn not in self.infos or source not in self.infos:
+                continue  # stored once (a tie), or not here at all (a stage's part, OSFT factors)
+            read = self.read_tensor
+            if self.infos[fqn] != self.infos[source] or not torch.equal(read(fqn), read(source)):
+                raise SeedckptError(
+                    f"{self.path} stores {self.stored_name(fqn)} apart from {self.stored_name(source)}, with other "
+                    "values, but this model ties them: it was trained untied -- set "
+                    "model.tie_word_embeddings = false to read it"
+                )
+
+    def stored_name(self, fqn: str) -> str:
+        """The name ``fqn`` is stored under, for messages."""
+        return fqn
+
     def file_of(self, fqn: str) -> Path:
         """The file (or directory) holding ``fqn``, for messages."""
         return self.path
@@ -101,8 +127,9 @@ class OpenedCheckpoint:
 
     def check_against_layout(self, complete: bool = True) -> None:
         """The tensors must be the model the layout describes (a manifest that disagrees with the
-        tensors beside it is not trusted); with ``complete``, all of it (conversion, diff), else
-        what a stage does not need may be absent (``check_covers`` names what a load lacks)."""
+        tensors beside it is not trusted), its ties included (``refuse_distinct_tied``); with
+        ``complete``, all of it (conversion, diff), else what a stage does not need may be absent
+        (``check_covers`` names what a load lacks)."""
         if self.layout is None:
             return
         want = self.layout.shapes
@@ -124,6 +151,7 @@ class OpenedCheckpoint:
             problems.append(f"it has {len(unused)} model tensors this model does not use, e.g. {', '.join(unused[:4])}")
         if problems:
             raise SeedckptError(f"{self.path}: weights do not match the model configuration: " + "; ".join(problems))
+        self.refuse_distinct_tied(self.layout.aliases)
 
     def check_covers(self, wanted: dict) -> None:
         """Every wanted tensor is in the checkpoint with the same global shape and a dtype that loads

@@ -180,6 +180,8 @@ def check_args_match(checkpoint: OpenedCheckpoint, args, grow_vocab: bool = Fals
     by tensor at load time."""
     if checkpoint.recorded is None:
         return
+    tied = family_of(args).tied_weights(args)  # a tied model has an untied one's shapes: values tell them apart
+    checkpoint.refuse_distinct_tied({f: s for f, s in tied.items() if checkpoint.layout.aliases.get(f) != s})
     saved = checkpoint.recorded.args
     diffs = [
         f"{f}: checkpoint {getattr(saved, f)!r}, config {getattr(args, f)!r}"

@@ -175,6 +175,9 @@ class DcpCheckpoint(OpenedCheckpoint):
     def tensors(self) -> dict[str, TensorInfo]:
         return self.all_tensors
 
+    def stored_name(self, fqn: str) -> str:
+        return self.stored.get(fqn, fqn)
+
     def has_entry(self, key: str) -> bool:
         keys = self.metadata.state_dict_metadata  # DCP stores nested containers as "key.sub..." entries
         return key in keys or any(k.startswith(key + ".") for k in keys)

@@ -1,0 +1,78 @@
+"""A model that ties its output to the embedding, reading a checkpoint that stores the output apart
+(``OpenedCheckpoint.refuse_distinct_tied``): a copy of the embedding is the tie; other values are
+refused in one line naming ``model.tie_word_embeddings = false`` -- by the seed check of a run or a
+``load_model``, and by the reader of a DCP checkpoint in our names or torchtitan's -- where one of
+the two matrices used to be dropped without a word. Llama 3 and Qwen3.5-MoE (torchtitan's names)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch.distributed.checkpoint as dcp
+
+from models.llama3.torchtitan import to_torchtitan_name
+from seedckpt import load_model
+from seedckpt.checkpoint.manifest import MANIFEST_NAME
+from seedckpt.cli.convert import convert, diff
+from seedckpt.materialize.seed import create_seed_checkpoint
+from seedckpt.materialize.stages import build_stages
+from seedckpt.parallel.pipeline import plan_rank_stages
+from seedckpt.utils.errors import SeedckptError
+from tests.conftest import stock_load, tiny_config
+
+TIED = ("--model.tie_word_embeddings", "true")
+REFUSAL = r"stores {} apart from tok_embeddings.weight, with other values, .* set model.tie_word_embeddings = false"
+
+
+def _read_tied(path, *model: str):
+    """``path`` read as each command reads it into the tied model of ``model``: a run's stages, and
+    convert (which reads every tensor)."""
+    args = tiny_config(*model, *TIED).model_args()
+    build_stages(args, plan_rank_stages(args, 0, 1), "cpu", checkpoint=path)
+    convert(path, path.parent / f"{path.name}-converted", "dcp", progress=False, args=args)
+
+
+def test_a_seed_trained_untied_is_refused_by_a_tied_run(debug_seed):
+    """The seed records an untied model; a tied config agrees on every shape, so only the values say
+    the output is not the embedding."""
+    with pytest.raises(SeedckptError, match=REFUSAL.format("output.weight")):
+        _read_tied(debug_seed)
+
+
+@pytest.mark.parametrize("names", ["ours", "torchtitan"])
+def test_a_dcp_checkpoint_stored_untied_is_refused_by_a_tied_model(tmp_path, debug_seed, names):
+    """A DCP checkpoint without our manifest (stock ``dcp.save``, as torchtitan's checkpointer writes)
+    holding a distinct output, read by load_model, a run and convert with a tied config."""
+    rename = to_torchtitan_name if names == "torchtitan" else str
+    dcp.save({rename(k): v for k, v in stock_load(debug_seed).items()}, checkpoint_id=str(tmp_path / "c"), no_dist=True)
+    head = "lm_head.weight" if names == "torchtitan" else "output.weight"
+    with pytest.raises(SeedckptError, match=REFUSAL.format(head)):
+        load_model(tmp_path / "c", args=tiny_config(*TIED).model_args())
+    with pytest.raises(SeedckptError, match=REFUSAL.format(head)):
+        _read_tied(tmp_path / "c")
+
+
+def test_a_copy_of_the_embedding_is_read_as_the_tie(tmp_path, tied_seed):
+    """torchtitan ties none: a tied seed's export holds the embedding twice, and reads back into the
+    tied model as the seed, without a word."""
+    titan = convert(tied_seed, tmp_path / "titan", "torchtitan", progress=False)
+    (titan / MANIFEST_NAME).unlink()  # as torchtitan's own checkpoint: the config is the caller's
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _read_tied(titan)
+    equal, lines = diff(tied_seed, titan.parent / "titan-converted")
+    assert equal, lines
+
+
+def test_a_moe_stored_untied_in_torchtitans_names_is_refused_by_a_tied_model(tmp_path):
+    """Qwen3.5-MoE's torchtitan names (its ``lm_head``), read with and without the manifest that
+    records the untied model."""
+    model = ("--model.name", "qwen3_5_moe")
+    seed = create_seed_checkpoint(tiny_config(*model), tmp_path / "seed", seed=0, progress=False, workers=1)
+    titan = convert(seed, tmp_path / "titan", "torchtitan", progress=False)
+    with pytest.raises(SeedckptError, match=REFUSAL.format("lm_head.weight")):
+        _read_tied(titan, *model)
+    (titan / MANIFEST_NAME).unlink()
+    with pytest.raises(SeedckptError, match=REFUSAL.format("lm_head.weight")):
+        _read_tied(titan, *model)
