@@ -76,3 +76,28 @@ def test_a_moe_stored_untied_in_torchtitans_names_is_refused_by_a_tied_model(tmp
     (titan / MANIFEST_NAME).unlink()
     with pytest.raises(SeedckptError, match=REFUSAL.format("lm_head.weight")):
         _read_tied(titan, *model)
+
+
+def test_an_hf_head_distinct_past_its_first_mib_is_read_untied_as_transformers_does(tmp_path):
+    """config.json ties, the files also hold an ``lm_head`` equal to the embedding but in its last
+    row (past the first MiB, where a sample stopped): transformers compares every value and unties;
+    so does the reader, in one line, with transformers' logits."""
+    import torch
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    seed = create_seed_checkpoint(
+        tiny_config(*TIED, "--model.vocab_size", "4096"), tmp_path / "seed", seed=0, progress=False
+    )
+    hf = convert(seed, tmp_path / "hf", "hf", progress=False)
+    [file] = hf.glob("*.safetensors")
+    tensors = load_file(file)
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    tensors["lm_head.weight"][-1] += 0.5  # 2 MiB in float32: its last row lies past the first MiB
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match="store a distinct lm_head.weight: loaded untied, as transformers does"):
+        ours = load_model(hf)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()
+    tokens = torch.tensor([[4095, 1, 4095, 7]])
+    with torch.no_grad():
+        assert (ours(tokens) - reference(tokens).logits).abs().max().item() <= 1e-5

@@ -176,6 +176,8 @@ class HFCheckpoint(OpenedCheckpoint):
             )
             self.config = {**self.config, "tie_word_embeddings": False}
             layout = codec.hf_layout(self.config)
+        else:  # a stored copy of the embedding is the tie: read once, as the embedding
+            infos = {fqn: info for fqn, info in infos.items() if fqn not in layout.aliases}
         super().__init__(path, infos, None, layout)  # config.json records the model
         self.alias_tied(dict(infos))
         for fqn, source in self.aliases.items():
@@ -193,20 +195,21 @@ class HFCheckpoint(OpenedCheckpoint):
 
     def _stores_a_distinct_head(self, layout, stored: dict[str, TensorInfo]) -> bool:
         """Whether a config that ties the output to the embedding sits over files that also store a
-        different output head. A stored copy of the embedding is a tie; the first MiB of each is
-        compared, so the check reads 2 MiB at most."""
-        for fqn, source in layout.aliases.items():
-            if fqn not in stored or source not in stored:
-                continue
-            samples = []
-            for name in (fqn, source):
-                begin, end = self.spans[name]
-                with open(self.location[name][0], "rb") as f:
-                    f.seek(begin)
-                    samples.append(f.read(min(end - begin, 2**20)))
-            if stored[fqn] != stored[source] or samples[0] != samples[1]:
-                return True
-        return False
+        different output head. A stored copy of the embedding is a tie: every byte is compared, as
+        transformers compares them (``torch.equal``), 1 MiB at a time."""
+        return any(
+            fqn in stored and source in stored and (stored[fqn] != stored[source] or not self._same_bytes(fqn, source))
+            for fqn, source in layout.aliases.items()
+        )
+
+    def _same_bytes(self, fqn: str, other: str) -> bool:
+        """Whether the stored bytes of ``fqn`` and ``other`` (of one size) are the same."""
+        (begin, end), (other_begin, _) = self.spans[fqn], self.spans[other]
+        with open(self.location[fqn][0], "rb") as f, open(self.location[other][0], "rb") as g:
+            f.seek(begin)
+            g.seek(other_begin)
+            sizes = (min(2**20, end - at) for at in range(begin, end, 2**20))
+            return all(f.read(size) == g.read(size) for size in sizes)
 
     def _ours(self, name: str, where: Path) -> str | None:
         try:
