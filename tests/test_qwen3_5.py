@@ -5,15 +5,18 @@ flavors' parameter counts, the init recipe, the FLOPs, refusals, and pp2 x dp_sh
 
 from __future__ import annotations
 
+import contextlib
 import json
 import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from models.common.gated_deltanet import (
     CHUNK,
+    GatedDeltaNet,
     fla_available,
     gated_delta_rule,
     l2_normalize,
@@ -26,6 +29,7 @@ from seedckpt import load_model
 from seedckpt.materialize.init_recipe import init_model
 from seedckpt.materialize.seed import create_seed_checkpoint
 from tests.conftest import tiny_config
+from tests.dist import run_distributed
 from tests.test_deepseek_v3 import _close, assert_both_ways
 from tests.test_train import losses, torchrun
 
@@ -266,6 +270,62 @@ def test_the_seed_trains_on_tp2_x_dp_shard2_with_one_process_losses(tmp_path):
     tp = ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"]
     torchrun(tmp_path / "four", seed, 4, *common, *tp)
     _close(losses(tmp_path / "four"), losses(tmp_path / "one"), "tp2 x dp_shard2")
+
+
+def _linear_layer_gradients(rank, world_size, dtype):
+    """The debug model in ``dtype`` on one process and on tp2 (Qwen3.5's plan, sequence and loss
+    parallel), two rows of two documents (the first past a chunk): per layout, the loss and the
+    linear layers' gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    def full(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    tokens = torch.arange(192).reshape(2, 96) * 7 % 512
+    first = CHUNK + 6
+    positions = torch.cat([torch.arange(first), torch.arange(96 - first)]).expand(2, 96)
+    documents = (torch.arange(96) >= first).long().expand(2, 96)
+    layouts = []
+    for plan in (None, FAMILY.tensor_parallel.apply):
+        model = FAMILY.model(FLAVORS["debug"])
+        if plan is not None:
+            plan(model, mesh, True)
+        init_model(model, seed=0)
+        model.to(dtype)
+        with contextlib.nullcontext() if plan is None else loss_parallel():
+            logits = model(tokens, positions=positions, document_ids=documents)
+            loss = F.cross_entropy(logits.flatten(0, 1), torch.roll(tokens, -1, 1).flatten(), reduction="sum")
+            loss.backward()
+        linear = tuple(
+            f"layers.{i}.attention." for i, b in model.layers.items() if isinstance(b.attention, GatedDeltaNet)
+        )
+        layouts.append(
+            (full(loss).item(), {n: full(p.grad) for n, p in model.named_parameters() if n.startswith(linear)})
+        )
+    return layouts
+
+
+def test_tensor_parallel_linear_layers_are_one_process_in_float64():
+    """tp2 of the debug model in float64 on packed documents: the loss within 1e-9 of one process's
+    and every gradient of the linear layers (projections, convolution, ``A_log``, ``dt_bias``, the
+    gated norm) within 1e-6 of its size. Measured: 0 and 2.8e-13 (up to 7e-9 with RoPE's table left
+    complex64: the decoder's norms and RoPE's input compute in float32 in both layouts). A head out
+    of place (``b``'s reversed, q/k repeated instead of interleaved) moves gradients by 1.5-1.7x their
+    size, and the float32 loss by 4.9e-6 only, inside the 1e-5 the training test allows.
+
+    In float32 the layouts' ``A_log`` and ``dt_bias`` gradients differ by 1.5e-4 of their size on this
+    batch (6e-5 on 80-token rows; the rest by 1e-5): rounding, as each layout's are 4.7e-4 from
+    float64's. Each is a sum over tokens of dL/dg_t times dg_t/dparam whose terms cancel (their
+    absolute sum 10-15x the sum, 500x on one head), and dL/dg_t is a sum over the rest of its chunk
+    of terms 30-50x its size, so the rule's float32 rounding (1e-6 to 2e-5 of dL/dg's size) grows
+    to that."""
+    (loss, want), (loss_tp, got) = run_distributed(_linear_layer_gradients, 2, torch.float64)[0]
+    assert abs(loss_tp - loss) <= 1e-9 * loss and sorted(got) == sorted(want) and len(want) == 3 * 9
+    gaps = {n: ((got[n] - want[n]).abs().max() / want[n].abs().max()).item() for n in want}
+    assert max(gaps.values()) <= 1e-6, gaps
 
 
 def test_osft_default_targets_are_every_projection_of_both_layer_kinds():

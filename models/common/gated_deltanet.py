@@ -66,14 +66,21 @@ def fla_available() -> bool:
     return importlib.util.find_spec("fla") is not None
 
 
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float32 at least: bfloat16 and float16 computed in float32, float64 kept, so a float64
+    model computes the layer in float64 (how tests tell a layout's error from float32's rounding)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta) -> torch.Tensor:
-    """The rule token by token, in float32. ``q``, ``k``: (bsz, seq, heads, dk), normalized and scaled;
-    ``v``: (bsz, seq, heads, dv); ``g``, ``beta``: (bsz, seq, heads). Returns (bsz, seq, heads, dv)."""
-    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    """The rule token by token, in float32 (float64 kept). ``q``, ``k``: (bsz, seq, heads, dk),
+    normalized and scaled; ``v``: (bsz, seq, heads, dv); ``g``, ``beta``: (bsz, seq, heads). Returns
+    (bsz, seq, heads, dv)."""
+    q, k, v, g, beta = (upcast(x) for x in (q, k, v, g, beta))
     bsz, seq, heads, dk = k.shape
     state = q.new_zeros(bsz, heads, dk, v.shape[-1])
     out = []
@@ -88,13 +95,13 @@ def recurrent_gated_delta_rule(q, k, v, g, beta) -> torch.Tensor:
 
 def gated_delta_rule(q, k, v, g, beta, chunk: int = CHUNK) -> torch.Tensor:
     """The rule of ``recurrent_gated_delta_rule``, ``chunk`` positions at a time (the module
-    docstring's WY form), in float32; the sequence padded at its end to whole chunks (zero decay and
-    zero writes, which no earlier position reads)."""
+    docstring's WY form), in float32 (float64 kept); the sequence padded at its end to whole chunks
+    (zero decay and zero writes, which no earlier position reads)."""
     dtype = v.dtype
     bsz, seq, heads, dk = k.shape
     pad = -seq % chunk
-    q, k, v = (F.pad(x.float().transpose(1, 2), (0, 0, 0, pad)) for x in (q, k, v))
-    g, beta = (F.pad(x.float().transpose(1, 2), (0, pad)) for x in (g, beta))
+    q, k, v = (F.pad(upcast(x).transpose(1, 2), (0, 0, 0, pad)) for x in (q, k, v))
+    g, beta = (F.pad(upcast(x).transpose(1, 2), (0, pad)) for x in (g, beta))
     q, k, v = (x.unflatten(2, (-1, chunk)) for x in (q, k, v))  # (bsz, heads, chunks, chunk, d)
     g, beta = (x.unflatten(2, (-1, chunk)) for x in (g, beta))  # (bsz, heads, chunks, chunk)
     cum = g.cumsum(-1)  # G_t within each chunk
@@ -102,7 +109,7 @@ def gated_delta_rule(q, k, v, g, beta, chunk: int = CHUNK) -> torch.Tensor:
     # e^{G_t - G_i} for i <= t (0 elsewhere): masked before exp, so no overflow above the diagonal
     decays = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
     strict = ((k @ k.transpose(-1, -2)) * decays * beta[..., None]).tril(-1)  # A: i < t only
-    system = torch.eye(chunk, device=q.device) + strict
+    system = torch.eye(chunk, dtype=strict.dtype, device=q.device) + strict
     rhs = torch.cat([v * beta[..., None], k * (beta * cum.exp())[..., None]], dim=-1)
     solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
     u, wk = solved.split([v.shape[-1], dk], dim=-1)  # W = u - wk S_0
@@ -149,9 +156,10 @@ def qkv_to_hf(rows: torch.Tensor, k_heads: int, k_head_dim: int) -> torch.Tensor
 
 
 class HeadRMSNorm(nn.Module):
-    """RMSNorm over each head's values, in float32, rounded to the input's dtype before the weight:
-    the norm of transformers' ``RMSNormGated``, whose gate ``GatedDeltaNet`` applies after it (one
-    input, so a tensor-parallel plan norms each rank's heads as it norms q/k heads)."""
+    """RMSNorm over each head's values, in float32 (float64 kept), rounded to the input's dtype
+    before the weight: the norm of transformers' ``RMSNormGated``, whose gate ``GatedDeltaNet``
+    applies after it (one input, so a tensor-parallel plan norms each rank's heads as it norms q/k
+    heads)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -159,7 +167,7 @@ class HeadRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return self.weight * F.rms_norm(upcast(x), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 class CausalConv1d(nn.Module):
@@ -225,7 +233,7 @@ class GatedDeltaNet(nn.Module):
         mixed = torch.cat([self.in_proj_qkv(x), self.in_proj_b(x), self.in_proj_a(x)], dim=-1)
         out = self.mix(mixed) if documents is None else self.mix_documents(mixed, documents)
         z = self.in_proj_z(x).unflatten(-1, (-1, self.v_head_dim))
-        gated = (self.norm(out) * F.silu(z.float())).to(out.dtype)  # transformers' RMSNormGated
+        gated = (self.norm(out) * F.silu(upcast(z))).to(out.dtype)  # transformers' RMSNormGated
         return self.out_proj(gated.flatten(2))
 
     def mix_documents(self, mixed: torch.Tensor, documents: Documents) -> torch.Tensor:
@@ -249,8 +257,8 @@ class GatedDeltaNet(nn.Module):
             .unflatten(-1, (-1, 2 * self.k_head_dim + width))
             .split([self.k_head_dim, self.k_head_dim, width], dim=-1)
         )
-        q, k = (l2_normalize(x.float()).repeat_interleave(self.values_per_key, dim=2) for x in (q, k))
+        q, k = (l2_normalize(upcast(x)).repeat_interleave(self.values_per_key, dim=2) for x in (q, k))
         v = v.flatten(2).unflatten(-1, (-1, self.v_head_dim))
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        g = -upcast(self.A_log).exp() * F.softplus(upcast(a) + self.dt_bias)
         kernel = delta_rule_kernel(mixed.device)
         return kernel(q * self.k_head_dim**-0.5, k, v, g, b.sigmoid()).to(mixed.dtype)
