@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import warnings
 
 import pytest
@@ -85,6 +86,27 @@ def test_the_chunked_rule_is_the_recurrence(chunk):
     want = recurrent_gated_delta_rule(*inputs).double()
     got = gated_delta_rule(*(x.float() for x in inputs), chunk=chunk)
     assert (got.double() - want).abs().max().item() <= 1e-5
+
+
+def test_the_chunked_rules_decay_rate_gradient_keeps_float32s_precision():
+    """The float32 gradient of a per-head decay rate (``A_log``'s: g = -e^rate softplus(.)), a sum
+    over 150 positions of dL/dg_t g_t, within 1e-5 of its size from float64's, with A = e^rate up to
+    16 as the init draws it. Measured: 5.8e-7; 5.7e-5 when the chunk's decays were differences of
+    cumulative sums (``segment_sums``), which set tp2's ``A_log`` gradients up to 1.5e-4 apart."""
+    q, k, v, _, beta = rule_inputs()
+    draws = torch.Generator().manual_seed(2)
+    a, up = (torch.randn(x.shape, generator=draws, dtype=torch.float64) for x in (beta, v))
+    rate = torch.linspace(0, math.log(16), 3, dtype=torch.float64)
+
+    def gradient(dtype):
+        r = rate.to(dtype).detach().requires_grad_()
+        decay = -r.exp() * F.softplus(a.to(dtype) + 1)  # the layer's, dt_bias at its init
+        out = gated_delta_rule(*(x.to(dtype) for x in (q, k, v)), decay, beta.to(dtype))
+        (out * up.to(dtype)).sum().backward()
+        return r.grad.double()
+
+    want = gradient(torch.float64)
+    assert (gradient(torch.float32) - want).abs().max() <= 1e-5 * want.abs().max()
 
 
 def test_the_chunked_rule_is_transformers_rule():
@@ -311,17 +333,12 @@ def _linear_layer_gradients(rank, world_size, dtype):
 def test_tensor_parallel_linear_layers_are_one_process_in_float64():
     """tp2 of the debug model in float64 on packed documents: the loss within 1e-9 of one process's
     and every gradient of the linear layers (projections, convolution, ``A_log``, ``dt_bias``, the
-    gated norm) within 1e-6 of its size. Measured: 0 and 2.8e-13 (up to 7e-9 with RoPE's table left
+    gated norm) within 1e-6 of its size. Measured: 0 and 2e-15 (up to 7e-9 with RoPE's table left
     complex64: the decoder's norms and RoPE's input compute in float32 in both layouts). A head out
     of place (``b``'s reversed, q/k repeated instead of interleaved) moves gradients by 1.5-1.7x their
-    size, and the float32 loss by 4.9e-6 only, inside the 1e-5 the training test allows.
-
-    In float32 the layouts' ``A_log`` and ``dt_bias`` gradients differ by 1.5e-4 of their size on this
-    batch (6e-5 on 80-token rows; the rest by 1e-5): rounding, as each layout's are 4.7e-4 from
-    float64's. Each is a sum over tokens of dL/dg_t times dg_t/dparam whose terms cancel (their
-    absolute sum 10-15x the sum, 500x on one head), and dL/dg_t is a sum over the rest of its chunk
-    of terms 30-50x its size, so the rule's float32 rounding (1e-6 to 2e-5 of dL/dg's size) grows
-    to that."""
+    size, and the float32 loss by 4.9e-6 only, inside the 1e-5 the training test allows. In float32
+    the layouts' gradients here are 2.4e-6 apart (``A_log``'s; 1.5e-4 before ``segment_sums``), each
+    2.8e-6 from float64's (4.7e-4 before): tests/test_qwen3_5_moe.py holds float32 to 1e-5."""
     (loss, want), (loss_tp, got) = run_distributed(_linear_layer_gradients, 2, torch.float64)[0]
     assert abs(loss_tp - loss) <= 1e-9 * loss and sorted(got) == sorted(want) and len(want) == 3 * 9
     gaps = {n: ((got[n] - want[n]).abs().max() / want[n].abs().max()).item() for n in want}

@@ -267,7 +267,7 @@ def test_osft_default_targets_are_attention_of_both_kinds_and_the_shared_expert(
 
 def _moe_gradients(rank, world_size):
     """The debug model on one process and on tp2 (Qwen3.5's plan; the shared expert split, its gate
-    replicated; sequence and loss parallel): per layout, the loss and the mixtures of experts' gradients."""
+    replicated; sequence and loss parallel): per layout, the loss and every gradient."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
@@ -288,19 +288,20 @@ def _moe_gradients(rank, world_size):
         with contextlib.nullcontext() if plan is None else loss_parallel():
             loss = token_cross_entropy(model(tokens), torch.roll(tokens, -1, 1))
             loss.backward()
-        layouts[name] = full(loss).item(), {n: full(p.grad) for n, p in model.named_parameters() if ".moe." in n}
+        layouts[name] = full(loss).item(), {n: full(p.grad) for n, p in model.named_parameters()}
     return layouts
 
 
 def test_tensor_parallel_computes_one_process_loss_and_gradients():
-    """tp2 of the debug model: the loss and every gradient of the mixtures of experts (router, experts,
-    the shared expert split and its gate replicated) within 1e-5 of one process's. (The linear layers'
-    ``A_log`` and ``dt_bias`` gradients, sums of cancelling terms, differ by up to 4.2e-5 of their size
-    here in float32, float32's rounding: tests/test_qwen3_5.py holds the same plan's linear layers to
-    one process's in float64.)"""
+    """tp2 of the debug model: the loss and every gradient -- the mixtures of experts' (router, experts,
+    the shared expert split and its gate replicated), the linear layers' ``A_log`` and ``dt_bias`` too
+    -- within 1e-5 of its size from one process's. Measured: 9.4e-7 at most (``A_log``); 4.2e-5 when the
+    chunked rule's decays were differences of cumulative sums (``segment_sums``)."""
     layouts = run_distributed(_moe_gradients, 2)[0]
     (loss, want), (loss_tp, got) = layouts["one"], layouts["tp2"]
-    assert abs(loss_tp - loss) <= 1e-5 * loss and sorted(got) == sorted(want) and len(want) == 4 * 8
+    assert (
+        abs(loss_tp - loss) <= 1e-5 * loss and sorted(got) == sorted(want) and sum(".moe." in n for n in want) == 4 * 8
+    )
     assert all((got[n] - want[n]).abs().max() <= 1e-5 * want[n].abs().max() for n in want)
 
 
