@@ -285,3 +285,13 @@ def test_softmax_routing_trains_on_pp2_x_dp_shard2_x_ep2_with_one_process_losses
     pp2 = ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "4", *STEPS]
     torchrun(tmp_path / "pp2_dp2_ep2", seed, 4, *M, *SOFTMAX_GROUPS, *pp2)
     _close(losses(tmp_path / "pp2_dp2_ep2"), losses(tmp_path / "one"), "pp2 x dp_shard2 x ep2")
+
+
+def test_aux_loss_alpha_is_the_aux_loss_coef_both_ways():
+    """DeepSeek's ``aux_loss_alpha`` weighs the sequence-wise balance loss: read as ``aux_loss_coef``
+    (0.001 where the file leaves it out) and written back as it."""
+    cfg = {"model_type": "deepseek_v2", **TINY}
+    assert args_from_config(cfg).aux_loss_coef == 0.001
+    args = args_from_config({**cfg, "aux_loss_alpha": 0.025})
+    assert (args.load_balance, args.aux_loss_coef) == ("aux_loss", 0.025)
+    assert config(args, torch.float32)["aux_loss_alpha"] == 0.025

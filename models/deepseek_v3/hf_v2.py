@@ -8,18 +8,23 @@ and no renormalization. ``transformers`` 5.24's ``DeepseekV2TopkRouter`` compute
 the ``topk_group`` groups ranked by their best score (our ``group_top = 1``); the weights times
 ``routed_scaling_factor``. Its RoPE always rotates interleaved pairs (ours: nothing is permuted).
 
-Read: the file is read as the DeepSeek-V3 file it is equivalent to (``hf.args_from_config``, so every
-field is checked as there), with ``DeepseekV2Config``'s defaults for the fields it leaves out, then
-its routing. Refused in one line, as ``transformers`` computes them otherwise than DeepSeek's own
-code or not at all: ``norm_topk_prob: true`` (the class never renormalizes), a ``scoring_func``
-other than softmax, another ``topk_method``, ``num_experts_per_tok`` left out (the class has no
-default), ``group_limited_greedy`` without ``n_group`` or ``topk_group``.
+Read: the file is read as the DeepSeek-V3 file it is equivalent to (``hf.args_from_config``, so
+every field is checked as there), with ``DeepseekV2Config``'s defaults for the fields it leaves out,
+then its routing, and ``aux_loss_alpha`` as ``aux_loss_coef``: DeepSeek's own code weighs its
+sequence-wise balance loss (``seq_aux``) by it, the loss ``load_balance = "aux_loss"`` computes;
+0.001 where the file leaves it out (DeepSeek's releases; the field's default in ``transformers`` 4's
+``DeepseekV2Config``, which 5.24's has not: it keeps the value as an extra attribute). Refused in
+one line, as ``transformers`` computes them otherwise than DeepSeek's own code or not at all:
+``norm_topk_prob: true`` (the class never renormalizes), a ``scoring_func`` other than softmax,
+another ``topk_method``, ``num_experts_per_tok`` left out (the class has no default),
+``group_limited_greedy`` without ``n_group`` or ``topk_group``.
 
-Written: a sigmoid-routed model as DeepSeek-V3 (``hf.config``), a softmax-routed one as DeepSeek-V2.
-A routing neither class computes is refused before anything is written (``export_refusal``, asked
-by the name adapter too): torchtitan's 236B ranks its softmax groups by their two best scores, which
-``DeepseekV2ForCausalLM`` ranks by their best; renormalized softmax weights; sigmoid groups ranked
-by one score. Such models export to DCP or torchtitan.
+Written: a sigmoid-routed model as DeepSeek-V3 (``hf.config``), a softmax-routed one as DeepSeek-V2
+with its ``aux_loss_coef`` as ``aux_loss_alpha``. A routing neither class computes is refused before
+anything is written (``export_refusal``, asked by the name adapter too): torchtitan's 236B ranks its
+softmax groups by their two best scores, which ``DeepseekV2ForCausalLM`` ranks by their best;
+renormalized softmax weights; sigmoid groups ranked by one score. Such models export to DCP or
+torchtitan.
 """
 
 from __future__ import annotations
@@ -30,12 +35,13 @@ import warnings
 import torch
 
 from models.common import hf_config
-from models.common.args import check_bool
+from models.common.args import check_bool, check_float
 from models.common.hf_names import HFNames
 from models.deepseek_v3 import hf
 from models.deepseek_v3.args import DeepseekV3Args
 
 ARCHITECTURE, MODEL_TYPE = "DeepseekV2ForCausalLM", "deepseek_v2"
+AUX_LOSS_ALPHA = 0.001  # DeepSeek's own default for its sequence-wise balance loss's weight
 
 # transformers' DeepseekV2Config defaults where DeepseekV3Config's differ, by config.json name; None:
 # as the class derives it (key/value heads: as many as the heads).
@@ -91,7 +97,10 @@ def v2_args(cfg: dict) -> DeepseekV3Args:
     view = {**{k: v for k, v in V2_DEFAULTS.items() if k not in cfg}, **view, **groups, "norm_topk_prob": False}
     args = hf.args_from_config({**view, "rope_interleave": True})
     group_top = 1 if method == "group_limited_greedy" else 2
-    return dataclasses.replace(args, score_func="softmax", group_top=group_top, load_balance="aux_loss")
+    aux = hf_config.read(cfg, "aux_loss_alpha", check_float, AUX_LOSS_ALPHA, positive=False)
+    return dataclasses.replace(
+        args, score_func="softmax", group_top=group_top, load_balance="aux_loss", aux_loss_coef=aux
+    )
 
 
 def export_refusal(args: DeepseekV3Args) -> str | None:
@@ -152,4 +161,5 @@ def config(args: DeepseekV3Args, dtype: torch.dtype) -> dict:
     for name in ("rope_interleave", "num_nextn_predict_layers"):
         del written[name]
     method = "greedy" if args.n_group == 1 else "group_limited_greedy"
-    return {**written, "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE, "topk_method": method}
+    named = {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE, "topk_method": method}
+    return {**written, **named, "aux_loss_alpha": args.aux_loss_coef}
