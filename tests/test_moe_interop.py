@@ -257,3 +257,17 @@ def test_osft_on_a_mixture_of_experts_trains_attention_and_keeps_the_experts_fro
     keys = DcpCheckpoint(step.path).metadata.state_dict_metadata
     assert not [k for k in keys if k.startswith("optimizer") and ".moe." in k]
     assert [k for k in keys if k.startswith("optimizer") and "attention.wq.U_low" in k]
+
+
+def test_mixtral_export_writes_no_norm_topk_prob_and_reads_renormalized():
+    """``MixtralConfig`` has no ``norm_topk_prob`` (it always renormalizes): the export writes none and
+    refuses a model that does not renormalize in one line; a file's stray one is still not read."""
+    from models.mixtral import FLAVORS, args_from_config, config
+
+    written = config(FLAVORS["debug"], torch.float32)
+    assert "norm_topk_prob" not in written
+    for stray in ({}, {"norm_topk_prob": False}):
+        assert args_from_config({**written, **stray}).norm_topk_prob is True
+    with pytest.raises(ValueError) as refused:
+        config(dataclasses.replace(FLAVORS["debug"], norm_topk_prob=False), torch.float32)
+    assert "norm_topk_prob = false" in str(refused.value) and "\n" not in str(refused.value)

@@ -79,9 +79,17 @@ FLAVORS = {
 
 
 def config(args: MixtralArgs, dtype: torch.dtype) -> dict:
+    """``MixtralConfig`` has no ``norm_topk_prob`` (it always renormalizes): none is written, and a
+    model that does not renormalize is refused, as the class would compute other logits."""
+    if not args.norm_topk_prob:
+        raise ValueError(
+            "norm_topk_prob = false: transformers' Mixtral always renormalizes; export to dcp or torchtitan"
+        )
+    moe = hf_config.moe_config(args)
+    del moe["norm_topk_prob"]
     return {
         **hf_config.decoder_config(args, dtype, ARCHITECTURE, MODEL_TYPE),
-        **hf_config.moe_config(args),
+        **moe,
         "intermediate_size": args.moe_ffn_dim,
         "num_local_experts": args.n_experts,
         "router_jitter_noise": 0.0,
