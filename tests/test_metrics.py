@@ -10,6 +10,7 @@ import pytest
 
 from models.llama3 import LLAMA3
 from models.llama3.args import LLAMA3_FLAVORS
+from models.registry import get_family
 from seedckpt.train.metrics import MetricsLogger, format_duration, format_step, peak_tflops, utilization
 
 ONE_B = LLAMA3_FLAVORS["1B"]
@@ -132,3 +133,17 @@ def test_the_step_line_shows_the_remaining_time(tmp_path, monkeypatch):
     assert first["eta_s"] == 990 * 40.0 and second["eta_s"] == 987 * 10.0
     assert format_step(second).endswith("eta 2h44m")
     assert [format_duration(s) for s in (42.4, 425, 10920)] == ["42s", "7m05s", "3h02m"]
+
+
+@pytest.mark.parametrize("name", ["mistral", "qwen2", "gpt_oss"])
+def test_a_windowed_layer_counts_its_window_not_the_sequence(name):
+    """Layers 0 and 2 attend to 16 keys: at 1024 tokens each costs 12·H·Q·(1024 - 16) less than an
+    unwindowed block of the same shape, and doubling the sequence adds attention to the other layers
+    only."""
+    family = get_family(name)
+    args = dataclasses.replace(family.flavors["debug"], sliding_window=16, window_layers=[0, 2])
+    per_key = 12 * args.n_heads * args.head_dim
+    blocks = family.layer_flops(args, 1024).blocks
+    assert blocks[1] - blocks[0] == blocks[3] - blocks[2] == per_key * (1024 - 16)
+    full_layers = args.n_layers - 2
+    assert family.flops_per_token(args, 2048) - family.flops_per_token(args, 1024) == per_key * 1024 * full_layers

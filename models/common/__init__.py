@@ -12,7 +12,7 @@ from models.common.decoder import Transformer, tied_weights
 from models.common.hf_names import ExpertNames, HFNames
 from models.common.moe import moe_modules
 from models.common.tensor_parallel import DECODER_TENSOR_PARALLEL
-from models.family import HFAdapter, LayerCosts, ModelFamily, decoder_flops_per_token
+from models.family import HFAdapter, LayerCosts, ModelFamily, attended_keys, decoder_flops_per_token
 
 # The block linears OSFT trains by default: every attention and feed-forward matrix.
 OSFT_TARGETS = (
@@ -100,9 +100,10 @@ def moe_flops_per_token(args, seq_len: int, num_params: int | None = None) -> in
 
 
 def attention_flops(args, layer: int, seq_len: int) -> int:
-    """Training FLOPs per token of one layer's attention over ``seq_len`` positions: q·k and
-    weights·v, 2·H·Q·T each forward, three times that with the backward (torchtitan's count)."""
-    return 12 * args.n_heads * args.head_dim * seq_len
+    """Training FLOPs per token of one layer's attention: q·k and weights·v, 2·H·Q·K each forward,
+    three times that with the backward (torchtitan's count), over the K keys a query attends to
+    (``attended_keys``: the sequence, or a sliding-window layer's window)."""
+    return 12 * args.n_heads * args.head_dim * attended_keys(args, layer, seq_len)
 
 
 def decoder_layer_flops(args, seq_len: int, model=Transformer, attention=attention_flops) -> LayerCosts:

@@ -23,16 +23,16 @@ also zeroes the embedding's padding row (``pad_token_id`` 0) and never trains it
 here that row is drawn and trained like the others (packed padding carries no loss, so it moves
 only where a document uses the token).
 
-FLOPs count a sliding-window layer's attention over its window, not the whole sequence
-(``attention_flops``): 1B at 8192 tokens costs 6.54 GFLOPs a token, where counting every layer over
-all 8192 positions gives 8.62 -- an MFU overstated by 32 %.
+FLOPs count a sliding-window layer's attention over its window, not the whole sequence (the
+shared decoder's ``attention_flops``): 1B at 8192 tokens costs 6.54 GFLOPs a token, where counting
+every layer over all 8192 positions gives 8.62 -- an MFU overstated by 32 %.
 """
 
 from __future__ import annotations
 
 import torch
 
-from models.common import decoder_family, decoder_layer_flops, parameters
+from models.common import attention_flops, decoder_family, decoder_layer_flops, parameters
 from models.common.args import SHAPE_FIELDS
 from models.common.decoder import Transformer
 from models.common.rope import RopeScaling
@@ -92,14 +92,6 @@ FLAVORS = {
     "12B": _gemma3(3840, 48, 16, 8, 15360),
     "27B": _gemma3(5376, 62, 32, 16, 21504, head_dim=128, query_pre_attn_scalar=168),
 }
-
-
-def attention_flops(args, layer: int, seq_len: int) -> int:
-    """Training FLOPs per token of one layer's attention: q·k and weights·v, 2·H·Q·K each forward,
-    three times that with the backward, over the K positions a query sees -- the whole sequence,
-    or a sliding-window layer's window (the shared decoder's count, ``models.common``, with K = T)."""
-    window = args.layer_windows[layer]
-    return 12 * args.n_heads * args.head_dim * (seq_len if window is None else min(window, seq_len))
 
 
 def flops_per_token(args, seq_len: int, num_params: int | None = None) -> int:

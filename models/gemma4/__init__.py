@@ -76,7 +76,7 @@ import dataclasses
 import torch
 
 from models.common import OSFT_TARGETS, decoder_family, decoder_layer_flops, parameters
-from models.family import LayerCosts
+from models.family import LayerCosts, attended_keys
 from models.gemma4 import hf
 from models.gemma4.args import SHAPE_FIELDS, Gemma4Args, sliding_layers
 from models.gemma4.model import Gemma4Transformer
@@ -144,8 +144,7 @@ FLAVORS = {
 def attention_flops(args: Gemma4Args, layer: int, seq_len: int) -> int:
     """Training FLOPs per token of one layer's attention: q·k and weights·v over the positions a query
     sees (a windowed layer's window), in its kind's head size: 12·H·Q·K (the shared decoder's count)."""
-    window = args.layer_windows[layer]
-    return 12 * args.n_heads * args.layer_head_dim(layer) * (seq_len if window is None else min(window, seq_len))
+    return 12 * args.n_heads * args.layer_head_dim(layer) * attended_keys(args, layer, seq_len)
 
 
 def idle_parameters(args: Gemma4Args) -> int:
