@@ -50,8 +50,10 @@ def test_keys_that_keep_the_tensors_apply_to_the_pretrained_args(sources, source
         (["--model.dim", "8"], f"model.dim = 8 (the checkpoint: {DIM})"),
         (["--model.n_experts", "8", "--model.dim", str(DIM)], "model.n_experts = 8 (the checkpoint: 4)"),
         (["--model.load_balance", "bias"], "model.load_balance = 'bias' (the checkpoint: 'aux_loss')"),
+        # the same shapes, but the trained output projection would be replaced by the embedding
+        (["--model.tie_word_embeddings", "true"], "model.tie_word_embeddings = True (the checkpoint: False)"),
     ],
-    ids=["dim", "experts", "a bias tensor"],
+    ids=["dim", "experts", "a bias tensor", "a tie"],
 )
 def test_keys_that_change_the_tensors_are_refused_in_one_line(sources, keys, named):
     with pytest.raises(SeedckptError) as refused:

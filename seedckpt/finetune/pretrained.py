@@ -90,7 +90,7 @@ def with_model_keys(cfg: JobConfig, args, where: str) -> tuple[object, str | Non
         if single is not None and getattr(single, key) == getattr(args, key):
             continue
         # a shape field may keep every tensor (load_balance "aux_loss" -> "none": neither has a bias)
-        if key in family.shape_fields and (single is None or codec.layout(single).shapes != codec.layout(args).shapes):
+        if key in family.shape_fields and (single is None or not _keeps_tensors(family, codec, single, args)):
             fixed.append(f"model.{key} = {value!r} (the checkpoint: {getattr(args, key)!r})")
         else:
             applied[key] = value
@@ -111,6 +111,14 @@ def with_model_keys(cfg: JobConfig, args, where: str) -> tuple[object, str | Non
         f"[model] keys applied to finetune.pretrained's model, whose weights were trained with the values in "
         f"brackets: {changes}"
     )
+
+
+def _keeps_tensors(family, codec, tuned, args) -> bool:
+    """Whether ``tuned`` holds the checkpoint's tensors as ``args`` does: the same shapes, and no tie
+    the checkpoint keeps apart (tied, its trained output projection would be replaced by the
+    embedding: another model, refused here rather than by the trainer's check after start-up)."""
+    new_ties = family.tied_weights(tuned).items() - family.tied_weights(args).items()
+    return codec.layout(tuned).shapes == codec.layout(args).shapes and not new_ties
 
 
 def _unfit(keys, where: str, error: Exception) -> SeedckptError:
