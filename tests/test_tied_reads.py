@@ -101,3 +101,31 @@ def test_an_hf_head_distinct_past_its_first_mib_is_read_untied_as_transformers_d
     tokens = torch.tensor([[4095, 1, 4095, 7]])
     with torch.no_grad():
         assert (ours(tokens) - reference(tokens).logits).abs().max().item() <= 1e-5
+
+
+def test_an_hf_head_stored_quantized_is_compared_by_its_values(tmp_path):
+    """config.json ties, the files hold an FP8-block ``lm_head`` (its bytes are not its values): an
+    embedding holding the values it stands for is the tie, read without a word; one row off, the head
+    is distinct and read untied. Its bytes used to be compared with the embedding's as if plain."""
+    from safetensors.torch import load_file, save_file
+
+    from seedckpt.materialize.model_checkpoint import open_model_checkpoint
+    from tests.quantizers import quantize_directory
+
+    seed = create_seed_checkpoint(tiny_config(*TIED, "--model.vocab_size", "256"), tmp_path / "seed", 0, progress=False)
+    hf = convert(seed, tmp_path / "hf", "hf", progress=False)
+    [file] = hf.glob("*.safetensors")
+    tensors = load_file(file)
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, file, metadata={"format": "pt"})
+    quantize_directory(hf, tmp_path / "q", "fp8", lambda name, _: name == "lm_head.weight", tmp_path / "values")
+    [file] = (tmp_path / "q").glob("*.safetensors")
+    head = load_file(tmp_path / "values" / file.name)["lm_head.weight"]
+    for row_off, tied in ((0.0, True), (0.5, False)):
+        embedding = head.clone()
+        embedding[-1] += row_off
+        save_file({**load_file(file), "model.embed_tokens.weight": embedding}, file, metadata={"format": "pt"})
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            assert open_model_checkpoint(tmp_path / "q").args.tie_word_embeddings is tied
+        assert any("distinct lm_head.weight: loaded untied" in str(w.message) for w in said) is not tied

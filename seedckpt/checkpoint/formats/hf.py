@@ -195,12 +195,19 @@ class HFCheckpoint(OpenedCheckpoint):
 
     def _stores_a_distinct_head(self, layout, stored: dict[str, TensorInfo]) -> bool:
         """Whether a config that ties the output to the embedding sits over files that also store a
-        different output head. A stored copy of the embedding is a tie: every byte is compared, as
-        transformers compares them (``torch.equal``), 1 MiB at a time."""
+        different output head. A stored copy of the embedding is a tie: every value is compared, as
+        transformers compares them (``torch.equal``)."""
         return any(
-            fqn in stored and source in stored and (stored[fqn] != stored[source] or not self._same_bytes(fqn, source))
+            fqn in stored and source in stored and (stored[fqn] != stored[source] or not self._same_values(fqn, source))
             for fqn, source in layout.aliases.items()
         )
+
+    def _same_values(self, fqn: str, other: str) -> bool:
+        """Whether ``fqn`` and ``other`` hold the same values: their bytes where both are stored plain,
+        1 MiB at a time; else (quantized, or fused with other tensors: the bytes are not the values)
+        both read whole and dequantized."""
+        plain = all(name in self.spans and self.location[name][1] not in self.quantized for name in (fqn, other))
+        return self._same_bytes(fqn, other) if plain else torch.equal(self.read_tensor(fqn), self.read_tensor(other))
 
     def _same_bytes(self, fqn: str, other: str) -> bool:
         """Whether the stored bytes of ``fqn`` and ``other`` (of one size) are the same."""
