@@ -8,7 +8,7 @@ anything is allocated. What it knows of the model comes from its caller (``check
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,13 +97,14 @@ class OpenedCheckpoint:
         """One whole tensor on CPU, read by this process alone (conversion, diff)."""
         raise NotImplementedError
 
-    def stored_reads(self) -> Iterator[tuple[str, int, Callable[[], torch.Tensor]]]:
-        """``(name, bytes, read)`` of each tensor the checkpoint stores, in the names it stores them
-        under, for a command that reads all of them once (``verify``'s values): by default each model
-        tensor stored (a tied one once)."""
+    def stored_reads(self) -> Iterator[tuple[str, int, Callable[[], Iterable[torch.Tensor]]]]:
+        """``(name, bytes, slabs)`` of each tensor the checkpoint stores, in the names it stores them
+        under, for a command that reads all of them once (``verify``'s values): ``slabs()`` yields the
+        tensor in parts along dim 0 (a quantized one dequantized a bounded slab at a time). By default
+        each model tensor stored (a tied one once), whole."""
         for fqn, info in self.infos.items():
             if fqn not in self.aliases:
-                yield fqn, info.nbytes, lambda fqn=fqn: self.read_tensor(fqn)
+                yield fqn, info.nbytes, lambda fqn=fqn: [self.read_tensor(fqn)]
 
     def load(self, state_dict: dict) -> None:
         """Fill ``state_dict`` (tensors, DTensors, ``RowWindow``s) in place. Formats without a

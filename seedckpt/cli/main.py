@@ -427,7 +427,7 @@ def _verify(opts, _rest) -> int:
 
 def _verify_values(source, quiet: bool) -> int:
     """A checkpoint without checksums: every stored tensor read once (dequantized where stored
-    quantized, which checks its scales) and its values checked; each holding NaN or Inf is named.
+    quantized, a slab at a time, which checks its scales) and its values checked; each holding NaN or Inf is named.
     Exit 0: its files are whole, whatever their values (as for checksums, non-finite values warn)."""
     from seedckpt.checkpoint.base import nonfinite_count
     from seedckpt.utils.progress import Progress
@@ -437,11 +437,12 @@ def _verify_values(source, quiet: bool) -> int:
     bar = Progress(total, "verify", enabled=not quiet)
     nonfinite = []
     try:
-        for what, nbytes, read in reads:
-            tensor = read()
-            bad = nonfinite_count(tensor)
+        for what, nbytes, slabs in reads:
+            bad = values = 0
+            for slab in slabs():  # a quantized tensor a bounded slab at a time, never whole
+                bad, values = bad + nonfinite_count(slab), values + slab.numel()
             if bad:
-                nonfinite.append(f"warning: {what} holds {bad:,} NaN or Inf values of {tensor.numel():,}")
+                nonfinite.append(f"warning: {what} holds {bad:,} NaN or Inf values of {values:,}")
             bar.update(nbytes)
     finally:
         bar.close()

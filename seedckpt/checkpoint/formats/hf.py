@@ -243,15 +243,16 @@ class HFCheckpoint(OpenedCheckpoint):
 
     def stored_reads(self):
         """Every tensor of the files under its name there and its file's, in file order; a quantized
-        one once, dequantized (its scales checked), the models' tensors and those it leaves out alike."""
+        one once, dequantized a slab at a time (its scales checked), the models' tensors and those it
+        leaves out alike."""
         by_values = {q.values.name: q for q in self.quantized.values()}
         scales = {part.name for q in self.quantized.values() for part in q.parts[1:]}
         for name, part in self.stored_tensors.items():
             q = by_values.get(name)
             if q is not None:
-                yield f"{q.name} in {part.file.name}", q.info.nbytes, q.read
+                yield f"{q.name} in {part.file.name}", q.info.nbytes, q.slabs
             elif name not in scales:
-                yield f"{name} in {part.file.name}", part.info.nbytes, lambda p=part: read_safetensor(p.file, p.name)
+                yield f"{name} in {part.file.name}", part.info.nbytes, lambda p=part: [read_safetensor(p.file, p.name)]
 
     def _read_stored(self, file: Path, name: str) -> torch.Tensor:
         quantized = self.quantized.get(name)

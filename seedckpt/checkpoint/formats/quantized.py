@@ -31,15 +31,16 @@ supported: a converted checkpoint is dequantized.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from seedckpt.checkpoint.formats.safetensors_file import read_safetensor
 from seedckpt.checkpoint.load import RowWindow
 from seedckpt.checkpoint.manifest import TensorInfo, dtype_name
+from seedckpt.checkpoint.safetensors_header import safetensors_header
 from seedckpt.utils.errors import SeedckptError
 from seedckpt.utils.tensors import copy_full_into, local, local_rows
 
@@ -51,6 +52,9 @@ MX_BYTES = 16  # one scale's group: 16 bytes of two 4-bit values, 32 values
 # Values dequantized at a time: few enough for the temporaries to stay small, many enough that each
 # parallel op is long (a loop of 128-row steps spent most of its time in thread hand-offs here, 2 busy cores)
 CHUNK_VALUES = 2**22
+# float32 bytes a whole-tensor read (verify, convert) dequantizes at a time: one gpt-oss-120B MXFP4
+# expert tensor is 128 x 2880 x 5760 values, 8.5 GB dequantized at once
+SLAB_BYTES = 32 << 20
 E8M0_BIAS = 127
 E8M0_NAN = 255  # the one e8m0 byte that is no power of two
 
@@ -94,11 +98,35 @@ class Quantized:
         raise NotImplementedError
 
     def read(self) -> torch.Tensor:
-        """The whole tensor in float32, read by this process alone (conversion)."""
-        stored = {part.name: read_safetensor(part.file, part.name) for part in self.parts}
+        """The whole tensor in float32, read by this process alone (conversion): the stored rows of
+        one slab at a time, so beside the output only a slab's stored bytes are held."""
         out = torch.empty(self.info.shape, dtype=torch.float32)
-        self.dequantize_into(stored, out, 0)
+        for start, stop in self.slab_bounds():
+            self.read_rows_into(out[start:stop], start)
         return out
+
+    def slabs(self) -> Iterator[torch.Tensor]:
+        """The whole tensor in float32, ``SLAB_BYTES`` of rows at a time (one row at least: a whole
+        MXFP4 expert), each read from its stored rows alone into one buffer, which the next slab
+        overwrites: a command that only looks at the values (``verify``) holds one slab, not the tensor."""
+        bounds = self.slab_bounds()
+        buffer = torch.empty((bounds[0][1], *self.info.shape[1:]) if bounds else 0, dtype=torch.float32)
+        for start, stop in bounds:
+            self.read_rows_into(buffer[: stop - start], start)
+            yield buffer[: stop - start]
+
+    def slab_bounds(self) -> list[tuple[int, int]]:
+        """``[start, stop)`` of each slab of dim-0 rows: ``SLAB_BYTES`` of float32, one row at least."""
+        rows = self.info.shape[0]
+        step = max(1, SLAB_BYTES // max(1, self.info.nbytes // max(1, rows)))
+        return [(start, min(rows, start + step)) for start in range(0, rows, step)]
+
+    def read_rows_into(self, dest: torch.Tensor, start: int) -> None:
+        """Rows ``[start, start + len(dest))`` of the tensor into ``dest``, read from the files."""
+        windows = self.windows(start, start + dest.shape[0])
+        parts = {part.name: part for part in self.parts}
+        stored = {name: _read_rows(parts[name], w.start, len(w.dest)) for name, w in windows.items()}
+        self.dequantize_into(stored, dest, start)
 
 
 def refuse_impossible_scales(part: Stored, scales: torch.Tensor, first: int, rule: str, unit: str) -> None:
@@ -112,6 +140,22 @@ def refuse_impossible_scales(part: Stored, scales: torch.Tensor, first: int, rul
             f"{part.file}: {part.name}[{first + row}, {col}] = {wide[row, col].item()}, an impossible scale: {rule} "
             f"(0 would zero the {unit}, a negative one flip its signs) -- the checkpoint is damaged"
         )
+
+
+def _read_rows(part: Stored, start: int, count: int) -> torch.Tensor:
+    """Rows ``[start, start + count)`` (dim 0) of the stored tensor ``part``, one positioned read of
+    their bytes alone: ``safe_open`` maps the whole file, which counts its size (4 GB per gpt-oss-120B
+    shard) against an address-space cap (measured: +207 MiB of address space to read one 4 MB expert
+    of a 66 MB file)."""
+    header, _, data_start = safetensors_header(part.file)
+    row = part.info.nbytes // max(1, part.info.shape[0])
+    out = torch.empty((count, *part.info.shape[1:]), dtype=part.info.dtype)
+    with open(part.file, "rb") as f:
+        f.seek(data_start + header[part.name]["data_offsets"][0] + start * row)
+        got = f.readinto(out.view(-1).view(torch.uint8).numpy())
+    if got != count * row:
+        raise SeedckptError(f"{part.file} ends inside {part.name}: the file was truncated while being read")
+    return out
 
 
 def _window(info: TensorInfo, start: int, stop: int) -> RowWindow:
