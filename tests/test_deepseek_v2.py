@@ -295,3 +295,14 @@ def test_aux_loss_alpha_is_the_aux_loss_coef_both_ways():
     args = args_from_config({**cfg, "aux_loss_alpha": 0.025})
     assert (args.load_balance, args.aux_loss_coef) == ("aux_loss", 0.025)
     assert config(args, torch.float32)["aux_loss_alpha"] == 0.025
+
+
+def test_a_batch_wise_balance_loss_is_named_in_one_line():
+    """``seq_aux = false`` (DeepSeek's batch-wise balance loss, not the sequence-wise one trained here)
+    is said in one line naming the key that turns it off; ``seq_aux = true`` reads silently."""
+    cfg = {"model_type": "deepseek_v2", **TINY}
+    with pytest.warns(UserWarning, match="seq_aux = false.*model.aux_loss_coef = 0"):
+        args_from_config({**cfg, "seq_aux": False})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        args_from_config({**cfg, "seq_aux": True})

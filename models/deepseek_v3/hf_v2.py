@@ -98,6 +98,12 @@ def v2_args(cfg: dict) -> DeepseekV3Args:
     args = hf.args_from_config({**view, "rope_interleave": True})
     group_top = 1 if method == "group_limited_greedy" else 2
     aux = hf_config.read(cfg, "aux_loss_alpha", check_float, AUX_LOSS_ALPHA, positive=False)
+    if cfg.get("seq_aux") is False:  # logits are the same; only training's balance loss would differ
+        warnings.warn(
+            "config.json has seq_aux = false (DeepSeek's batch-wise balance loss); training here weighs the "
+            "sequence-wise one by aux_loss_alpha: set model.aux_loss_coef = 0 to train without it",
+            stacklevel=2,
+        )
     return dataclasses.replace(
         args, score_func="softmax", group_top=group_top, load_balance="aux_loss", aux_loss_coef=aux
     )
