@@ -761,6 +761,7 @@ def _train(run: ResolvedRun, data, rank: int) -> int:
     stop_at_first_sigint()
     signals = SaveOnSignals(run.cfg.checkpoint.save_on_signals)
     _init_process_group(run.device)
+    trainer = None
     try:
         trainer = Trainer(run, data)
         status = trainer.run(signals)
@@ -770,7 +771,9 @@ def _train(run: ResolvedRun, data, rank: int) -> int:
     finally:
         # Pipeline schedules keep P2P work objects in reference cycles; collected after the group is
         # gone (at interpreter exit) they abort the process ("terminate called without an active
-        # exception", seen about once in six ZBV runs). Free them while the group still exists.
+        # exception", seen about once in six ZBV runs, and once after a Ctrl-C with async saves).
+        # Free them, the trainer's included, while the group still exists.
+        trainer = None
         gc.collect()
         dist.destroy_process_group()
     if status == 0 and finished and rank == 0 and run.cfg.checkpoint.export_at_end != "none":
