@@ -5,18 +5,17 @@ release), beside the logits' (``final_logit_softcapping``, 30).
 
 What it shares with Gemma 3 is imported: the ``(1 + weight)`` norms and sandwich norms, GeGLU, the
 embedding scaled by ``sqrt(dim)``, ``query_pre_attn_scalar``, tied embeddings, HF's init, the tensor
-names (``models.gemma3.hf.Gemma3Names``) and the FLOPs of windowed layers counted over the window.
-The scores' softcap is the shared attention's (``models.common.packed_attention``): written out on a
-CPU (SDPA takes no function of the scores), flex attention's ``score_mod`` on CUDA.
+names (``models.gemma3.hf.Gemma3Names``). Its FLOPs are the shared decoder's (windowed layers counted
+over their window). The scores' softcap is the shared attention's (``models.common.packed_attention``):
+written out on a CPU (SDPA takes no function of the scores), flex attention's ``score_mod`` on CUDA.
 """
 
 from __future__ import annotations
 
-from models.common import decoder_family, decoder_layer_flops
+from models.common import decoder_family
 from models.common.args import SHAPE_FIELDS
 from models.gemma2 import hf
 from models.gemma2.args import Gemma2Args
-from models.gemma3 import attention_flops, flops_per_token
 from models.gemma3.args import sliding_layers
 from models.gemma3.hf import Gemma3Names
 
@@ -56,6 +55,4 @@ GEMMA2 = decoder_family(
     hf.args_from_config,
     shape_fields=(*SHAPE_FIELDS, "attention_bias"),
     names=Gemma3Names,
-    flops_per_token=flops_per_token,
-    layer_flops=lambda args, seq_len: decoder_layer_flops(args, seq_len, attention=attention_flops),
 )

@@ -23,18 +23,15 @@ also zeroes the embedding's padding row (``pad_token_id`` 0) and never trains it
 here that row is drawn and trained like the others (packed padding carries no loss, so it moves
 only where a document uses the token).
 
-FLOPs count a sliding-window layer's attention over its window, not the whole sequence (the
-shared decoder's ``attention_flops``): 1B at 8192 tokens costs 6.54 GFLOPs a token, where counting
+FLOPs are the shared decoder's, which count a sliding-window layer's attention over its window, not
+the whole sequence (``models.family.attended_keys``): 1B at 8192 tokens costs 6.54 GFLOPs a token, where counting
 every layer over all 8192 positions gives 8.62 -- an MFU overstated by 32 %.
 """
 
 from __future__ import annotations
 
-import torch
-
-from models.common import attention_flops, decoder_family, decoder_layer_flops, parameters
+from models.common import decoder_family
 from models.common.args import SHAPE_FIELDS
-from models.common.decoder import Transformer
 from models.common.rope import RopeScaling
 from models.gemma3 import hf
 from models.gemma3.args import Gemma3Args, sliding_layers
@@ -94,14 +91,6 @@ FLAVORS = {
 }
 
 
-def flops_per_token(args, seq_len: int, num_params: int | None = None) -> int:
-    """6 FLOPs per parameter (counted on ``meta``, the tied matrix once) and each layer's attention."""
-    if num_params is None:
-        with torch.device("meta"):
-            num_params = parameters(Transformer(args))
-    return 6 * num_params + sum(attention_flops(args, layer, seq_len) for layer in range(args.n_layers))
-
-
 GEMMA3 = decoder_family(
     "gemma3",
     Gemma3Args,
@@ -111,6 +100,4 @@ GEMMA3 = decoder_family(
     hf.args_from_config,
     shape_fields=(*SHAPE_FIELDS, "attention_bias"),
     names=hf.Gemma3Names,
-    flops_per_token=flops_per_token,
-    layer_flops=lambda args, seq_len: decoder_layer_flops(args, seq_len, attention=attention_flops),
 )
