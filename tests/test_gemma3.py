@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from models.common.decoder import Transformer
+from models.common.norms import rms_norm
 from models.gemma3 import FLAVORS, GEMMA3, LINEAR_8X
 from models.gemma3.args import sliding_layers
 from seedckpt import load_model
@@ -191,6 +192,15 @@ def test_the_embedding_scale_is_rounded_to_the_embedding_dtype_as_transformers_r
         want = hf.model.embed_tokens(TOKENS)
         assert torch.equal(ours.embed(TOKENS), want)
         assert not torch.equal(ours.tok_embeddings(TOKENS) * 72**0.5, want)
+
+
+def test_a_float64_models_norm_computes_in_float64():
+    """``1 + weight`` is computed in float32 at least (``upcast``): a float64 model's in float64."""
+    norm = rms_norm(64, 1e-6, offset=True).double()
+    torch.nn.init.normal_(norm.weight, std=0.1)
+    x = torch.randn(3, 64, dtype=torch.float64) * 1e3
+    exact = x / (x.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt() * (1 + norm.weight)
+    assert (norm(x) - exact).abs().max() < 1e-12  # in float32: 2e-7
 
 
 def test_the_seed_recipe_is_transformers_normal_init_with_norms_at_zero():

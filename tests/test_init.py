@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 from torch import nn
 
 from models.common.decoder import Transformer
+from models.registry import FAMILIES
 from seedckpt.materialize.init_recipe import (
     CHUNK_NUMEL,
     Initializer,
@@ -180,3 +182,41 @@ def test_recipe_can_be_read_on_meta_without_allocation():
     specs = init_model(model, seed=0, materialize=False)
     assert set(specs) == set(model.state_dict())
     assert all(p.is_meta for p in model.parameters())
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_a_float64_default_dtype_draws_the_float32_values_and_runs_in_float64(name):
+    """Values are drawn in float32 whatever the default dtype (a redraw or a chunk's scratch in
+    float64 once broke the truncated normal), and a float64 model runs in float64 (the CPU's grouped
+    GEMM refuses float64: its experts run the loop)."""
+    family = FAMILIES[name]
+    args = family.flavors["debug"]
+    reference = family.model(args)
+    init_model(reference, seed=1)
+    with default_dtype(torch.float64):
+        model = family.model(args)
+        init_model(model, seed=1)
+        logits = model(torch.randint(0, args.vocab_size, (1, 8)))
+    drawn = dict(reference.named_parameters())
+    for fqn, p in model.named_parameters():
+        assert p.dtype == torch.float64 and torch.equal(p, drawn[fqn].double()), fqn
+    logits = logits[0] if isinstance(logits, tuple) else logits
+    assert logits.dtype == torch.float64 and logits.isfinite().all()
+
+
+def test_a_range_cutting_a_chunk_draws_the_same_values_under_a_float64_default_dtype():
+    spec = TensorInit("trunc_normal", std=1.0, cutoff=1.0)  # a third of the draws redrawn
+    numel = CHUNK_NUMEL + 5
+    expected = generate_flat(spec, 0, "x", numel, CHUNK_NUMEL - 3, numel)
+    with default_dtype(torch.float64):
+        assert torch.equal(generate_flat(spec, 0, "x", numel, CHUNK_NUMEL - 3, numel), expected)

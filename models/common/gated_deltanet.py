@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.common.feed_forward import TRUNC_BOUND
+from models.common.norms import upcast
 from models.common.packed_attention import Documents
 
 CHUNK = 64  # positions per chunk of the chunked rule (FLA's and transformers' size)
@@ -64,12 +65,6 @@ L2_EPS = 1e-6  # q and k are divided by sqrt(|x|^2 + eps), as FLA's kernel does
 def fla_available() -> bool:
     """Whether ``flash-linear-attention``'s kernels are installed (the optional ``fla`` extra)."""
     return importlib.util.find_spec("fla") is not None
-
-
-def upcast(x: torch.Tensor) -> torch.Tensor:
-    """``x`` in float32 at least: bfloat16 and float16 computed in float32, float64 kept, so a float64
-    model computes the layer in float64 (how tests tell a layout's error from float32's rounding)."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:

@@ -208,16 +208,16 @@ class Router(nn.Module):
 
 
 def grouped_mm_applies(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` runs these operands (measured on torch 2.13): on the CPU any
-    float dtype with every row 16-byte aligned (its backward refuses other strides); on CUDA bf16
-    on sm90 or newer, with the same alignment."""
+    """Whether ``torch._grouped_mm`` runs these operands (measured on torch 2.13): on the CPU float32,
+    bfloat16 or float16 (float64 is refused) with every row 16-byte aligned (its backward refuses
+    other strides); on CUDA bf16 on sm90 or newer, with the same alignment."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     aligned = all(
         w.shape[-1] * w.element_size() % 16 == 0 and w.shape[-2] * w.element_size() % 16 == 0 for w in weights
     )
     if x.device.type == "cpu":
-        return aligned
+        return aligned and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
     if x.device.type == "cuda":
         return aligned and x.dtype == torch.bfloat16 and _sm90_or_newer(x.device.index)
     return False
@@ -389,7 +389,7 @@ def sequence_balance_loss(scores: torch.Tensor, chosen: torch.Tensor, row_of_tok
     probs = scores / scores.sum(-1, keepdim=True)  # sigmoid scores: normalized per token first
     tokens = tally(row_of_token, rows).clamp(min=1).float()[:, None]
     slots = (row_of_token[:, None] * experts + chosen).flatten()  # (row, expert) of each choice
-    picks = torch.zeros(rows * experts, device=scores.device).index_add_(0, slots, probs.new_ones(slots.shape))
+    picks = probs.new_zeros(rows * experts).index_add_(0, slots, probs.new_ones(slots.shape))
     picks = picks.view(rows, experts)
     mean_probs = torch.zeros_like(picks).index_add_(0, row_of_token, probs) / tokens
     return experts * (picks / tokens * mean_probs).sum()

@@ -12,7 +12,7 @@ from torch import nn
 from models.common.decoder import Transformer, chunked_cross_entropy, owned_positions
 from models.common.feed_forward import GATE_ACTIVATIONS, FeedForward
 from models.common.moe import MoE, Router
-from models.common.norms import init_norm
+from models.common.norms import init_norm, upcast
 from models.common.packed_attention import Documents, causal_attention, packed_attention
 from models.common.rope import rope_frequencies, rope_table
 
@@ -20,8 +20,9 @@ GELU_TANH = GATE_ACTIVATIONS["gelu_tanh"]
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm scaled by ``weight`` (ones at init), computed in float32 and rounded once at the end,
-    as transformers' ``Gemma4RMSNorm`` (not Gemma 3's ``1 + weight``)."""
+    """RMSNorm scaled by ``weight`` (ones at init), computed in float32 at least (``upcast``) and rounded
+    once at the end, as transformers' ``Gemma4RMSNorm`` (not Gemma 3's ``1 + weight``): bitwise its
+    output in bfloat16, where rounding the unscaled norm first changed 26 % of the outputs."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -29,12 +30,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (unscaled_norm(x, self.eps).float() * self.weight.float()).type_as(x)
+        return (F.rms_norm(upcast(x), (x.shape[-1],), eps=self.eps) * upcast(self.weight)).type_as(x)
 
 
 def unscaled_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm without a scale, in float32 (the values' and the router's)."""
-    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).type_as(x)
+    """RMSNorm without a scale, in float32 at least (the values' and the router's)."""
+    return F.rms_norm(upcast(x), (x.shape[-1],), eps=eps).type_as(x)
 
 
 def rope_tables(args, device: torch.device | None = None, length: int | None = None):

@@ -100,7 +100,7 @@ class TensorInit:
             low, high = torch.aminmax(out)  # one pass without temporaries; resampling is rare
             bad = (out.abs() > bound).nonzero().squeeze(1) if low < -bound or high > bound else out[:0].long()
             while bad.numel():
-                redraw = torch.empty(bad.numel()).normal_(0.0, self.std, generator=generator)
+                redraw = torch.empty(bad.numel(), dtype=out.dtype).normal_(0.0, self.std, generator=generator)
                 out[bad] = redraw
                 bad = bad[redraw.abs() > bound]
         elif self.kind != "normal":
@@ -127,12 +127,12 @@ def generate_flat(
     blocks' buffers).
     """
     if stop <= start:
-        return torch.empty(0)
+        return torch.empty(0, dtype=torch.float32)
     out = allocate(stop - start, dtype=torch.float32)
     for chunk in range(start // CHUNK_NUMEL, (stop - 1) // CHUNK_NUMEL + 1):
         lo, hi = chunk * CHUNK_NUMEL, min(numel, (chunk + 1) * CHUNK_NUMEL)
         kept = out[max(lo, start) - start : min(hi, stop) - start]
-        whole = kept if kept.numel() == hi - lo else torch.empty(hi - lo)
+        whole = kept if kept.numel() == hi - lo else torch.empty(hi - lo, dtype=torch.float32)
         spec.fill_chunk(whole, None if spec.kind in ("ones", "zeros") else chunk_generator(seed, fqn, chunk))
         if whole is not kept:
             kept.copy_(whole[max(lo, start) - lo : min(hi, stop) - lo])
