@@ -316,6 +316,72 @@ def test_tp2_computes_the_loss_and_every_gradient_of_one_process(tmp_path):
         assert all(gaps[fqn] <= 1e-4 * scales[fqn] for fqn in gaps), (name, max(gaps[f] / scales[f] for f in gaps))
 
 
+def _layouts_steps(rank, world_size, dtype: torch.dtype, steps: int):
+    """The debug flavor with experts in ``dtype``, on one process and on tp2 (sequence and loss
+    parallel): ``steps`` AdamW steps on packed rows, the auxiliary loss weighted. Per layout: each
+    step's loss and each layer's chosen experts, and the first step's full gradients."""
+    import contextlib
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from models.common.moe import moe_modules
+    from tests.conftest import tiny_config
+
+    def full(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    args = tiny_config(*TP_READY, *EXPERTS).model_args()
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    positions = torch.cat([torch.arange(20), torch.arange(12)]).expand(2, 32)
+    documents = (torch.arange(32) >= 20).long().expand(2, 32)
+    layouts = []
+    for tp in (False, True):
+        model = Gemma4Transformer(args)
+        if tp:
+            GEMMA4.tensor_parallel.apply(model, mesh, True)
+        init_model(model, 0)
+        model.to(dtype).init_buffers()  # ``to`` keeps the RoPE tables' real parts only
+        chosen = []
+        for moe in moe_modules(model):
+            moe.aux_loss_scale = 1e-2
+            moe.router.register_forward_hook(lambda _, __, routed: chosen.append(routed[1]))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        draws, losses, gradients = torch.Generator().manual_seed(0), [], None
+        for _ in range(steps):
+            tokens = torch.randint(0, args.vocab_size, (2, 33), generator=draws)
+            with loss_parallel() if tp else contextlib.nullcontext():  # the cross-entropy in ``dtype``
+                logits = model(tokens[:, :-1], positions=positions, document_ids=documents)
+                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+                loss.backward()
+            losses.append(full(loss).item())
+            if gradients is None:
+                gradients = {n: full(p.grad) for n, p in model.named_parameters()}
+            optimizer.step()
+            optimizer.zero_grad()
+        layouts.append((losses, torch.stack(chosen), gradients))
+    return layouts
+
+
+def test_tp2_with_experts_trains_as_one_process_in_float64():
+    """Three AdamW steps of the debug flavor with experts in float64, packed rows, the auxiliary loss
+    weighted: tp2 routes every token to the same experts at every step, its losses are within 1e-9
+    of one process's and its first gradients within 1e-10 of each tensor's largest. Measured: 1e-16,
+    1e-16, 3e-12 and 2e-14. In float32 the same steps part by 8e-8, 1e-4, 8e-4, their routing by
+    step 2 (rounding that AdamW and the unscaled scores grow, ``models.gemma4``), so only float64's
+    losses tell the plan's errors: the MoE's post-norms left unsummed over the sequence's halves move their
+    gradients by 0.99 of their size; a per-expert scale's gradient summed twice, by 1.0 of its size,
+    moves the losses by 6e-10 and 8e-8 only (AdamW does not see a gradient's scale)."""
+    from tests.dist import run_distributed
+
+    (losses, chosen, want), (losses_tp, chosen_tp, got) = run_distributed(_layouts_steps, 2, torch.float64, 3)[0]
+    assert torch.equal(chosen_tp, chosen)
+    assert all(abs(a - b) <= 1e-9 * b for a, b in zip(losses_tp, losses)), (losses_tp, losses)
+    gaps = {n: ((got[n] - want[n]).abs().max() / want[n].abs().max()).item() for n in want}
+    assert sorted(got) == sorted(want) and max(gaps.values()) <= 1e-10, max(gaps.items(), key=lambda kv: kv[1])
+
+
 def test_compiled_blocks_train_as_eager_with_the_shared_keys_and_experts(monkeypatch):
     """The debug flavor with experts, its blocks compiled (``training.compile``'s ``apply_compile``)
     through ``aot_eager``: three AdamW steps route as eager and reach eager's losses within 1e-6 (the

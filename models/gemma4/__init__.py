@@ -53,6 +53,17 @@ fused norms round an ulp off eager's, and the unscaled scores amplify any such d
 itself, every weight times 1 + 1e-7 noise, drifts 2e-3 by step 4 in float64, 1e-6 with the scores
 scaled by ``head_dim^-1/2``. Through ``aot_eager``, or inductor in float64, compiled equals eager.
 
+Layouts part the same way with experts, by rounding, not by the plan. The debug seed with experts
+leaves one process's losses by 8e-8, 1.5e-7, 3e-4 over three steps on tp2 and on tp2 x dp_shard2 in
+float32; in float64, tp2 stays within 3e-12 with every token routed alike (``tests/test_gemma4.py``
+holds it to 1e-9). AdamW's first step moves a weight by about the learning rate whatever its
+gradient's size, so an element whose gradient is near zero, its sign left to rounding, moves one way
+on one layout and the other way on the other (one of layer 0's ``wq`` elements: 1.9 learning rates
+apart); the unscaled scores carry that on until, by step 3, the layouts' router scores are 1e-4
+apart, past a near-tie's margin (two tokens of layer 1 flip, at margins 1e-5 and 8e-5; the later
+layers follow). The dense debug flavor stays within 1e-6 over the same steps; a router drawn at std
+0.1 instead of 0.02 parts by 1e-4 at step 2.
+
 Tensor names: the shared decoder's (``tok_embeddings``, ``layers.{i}.attention.{wq,wk,wv,wo}``,
 ``attention.{q_norm,k_norm}``, ``feed_forward.{w1,w2,w3}``, ``attention_norm``, ``post_attention_norm``,
 ``ffn_norm``, ``post_ffn_norm``, ``norm``, ``output``), plus ``layers.{i}.layer_scalar``,
