@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import seedckpt.checkpoint as checkpoint_module
-from seedckpt.checkpoint import MANIFEST_NAME, write_checkpoint
+from seedckpt.checkpoint import MANIFEST_NAME, LazySavePlanner, make_manifest, write_checkpoint
 from seedckpt.cli.main import main
 from seedckpt.materialize.model_checkpoint import open_model_checkpoint
 from seedckpt.materialize.seed import create_seed_checkpoint
@@ -90,6 +90,33 @@ def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
         create_seed_checkpoint(tiny_config(), tmp_path / "seed", seed=0, progress=False)
     assert partials and partials[0].parent.name == f".seed.{os.getpid()}.partial"
     assert list(tmp_path.iterdir()) == []
+
+
+# Blocks of a 4 x 3 tensor that do not tile it, and the words of their refusal.
+BAD_BLOCKS = {
+    "overlapping": ([([0, 0], [3, 3]), ([2, 0], [2, 3])], "overlap"),
+    "gap": ([([0, 0], [1, 3]), ([2, 0], [2, 3])], "leave a gap"),
+    "columns": ([([0, 0], [4, 1]), ([0, 1], [4, 2])], "is not a run"),  # no block is consecutive elements
+    "out of bounds": ([([0, 0], [2, 3]), ([2, 0], [3, 3])], "is not a run inside"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_BLOCKS)
+def test_blocks_that_do_not_tile_their_tensor_are_refused_before_any_is_produced(tmp_path, case):
+    """The planner's own one-pass check (``checkpoint.block_plan``, which replaced DCP's pairwise
+    one) refuses what DCP refused -- overlapping blocks, blocks out of bounds -- and what a block
+    planner must not write either: a gap, a block that is not consecutive elements."""
+    blocks, refusal = BAD_BLOCKS[case]
+    produced = []
+
+    def produce(fqn, start, stop):
+        produced.append(fqn)
+        return torch.zeros(stop - start)
+
+    state, manifest = {"w": torch.empty(4, 3, device="meta")}, make_manifest("seed", "llama3", None, {})
+    with pytest.raises(SeedckptError, match=f"ValueError: the save plan is invalid: w's chunk.*{refusal}"):
+        write_checkpoint(tmp_path / "seed", state, manifest, planner=LazySavePlanner(produce, lambda shape: blocks))
+    assert produced == [] and list(tmp_path.iterdir()) == []
 
 
 def test_refuses_to_run_under_torchrun(tmp_path, monkeypatch):

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWr
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from seedckpt.checkpoint import block_plan
 from seedckpt.checkpoint.atomic import atomic_output, write_json_synced
 from seedckpt.checkpoint.integrity import (
     CHECKSUMS_KEY,
@@ -278,8 +279,13 @@ def _write_nbytes(item: WriteItem) -> int:
 
 
 def _item_nbytes(metadata: Metadata, index: MetadataIndex) -> int:
+    """The bytes of the chunk at ``index``, found by its index hint where the plan set one: a scan
+    of the tensor's chunks for every item took 0.07-0.10 s against 0.011 s for Qwen3-235B-A22B's
+    expert blocks at 16 workers (256 a tensor), and grows with the square of the blocks a tensor."""
     md = metadata.state_dict_metadata[index.fqn]
-    chunk = next(c for c in md.chunks if c.offsets == index.offset)
+    hinted = md.chunks[index.index] if index.index is not None and index.index < len(md.chunks) else None
+    chunk = hinted if hinted is not None and hinted.offsets == index.offset else None
+    chunk = chunk or next(c for c in md.chunks if c.offsets == index.offset)
     return chunk.sizes.numel() * md.properties.dtype.itemsize
 
 
@@ -360,6 +366,17 @@ class LazySavePlanner(DefaultSavePlanner):
                 )
         self.plan = SavePlan(items, planner_data=self.mappings)  # FQN mapping, as the default planner
         return self.plan
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        """One process's blocks planned and checked in one pass (``block_plan``): DCP's own planning
+        compares every pair of blocks within a grouped expert weight, 4.5 s of DeepSeek-V3-671B's
+        serial start at 16 workers against 0.5 s (``block_plan`` has the figures)."""
+        planned = block_plan.global_plan(all_plans[0]) if len(all_plans) == 1 else None
+        if planned is None:
+            return super().create_global_plan(all_plans)
+        plan, self.metadata = planned
+        self.global_plan = [plan]
+        return self.global_plan, self.metadata
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
         chunk = write_item.tensor_data.chunk
