@@ -90,13 +90,16 @@ bench-check: install
 
 # On a machine with network: the wheels the GPU image lacks, for its Python (GPU_PYTHON_VERSION), into
 # GPU_WHEELS (git-ignored; emptied first: one version of each) to travel with the tree -- crc32c;
-# pytest and its dependencies; torchtitan 0.3.0 (the peer rows) and those of its dependencies the
-# image has not: tyro (docstring-parser, typeguard), spmd_types, torchdata, torch_checkpointing,
-# datasets (dill, multiprocess).
+# pytest and its dependencies; torchtitan 0.3.0 (moe_block's peer layer) and those of its dependencies
+# the image has not: tyro (docstring-parser, typeguard), spmd_types, torchdata, torch_checkpointing,
+# datasets (dill, multiprocess); and in GPU_WHEELS/torchtitan_peer/, installed for that row alone,
+# torchtitan 0.2.2, whose trainer imports on the image's torch 2.11 (0.3.0's needs 2.13). 5.1 MB in all.
+GPU_PIP_DOWNLOAD = $(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: \
+	--python-version $(GPU_PYTHON_VERSION) --implementation cp \
+	--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
 bench-gpu-prepare:
 	rm -rf $(GPU_WHEELS)
-	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version $(GPU_PYTHON_VERSION) \
-		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-		-d $(GPU_WHEELS) crc32c pytest pluggy iniconfig pygments packaging \
+	$(GPU_PIP_DOWNLOAD) -d $(GPU_WHEELS) crc32c pytest pluggy iniconfig pygments packaging \
 		torchtitan==0.3.0 tyro docstring-parser typeguard spmd_types==0.2.3 torchdata torch_checkpointing \
 		"datasets>=3.6,<4.8" "dill>=0.3,<0.4.1" "multiprocess<0.70.19"
+	$(GPU_PIP_DOWNLOAD) -d $(GPU_WHEELS)/torchtitan_peer torchtitan==0.2.2

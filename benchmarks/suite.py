@@ -28,9 +28,12 @@ A lent GPU machine has no network and no project venv, only its image's torch (2
 transformers and safetensors: the suite runs with the Python that starts it (``make bench-gpu`` picks
 the image's ``python3`` when there is no venv). The wheels the project needs beyond the image
 (``crc32c``; pytest, for the ``cuda`` tests; torchtitan 0.3.0 and the dependencies the image lacks,
-for the peer rows) are fetched beforehand on a machine with network by ``make bench-gpu-prepare``
-into ``.gpu-wheels/`` (git-ignored), which travels with a copy of the working tree; ``--wheels``
-installs them from there into a temporary directory first on the children's ``PYTHONPATH``.
+for ``moe_block``'s peer layer) are fetched beforehand on a machine with network by ``make
+bench-gpu-prepare`` into ``.gpu-wheels/`` (git-ignored), which travels with a copy of the working
+tree; ``--wheels`` installs them from there into a temporary directory first on the children's
+``PYTHONPATH``. A row's own wheels, ``.gpu-wheels/<row>/`` (torchtitan 0.2.2 for
+``torchtitan_peer``, whose trainer imports on torch 2.11 where 0.3.0's does not), go into a directory
+of their own, first on that row's ``PYTHONPATH`` alone.
 """
 
 from __future__ import annotations
@@ -82,22 +85,24 @@ class Part:
 # Estimates: the H200 / H100 runs of 2026-11-25/26 (benchmarks/results/gpu-2026-11-2*.json) plus a
 # margin. throughput.py: ~20 s of probe and 1B seed, then each variant's process (its wall_s on the
 # H200: bare_eager 10 s, train_eager 12, sft 31, bare_compiled 38, train_compiled 21, hf 27, osft 39,
-# the selective ones 12 and 19), bare_eager first in each part as its baseline. torchtitan's two runs
-# ~35 s eager and ~60 s compiled (torchrun, its 1B init, flex attention's compile, 12 steps); the MoE
-# layer's three compilations ~20 s each. Priority rows, in seconds:
-#   loss 20 + throughput_eager 85 + throughput_compiled 95 + torchtitan_peer 100 + moe_block 75
-#   + save 60 + seed 20 = 455 of the 570: about 2 minutes are left for the rows after them, in order
+# the selective ones 12 and 19), bare_eager first in each part as its baseline. torchtitan_peer (not
+# yet run on a GPU): torchtitan 0.2.2's two runs, ~35 s eager and ~45 s compiled (torchrun, its 1B
+# init, each block's compile, 12 steps), then throughput.py on the same untied 1B (~20 s of probe
+# and seed, bare_eager, train_eager, train_compiled: ~65 s); the MoE layer's three compilations ~20 s
+# each. Priority rows, in seconds:
+#   loss 20 + throughput_eager 85 + throughput_compiled 95 + torchtitan_peer 150 + moe_block 75
+#   + save 60 + seed 20 = 505 of the 570: about a minute is left for the rows after them, in order
 #   (packed_attention 70, attention 15, load 65, osft 20, mla_attention 30, throughput_more 130,
-#   cuda_tests 90, moe_train 330); whatever does not fit waits for `--parts` in a later call. On the
-#   torch 2.11 image torchtitan's trainer does not import: its row ends in ~10 s, leaving ~90 s more.
+#   cuda_tests 90, moe_train 330); whatever does not fit waits for `--parts` in a later call.
 BUDGET_S = 570
 # Figures across the rows of one call, tokens/s over tokens/s: (variant, its same-call baseline)
 RATIOS = {
     "train_eager_vs_bare_eager": ("train_eager", "bare_eager"),
     "train_compiled_vs_bare_compiled": ("train_compiled", "bare_compiled"),
     "sft_vs_train_eager": ("sft", "train_eager"),
-    "train_eager_vs_torchtitan_eager": ("train_eager", "torchtitan_eager"),
-    "train_compiled_vs_torchtitan_compiled": ("train_compiled", "torchtitan_compiled"),
+    # torchtitan 0.2.2 has no tied output: its row runs train.py on the same untied 1B
+    "train_eager_untied_vs_torchtitan_eager": ("train_eager_untied", "torchtitan_eager"),
+    "train_compiled_untied_vs_torchtitan_compiled": ("train_compiled_untied", "torchtitan_compiled"),
 }
 THROUGHPUT = ["benchmarks/throughput.py", "--dtype", "bfloat16", "--steps", "12", "--warmup", "4", "--variants"]
 # --dry-run: train.py's rows on the debug model, 2 x 32 tokens, float32, 2 steps
@@ -137,10 +142,14 @@ PARTS = [
         "torchtitan_peer",
         "cuda",
         ["benchmarks/torchtitan_peer.py", "--steps", "12", "--warmup", "4"],
-        170,
-        "train.py at least 1.0x torchtitan 0.3.0's own trainer's tokens/s, eager and compiled (1B, 4 x 2048, bf16)",
-        estimate_s=100,
-        tiny=("--flavor", "debugmodel", "--batch", "2", "--seq-len", "64", "--dtype", "float32", "--steps", "2"),
+        240,
+        "train.py at least 1.0x torchtitan 0.2.2's own trainer's tokens/s, eager and compiled, both on Llama 3.2 "
+        "1B's shape untied (4 x 2048, bf16)",
+        estimate_s=150,
+        tiny=(
+            *("--flavor", "debugmodel", "--batch", "2", "--seq-len", "64", "--dtype", "float32", "--steps", "2"),
+            *("--warmup", "1"),
+        ),
     ),
     Part(
         "moe_block",
@@ -566,6 +575,17 @@ def install_wheels(wheels: Path, env: dict, python: str) -> str:
     return f"installed {names} from {wheels} into {target}" + (f"; pip refused {', '.join(refused)}" if refused else "")
 
 
+def row_env(part: Part, env: dict, wheels: Path | None) -> dict:
+    """``env`` for ``part``: with its own wheels (``wheels/<part name>/``, a version the other rows
+    must not see) installed and first on its ``PYTHONPATH``, the line saying so printed."""
+    own = None if wheels is None else wheels / part.name
+    if own is None or not own.is_dir():
+        return env
+    env = dict(env)
+    print(f"{part.name}: {install_wheels(own, env, sys.executable)}", flush=True)
+    return env
+
+
 def label(line: dict) -> str:
     return next((str(line[f]) for f in LABEL_FIELDS if isinstance(line.get(f), str)), "-")
 
@@ -666,13 +686,14 @@ def select(p: argparse.ArgumentParser, opts) -> list[Part]:
     return [part for part in mine if part.name in wanted]
 
 
-def dry_run(parts: list[Part], env: dict, logs: str | None) -> int:
+def dry_run(parts: list[Part], env: dict, logs: str | None, wheels: Path | None = None) -> int:
     """Each GPU row's command with its ``tiny`` options on the CPU: a typo, a renamed option or a
     missing module fails here, not on the lent machine. Exit 1 if one failed."""
     env = {**env, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     failed = 0
     for part in parts:
-        result = run_part(part, env, sys.executable, Path(logs) / f"{part.name}.log" if logs else None, 300, part.tiny)
+        log = Path(logs) / f"{part.name}.log" if logs else None
+        result = run_part(part, row_env(part, env, wheels), sys.executable, log, 300, part.tiny)
         failed += result.status.startswith(("failed", "timed out"))
         print(f"{part.name}: {result.status} in {result.seconds:.0f} s {result.last_line[-200:]}".rstrip(), flush=True)
     return 1 if failed else 0
@@ -698,7 +719,7 @@ def main(argv: list[str] | None = None) -> int:
     if opts.dry_run:
         if opts.wheels:
             print(install_wheels(Path(opts.wheels), env, sys.executable), flush=True)
-        return dry_run(parts, env, opts.logs)
+        return dry_run(parts, env, opts.logs, Path(opts.wheels) if opts.wheels else None)
     if opts.device == "cuda" and not torch.cuda.is_available():
         for part in parts:
             print(f"{part.name}: skipped: no CUDA device (would measure: {part.target})")
@@ -731,7 +752,9 @@ def run_one(part: Part, report: dict, env: dict, opts, budget: tuple[int, float]
         result = Result(part.name, why)
     else:
         print(f"{part.name}: running (cap {cap} s)", flush=True)
-        result = run_part(part, env, sys.executable, Path(opts.logs) / f"{part.name}.log" if opts.logs else None, cap)
+        wheels = Path(opts.wheels or ROOT / ".gpu-wheels") if part.device == "cuda" else None
+        log = Path(opts.logs) / f"{part.name}.log" if opts.logs else None
+        result = run_part(part, row_env(part, env, wheels), sys.executable, log, cap)
     report["parts"].append({**result.__dict__, "target": part.target})
     report["ratios"] = ratios(report)
     print(f"{part.name}: {result.status} in {result.seconds:.0f} s -- {headline(result.lines)}", flush=True)

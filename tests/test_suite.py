@@ -57,10 +57,10 @@ def test_a_row_runs_capped_at_what_is_left_of_the_budget_or_is_skipped_with_why(
     assert suite.cap_within(part, 120.4, 570) == (120, "")
     assert suite.cap_within(part, 90.0, 570) == (None, "skipped: needs ~100 s, 90 s left of the 570 s budget")
 
-    opts = argparse.Namespace(logs=None)
+    opts = argparse.Namespace(logs=None, wheels="/nonexistent")
     report = {"parts": []}
     rate = 'import json; print(json.dumps({"variant": "%s", "tokens_per_s": %d}))'
-    ours = suite.Part("ours", "cuda", ["-c", rate % ("train_eager", 40000)], 30, "-", estimate_s=1)
+    ours = suite.Part("ours", "cuda", ["-c", rate % ("train_eager_untied", 40000)], 30, "-", estimate_s=1)
     peer = suite.Part("peer", "cuda", ["-c", rate % ("torchtitan_eager", 50000)], 30, "-", estimate_s=1)
     late = suite.Part("late", "cuda", ["-c", "pass"], 30, "-", estimate_s=60)
     deadline = (570, time.monotonic() + 30)
@@ -71,7 +71,7 @@ def test_a_row_runs_capped_at_what_is_left_of_the_budget_or_is_skipped_with_why(
         ("peer", "ok"),
         ("late", "skipped"),
     ]
-    assert report["ratios"] == {"train_eager_vs_torchtitan_eager": 0.8}
+    assert report["ratios"] == {"train_eager_untied_vs_torchtitan_eager": 0.8}
     summaries = [line for line in capsys.readouterr().out.splitlines() if " in " in line]
     assert summaries[1].startswith("peer: ok in ") and summaries[1].endswith(" s -- torchtitan_eager 5e+04 tokens/s")
     assert summaries[2].startswith("late: skipped: needs ~60 s, ")
@@ -165,17 +165,33 @@ def test_the_gpu_call_rewrites_its_json_after_every_row(tmp_path, monkeypatch):
     assert report["finished"] and report["budget_s"] == suite.BUDGET_S
 
 
-def test_a_wheel_pip_refuses_is_named_and_the_others_still_install(tmp_path):
-    wheels = tmp_path / "wheels"
-    wheels.mkdir()
+def tiny_wheel(wheels: Path) -> None:
+    """``wheels/tinypkg-1.0-py3-none-any.whl``: one module, ``VALUE = 7``."""
+    wheels.mkdir(parents=True)
     with zipfile.ZipFile(wheels / "tinypkg-1.0-py3-none-any.whl", "w") as whl:
         whl.writestr("tinypkg.py", "VALUE = 7\n")
         whl.writestr("tinypkg-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: tinypkg\nVersion: 1.0\n")
         whl.writestr("tinypkg-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
         whl.writestr("tinypkg-1.0.dist-info/RECORD", "")
+
+
+def test_a_wheel_pip_refuses_is_named_and_the_others_still_install(tmp_path):
+    wheels = tmp_path / "wheels"
+    tiny_wheel(wheels)
     (wheels / "other-1.0-cp27-cp27m-win32.whl").write_bytes(b"not for this machine")
     env = {"PYTHONPATH": "/elsewhere"}
     said = suite.install_wheels(wheels, env, sys.executable)
     site = env["PYTHONPATH"].split(os.pathsep)[0]
     assert said == f"installed tinypkg from {wheels} into {site}; pip refused other-1.0-cp27-cp27m-win32.whl"
     assert (Path(site) / "tinypkg.py").read_text() == "VALUE = 7\n" and env["PYTHONPATH"].endswith("/elsewhere")
+
+
+def test_a_rows_own_wheels_go_first_on_its_path_alone(tmp_path, capsys):
+    """``.gpu-wheels/<row>/``: a version only that row sees (torchtitan 0.2.2 for torchtitan_peer)."""
+    tiny_wheel(tmp_path / "wheels" / "mine")
+    mine, other = (suite.Part(name, "cuda", ["-c", "pass"], 30, "-", estimate_s=1) for name in ("mine", "other"))
+    env = {"PYTHONPATH": "/elsewhere"}
+    assert suite.row_env(other, env, tmp_path / "wheels") is env and suite.row_env(mine, env, None) is env
+    site, rest = suite.row_env(mine, env, tmp_path / "wheels")["PYTHONPATH"].split(os.pathsep)
+    assert (Path(site) / "tinypkg.py").is_file() and rest == "/elsewhere" and env == {"PYTHONPATH": "/elsewhere"}
+    assert capsys.readouterr().out.startswith(f"mine: installed tinypkg from {tmp_path / 'wheels' / 'mine'} into ")
