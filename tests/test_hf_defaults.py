@@ -4,7 +4,8 @@ ours must compute the logits ``transformers`` computes (within 1e-5) or refuse w
 them, and must read the file as it reads the full file ``transformers`` writes once its class has
 filled the field in (which checks the fields that change no logit: ``initializer_range``,
 ``max_position_embeddings``, ``router_aux_loss_coef``; and the shapes, whose defaults no tiny weights
-match). The defaults come from the classes themselves, never copied here.
+match). The defaults come from the classes themselves, never copied here. Each field set to null
+too: read as ``transformers`` reads it (refused, in one line naming it, where the class refuses it).
 
 Fields whose default changes the weights' shapes (``hidden_size``, ``vocab_size``,
 ``num_hidden_layers``, ``intermediate_size``, ``num_attention_heads``, the experts' counts and
@@ -215,6 +216,14 @@ def test_a_field_left_out_reads_as_the_transformers_class_default(tmp_path, save
     config = json.loads((source / "config.json").read_text())
     for field in fields:
         del config[field]
+    computes_as_transformers(tmp_path, source, family, config)
+    filled = filled_in(family, config)
+    assert our_args(family, config) == (ValueError if filled is None else our_args(family, filled))
+
+
+def computes_as_transformers(tmp_path, source, family: str, config: dict) -> None:
+    """``config`` beside the weights at ``source``: our logits within 1e-5 of ``transformers``', or
+    a one-line refusal where ``transformers`` computes none."""
     shutil.copy(source / "model.safetensors", tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(config))
     x = tokens(24)
@@ -226,5 +235,36 @@ def test_a_field_left_out_reads_as_the_transformers_class_default(tmp_path, save
     else:
         with torch.no_grad():
             assert (load_model(tmp_path)(x) - want).abs().max().item() <= 1e-5
-    filled = filled_in(family, config)
-    assert our_args(family, config) == (ValueError if filled is None else our_args(family, filled))
+
+
+@pytest.mark.parametrize("family,fields", CASES, ids=[f"{family}-{'+'.join(fields)}" for family, fields in CASES])
+def test_a_null_field_reads_as_transformers_reads_it(tmp_path, saved, family, fields):
+    """A null means what ``transformers`` makes of it: refused, in one line naming the field, where the
+    class refuses it; else the logits ``transformers`` computes (a null ``sliding_window``: no window,
+    DeepSeek-V3's null ``rope_interleave``: halves rotated), or a refusal where it cannot run it."""
+    source = saved(family)
+    config = {**json.loads((source / "config.json").read_text()), **dict.fromkeys(fields)}
+    if filled_in(family, config) is None:
+        with pytest.raises(ValueError) as refused:
+            get_family(READER.get(family, family)).hf.args_from_config(config)
+        said = str(refused.value)
+        assert "\n" not in said and any(f"{field} = null" in said or f"lacks {field}" in said for field in fields)
+        return
+    computes_as_transformers(tmp_path, source, family, config)
+    if our_args(family, config) is not ValueError:
+        assert our_args(family, config) == our_args(family, filled_in(family, config))
+
+
+@pytest.mark.parametrize("family", ["llama3", "deepseek_v3", "qwen3_5"])
+@pytest.mark.parametrize("where", ["rope_parameters", "top"])
+def test_a_null_rope_base_is_refused_as_transformers_fails_on_it(tmp_path, saved, family, where):
+    """A null ``rope_theta`` with no other beside it: ``transformers``' class keeps it, its model fails."""
+    source = saved(family)
+    config = json.loads((source / "config.json").read_text())
+    rope = {**config.pop("rope_parameters"), "rope_theta": None}
+    config |= {"rope_parameters": rope} if where == "rope_parameters" else {"rope_theta": None}
+    shutil.copy(source / "model.safetensors", tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert transformers_logits(family, tmp_path, tokens(24)) is None
+    with pytest.raises(SeedckptError, match="rope_theta = null, which transformers' model cannot run"):
+        load_model(tmp_path)

@@ -6,7 +6,9 @@ family has none, a layer kind other than full or sliding-window attention (``lay
 each is a ``ValueError`` naming the field, never silently dropped. Every field read is checked for
 its type and range as it is read (``read``: an integer >= 1, a finite number > 0, true or false),
 so a string epsilon or a NaN RoPE base is refused at import, naming the field, rather than failing
-later inside the model.
+later inside the model. A null is read as ``transformers`` reads it: refused where the family's class
+or model takes none (``refuse_nulls``, with each family's ``NOT_NULL``), else as the meaning the
+class gives it (a null ``sliding_window``: no window; ``num_key_value_heads``: as many as the heads).
 """
 
 from __future__ import annotations
@@ -35,6 +37,37 @@ def read(cfg: dict, name: str, check, default=REQUIRED, null=AS_ABSENT, **rule):
     return check(name, value, **rule)
 
 
+# The fields every decoder config class of transformers read here types without None (Llama's and
+# those built like it; Gemma's name the activation hidden_activation): transformers refuses a null
+# one, where ``read`` would take the class's default. A family adds its class's own (``refuse_nulls``).
+NOT_NULL = (
+    "hidden_act",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "vocab_size",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "initializer_range",
+    "tie_word_embeddings",
+)
+
+
+def refuse_nulls(cfg: dict, names: tuple[str, ...], config_class: str) -> None:
+    """One line for the first of ``names`` that ``cfg`` holds as null: the fields transformers'
+    ``config_class`` types without None (it refuses the file) or whose None its model cannot run
+    (DeepSeek-V3's ``n_group``), which ``read`` would otherwise take for the class's default or derive
+    (a null ``head_dim`` as ``hidden_size // num_attention_heads``). A null the class gives a meaning
+    (Mistral's ``sliding_window``: no window) is read by the family as that meaning instead."""
+    null = next((name for name in names if name in cfg and cfg[name] is None), None)
+    if null is not None:
+        raise ValueError(
+            f"config.json has {null} = null, which transformers' {config_class} refuses: give its value, "
+            "or leave the field out for the class's default"
+        )
+
+
 def size(cfg: dict, name: str, default: int) -> int:
     """A size or count (an integer >= 1): ``default`` (the family's class's) where the file leaves it
     out; refused where it is null, which no class turns into a size."""
@@ -56,8 +89,15 @@ def table(cfg: dict, name: str) -> dict:
 
 
 def rope_theta(cfg: dict, default: float = 10000.0) -> float:
-    """``rope_theta``, at the top level (transformers < 5) or in ``rope_parameters`` (>= 5)."""
+    """``rope_theta``, at the top level (transformers < 5) or in ``rope_parameters`` (>= 5). A null one
+    where no other is given is refused: ``transformers``' model finds no RoPE base there and fails."""
     rope = table(cfg, "rope_parameters") or table(cfg, "rope_scaling")
+    named = "rope_theta" in cfg or "rope_theta" in rope
+    if named and cfg.get("rope_theta") is None and rope.get("rope_theta") is None:
+        raise ValueError(
+            "config.json has rope_theta = null, which transformers' model cannot run: give its value, or leave "
+            "the field out for the class's default"
+        )
     return read(cfg, "rope_theta", check_float, read(rope, "rope_theta", check_float, default))
 
 

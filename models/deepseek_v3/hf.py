@@ -5,8 +5,12 @@ tensor names.
 class's default where a file leaves it out (its model is what the file means); a field whose value
 changes the math and is not computed here is refused, naming it (another activation, DeepSeek's
 own ``scoring_func`` / ``topk_method`` other than V3's, key/value heads fewer than the heads).
-``q_lora_rank: null`` is our ``0``; ``attention_bias`` is computed (``q_a_proj``,
-``kv_a_proj_with_mqa`` and ``o_proj`` biases).
+A null is read as transformers reads it: ``q_lora_rank: null`` is our ``0`` (no low-rank query),
+``norm_topk_prob`` and ``rope_interleave`` null are false (the model tests them for truth: no
+renormalization, halves rotated); a null the class refuses, or its model cannot run (``n_group``,
+``topk_group``, ``num_experts_per_tok``, ``first_k_dense_replace``, ``v_head_dim``, ``head_dim``), is
+refused (``NOT_NULL``). ``attention_bias`` is computed (``q_a_proj``, ``kv_a_proj_with_mqa`` and
+``o_proj`` biases).
 
 Names: the shared decoder's (``models.common.hf_names``) for the embedding, norms, dense
 feed-forward and output; per layer
@@ -191,7 +195,34 @@ def moe_config(args) -> dict:
 _DEFAULTS = DeepseekV3Args()
 
 
+# DeepseekV3Config's fields that refuse null, and those its model cannot run as null (``hf_config.refuse_nulls``)
+NOT_NULL = (
+    *hf_config.NOT_NULL,
+    "attention_bias",
+    "output_router_logits",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "head_dim",
+    "first_k_dense_replace",
+    "n_routed_experts",
+    "n_shared_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "n_group",
+    "topk_group",
+    "routed_scaling_factor",
+)
+
+
 def args_from_config(cfg: dict) -> DeepseekV3Args:
+    hf_config.refuse_nulls(cfg, NOT_NULL, "DeepseekV3Config")
+    return read_args(cfg)
+
+
+def read_args(cfg: dict) -> DeepseekV3Args:
+    """``args_from_config`` past its nulls (DeepSeek-V2's reader refuses its class's own first)."""
     hf_config.refuse_common(cfg, "DeepSeek-V3")
     hf_config.refuse(cfg, "DeepSeek-V3", scoring_func="sigmoid", topk_method="noaux_tc", moe_layer_freq=1)
     n_heads = hf_config.read(cfg, "num_attention_heads", check_int, _DEFAULTS.n_heads)
@@ -227,7 +258,7 @@ def args_from_config(cfg: dict) -> DeepseekV3Args:
         qk_rope_head_dim=field("qk_rope_head_dim", "qk_rope_head_dim"),
         v_head_dim=field("v_head_dim", "v_head_dim"),
         attention_bias=field("attention_bias", "attention_bias", check_bool),
-        rope_interleave=field("rope_interleave", "rope_interleave", check_bool),
+        rope_interleave=field("rope_interleave", "rope_interleave", check_bool, null=False),
         first_k_dense_replace=field("first_k_dense_replace", "first_k_dense_replace", least=0),
         n_experts=field("n_experts", experts),
         n_shared_experts=field("n_shared_experts", "n_shared_experts", least=0),
@@ -235,7 +266,7 @@ def args_from_config(cfg: dict) -> DeepseekV3Args:
         moe_ffn_dim=field("moe_ffn_dim", "moe_intermediate_size"),
         n_group=field("n_group", "n_group"),
         topk_group=field("topk_group", "topk_group"),
-        norm_topk_prob=field("norm_topk_prob", "norm_topk_prob", check_bool),
+        norm_topk_prob=field("norm_topk_prob", "norm_topk_prob", check_bool, null=False),
         routed_scaling_factor=field("routed_scaling_factor", "routed_scaling_factor", check_float),
     )
     if not args.moe_layers:

@@ -17,7 +17,8 @@ sequence-wise balance loss (``seq_aux``) by it, the loss ``load_balance = "aux_l
 one line, as ``transformers`` computes them otherwise than DeepSeek's own code or not at all:
 ``norm_topk_prob: true`` (the class never renormalizes), a ``scoring_func`` other than softmax,
 another ``topk_method``, ``num_experts_per_tok`` left out (the class has no default),
-``group_limited_greedy`` without ``n_group`` or ``topk_group``.
+``group_limited_greedy`` without ``n_group`` or ``topk_group``, a null the class refuses or its model
+cannot run (``NOT_NULL``: a null ``topk_method`` routes nothing there).
 
 Written: a sigmoid-routed model as DeepSeek-V3 (``hf.config``), a softmax-routed one as DeepSeek-V2
 with its ``aux_loss_coef`` as ``aux_loss_alpha``. A routing neither class computes is refused before
@@ -61,6 +62,23 @@ V2_DEFAULTS = {
 }
 TOPK_METHODS = ("greedy", "group_limited_greedy")
 LATENT_NORM_EPS = 1e-6  # the classes' q_a_layernorm and kv_a_layernorm, whatever rms_norm_eps says
+# DeepseekV2Config's fields that refuse null, and the routing its model cannot run as null
+NOT_NULL = (
+    *hf_config.NOT_NULL,
+    "attention_bias",
+    "mlp_bias",
+    "output_router_logits",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "first_k_dense_replace",
+    "n_routed_experts",
+    "n_shared_experts",
+    "moe_intermediate_size",
+    "routed_scaling_factor",
+    "topk_method",
+)
 _V3_ONLY = ("scoring_func", "topk_method", "rope_interleave", "norm_topk_prob", "n_group", "topk_group")
 
 
@@ -71,7 +89,8 @@ def args_from_config(cfg: dict) -> DeepseekV3Args:
 
 def v2_args(cfg: dict) -> DeepseekV3Args:
     """A ``deepseek_v2`` ``config.json`` as our args (the module docstring)."""
-    method = cfg.get("topk_method") or "greedy"  # the class's default, for null too
+    hf_config.refuse_nulls(cfg, NOT_NULL, "DeepseekV2Config")
+    method = cfg.get("topk_method", "greedy")
     if method not in TOPK_METHODS:
         raise ValueError(f"config.json has topk_method = {method!r}; DeepSeek-V2 computes {' or '.join(TOPK_METHODS)}")
     if cfg.get("scoring_func", "softmax") != "softmax":
@@ -95,7 +114,7 @@ def v2_args(cfg: dict) -> DeepseekV3Args:
     # DeepSeek-V3's reader on the same file: V2's defaults, its own routing and interleaved RoPE rows
     view = {k: v for k, v in cfg.items() if k not in _V3_ONLY}
     view = {**{k: v for k, v in V2_DEFAULTS.items() if k not in cfg}, **view, **groups, "norm_topk_prob": False}
-    args = hf.args_from_config({**view, "rope_interleave": True})
+    args = hf.read_args({**view, "rope_interleave": True})
     group_top = 1 if method == "group_limited_greedy" else 2
     aux = hf_config.read(cfg, "aux_loss_alpha", check_float, AUX_LOSS_ALPHA, positive=False)
     if cfg.get("seq_aux") is False:  # logits are the same; only training's balance loss would differ

@@ -108,12 +108,7 @@ def refuse_uncomputed(cfg: dict) -> None:
 def refuse_gemma(cfg: dict, config_class: str, what: str) -> None:
     """What every Gemma reader refuses in one line: a null where transformers' ``config_class`` takes
     none, and what no Gemma here computes (``what``: the family's name in the message)."""
-    null = next((name for name in NOT_NULL if name in cfg and cfg[name] is None), None)
-    if null is not None:
-        raise ValueError(
-            f"config.json has {null} = null, which transformers' {config_class} refuses: give its value, "
-            "or leave the field out for the class's default"
-        )
+    hf_config.refuse_nulls(cfg, NOT_NULL, config_class)
     hf_config.refuse(
         cfg, what, hidden_activation="gelu_pytorch_tanh", attention_dropout=0.0, use_bidirectional_attention=False
     )

@@ -115,12 +115,7 @@ def per_layer_vocab(cfg: dict, vocab_size: int) -> int | None:
 
 def refuse_uncomputed(cfg: dict) -> None:
     """Refuse, in one line each, a null ``Gemma4TextConfig`` refuses and what this version does not compute."""
-    null = next((name for name in NOT_NULL if name in cfg and cfg[name] is None), None)
-    if null is not None:
-        raise ValueError(
-            f"config.json has {null} = null, which transformers' Gemma4TextConfig refuses: give its value, "
-            "or leave the field out for the class's default"
-        )
+    hf_config.refuse_nulls(cfg, NOT_NULL, "Gemma4TextConfig")
     hf_config.refuse(cfg, "Gemma 4", hidden_activation="gelu_pytorch_tanh", attention_dropout=0.0, attention_bias=False)
     if cfg.get("use_bidirectional_attention") not in (None, "vision"):  # "vision": image tokens only
         raise ValueError(

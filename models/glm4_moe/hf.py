@@ -90,7 +90,30 @@ def config(args: Glm4MoeArgs, dtype: torch.dtype) -> dict:
     }
 
 
+# Glm4MoeConfig's fields that refuse null (``hf_config.refuse_nulls``); its model cannot run a null
+# head_dim, which the class keeps
+NOT_NULL = (
+    *hf_config.NOT_NULL,
+    "attention_bias",
+    "attention_dropout",
+    "head_dim",
+    "num_key_value_heads",
+    "use_qk_norm",
+    "first_k_dense_replace",
+    "n_routed_experts",
+    "n_shared_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "n_group",
+    "topk_group",
+    "norm_topk_prob",
+    "routed_scaling_factor",
+    "output_router_logits",
+)
+
+
 def args_from_config(cfg: dict) -> Glm4MoeArgs:
+    hf_config.refuse_nulls(cfg, NOT_NULL, "Glm4MoeConfig")
     hf_config.refuse_common(cfg, "GLM-4.5")  # layer_types: the class attends to every position whatever it says
 
     def field(name: str, check, default, **rule):

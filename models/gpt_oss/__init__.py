@@ -175,29 +175,24 @@ HF_DEFAULTS = dict(
 # Fields GptOssConfig types without None, so transformers refuses a null one; the shared reader would
 # take it for the default or derive it (a null head_dim as hidden_size // num_attention_heads).
 NOT_NULL = (
+    *hf_config.NOT_NULL,
     "head_dim",
     "num_key_value_heads",
+    "num_local_experts",
     "num_experts_per_tok",
-    "rms_norm_eps",
-    "tie_word_embeddings",
     "attention_bias",
+    "attention_dropout",
     "swiglu_alpha",
     "swiglu_limit",
     "router_aux_loss_coef",
-    "initializer_range",
-    "max_position_embeddings",
-    "attention_dropout",
+    "output_router_logits",
 )
 
 
 def args_from_config(cfg: dict) -> GptOssArgs:
-    # hidden_act is not read: GptOssForCausalLM's experts run their clamped SwiGLU whatever it says
-    null = next((name for name in NOT_NULL if name in cfg and cfg[name] is None), None)
-    if null is not None:
-        raise ValueError(
-            f"config.json has {null} = null, which transformers' GptOssConfig refuses (it holds no null {null}): "
-            "give its value, or leave the field out for the class's default"
-        )
+    # hidden_act is not read (a null one is refused, as GptOssConfig refuses it): GptOssForCausalLM's experts
+    # run their clamped SwiGLU whatever it says
+    hf_config.refuse_nulls(cfg, NOT_NULL, "GptOssConfig")
     hf_config.refuse(cfg, "gpt-oss", attention_dropout=0.0)
     if cfg.get("rope_parameters") is None and cfg.get("rope_scaling") is None:
         # GptOssConfig's RoPE where a file names none: YaRN, on the file's base or its own

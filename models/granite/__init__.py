@@ -89,7 +89,12 @@ def config(args: GraniteArgs, dtype: torch.dtype) -> dict:
     }
 
 
+# GraniteConfig's fields that refuse null (``hf_config.refuse_nulls``)
+NOT_NULL = (*hf_config.NOT_NULL, "attention_bias", "attention_dropout", "mlp_bias", *MULTIPLIERS)
+
+
 def args_from_config(cfg: dict) -> GraniteArgs:
+    hf_config.refuse_nulls(cfg, NOT_NULL, "GraniteConfig")
     hf_config.refuse_common(cfg, "Granite")
     hf_config.refuse(cfg, "Granite", attention_bias=False)
     return GraniteArgs(

@@ -67,12 +67,17 @@ def _rope_scaling(cfg: dict) -> RopeScaling | GenericRopeScaling | None:
     return RopeScaling(**{f: rope[f] for f in fields})
 
 
+# LlamaConfig's fields that refuse null (``common.refuse_nulls``)
+NOT_NULL = (*common.NOT_NULL, "attention_bias", "mlp_bias")
+
+
 def args_from_hf_config(cfg: dict) -> ModelArgs:
     """Our ModelArgs for an HF Llama ``config.json`` (a released flavor's own args when shapes
     match), each field checked as it is read (``common.read``); a field the file leaves out takes
     ``LlamaConfig``'s default (``common.LLAMA_DEFAULTS``), which is what the file means."""
     if cfg.get("model_type") not in (None, "llama"):
         raise ValueError(f"config.json has model_type {cfg.get('model_type')!r}, not a Llama's")
+    common.refuse_nulls(cfg, NOT_NULL, "LlamaConfig")
     common.refuse(cfg, "Llama", hidden_act="silu", attention_bias=False, mlp_bias=False)
     if "sliding_attention" in common.layer_kinds(cfg):
         raise ValueError("config.json has sliding_attention in layer_types; Llama attends to every position")

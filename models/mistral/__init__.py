@@ -60,7 +60,13 @@ def config(args: MistralArgs, dtype: torch.dtype) -> dict:
 HF_DEFAULTS = dict(intermediate_size=14336, num_key_value_heads=8, max_position_embeddings=131072)
 
 
+# MistralConfig's fields that refuse null (``hf_config.refuse_nulls``): a null num_key_value_heads
+# too, which Llama's and Qwen's classes read as as many as the heads
+NOT_NULL = (*hf_config.NOT_NULL, "attention_dropout", "num_key_value_heads")
+
+
 def args_from_config(cfg: dict) -> MistralArgs:
+    hf_config.refuse_nulls(cfg, NOT_NULL, "MistralConfig")
     hf_config.refuse_common(cfg, "Mistral")
     hf_config.refuse(cfg, "Mistral", attention_bias=False)
     window = cfg["sliding_window"] if "sliding_window" in cfg else 4096  # MistralConfig's (null: none)

@@ -103,7 +103,20 @@ HF_DEFAULTS = dict(
 )
 
 
+# MixtralConfig's fields that refuse null (``hf_config.refuse_nulls``; num_local_experts: ``moe_fields``)
+NOT_NULL = (
+    *hf_config.NOT_NULL,
+    "attention_dropout",
+    "num_key_value_heads",
+    "num_experts_per_tok",
+    "output_router_logits",
+    "router_aux_loss_coef",
+    "router_jitter_noise",
+)
+
+
 def args_from_config(cfg: dict) -> MixtralArgs:
+    hf_config.refuse_nulls(cfg, NOT_NULL, "MixtralConfig")
     hf_config.refuse_common(cfg, "Mixtral")
     hf_config.refuse(cfg, "Mixtral", attention_bias=False, router_jitter_noise=0.0)
     fields = hf_config.decoder_fields(cfg, **HF_DEFAULTS)

@@ -60,7 +60,12 @@ def config(args: Qwen2Args, dtype: torch.dtype) -> dict:
 HF_DEFAULTS = dict(vocab_size=151936, intermediate_size=22016, num_key_value_heads=32, max_position_embeddings=32768)
 
 
+# Qwen2Config's fields that refuse null (``hf_config.refuse_nulls``)
+NOT_NULL = (*hf_config.NOT_NULL, "attention_dropout", "max_window_layers", "use_sliding_window")
+
+
 def args_from_config(cfg: dict) -> Qwen2Args:
+    hf_config.refuse_nulls(cfg, NOT_NULL, "Qwen2Config")
     hf_config.refuse_common(cfg, "Qwen2")
     fields = hf_config.decoder_fields(cfg, **HF_DEFAULTS)
     return Qwen2Args(**fields, **hf_config.qwen_layer_windows(cfg, fields["n_layers"]))

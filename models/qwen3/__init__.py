@@ -68,7 +68,19 @@ HF_DEFAULTS = dict(
 )
 
 
+# Qwen3Config's fields that refuse null (``hf_config.refuse_nulls``)
+NOT_NULL = (
+    *hf_config.NOT_NULL,
+    "attention_bias",
+    "attention_dropout",
+    "head_dim",
+    "max_window_layers",
+    "use_sliding_window",
+)
+
+
 def args_from_config(cfg: dict) -> Qwen3Args:
+    hf_config.refuse_nulls(cfg, NOT_NULL, "Qwen3Config")
     hf_config.refuse_common(cfg, "Qwen3")
     hf_config.refuse(cfg, "Qwen3", attention_bias=False)
     fields = hf_config.decoder_fields(cfg, **HF_DEFAULTS)

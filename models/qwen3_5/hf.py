@@ -52,18 +52,9 @@ KINDS = ("linear_attention", "full_attention")
 # Fields Qwen3_5TextConfig types without None, so transformers refuses a null one; the shared reader
 # would take it for the default or derive it (a null head_dim as hidden_size // num_attention_heads).
 NOT_NULL = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
+    *hf_config.NOT_NULL,
     "num_key_value_heads",
     "head_dim",
-    "hidden_act",
-    "max_position_embeddings",
-    "initializer_range",
-    "rms_norm_eps",
-    "tie_word_embeddings",
     "attention_bias",
     "attention_dropout",
     "linear_conv_kernel_dim",
@@ -178,7 +169,7 @@ def args_from_config(cfg: dict) -> Qwen35Args:
 
 def text_args(cfg: dict, tied: bool | None = None, defaults: dict = HF_DEFAULTS, what="Qwen3_5TextConfig"):
     """``defaults``, ``what``: the config class's defaults and name (Qwen3.5-MoE's reads through here)."""
-    refuse_nulls(cfg, NOT_NULL, what)
+    hf_config.refuse_nulls(cfg, NOT_NULL, what)
     hf_config.refuse(cfg, "Qwen3.5", hidden_act="silu", attention_dropout=0.0)
     rope = {**hf_config.rope_table(cfg)}
     for name in ("mrope_section", "mrope_interleaved"):  # text positions: the same in every section
@@ -197,17 +188,6 @@ def text_args(cfg: dict, tied: bool | None = None, defaults: dict = HF_DEFAULTS,
         full_attention_layers=full_attention_layers(cfg, fields["n_layers"]),
         **linear,
     )
-
-
-def refuse_nulls(cfg: dict, names: tuple[str, ...], what: str) -> None:
-    """One line for the first of ``names`` that ``cfg`` holds as null, which the config class ``what``
-    refuses (the shared reader would read it as the default, or derive it)."""
-    null = next((name for name in names if name in cfg and cfg[name] is None), None)
-    if null is not None:
-        raise ValueError(
-            f"config.json has {null} = null, which transformers' {what} refuses: give its value, "
-            "or leave the field out for the class's default"
-        )
 
 
 def full_attention_layers(cfg: dict, n_layers: int) -> list[int]:

@@ -129,7 +129,7 @@ def args_from_config(cfg: dict) -> Qwen35MoeArgs:
     if cfg.get("model_type") == WRAPPER_TYPE:  # as transformers builds it: tied by the top-level field
         tied = hf_config.read(cfg, "tie_word_embeddings", check_bool, False)
         cfg = hf_config.table(cfg, "text_config")
-    dense.refuse_nulls(cfg, NOT_NULL, CONFIG_CLASS)
+    hf_config.refuse_nulls(cfg, NOT_NULL, CONFIG_CLASS)
     shared = hf_config.size(cfg, "shared_expert_intermediate_size", MOE_DEFAULTS["shared_expert_intermediate_size"])
     text = {**{k: v for k, v in cfg.items() if k != "intermediate_size"}, "intermediate_size": shared}
     decoder = dense.text_args(text, tied, HF_DEFAULTS, CONFIG_CLASS)

@@ -109,7 +109,25 @@ HF_DEFAULTS = dict(
 )
 
 
+# Qwen3MoeConfig's fields that refuse null (``hf_config.refuse_nulls``)
+NOT_NULL = (
+    *hf_config.NOT_NULL,
+    "attention_bias",
+    "attention_dropout",
+    "num_key_value_heads",
+    "use_sliding_window",
+    "max_window_layers",
+    "decoder_sparse_step",
+    "moe_intermediate_size",
+    "num_experts_per_tok",
+    "norm_topk_prob",
+    "output_router_logits",
+    "router_aux_loss_coef",
+)
+
+
 def args_from_config(cfg: dict) -> Qwen3MoeArgs:
+    hf_config.refuse_nulls(cfg, NOT_NULL, "Qwen3MoeConfig")
     hf_config.refuse_common(cfg, "Qwen3-MoE")
     hf_config.refuse(cfg, "Qwen3-MoE", attention_bias=False)
     return Qwen3MoeArgs(
