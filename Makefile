@@ -82,8 +82,9 @@ bench-gpu:
 	$(GPU_PYTHON) benchmarks/suite.py --wheels $(GPU_WHEELS) $(GPU_SUITE_ARGS)
 
 # Each GPU row's command on this CPU with tiny shapes, a step or two (4-5 min of CPU, 10-16 of wall on 2
-# loaded cores): a typo fails here rather than on the lent machine. As the lent machine runs them:
-# CHECK_PYTHON=<a Python 3.12 venv with the image's torch 2.11> GPU_SUITE_ARGS="--wheels .gpu-wheels".
+# loaded cores; torchtitan's trainers, with the wheels, 1 and 2-4 more): a typo fails here rather than on
+# the lent machine. As it runs them: CHECK_PYTHON=<a Python 3.12 venv with the image's torch 2.11>
+# GPU_SUITE_ARGS="--wheels .gpu-wheels".
 CHECK_PYTHON ?= $(BIN)/python
 bench-check: install
 	$(CHECK_PYTHON) benchmarks/suite.py --dry-run $(GPU_SUITE_ARGS)

@@ -3,9 +3,10 @@ Llama 3.2 1B's shape, 4 x 2048 tokens a step, bf16 compute, eager then compiled.
 
 The peer is torchtitan 0.2.2's ``torchtitan.train`` (its ``Trainer`` and ``main``, unchanged) under
 torchrun, one rank. 0.2.2, not 0.3.0: 0.3.0's trainer needs the
-``torch.distributed.fsdp.DataParallelMeshDims`` of torch 2.13, the lent GPU image has torch 2.11 and
-no network, and a CUDA torch 2.13 wheel is far over the 64 MiB that travels with the tree. 0.2.2
-imports on torch 2.11 and 2.13. Its Llama 3 flavors are debugmodel, 8B, 70B and 405B; this module
+``torch.distributed.fsdp.DataParallelMeshDims`` of torch 2.13, the lent GPU machine's image has torch
+2.11 and no network, and a CUDA torch 2.13 (hundreds of MB with its CUDA libraries) is too large to
+bring to it. 0.2.2 imports on torch 2.11 and 2.13 (the newer MoE layer of ``benchmarks/moe.py``
+stays 0.3.0's, which imports on 2.11). Its Llama 3 flavors are debugmodel, 8B, 70B and 405B; this module
 launches its trainer after registering a train spec (``SPEC``: torchtitan's llama3 spec, its model
 and parallelize functions) with one more flavor, ``1B`` -- dim 2048, 16 layers, 32 heads, 8 KV
 heads, SwiGLU 8192 wide, vocabulary 128 256, RoPE theta 500 000 with Llama 3.2's scaling (factor
@@ -81,7 +82,7 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # -- torchtitan's side: in the trainer's process ----------------------------------------------------
 def llama3_1b_args():
     """Llama 3.2 1B's shape (``models.llama3``'s ``1B``, which ``configs/llama3_1b.toml`` trains) in
-    torchtitan 0.2.2's ``TransformerModelArgs``: the fields of the same names, Llama 3.1 RoPE
+    torchtitan 0.2.2's ``TransformerModelArgs``: the fields of the same names, its RoPE
     scaling's factors, and no tied output (0.2.2 has none)."""
     from torchtitan.models.llama3 import TransformerModelArgs
     from torchtitan.models.llama3.model.args import RoPEScalingArgs
