@@ -6,6 +6,7 @@ python create_seed_checkpoint.py --config configs/debug.toml --output seeds/debu
 import sys
 
 from seedckpt.cli.main import main
+from seedckpt.materialize.seed import exit_now
 
 if __name__ == "__main__":
-    sys.exit(main(["seed", *sys.argv[1:]]))
+    exit_now(main(["seed", *sys.argv[1:]]))

@@ -25,13 +25,17 @@ every block in fp32 and casts it, so a bf16 seed is exactly the fp32 seed rounde
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import math
 import os
 import shutil
+import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 from torch import nn
@@ -132,6 +136,20 @@ class _NoInitOnMeta(TorchFunctionMode):
 
 
 _TORCH_INITS = frozenset(getattr(nn.init, name) for name in dir(nn.init) if name.endswith("_") and name[0] != "_")
+
+
+def exit_now(code: int) -> NoReturn:
+    """End the seed's process with ``code``: its exit handlers run and its output is flushed, but
+    Python's teardown, which frees torch's ~250,000 objects one by one after the checkpoint is
+    published, is skipped: a 1-layer seed's whole process took 0.94x the CPU (75 ms less) and
+    0.94x the wall of the ordinary exit (paired medians of 10, busy 2-core machine). Where a
+    thread still runs, the ordinary exit, which waits for it."""
+    if threading.active_count() > 1:
+        sys.exit(code)
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def check_free_space(output: Path, nbytes: int) -> None:
