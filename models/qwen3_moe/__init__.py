@@ -116,7 +116,6 @@ NOT_NULL = (
     "attention_dropout",
     "num_key_value_heads",
     "use_sliding_window",
-    "max_window_layers",
     "decoder_sparse_step",
     "moe_intermediate_size",
     "num_experts_per_tok",
