@@ -13,9 +13,14 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
 from models.common import packed_attention as pa
+from models.common.decoder import Transformer
 from models.common.packed_attention import ALONE, Documents, causal_attention, packed_attention
+from seedckpt.materialize.init_recipe import init_model
+from seedckpt.parallel.parallelize import apply_compile
+from tests.conftest import tiny_config
 
 # Three rows of 400 positions: documents of every length class, one at least ALONE long, padding at
 # the end of a row (the last 17 positions of the second: id -1), and a row that is one document.
@@ -264,3 +269,90 @@ def test_varlen_attn_compiles_once_for_batches_of_other_documents():
         for g, w in zip(got_grads, want_grads):
             torch.testing.assert_close(g, w, **BF16)
     assert counters["stats"]["unique_graphs"] <= 2
+
+
+# -- compiled: one graph for every layout of documents -----------------------------------------------
+def random_layouts(count: int, bsz: int, seq: int, longest: int) -> list[torch.Tensor]:
+    """``count`` batches of (bsz, seq) document ids, each row documents of 1 to ``longest`` tokens
+    (seeded), so that batches differ in documents, length classes and their sizes."""
+    gen = torch.Generator().manual_seed(1)
+    return [
+        torch.stack([torch.cumsum(torch.rand(seq, generator=gen) < 2 / longest, 0) for _ in range(bsz)])
+        for _ in range(count)
+    ]
+
+
+def _compile_with_aot_eager(monkeypatch):
+    """``torch.compile`` with ``aot_eager``: dynamo and AOT autograd decide the graphs these tests
+    count; inductor's C++ code generation (tens of seconds of a busy CPU) is not what they check."""
+    torch._dynamo.reset()
+    counters.clear()
+    compile_with = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_with(fn, backend="aot_eager", **kw))
+
+
+@pytest.mark.parametrize(
+    "window, sinks, softcap", [(None, False, None), (4, True, None), (64, True, 2.0)], ids=["causal", "sinks", "capped"]
+)
+def test_compiled_packed_attention_runs_one_graph_for_every_layout(window, sinks, softcap, monkeypatch):
+    """Compiled (fullgraph, as ``training.compile`` compiles blocks), the CPU's kernel is one op of
+    the graph: 5 batches of other documents run the first one's graph (before: a graph for nearly
+    every batch, as the length classes' number and sizes changed), with eager's outputs and the
+    gradients of q, k, v and the sinks within 1e-5 (GQA 4/2, a narrower value head)."""
+    _compile_with_aot_eager(monkeypatch)
+    compiled = torch.compile(packed_attention, fullgraph=True)
+    inputs = _inputs(v_dim=8, sinks=sinks)
+    for ids in random_layouts(5, len(LENGTHS), 400, 150):
+        documents = Documents.of(ids)
+        got, got_grads = _outputs_and_grads(
+            lambda q, k, v, s: compiled(q, k, v, documents, 0.3, window, s, softcap), inputs
+        )
+        want, want_grads = _outputs_and_grads(
+            lambda q, k, v, s: packed_attention(q, k, v, documents, 0.3, window, s, softcap), inputs
+        )
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for g, w in zip(got_grads, want_grads):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_compiled_model_compiles_no_more_for_batches_of_other_documents(monkeypatch):
+    """A Gemma 2 of 2 layers (a window in one, capped scores, GQA) with ``training.compile``'s
+    blocks: 5 batches of 2 x 256 tokens packing other documents compile 2 graphs in the first batch
+    and none after (before: 4 graphs in 6 batches on a Llama), each batch's loss and the gradients
+    eager's within 1e-5. Two: one per kind of layer (a window is a constant of its graph), whatever
+    the batches; nothing in a graph follows the documents (``_packed_sdpa`` takes them as inputs
+    whose sizes are symbols from the first batch)."""
+    _compile_with_aot_eager(monkeypatch)
+    args = tiny_config("--model.name", "gemma2", "--model.n_layers", "2", "--model.window_layers", "0").model_args()
+    eager, compiled = Transformer(args), Transformer(args)
+    init_model(eager, 0)
+    compiled.load_state_dict(eager.state_dict())
+    apply_compile(compiled)
+    tokens = torch.randint(0, args.vocab_size, (2, 256), generator=torch.Generator().manual_seed(0))
+    graphs = []
+    for ids in random_layouts(5, 2, 256, 60):
+        losses = [model(tokens, document_ids=ids, labels=tokens.roll(-1, 1)) for model in (compiled, eager)]
+        for loss in losses:
+            loss.backward()
+        torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-5)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs == [2] * 5
+    for (name, p), q in zip(compiled.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("window", [None, 64])
+def test_compiled_block_mask_equals_the_eager_one_on_cuda(window):
+    """On CUDA the documents' block mask is built compiled, one graph for every batch of the same
+    shape: the same mask as built eagerly, block counts, indices and every (query, key) pair."""
+    torch._dynamo.reset()
+    counters.clear()
+    for ids in random_layouts(3, 2, 1024, 300):
+        change = pa.document_starts(ids.cuda())
+        got, want = pa.document_block_mask(change, window), pa._block_mask(change, window)
+        for a, b in zip(got.as_tuple(), want.as_tuple()):
+            assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b or callable(a)
+        assert torch.equal(got.to_dense(), want.to_dense())
+    assert counters["stats"]["unique_graphs"] == 1

@@ -12,9 +12,10 @@ given, so every kernel below runs under pipeline parallelism as it does without.
   as ``window_size = (window - 1, 0)``, GQA's kv heads served by the kernel (no copies per q head); a
   value head narrower than q's (MLA's) padded with zeros, as the kernel takes one head size.
 * CUDA with sinks (gpt-oss) or capped scores (Gemma 2): flex attention under a block mask of the
-  documents (causal, windowed where the layer is), built once per forward and window; flex is
-  compiled (once per shape), caps the scores in its ``score_mod`` and returns each query's
-  log-sum-exp, so the sink's share of the softmax is applied afterwards.
+  documents (causal, windowed where the layer is), built once per forward and window, compiled
+  (once per shape bucket: ``_compiled_block_mask``); flex is compiled (once per shape), caps the
+  scores in its ``score_mod`` and returns each query's log-sum-exp, so the sink's share of the
+  softmax is applied afterwards.
 * Everywhere else (the CPU, float32, a head size flash does not take): documents batched into few
   SDPA calls of ``causal_attention``, those shorter than ``ALONE`` tokens by power-of-two length
   class, each padded to its class's longest, and each longer document alone (the one-call-per-document
@@ -29,16 +30,20 @@ one call per document within the noise (0.96x; 1.16x with sinks), the dense mask
 loses most where rows are many: each document's slice takes a full-size gradient in backward (one
 row of short documents: 1.0-1.2x).
 
-Compiled blocks (``training.compile``) trace every kernel: ``varlen_attn`` is a custom op, whose
-``cu_seqlens`` length turns dynamic at the first batch with another number of documents, and whose
-``max_len`` takes few values; flex attention is traced with the block. The batched SDPA calls follow
-each batch's length classes, so a CPU recompiles for new ones.
+Compiled blocks (``training.compile``) take every kernel into their graph, and a batch of other
+documents compiles nothing more: ``varlen_attn`` is a custom op whose ``cu_seqlens`` size is a symbol
+from the first batch and whose ``max_len`` takes few values; flex attention is traced with the block,
+its block mask an input of the graph; the batched SDPA calls, whose number and sizes follow each
+batch's length classes, are one custom op run eagerly (``_packed_sdpa``). Before that op the debug
+Llama (6 layers) compiled a graph for nearly every batch of 2 x 256 tokens of other documents (6 in
+6; 20-30 s each on 2 cores), until dynamo's recompile limit (8) failed the fullgraph block; now 1.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -202,6 +207,8 @@ class Documents:
     max_len: int  # the longest document's length rounded up to a power of two (>= 128, <= seq)
     groups: tuple[torch.Tensor, ...]  # per SDPA call, (documents, width): each one's positions, padded
     take: torch.Tensor  # (bsz * seq,): each position's row in the SDPA calls' outputs laid end to end
+    index: torch.Tensor  # ``groups`` flattened end to end (views of it): one size-varying graph input
+    layout: torch.Tensor  # (2 * calls,) int64 on the host: each call's documents and width, in turn
     flash: bool  # varlen_attn's kernel runs on this device (CUDA, compute capability 8.0 or later)
     block_masks: dict  # window -> flex attention's block mask of the documents (CUDA, layers taking flex)
 
@@ -217,18 +224,37 @@ class Documents:
         lengths = torch.diff(starts, append=torch.tensor([bsz * seq]))
         indices, take = _gather_indices(starts, lengths, _calls(lengths.tolist()))
         bounds = F.pad(lengths.cumsum(0), (1, 0))
-        sizes = [take.numel(), bounds.numel(), *(index.numel() for index in indices)]
-        take, bounds, *flat = torch.cat([take, bounds, *(i.flatten() for i in indices)]).to(device).split(sizes)
+        layout = torch.tensor([n for index in indices for n in index.shape])
+        sizes = [take.numel(), bounds.numel(), int(layout.view(-1, 2).prod(1).sum())]
+        take, bounds, index = torch.cat([take, bounds, *(i.flatten() for i in indices)]).to(device).split(sizes)
+        _mark_dynamic(bounds, index, layout)
         flash = device.type == "cuda" and torch.backends.cuda.is_flash_attention_available()
         flash = flash and torch.cuda.get_device_capability(device) >= (8, 0)
         return cls(
             cu_seqlens=bounds.to(torch.int32),
             max_len=min(seq, max(128, 1 << (int(lengths.max()) - 1).bit_length())),
-            groups=tuple(f.view(index.shape) for f, index in zip(flat, indices)),
+            groups=_groups(index, layout),
             take=take,
+            index=index,
+            layout=layout,
             flash=flash,
             block_masks={w: document_block_mask(change, w) for w in set(mask_windows)} if device.type == "cuda" else {},
         )
+
+
+def _groups(index: torch.Tensor, layout: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``Documents.groups`` as views of ``index``, whose calls' shapes ``layout`` holds."""
+    shapes = layout.view(-1, 2).tolist()
+    return tuple(g.view(shape) for g, shape in zip(index.split([n * w for n, w in shapes]), shapes))
+
+
+def _mark_dynamic(*tensors: torch.Tensor) -> None:
+    """Compile the sizes of ``tensors`` (each batch's own) as symbols from the first batch, not as
+    constants that a second batch recompiles. Only where ``torch.compile`` has imported dynamo: an
+    eager run does without that import (1.6 s)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    for t in tensors if dynamo is not None else ():
+        dynamo.maybe_mark_dynamic(t, 0)
 
 
 def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
@@ -266,7 +292,28 @@ def _gather_indices(starts: torch.Tensor, lengths: torch.Tensor, calls: list[lis
 
 def document_block_mask(change: torch.Tensor, window: int | None):
     """Flex attention's block mask of the documents that ``change`` (bsz, seq; ``document_starts``)
-    starts: causal within each, and within ``window``."""
+    starts: causal within each, and within ``window``. On CUDA it is built compiled
+    (``_compiled_block_mask``); elsewhere, and inside a graph being compiled, as written."""
+    if change.device.type == "cuda" and not torch.compiler.is_compiling():
+        return _compiled_block_mask()(change, window)
+    return _block_mask(change, window)
+
+
+@functools.cache
+def _compiled_block_mask():
+    """``_block_mask`` compiled, one graph per shape bucket -- rows, row length and window, the
+    sizes static (``dynamic=False``): a training run's batches share one, and each batch's documents
+    are only its input's values. Uncompiled, the mask is evaluated at every (query, key) pair of
+    every row, one op at a time, and kept whole: ``seq^2`` booleans per row before its blocks are
+    counted; compiled, the evaluation and the block counts are fused, as flex's own documentation
+    advises (``torch.compile(create_block_mask)``). Measured on a busy 2-core CPU (4 rows of 2048
+    tokens, ~50-token documents, the median of 5 paired builds): 0.29 s as written, 0.008 s compiled
+    (after 11 s of compiling); CUDA's figure is unmeasured."""
+    return torch.compile(_block_mask, dynamic=False, fullgraph=True)
+
+
+def _block_mask(change: torch.Tensor, window: int | None):
+    """``document_block_mask``, as written."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     runs = change.cumsum(1)  # each position's document, counted within its row
@@ -297,7 +344,9 @@ def packed_attention(
         return _flex_attention(q, k, v, documents.block_masks[window], scale, sinks, softcap)
     if not flex and documents.flash and _flash_takes(q, k, v):
         return _varlen(q, k, v, documents, scale, window)
-    return _batched(q, k, v, documents, scale, window, sinks, softcap)
+    if torch.compiler.is_compiling():  # the calls follow each batch's documents: one op in the graph
+        return _packed_sdpa(q, k, v, documents.index, documents.layout, documents.take, scale, window, sinks, softcap)
+    return _batched(q, k, v, documents.groups, documents.take, scale, window, sinks, softcap)
 
 
 def _flash_takes(q, k, v) -> bool:
@@ -386,19 +435,80 @@ def _compiled_flex():
     return torch.compile(flex_attention)  # uncompiled, flex computes and keeps every score
 
 
-def _batched(q, k, v, documents: Documents, scale: float | None, window: int | None, sinks, softcap) -> torch.Tensor:
-    """``causal_attention`` once per call of ``documents.groups``, each of its documents a row of the
-    call's batch; the outputs put back in place by one gather."""
+def _batched(q, k, v, groups, take, scale: float | None, window: int | None, sinks, softcap) -> torch.Tensor:
+    """``causal_attention`` once per call of ``groups`` (``Documents.groups``), each of its documents
+    a row of the call's batch; the outputs put back in place by one gather (``take``)."""
     bsz, _, seq, _ = q.shape
     q, k, v = (x.transpose(1, 2).flatten(0, 1) for x in (q, k, v))  # (bsz * seq, heads, dim)
     outs = [
         causal_attention(_rows(q, index), _rows(k, index), _rows(v, index), scale, window, sinks, softcap)
         .transpose(1, 2)
         .flatten(0, 1)
-        for index in documents.groups
+        for index in groups
     ]
-    out = torch.cat(outs).index_select(0, documents.take)
+    out = torch.cat(outs).index_select(0, take)
     return out.unflatten(0, (bsz, seq)).transpose(1, 2)
+
+
+# The inputs of ``_packed_sdpa`` (its backward takes the gradient of its output first).
+PACKED_SDPA_ARGS = (
+    "Tensor q, Tensor k, Tensor v, Tensor index, Tensor layout, Tensor take, "
+    "float? scale, int? window, Tensor? sinks, float? softcap"
+)
+
+
+@torch.library.custom_op("seedckpt::packed_sdpa", mutates_args=(), schema=f"({PACKED_SDPA_ARGS}) -> Tensor")
+def _packed_sdpa(q, k, v, index, layout, take, scale, window, sinks, softcap) -> torch.Tensor:
+    """``_batched`` as one operator of a compiled graph, run eagerly: traced, its SDPA calls would
+    follow each batch's length classes (their number and sizes), and a compiled block recompile for
+    nearly every batch of other documents (the module docstring's figures). Its inputs' sizes are
+    symbols (``_mark_dynamic``) and its output's shape is q's, so one graph serves every layout of
+    a row shape. Its backward (``_packed_sdpa_backward``) runs the attention's forward once more."""
+    return _batched(q, k, v, _groups(index, layout), take, scale, window, sinks, softcap)
+
+
+@_packed_sdpa.register_fake
+def _(q, k, v, *args):
+    bsz, heads, seq, _ = q.shape
+    return q.new_empty(bsz, seq, heads, v.shape[-1]).transpose(1, 2)  # ``_batched``'s layout
+
+
+@torch.library.custom_op(
+    "seedckpt::packed_sdpa_backward", mutates_args=(), schema=f"(Tensor grad, {PACKED_SDPA_ARGS}) -> Tensor[]"
+)
+def _packed_sdpa_backward(grad, q, k, v, index, layout, take, scale, window, sinks, softcap) -> list[torch.Tensor]:
+    """The gradients of q, k, v (and the sinks, where given) of ``_packed_sdpa``: its forward run
+    again under autograd (``torch.func.vjp``: an operator's body runs below autograd's dispatch), then
+    backward -- eager's gradients, in the layouts of the inputs."""
+    groups = _groups(index, layout)
+
+    def attend(q, k, v, *sink):
+        return _batched(q, k, v, groups, take, scale, window, sinks if not sink else sink[0], softcap)
+
+    leaves = [x for x in (q, k, v, sinks) if x is not None]
+    grads = torch.func.vjp(attend, *leaves)[1](grad)
+    return [torch.empty_like(x).copy_(g) for x, g in zip(leaves, grads)]
+
+
+@_packed_sdpa_backward.register_fake
+def _(grad, q, k, v, index, layout, take, scale, window, sinks, softcap):
+    return [torch.empty_like(x) for x in (q, k, v, sinks) if x is not None]
+
+
+def _save_packed_sdpa(ctx, inputs, output) -> None:
+    q, k, v, index, layout, take, scale, window, sinks, softcap = inputs
+    ctx.save_for_backward(q, k, v, index, layout, take, sinks)
+    ctx.options = scale, window, softcap
+
+
+def _packed_sdpa_grads(ctx, grad):
+    q, k, v, index, layout, take, sinks = ctx.saved_tensors
+    scale, window, softcap = ctx.options
+    grads = _packed_sdpa_backward(grad, q, k, v, index, layout, take, scale, window, sinks, softcap)
+    return *grads[:3], None, None, None, None, None, grads[3] if sinks is not None else None, None
+
+
+_packed_sdpa.register_autograd(_packed_sdpa_grads, setup_context=_save_packed_sdpa)
 
 
 def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
