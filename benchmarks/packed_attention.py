@@ -20,8 +20,16 @@ once per forward in the model and shared by its layers, so outside the timed ste
 is the median of the rounds' ratios. One JSON line per variant (its median round), then one
 comparison per variant.
 
+``--compiled-model N``: instead, a model of ``--flavor`` (e.g. debug) with ``training.compile``'s
+blocks over N batches of ``--batch`` rows of ``--seq-lens`` tokens, each packing other documents of
+``--doc-len`` tokens, every step paired with the eager model's on the same batch (one process):
+steps/s of each over the N batches (the compiled one's compiling included; and after its first
+step, where only a batch of other documents compiles more), the graphs compiled,
+and the compiled step against the eager one on batches already seen (the median of the pairs).
+
   python benchmarks/packed_attention.py                               # CPU: 4 x 2048 tokens, both cases
   python benchmarks/packed_attention.py --device cuda --dtype bfloat16 --heads 32 --kv-heads 8
+  python benchmarks/packed_attention.py --compiled-model 6 --flavor debug --batch 2 --seq-lens 256 --doc-len 5-60
 """
 
 from __future__ import annotations
@@ -38,11 +46,11 @@ CPU_VARIANTS = ("dense_mask", "per_document", "batched", "per_document_sinks", "
 CUDA_VARIANTS = (*CPU_VARIANTS, "varlen", "flex_sinks")
 
 
-def document_ids(opts, torch):
+def document_ids(opts, torch, seed: int = 0):
     """(batch, seq) ids: documents of ``--doc-len`` tokens (or drawn from its range) end to end."""
     lo, _, hi = opts.doc_len.partition("-")
     lo, hi = int(lo), int(hi or lo)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
     rows = []
     for _ in range(opts.batch):
         lengths, total = [], 0
@@ -143,6 +151,51 @@ def _with_baselines(variants: list[str]) -> list[str]:
     return bases + [v for v in variants if v not in bases]
 
 
+def compiled_model(opts) -> dict:
+    """``--compiled-model``: the compiled and the eager model, paired step by step on batches of other
+    documents, then again on those already seen."""
+    import time
+
+    import torch
+    from torch._dynamo.utils import counters
+
+    sys.path.insert(0, str(ROOT))
+    from models.common.decoder import Transformer
+    from seedckpt.config.job_config import load_config
+    from seedckpt.materialize.init_recipe import init_model
+    from seedckpt.parallel.parallelize import apply_compile
+
+    opts.seq_len = int(opts.seq_lens.split(",")[0])
+    args = load_config(None, ["--model.flavor", opts.flavor]).model_args()
+    eager, compiled = Transformer(args), Transformer(args)
+    init_model(eager, 0)
+    compiled.load_state_dict(eager.state_dict())
+    apply_compile(compiled)
+    tokens = torch.randint(0, args.vocab_size, (opts.batch, opts.seq_len), generator=torch.Generator().manual_seed(0))
+    batches = [document_ids(opts, torch, seed) for seed in range(opts.compiled_model)]
+
+    def step(model, ids) -> float:
+        start = time.perf_counter()
+        model(tokens, document_ids=ids, labels=tokens.roll(-1, 1)).backward()
+        return time.perf_counter() - start
+
+    first = [(step(compiled, ids), step(eager, ids)) for ids in batches]
+    again = [(step(compiled, ids), step(eager, ids)) for ids in batches]
+    return {
+        "comparison": "compiled model vs eager, batches of other documents",
+        "flavor": opts.flavor,
+        "batch": opts.batch,
+        "seq_len": opts.seq_len,
+        "doc_len": opts.doc_len,
+        "batches": len(batches),
+        "graphs": counters["stats"]["unique_graphs"],
+        "compiled_steps_per_s": len(first) / sum(c for c, _ in first),
+        "compiled_after_first_steps_per_s": (len(first) - 1) / sum(c for c, _ in first[1:]),
+        "eager_steps_per_s": len(first) / sum(e for _, e in first),
+        "seen_speedup": statistics.median(e / c for c, e in again),
+    }
+
+
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--device", default="cpu")
@@ -156,11 +209,15 @@ def main() -> None:
     p.add_argument("--variants", help="comma-separated (default: every one the device runs)")
     p.add_argument("--repeats", type=int, default=2, help="timed steps per run (default 2)")
     p.add_argument("--rounds", type=int, default=1, help="runs of every variant, in turn (default 1)")
+    p.add_argument("--compiled-model", type=int, metavar="N", help="a compiled model over N batches (see above)")
     p.add_argument("--variant", choices=CUDA_VARIANTS, help=argparse.SUPPRESS)  # one run in this process
     p.add_argument("--seq-len", type=int, help=argparse.SUPPRESS)
     opts = p.parse_args()
     if opts.variant:
         print(json.dumps(measure(opts)))
+        return
+    if opts.compiled_model:
+        emit(compiled_model(opts))
         return
     variants = opts.variants.split(",") if opts.variants else CUDA_VARIANTS if opts.device == "cuda" else CPU_VARIANTS
     shared = ["--device", opts.device, "--dtype", opts.dtype, "--batch", str(opts.batch)]

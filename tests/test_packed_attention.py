@@ -291,6 +291,18 @@ def _compile_with_aot_eager(monkeypatch):
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_with(fn, backend="aot_eager", **kw))
 
 
+def _assert_compiled_is_eager(compiled, documents: Documents, inputs, window, softcap, **tolerance) -> None:
+    """``compiled`` (``packed_attention`` under ``torch.compile``) computes eager's outputs and
+    gradients (scale 0.3)."""
+    (got, got_grads), (want, want_grads) = (
+        _outputs_and_grads(lambda q, k, v, s: attend(q, k, v, documents, 0.3, window, s, softcap), inputs)
+        for attend in (compiled, packed_attention)
+    )
+    torch.testing.assert_close(got, want, **tolerance)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, **tolerance)
+
+
 @pytest.mark.parametrize(
     "window, sinks, softcap", [(None, False, None), (4, True, None), (64, True, 2.0)], ids=["causal", "sinks", "capped"]
 )
@@ -303,16 +315,7 @@ def test_compiled_packed_attention_runs_one_graph_for_every_layout(window, sinks
     compiled = torch.compile(packed_attention, fullgraph=True)
     inputs = _inputs(v_dim=8, sinks=sinks)
     for ids in random_layouts(5, len(LENGTHS), 400, 150):
-        documents = Documents.of(ids)
-        got, got_grads = _outputs_and_grads(
-            lambda q, k, v, s: compiled(q, k, v, documents, 0.3, window, s, softcap), inputs
-        )
-        want, want_grads = _outputs_and_grads(
-            lambda q, k, v, s: packed_attention(q, k, v, documents, 0.3, window, s, softcap), inputs
-        )
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        for g, w in zip(got_grads, want_grads):
-            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        _assert_compiled_is_eager(compiled, Documents.of(ids), inputs, window, softcap, rtol=1e-5, atol=1e-5)
     assert counters["stats"]["unique_graphs"] == 1
 
 
@@ -356,3 +359,17 @@ def test_compiled_block_mask_equals_the_eager_one_on_cuda(window):
             assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b or callable(a)
         assert torch.equal(got.to_dense(), want.to_dense())
     assert counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.cuda
+def test_compiled_flex_attention_takes_other_documents_masks_without_compiling_again_on_cuda():
+    """Compiled (fullgraph), gpt-oss's flex path takes each batch's block mask (built compiled) as an
+    input: 3 batches of other documents compile 2 graphs -- the mask's builder and the attention --
+    with eager's outputs and gradients."""
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(packed_attention, fullgraph=True)
+    inputs = _inputs("cuda", torch.bfloat16, dim=64, heads=(8, 2), sinks=True)
+    for ids in random_layouts(3, len(LENGTHS), 400, 150):
+        _assert_compiled_is_eager(compiled, Documents.of(ids.cuda(), mask_windows={64}), inputs, 64, None, **BF16)
+    assert counters["stats"]["unique_graphs"] == 2
