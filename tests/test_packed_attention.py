@@ -322,7 +322,7 @@ def test_compiled_packed_attention_runs_one_graph_for_every_layout(window, sinks
 def test_compiled_model_compiles_no_more_for_batches_of_other_documents(monkeypatch):
     """A Gemma 2 of 2 layers (a window in one, capped scores, GQA) with ``training.compile``'s
     blocks: 5 batches of 2 x 256 tokens packing other documents compile 2 graphs in the first batch
-    and none after (before: 4 graphs in 6 batches on a Llama), each batch's loss and the gradients
+    and none after (before: a graph for nearly every batch), each batch's loss and the gradients
     eager's within 1e-5. Two: one per kind of layer (a window is a constant of its graph), whatever
     the batches; nothing in a graph follows the documents (``_packed_sdpa`` takes them as inputs
     whose sizes are symbols from the first batch)."""
