@@ -31,6 +31,14 @@ seed's ``seedckpt.json`` manifest) + 300 MiB, the "near two tensors" promise of 
 A last line compares them: ``dcp_to_hf_throughput_vs_cp``, ``dcp_to_hf_rss_gib`` and
 ``format_utils_rss_gib`` (null when skipped). The CPU count and OMP_NUM_THREADS are recorded on every
 measurement line.
+
+``--big`` measures memory against tensor size instead: a one-layer debug model whose tied embedding
+is ``--big-mib`` MiB (default 512; 128 values a row), then each of ``dcp_to_hf``, ``hf_to_dcp``,
+``dcp_to_safetensors``, ``diff`` (seed vs HF) and ``verify`` (of the HF directory, which has no
+checksums: every value read) twice, interleaved: ``slabs`` (the product) and ``whole`` (the same code
+with ``SLAB_BYTES`` above every tensor, so each is read, cast and written whole: the baseline). One
+line per run, then ``{"big": ..., "<command>_rss_vs_whole": ...}``. At 1 GiB the whole diff met the
+OOM killer on a 24 GiB machine, hence the default.
 """
 
 from __future__ import annotations
@@ -63,9 +71,11 @@ def main() -> None:
         action="store_true",
         help="do not run format_utils.dcp_to_torch_save (it holds the whole model in RAM)",
     )
+    parser.add_argument("--big", action="store_true", help="peak RSS of one large tensor: slabs vs whole")
+    parser.add_argument("--big-mib", type=int, default=512, help="the large tensor's MiB with --big (default 512)")
     opts = parser.parse_args()
     with output_dir(opts.out_dir, "seedckpt-convert-bench-") as out_dir:
-        run_all(opts, out_dir)
+        (run_big if opts.big else run_all)(opts, out_dir)
 
 
 def run_all(opts: argparse.Namespace, out_dir: Path) -> None:
@@ -115,6 +125,47 @@ def run_all(opts: argparse.Namespace, out_dir: Path) -> None:
             "format_utils_rss_gib": format_utils["peak_rss_gib"] if format_utils else None,
         }
     )
+
+
+# The baseline of --big: the product with slabs larger than any tensor, so every tensor is one slab.
+WHOLE = """
+import sys
+import seedckpt.checkpoint.load as load
+from seedckpt.cli.main import main
+
+load.SLAB_BYTES = 1 << 62
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def run_big(opts: argparse.Namespace, out_dir: Path) -> None:
+    """Each command on one large tensor, ``whole`` then ``slabs``; the ratio of their peak RSS."""
+    labels = {"benchmark": "convert", "big_mib": opts.big_mib}
+    seed, hf = out_dir / "seed", out_dir / "hf"
+    vocab = opts.big_mib * 2**20 // (128 * 4)  # float32 rows of the debug model's 128 values
+    model = ["--model.vocab_size", str(vocab), "--model.n_layers", "1", "--model.tie_word_embeddings", "true"]
+    emit(measure([sys.executable, "-m", "seedckpt.cli.main", "seed", "--config", "configs/debug.toml",
+                  "--output", str(seed), "--quiet", *model], seed, **labels, impl="setup_seed"))  # fmt: skip
+    commands = {
+        "dcp_to_hf": (hf, ["convert", str(seed), str(hf), "--to", "hf", "--quiet"]),
+        "hf_to_dcp": (out_dir / "dcp", ["convert", str(hf), str(out_dir / "dcp"), "--to", "dcp", "--quiet"]),
+        "dcp_to_safetensors": (
+            out_dir / "m.safetensors",
+            ["convert", str(seed), str(out_dir / "m.safetensors"), "--to", "safetensors", "--quiet"],
+        ),  # fmt: skip
+        "diff": (hf, ["diff", str(seed), str(hf)]),
+        "verify": (hf, ["verify", str(hf), "--quiet"]),
+    }
+    ratios = {}
+    for name, (output, argv) in commands.items():
+        runs = {}
+        for impl, head in (("whole", ["-c", WHOLE]), ("slabs", ["-m", "seedckpt.cli.main"])):
+            if argv[0] == "convert":
+                remove(output) if output.is_dir() else output.unlink(missing_ok=True)
+            runs[impl] = measure([sys.executable, *head, *argv], output, **labels, command=name, impl=impl)
+            emit(runs[impl])
+        ratios[f"{name}_rss_vs_whole"] = runs["slabs"]["peak_rss_gib"] / runs["whole"]["peak_rss_gib"]
+    emit({**labels, **ratios})
 
 
 def rss_bound_bytes(seed_dir: Path) -> int:

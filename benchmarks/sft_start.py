@@ -56,9 +56,9 @@ def make_hf_dir(path: Path, flavor: str) -> None:
     names = {to_hf_name(f): TensorInfo(s, torch.bfloat16) for f, s in shapes.items()}
     generator = torch.Generator().manual_seed(0)
 
-    def read(name: str) -> torch.Tensor:
+    def read(name: str) -> list[torch.Tensor]:  # one slab: the whole tensor
         shape = names[name].shape
-        return torch.ones(shape) if len(shape) == 1 else torch.randn(shape, generator=generator) * 0.02
+        return [torch.ones(shape) if len(shape) == 1 else torch.randn(shape, generator=generator) * 0.02]
 
     shards, weight_map = [list(names)[k::2] for k in range(2)], {}
     path.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,9 @@ test not marked ``cuda`` runs on the CPU, also on a machine with GPUs."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -37,6 +40,21 @@ def cpu_unless_marked_cuda(request, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def probe_readings(probe: str, *args: str, timeout: float = 900.0) -> list[int]:
+    """The integers ``probe`` (Python source) prints, run with ``args`` in a fresh one-thread
+    interpreter at the repository root: peak-RSS readings of a process that held nothing before."""
+    proc = subprocess.run(
+        [sys.executable, "-c", probe, *args],
+        cwd=Path(__file__).resolve().parents[1],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return [int(word) for word in proc.stdout.split()]
 
 
 def tiny_config(*overrides: str):

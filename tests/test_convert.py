@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import seedckpt.checkpoint.load as slabs
 from models.common.hf_names import permute_from_hf, permute_to_hf
+from seedckpt.cli import convert as convert_module
 from seedckpt.cli.convert import convert, diff
 from seedckpt.cli.main import main
 from seedckpt.config.job_config import load_config
@@ -19,7 +21,7 @@ from seedckpt.materialize.seed import create_seed_checkpoint
 from seedckpt.materialize.stages import build_stages
 from seedckpt.parallel.pipeline import plan_rank_stages
 from seedckpt.utils.errors import SeedckptError
-from tests.conftest import check_tied_stock_load, stock_load, tiny_config
+from tests.conftest import check_tied_stock_load, probe_readings, stock_load, tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -316,10 +318,11 @@ def test_an_integer_weight_is_refused_naming_tensor_and_file(tmp_path, debug_see
 def test_a_failure_mid_write_leaves_no_output(tmp_path, debug_seed, monkeypatch):
     from seedckpt.checkpoint import DcpCheckpoint
 
-    def broken(self, fqn):
+    def broken(self, fqn, *rows):
         raise OSError("disk vanished")
 
     monkeypatch.setattr(DcpCheckpoint, "read_tensor", broken)
+    monkeypatch.setattr(DcpCheckpoint, "read_rows", broken)
     for to, name in (("hf", "hf"), ("safetensors", "m.safetensors"), ("dcp", "dcp")):
         with pytest.raises((OSError, SeedckptError), match="disk vanished"):
             convert(debug_seed, tmp_path / name, to, progress=False)
@@ -480,3 +483,70 @@ def test_load_model_takes_dtype_names_and_refuses_the_rest_in_one_line(debug_see
     assert "\n" not in str(refused.value)
     for name in ("bfloat16", "torch.bfloat16", torch.bfloat16):
         assert load_model(debug_seed, dtype=name).output.weight.dtype == torch.bfloat16
+
+
+# Converts each seed to HF and back to DCP and diffs the two, with slabs of 2 MiB; prints the
+# process's peak RSS after each seed (an embedding of 16 MiB, then of 64 MiB).
+PEAK_RSS_PROBE = """
+import resource, sys
+import seedckpt.checkpoint.load as load
+from seedckpt.cli import convert as convert_module
+from seedckpt.cli.convert import convert, diff
+load.SLAB_BYTES = 2 << 20
+for seed in sys.argv[1:]:
+    convert(seed, f"{seed}-hf", "hf", progress=False)
+    convert(f"{seed}-hf", f"{seed}-dcp", "dcp", progress=False)
+    assert diff(seed, f"{seed}-dcp")[0]
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+def test_peak_memory_of_convert_and_diff_does_not_grow_with_the_tensor(tmp_path):
+    """A tied embedding of 16 MiB, then 64 MiB, through both writers and readers (HF, DCP) and diff:
+    the peak RSS grows by less than a quarter of the difference, so no tensor is ever held whole
+    (held whole, it grew by 540 MiB: read, cast and diff's float64 copies)."""
+    seeds = []
+    for vocab in (32768, 131072):
+        cfg = tiny_config(
+            "--model.vocab_size", str(vocab), "--model.n_layers", "1", "--model.tie_word_embeddings", "true"
+        )
+        seeds.append(str(create_seed_checkpoint(cfg, tmp_path / str(vocab), seed=0, progress=False, workers=1)))
+    small, large = probe_readings(PEAK_RSS_PROBE, *seeds)
+    assert large - small < 12 << 20, f"peak RSS {small / 2**20:.0f} MiB -> {large / 2**20:.0f} MiB"
+
+
+def test_a_conversion_beyond_the_available_memory_is_refused_before_writing(tmp_path, debug_seed, monkeypatch):
+    """With 1 MiB available, ``--to torch`` (one pickle of every tensor) is refused in one line naming
+    the fix; ``--to safetensors`` goes a slab at a time and needs no tensor whole."""
+    monkeypatch.setattr(convert_module, "available_memory", lambda: 1 << 20)
+    with pytest.raises(SeedckptError, match="--to torch pickles every tensor at once.*--to safetensors") as e:
+        convert(debug_seed, tmp_path / "m.pt", "torch", progress=False)
+    assert "\n" not in str(e.value)
+    _assert_nothing_written(tmp_path, "m.pt")
+    convert(debug_seed, tmp_path / "m.safetensors", "safetensors", progress=False)
+
+
+def test_conversions_in_slabs_of_a_few_rows_are_bitwise_the_whole_tensors(tmp_path, monkeypatch):
+    """Slabs of 8 KiB (a few rows, a few experts, whole RoPE heads of q and k) through every reader and
+    writer of a mixture of experts: the HF and safetensors files are byte for byte those written with a
+    slab per tensor (the tensors' bytes), and DCP in ours and torchtitan's names (q/k rows permuted)
+    diff equal to the seed."""
+    cfg = tiny_config("--model.name", "qwen3_moe", "--model.n_layers", "2")
+    seed = create_seed_checkpoint(cfg, tmp_path / "seed", seed=0, progress=False, workers=1)
+    for to, name in (("hf", "hf"), ("safetensors", "m.safetensors")):
+        convert(seed, tmp_path / f"whole-{name}", to, progress=False)
+    monkeypatch.setattr(slabs, "SLAB_BYTES", 8 << 10)
+    for to, name in (("hf", "hf"), ("safetensors", "m.safetensors")):
+        convert(seed, tmp_path / name, to, progress=False)
+        assert _safetensors_bytes(tmp_path / name) == _safetensors_bytes(tmp_path / f"whole-{name}")
+    for source, to in (("hf", "dcp"), ("m.safetensors", "torchtitan")):
+        convert(tmp_path / source, tmp_path / to, to, progress=False)
+        equal, lines = diff(seed, tmp_path / to)
+        assert equal, lines
+
+
+def _safetensors_bytes(path: Path) -> list[bytes]:
+    """The tensors' bytes (all after the header, which holds the manifest's time) of a safetensors file,
+    or of each shard of a directory, in name order."""
+    blobs = [f.read_bytes() for f in (sorted(path.glob("*.safetensors")) if path.is_dir() else [path])]
+    return [blob[8 + int.from_bytes(blob[:8], "little") :] for blob in blobs]

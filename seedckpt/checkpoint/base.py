@@ -8,13 +8,14 @@ anything is allocated. What it knows of the model comes from its caller (``check
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from seedckpt.checkpoint.load import RowWindow, tensor_problems
+from seedckpt.checkpoint.load import RowWindow, row_bounds, tensor_problems
 from seedckpt.checkpoint.manifest import TensorInfo, dtype_name, is_model_key
 from seedckpt.checkpoint.model import ModelCodec, ModelLayout
 from seedckpt.utils.errors import SeedckptError
@@ -45,6 +46,7 @@ class OpenedCheckpoint:
         self.recorded, self.layout = recorded, recorded or layout
         # FQNs that are not stored but read from another tensor: {fqn: source} (a tied output).
         self.aliases: dict[str, str] = {}
+        self._whole, self._whole_lock = (None, None), threading.Lock()  # ``read_rows``' last whole tensor
 
     @property
     def args(self):
@@ -68,18 +70,24 @@ class OpenedCheckpoint:
         conversion would go on computing another model. A stored copy of the source is the tie
         (torchtitan ties none: a tied model's export holds its embedding twice), read as one. A
         Hugging Face directory storing a distinct head is read untied before this, as transformers
-        does (``config.json`` is the model's own word there). Both matrices are read whole, once,
-        only where a tied model meets one stored apart (0.5 GiB each for Llama 3.2 1B in bf16)."""
+        does (``config.json`` is the model's own word there). Both matrices are read, a slab of each at
+        a time where the format reads rows, only where a tied model meets one stored apart."""
         for fqn, source in tied.items():
             if fqn in self.aliases or fqn not in self.infos or source not in self.infos:
                 continue  # stored once (a tie), or not here at all (a stage's part, OSFT factors)
-            read = self.read_tensor
-            if self.infos[fqn] != self.infos[source] or not torch.equal(read(fqn), read(source)):
+            if self.infos[fqn] != self.infos[source] or not self._same_values(fqn, source):
                 raise SeedckptError(
                     f"{self.path} stores {self.stored_name(fqn)} apart from {self.stored_name(source)}, with other "
                     "values, but this model ties them: it was trained untied -- set "
                     "model.tie_word_embeddings = false to read it"
                 )
+
+    def _same_values(self, fqn: str, other: str) -> bool:
+        """Whether ``fqn`` and ``other`` (same shape and dtype) hold the same values, a slab at a time
+        (each read whole, once, where the format does not read rows)."""
+        if not (self.reads_rows(fqn) and self.reads_rows(other)):
+            return torch.equal(self.read_tensor(fqn), self.read_tensor(other))
+        return all(torch.equal(x, y) for x, y in zip(self.slabs(fqn), self.slabs(other)))
 
     def stored_name(self, fqn: str) -> str:
         """The name ``fqn`` is stored under, for messages."""
@@ -94,17 +102,40 @@ class OpenedCheckpoint:
         return self.infos
 
     def read_tensor(self, fqn: str) -> torch.Tensor:
-        """One whole tensor on CPU, read by this process alone (conversion, diff)."""
+        """One whole tensor on CPU, read by this process alone (a load without a distributed reader)."""
         raise NotImplementedError
+
+    def reads_rows(self, fqn: str) -> bool:
+        """Whether ``read_rows`` reads only the rows asked for of ``fqn`` (else it reads the whole
+        tensor once and slices it)."""
+        return False
+
+    def read_rows(self, fqn: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` (dim 0) of ``fqn`` on CPU, read by this process alone (convert, diff,
+        verify). Here the whole tensor is read and kept until another is asked for: a format that
+        reads rows alone (``reads_rows``) overrides this."""
+        with self._whole_lock:
+            if self._whole[0] != fqn:
+                self._whole = (None, None)  # dropped before the next is read
+                self._whole = (fqn, self.read_tensor(fqn))
+            return self._whole[1][start:stop] if self.infos[fqn].shape else self._whole[1]
+
+    def slabs(self, fqn: str, bounds: list[tuple[int, int]] | None = None) -> Iterator[torch.Tensor]:
+        """``fqn`` in dim-0 slabs (``bounds``; default ``row_bounds``: ``SLAB_BYTES`` each), which
+        concatenated are the tensor: what a conversion holds of it at a time, where the format reads
+        rows alone."""
+        info = self.infos[fqn]
+        for start, stop in bounds or row_bounds(info.shape, info.dtype.itemsize):
+            yield self.read_rows(fqn, start, stop)
 
     def stored_reads(self) -> Iterator[tuple[str, int, Callable[[], Iterable[torch.Tensor]]]]:
         """``(name, bytes, slabs)`` of each tensor the checkpoint stores, in the names it stores them
         under, for a command that reads all of them once (``verify``'s values): ``slabs()`` yields the
         tensor in parts along dim 0 (a quantized one dequantized a bounded slab at a time). By default
-        each model tensor stored (a tied one once), whole."""
+        each model tensor stored (a tied one once), in ``slabs``."""
         for fqn, info in self.infos.items():
             if fqn not in self.aliases:
-                yield fqn, info.nbytes, lambda fqn=fqn: [self.read_tensor(fqn)]
+                yield fqn, info.nbytes, lambda fqn=fqn: self.slabs(fqn)
 
     def load(self, state_dict: dict) -> None:
         """Fill ``state_dict`` (tensors, DTensors, ``RowWindow``s) in place. Formats without a
@@ -180,6 +211,27 @@ class OpenedCheckpoint:
     def has_entry(self, key: str) -> bool:
         """A non-tensor entry (training state) is present; only DCP checkpoints store them."""
         return False
+
+
+def stored_bounds(info: TensorInfo, names=None, fqn: str = "") -> list[tuple[int, int]]:
+    """The dim-0 slabs in which a writer puts ``fqn`` (``info``) in the rows ``names`` (another
+    tool's name adapter) stores it: ``row_bounds``, in whole groups where it permutes rows within
+    groups (RoPE heads), so that each slab is read from the same rows of ours."""
+    groups = names.row_groups(fqn) if names is not None and info.shape else None
+    return row_bounds(info.shape, info.dtype.itemsize, align=info.shape[0] // groups if groups else 1)
+
+
+def read_stored_rows(source: OpenedCheckpoint, fqn: str, names, start: int, stop: int) -> torch.Tensor:
+    """Rows ``[start, stop)`` of ``fqn`` of ``source`` as ``names`` stores them (None: ours): where it
+    permutes rows within groups, the rows of ours they come from (``to_stored_rows`` applied to the
+    row numbers), read and put in its order -- bitwise the rows of the whole tensor permuted."""
+    shape = source.infos[fqn].shape
+    if names is None or not shape or not names.row_groups(fqn):
+        return source.read_rows(fqn, start, stop)
+    numbers = torch.arange(shape[0]).reshape(shape[0], *[1] * (len(shape) - 1))
+    order = names.to_stored_rows(fqn, numbers).reshape(-1)[start:stop]
+    lo = int(order.min())
+    return source.read_rows(fqn, lo, int(order.max()) + 1)[order - lo]
 
 
 def nonfinite_count(tensor: torch.Tensor) -> int:

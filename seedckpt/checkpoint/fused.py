@@ -11,6 +11,8 @@ the stored rows a rank's rows come from, and the writer splits ours back.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -127,14 +129,21 @@ class SplitOnce:
 
     def __init__(self):
         self.unread: dict[str, torch.Tensor] = {}  # the rest of the last split tensor, until read
+        self.lock = threading.Lock()  # a writer resolves its blocks on two threads
 
     def read(self, fqn: str, parts: StoredParts, read_stored) -> torch.Tensor:
         """Our ``fqn`` of ``parts``; ``read_stored()``: the stored tensor, whole."""
         return self.take(fqn, parts.fqns, parts.split, read_stored)
 
+    def read_rows(self, fqn: str, parts: StoredParts, rows: tuple[int, int], read_stored_rows) -> torch.Tensor:
+        """``rows`` (dim 0: the experts) of our ``fqn`` of ``parts``; ``read_stored_rows()``: those rows
+        of the stored tensor, split once for every FQN it holds (a conversion's slab)."""
+        return self.take((fqn, rows), tuple((f, rows) for f in parts.fqns), parts.split, read_stored_rows)
+
     def take(self, name: str, names: tuple[str, ...], split, read_whole) -> torch.Tensor:
         """``name`` of the tensors ``split(read_whole())`` gives, in ``names``' order (a writer takes
         the stored tensors a ``StoredSplit`` cuts ours into this way)."""
-        if name not in self.unread:
-            self.unread = {n: t.contiguous() for n, t in zip(names, split(read_whole()))}
-        return self.unread.pop(name)
+        with self.lock:
+            if name not in self.unread:
+                self.unread = {n: t.contiguous() for n, t in zip(names, split(read_whole()))}
+            return self.unread.pop(name)

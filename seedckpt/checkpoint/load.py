@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,23 @@ from seedckpt.checkpoint.manifest import TensorInfo, dtype_name
 from seedckpt.checkpoint.safe_pickle import load_plain_values
 from seedckpt.utils.errors import SeedckptError, interruption, write_failure
 from seedckpt.utils.tensors import local, local_rows
+
+# Bytes of rows a whole-tensor read (convert, diff, verify) holds at a time: a 128k x 16k float32
+# embedding is 8 GiB, DeepSeek-V3's fused expert tensors 29 GiB; read in slabs, the command's peak stays
+# near a few slabs whatever the tensor (measured in benchmarks/convert.py --big).
+SLAB_BYTES = 32 << 20
+
+
+def row_bounds(
+    shape: tuple[int, ...], itemsize: int, align: int = 1, slab_bytes: int | None = None
+) -> list[tuple[int, int]]:
+    """``[start, stop)`` of each slab of dim-0 rows of a tensor of ``shape``: ``slab_bytes``
+    (``SLAB_BYTES``) of ``itemsize``-byte elements, in multiples of ``align`` rows (a transform's whole
+    groups), one multiple at least -- so one row larger than a slab (a whole expert) is one slab."""
+    rows = shape[0] if shape else 1
+    row_bytes = itemsize * math.prod(shape[1:])
+    step = max(align, (slab_bytes or SLAB_BYTES) // max(1, row_bytes) // align * align)
+    return [(start, min(rows, start + step)) for start in range(0, rows, step)]
 
 
 @dataclass(frozen=True)

@@ -419,3 +419,12 @@ class DenseOSFT(OpenedCheckpoint):
         f = {name: self.source.read_tensor(f"{base}.{name}").float() for name in FROZEN + TRAINABLE}
         dense = (f["U_high"] * f["S_high"]) @ f["V_high"].T + (f["U_low"] * f["S_low"]) @ f["V_low"].T
         return dense.to(self.infos[fqn].dtype)
+
+    def reads_rows(self, fqn: str) -> bool:
+        """A target is rebuilt whole (a product of its factors); the other tensors read as stored."""
+        return fqn.removesuffix(".weight") not in self.targets and self.source.reads_rows(fqn)
+
+    def read_rows(self, fqn: str, start: int, stop: int) -> torch.Tensor:
+        if fqn.removesuffix(".weight") in self.targets:
+            return super().read_rows(fqn, start, stop)
+        return self.source.read_rows(fqn, start, stop)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from seedckpt.checkpoint.atomic import refuse_partial
-from seedckpt.checkpoint.base import OpenedCheckpoint, WriteJob, recorded_layout
+from seedckpt.checkpoint.base import OpenedCheckpoint, WriteJob, read_stored_rows, recorded_layout, stored_bounds
 from seedckpt.checkpoint.fused import (
     PartsRead,
     SplitOnce,
@@ -30,13 +30,13 @@ from seedckpt.checkpoint.fused import (
     split_shapes,
 )
 from seedckpt.checkpoint.integrity import Checksums, ItemChecks, check_data_files, data_file, verify_item
-from seedckpt.checkpoint.load import GroupedRows, copy_shared, load_state, one_destination_per_source
+from seedckpt.checkpoint.load import GroupedRows, RowWindow, copy_shared, load_state, one_destination_per_source
 from seedckpt.checkpoint.manifest import RAW_ITEMS_KEY, TOKENIZER_DIR, TensorInfo, is_model_key, read_manifest
 from seedckpt.checkpoint.model import ModelCodec, ModelLayout, NameAdapter, StoredParts, StoredSplit
 from seedckpt.checkpoint.owned_reads import READ_THREADS, OwnedFileSystemReader
 from seedckpt.checkpoint.safe_pickle import parse_dcp_metadata, tensor_infos
 from seedckpt.checkpoint.untrusted import MAX_METADATA_BYTES, read_bounded
-from seedckpt.checkpoint.writer import LazySavePlanner, write_checkpoint
+from seedckpt.checkpoint.writer import LazySavePlanner, whole_tensor, write_checkpoint
 from seedckpt.utils.errors import SeedckptError
 from seedckpt.utils.tensors import all_finite
 
@@ -201,6 +201,29 @@ class DcpCheckpoint(OpenedCheckpoint):
         groups = names.row_groups(fqn) if names is not None else None
         return names.from_stored_rows(tensor, groups) if groups else tensor
 
+    def reads_rows(self, fqn: str) -> bool:
+        return True
+
+    def read_rows(self, fqn: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of ``fqn``, reading (and checking) only the stored rows they come
+        from: a fused or split tensor's through ``load``'s rows; where another tool permutes rows
+        within groups (torchtitan's Qwen3 q/k heads), the whole groups around them."""
+        info = self.all_tensors[fqn]
+        if not info.shape:
+            return self.read_tensor(fqn)
+        if fqn in self.parts:
+            window = RowWindow(torch.empty((stop - start, *info.shape[1:]), dtype=info.dtype), start)
+            self.load({fqn: window})
+            return window.dest
+        names = self.renamed.get(fqn)
+        groups = names.row_groups(fqn) if names is not None else None
+        per = info.shape[0] // groups if groups else 1
+        lo, hi = start // per * per, -(-stop // per) * per
+        window = RowWindow(torch.empty((hi - lo, *info.shape[1:]), dtype=info.dtype), lo)
+        load_state({self.stored.get(fqn, fqn): window}, self.reader(), self.path, no_dist=True)
+        rows = names.from_stored_rows(window.dest, (hi - lo) // per) if groups else window.dest
+        return rows[start - lo : stop - lo]
+
     def _read_whole(self, key: str, shape: tuple[int, ...], fqn: str) -> torch.Tensor:
         """The stored ``key`` as it is stored, whole (of ``shape``, in ``fqn``'s dtype)."""
         out = {key: torch.empty(shape, dtype=self.all_tensors[fqn].dtype)}
@@ -357,9 +380,11 @@ def _split_infos(fused: dict, infos: dict[str, TensorInfo]) -> dict[str, TensorI
 
 
 def write(source: OpenedCheckpoint, dst: Path, job: WriteJob, names: NameAdapter | None = None) -> Path:
-    """``source``'s tensors as a DCP checkpoint with ``job.manifest``, each read when the writer asks
-    for it (one stored tensor in memory at a time); ``names``: another tool's names (row order and
-    fused tensors) instead of ours, with the zero tensors its model has and ours lacks."""
+    """``source``'s tensors as a DCP checkpoint with ``job.manifest``, each written as chunks of
+    ``SLAB_BYTES`` of rows, each read when the writer asks for it (a few slabs in memory at a time);
+    ``names``: another tool's names (row order and fused tensors) instead of ours, with the zero
+    tensors its model has and ours lacks. One of ours that tool splits into several (``StoredSplit``)
+    is read whole, once for its parts."""
     try:
         entries = _stored_entries(job.infos, names)
     except ValueError as e:
@@ -367,32 +392,47 @@ def write(source: OpenedCheckpoint, dst: Path, job: WriteJob, names: NameAdapter
     zeros = names.zero_filled() if names else {}
     split_once = SplitOnce()
 
+    def rows(key: str, start: int, stop: int) -> torch.Tensor:
+        ours = entries[key][0]
+        if isinstance(ours, StoredSplit):  # one block: the whole part
+            return split_once.take(key, ours.keys, ours.split, lambda: source.read_tensor(ours.fqn))
+        if isinstance(ours, StoredParts):  # dim 0 (the experts) is dim 0 of each of ours
+            return ours.join(tuple(source.read_rows(fqn, start, stop) for fqn in ours.fqns))
+        return read_stored_rows(source, ours, names, start, stop)
+
     def produce(key: str, start: int, stop: int) -> torch.Tensor:
         if key in zeros:
             return torch.zeros(zeros[key][0], dtype=zeros[key][1]).reshape(-1)[start:stop]
-        ours = entries[key][0]
-        job.on_bytes(entries[key][1].nbytes)
-        if isinstance(ours, StoredSplit):
-            tensor = split_once.take(key, ours.keys, ours.split, lambda: source.read_tensor(ours.fqn))
-        elif isinstance(ours, StoredParts):
-            tensor = ours.join(tuple(source.read_tensor(fqn) for fqn in ours.fqns))
-        else:
-            tensor = source.read_tensor(ours)
-            tensor = names.to_stored_rows(ours, tensor) if names else tensor
-        return tensor.reshape(-1)[start:stop]  # one block: the whole tensor
+        info = entries[key][1]
+        width = math.prod(info.shape[1:])
+        if not info.numel:  # an empty tensor: one block of nothing
+            return torch.empty(0, dtype=info.dtype)
+        first = start // width
+        job.on_bytes((stop - start) * info.dtype.itemsize)
+        return rows(key, first, -(-stop // width)).reshape(-1)[start - first * width : stop - first * width]
 
     state = {k: torch.empty(info.shape, dtype=info.dtype, device="meta") for k, (_, info) in entries.items()}
     state.update((k, torch.empty(shape, dtype=dtype, device="meta")) for k, (shape, dtype) in zeros.items())
+    cuts = {key: _row_blocks(ours, info, names) for key, (ours, info) in entries.items()}
     return write_checkpoint(
         dst,
         state,
         job.manifest,
         force=job.force,
-        planner=LazySavePlanner(produce),
+        planner=LazySavePlanner(produce, cuts=cuts),
         lookahead=1,
         files=job.files,
         aliases=job.aliases,
     )
+
+
+def _row_blocks(ours, info: TensorInfo, names: NameAdapter | None) -> list[tuple[list[int], list[int]]]:
+    """The chunks a stored tensor is written in: slabs of whole rows (``stored_bounds``), or the whole
+    tensor for a scalar, an empty one and a part of a ``StoredSplit`` (the split reads ours whole)."""
+    if not info.shape or not info.numel or isinstance(ours, StoredSplit):
+        return whole_tensor(info.shape)
+    bounds = stored_bounds(info, names, ours) if isinstance(ours, str) else stored_bounds(info)
+    return [([start] + [0] * (len(info.shape) - 1), [stop - start, *info.shape[1:]]) for start, stop in bounds]
 
 
 def _stored_entries(infos: dict[str, TensorInfo], names: NameAdapter | None) -> dict:

@@ -31,22 +31,24 @@ import json
 import math
 import shutil
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from seedckpt.checkpoint.atomic import atomic_output, write_json_synced
-from seedckpt.checkpoint.base import OpenedCheckpoint, WriteJob
+from seedckpt.checkpoint.base import OpenedCheckpoint, WriteJob, read_stored_rows, stored_bounds
 from seedckpt.checkpoint.formats.compressed_tensors import packed_tensors
 from seedckpt.checkpoint.formats.quantized import DequantizedLoad, Stored, quantized_tensors
-from seedckpt.checkpoint.formats.safetensors_file import read_safetensor, write_safetensors
+from seedckpt.checkpoint.formats.safetensors_file import read_safetensor, read_safetensor_rows, write_safetensors
 from seedckpt.checkpoint.fused import PartsRead, SplitOnce, joined_shape, split_shapes
 from seedckpt.checkpoint.load import (
     GroupedRows,
     copy_shared,
     load_state,
     one_destination_per_source,
+    row_bounds,
     tensor_problems,
 )
 from seedckpt.checkpoint.manifest import TensorInfo
@@ -237,6 +239,36 @@ class HFCheckpoint(OpenedCheckpoint):
         groups = self.names.row_groups(fqn)
         return self.names.from_stored_rows(tensor, groups) if groups else tensor
 
+    def reads_rows(self, fqn: str) -> bool:
+        return True
+
+    def read_rows(self, fqn: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of ``fqn``: those of the stored tensor under it (dequantized), of the
+        fused one holding it (split; dim 0 is the experts of both), or one stored slice (expert) per
+        row; where HF permutes rows within groups (RoPE heads), the whole groups around them."""
+        if fqn in self.slices:
+            return torch.stack([self._read_stored(file, name) for file, name, _ in self.slices[fqn][start:stop]])
+        file, name = self.location[fqn]
+        if fqn in self.parts:
+            rows = lambda: self._read_stored_rows(file, name, start, stop)  # noqa: E731
+            return self.split_once.read_rows(fqn, self.parts[fqn][0], (start, stop), rows)
+        groups = self.names.row_groups(fqn)
+        if not groups:
+            return self._read_stored_rows(file, name, start, stop)
+        per = self.infos[fqn].shape[0] // groups
+        lo, hi = start // per * per, -(-stop // per) * per
+        rows = self.names.from_stored_rows(self._read_stored_rows(file, name, lo, hi), (hi - lo) // per)
+        return rows[start - lo : stop - lo]
+
+    def _read_stored_rows(self, file: Path, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of the stored ``name``, their bytes alone (dequantized to float32)."""
+        quantized = self.quantized.get(name)
+        if quantized is None:
+            return read_safetensor_rows(file, name, self.stored_tensors[name].info, start, stop - start)
+        out = torch.empty((stop - start, *quantized.info.shape[1:]), dtype=torch.float32)
+        quantized.read_rows_into(out, start)
+        return out
+
     def _read_part(self, fqn: str) -> torch.Tensor:
         """Our ``fqn`` of a tensor stored with others (``StoredParts``), read (and dequantized) once for all."""
         return self.split_once.read(fqn, self.parts[fqn][0], lambda: self._read_stored(*self.location[fqn]))
@@ -252,7 +284,7 @@ class HFCheckpoint(OpenedCheckpoint):
             if q is not None:
                 yield f"{q.name} in {part.file.name}", q.info.nbytes, q.slabs
             elif name not in scales:
-                yield f"{name} in {part.file.name}", part.info.nbytes, lambda p=part: [read_safetensor(p.file, p.name)]
+                yield f"{name} in {part.file.name}", part.info.nbytes, lambda p=part: _stored_slabs(p)
 
     def _read_stored(self, file: Path, name: str) -> torch.Tensor:
         quantized = self.quantized.get(name)
@@ -312,6 +344,12 @@ class HFCheckpoint(OpenedCheckpoint):
         lo, hi = rows or (0, len(parts))
         by_name.update((parts[e][1], local(wanted)[e - lo]) for e in range(lo, hi))
         return []
+
+
+def _stored_slabs(part: Stored) -> Iterator[torch.Tensor]:
+    """The stored tensor ``part`` in dim-0 slabs of ``SLAB_BYTES``, each read alone."""
+    for start, stop in row_bounds(part.info.shape, part.info.dtype.itemsize):
+        yield read_safetensor_rows(part.file, part.name, part.info, start, stop - start)
 
 
 def _weight_map(index: Path) -> dict[str, str]:
@@ -442,18 +480,20 @@ def write(source: OpenedCheckpoint, dst: Path, job: WriteJob) -> Path:
             size = 0
         shards[-1].append(hf_name)
         size += info.nbytes
-    last: list = [None, None]  # the grouped tensor whose slices are being written: read once
+    experts: list = [None, (0, 0), None]  # the slab of a grouped tensor whose slices are being written
 
-    def read_hf_layout(hf_name: str) -> torch.Tensor:
-        fqn, index, _ = entries[hf_name]
-        if isinstance(fqn, StoredParts):
-            return fqn.join(tuple(source.read_tensor(ours) for ours in fqn.fqns)).contiguous()
-        if index is None:
-            return names.to_stored_rows(fqn, source.read_tensor(fqn))
-        if last[0] != fqn:
-            last[:] = [fqn, None]  # drop the previous tensor before reading the next
-            last[1] = source.read_tensor(fqn)
-        return last[1][index]
+    def slabs_in_hf_layout(hf_name: str) -> Iterator[torch.Tensor]:
+        fqn, index, info = entries[hf_name]
+        if isinstance(fqn, StoredParts):  # dim 0 (the experts) is dim 0 of each of ours
+            bounds = row_bounds(info.shape, info.dtype.itemsize)
+            yield from (fqn.join(rows).contiguous() for rows in zip(*(source.slabs(f, bounds) for f in fqn.fqns)))
+        elif index is None:
+            yield from (read_stored_rows(source, fqn, names, *rows) for rows in stored_bounds(info, names, fqn))
+        else:  # one slice (expert) of ours, from a slab of them read once
+            if experts[0] != fqn or not experts[1][0] <= index < experts[1][1]:
+                experts[:] = [fqn, _slab_around(job.infos[fqn], index), None]  # the last one freed first
+                experts[2] = source.read_rows(fqn, *experts[1])
+            yield experts[2][index - experts[1][0]]
 
     weight_map = {}
     dtype = next(iter(job.infos.values())).dtype
@@ -463,7 +503,7 @@ def write(source: OpenedCheckpoint, dst: Path, job: WriteJob) -> Path:
             write_safetensors(
                 partial / file,
                 {name: entries[name][2] for name in hf_names},
-                read_hf_layout,
+                slabs_in_hf_layout,
                 {"format": "pt"},
                 job.on_bytes,
             )
@@ -478,12 +518,17 @@ def write(source: OpenedCheckpoint, dst: Path, job: WriteJob) -> Path:
     return Path(dst)
 
 
+def _slab_around(info: TensorInfo, row: int) -> tuple[int, int]:
+    """The slab of rows (``row_bounds``) of a tensor of ``info`` that holds ``row``."""
+    return next((start, stop) for start, stop in row_bounds(info.shape, info.dtype.itemsize) if row < stop)
+
+
 def _zero_and_unkept(names, source: OpenedCheckpoint, fqn: str) -> bool:
     """Whether ``fqn`` is a tensor HF's layout has no place for but whose zero is the same model as
     its absence (an expert bias at zero routes as none): left out, once its values are read and
     found zero. Holding anything else, it is refused (``ValueError`` naming the choice)."""
     reason = names.unkept_unless_zero(fqn)
-    if reason is not None and source.read_tensor(fqn).count_nonzero():
+    if reason is not None and any(slab.count_nonzero() for slab in source.slabs(fqn)):
         raise ValueError(reason)
     return reason is not None
 

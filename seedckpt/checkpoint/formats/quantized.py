@@ -32,7 +32,6 @@ checkpoint is dequantized.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,9 +40,9 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from seedckpt.checkpoint.load import RowWindow
+from seedckpt.checkpoint.formats.safetensors_file import read_safetensor_rows
+from seedckpt.checkpoint.load import SLAB_BYTES, RowWindow, row_bounds
 from seedckpt.checkpoint.manifest import TensorInfo, dtype_name
-from seedckpt.checkpoint.safetensors_header import safetensors_header
 from seedckpt.utils.errors import SeedckptError
 from seedckpt.utils.tensors import copy_full_into, local, local_rows
 
@@ -55,9 +54,6 @@ MX_BYTES = 16  # one scale's group: 16 bytes of two 4-bit values, 32 values
 # Values dequantized at a time: few enough for the temporaries to stay small, many enough that each
 # parallel op is long (a loop of 128-row steps spent most of its time in thread hand-offs here, 2 busy cores)
 CHUNK_VALUES = 2**22
-# float32 bytes a whole-tensor read (verify, convert) dequantizes at a time: one gpt-oss-120B MXFP4
-# expert tensor is 128 x 2880 x 5760 values, 8.5 GB dequantized at once
-SLAB_BYTES = 32 << 20
 E8M0_BIAS = 127
 E8M0_NAN = 255  # the one e8m0 byte that is no power of two
 
@@ -120,9 +116,7 @@ class Quantized:
 
     def slab_bounds(self) -> list[tuple[int, int]]:
         """``[start, stop)`` of each slab of dim-0 rows: ``SLAB_BYTES`` of float32, one row at least."""
-        rows = self.info.shape[0]
-        step = max(1, SLAB_BYTES // max(1, self.info.nbytes // max(1, rows)))
-        return [(start, min(rows, start + step)) for start in range(0, rows, step)]
+        return row_bounds(self.info.shape, self.info.dtype.itemsize, slab_bytes=SLAB_BYTES)
 
     def read_rows_into(self, dest: torch.Tensor, start: int) -> None:
         """Rows ``[start, start + len(dest))`` of the tensor into ``dest``, read from the files."""
@@ -146,29 +140,8 @@ def refuse_impossible_scales(part: Stored, scales: torch.Tensor, first: int, rul
 
 
 def _read_rows(part: Stored, start: int, count: int) -> torch.Tensor:
-    """Rows ``[start, start + count)`` (dim 0) of the stored tensor ``part``, one positioned read of
-    their bytes alone: ``safe_open`` maps the whole file, which counts its size (4 GB per gpt-oss-120B
-    shard) against an address-space cap (measured: +207 MiB of address space to read one 4 MB expert
-    of a 66 MB file)."""
-    stat = part.file.stat()
-    header, data_start = _header(part.file, stat.st_size, stat.st_mtime_ns)
-    row = part.info.nbytes // max(1, part.info.shape[0])
-    out = torch.empty((count, *part.info.shape[1:]), dtype=part.info.dtype)
-    with open(part.file, "rb") as f:
-        f.seek(data_start + header[part.name]["data_offsets"][0] + start * row)
-        got = f.readinto(out.view(-1).view(torch.uint8).numpy())
-    if got != count * row:
-        raise SeedckptError(f"{part.file} ends inside {part.name}: the file was truncated while being read")
-    return out
-
-
-@functools.lru_cache(maxsize=8)
-def _header(file: Path, size: int, mtime_ns: int) -> tuple[dict, int]:
-    """``file``'s tensor entries and data start, parsed once per version of it (size and mtime): a
-    header of 3,000 tensors (a Kimi K2 shard) takes 17.5 ms to parse and check, and a quantized tensor
-    is read in slabs of three stored parts."""
-    header, _, data_start = safetensors_header(file)
-    return header, data_start
+    """Rows ``[start, start + count)`` (dim 0) of the stored tensor ``part``, their bytes alone."""
+    return read_safetensor_rows(part.file, part.name, part.info, start, count)
 
 
 def _window(info: TensorInfo, start: int, stop: int) -> RowWindow:

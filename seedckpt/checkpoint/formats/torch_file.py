@@ -60,6 +60,13 @@ class TorchFile(OpenedCheckpoint):
     def read_tensor(self, fqn: str) -> torch.Tensor:
         return self._tensors[fqn].clone()  # out of the mmap: callers may keep it past the file
 
+    def reads_rows(self, fqn: str) -> bool:
+        return True
+
+    def read_rows(self, fqn: str, start: int, stop: int) -> torch.Tensor:
+        tensor = self._tensors[fqn]
+        return (tensor[start:stop] if tensor.dim() else tensor).clone()  # only those pages of the mmap
+
 
 def _torch_file(path: Path) -> None:
     """``path`` is a torch.save file of tensors (torch.load also reads a safetensors file)."""
@@ -68,10 +75,21 @@ def _torch_file(path: Path) -> None:
     TorchFile(path)
 
 
+def _filled(source: OpenedCheckpoint, fqn: str, info: TensorInfo) -> torch.Tensor:
+    """``fqn`` of ``source`` in ``info.dtype``, filled a slab at a time: the pickle needs every tensor
+    at once, but never a second copy of one (read, then cast)."""
+    out = torch.empty(info.shape, dtype=info.dtype)
+    flat, at = out.reshape(-1), 0
+    for slab in source.slabs(fqn):
+        flat[at : at + slab.numel()].copy_(slab.reshape(-1))
+        at += slab.numel()
+    return out
+
+
 def write(source: OpenedCheckpoint, dst: Path, job: WriteJob) -> Path:
     """One pickle of the whole model; published once it reads back as one."""
     with atomic_output(dst, job.force, directory=False, check=TorchFile, replaces=_torch_file) as partial:
-        state = {f: source.read_tensor(f).to(i.dtype) for f, i in job.infos.items()}
+        state = {f: _filled(source, f, i) for f, i in job.infos.items()}
         job.on_bytes(sum(i.nbytes for i in job.infos.values()))
         with open(partial, "wb") as f:
             torch.save({**state, MANIFEST_KEY: json.dumps(job.manifest)}, f)
