@@ -341,17 +341,18 @@ class LazySavePlanner(DefaultSavePlanner):
     ``produce(fqn, start, stop)`` returns elements ``[start, stop)`` of the flattened tensor. Blocks
     are ordinary DCP chunks, exactly what a sharded save writes, so stock ``dcp.load`` reassembles
     them. With the streaming writer, memory is bounded by the blocks in flight. ``pool``: where
-    ``produce`` takes its buffers, and casts theirs; written blocks are given back to it.
+    ``produce`` takes its buffers, and casts theirs; written blocks are given back to it. ``cuts``:
+    ``{fqn: blocks}`` for tensors cut otherwise than ``blocks`` cuts their shape (a conversion's).
     """
 
-    def __init__(self, produce, blocks=whole_tensor, pool: BlockPool | None = None):
+    def __init__(self, produce, blocks=whole_tensor, pool: BlockPool | None = None, cuts: dict | None = None):
         super().__init__()
-        self.produce, self.blocks, self.pool = produce, blocks, pool
+        self.produce, self.blocks, self.pool, self.cuts = produce, blocks, pool, cuts or {}
 
     def create_local_plan(self) -> SavePlan:
         items = []
         for fqn, meta in self.state_dict.items():
-            for offsets, sizes in self.blocks(meta.shape):
+            for offsets, sizes in self.cuts.get(fqn) or self.blocks(meta.shape):
                 offsets, sizes = torch.Size(offsets), torch.Size(sizes)
                 items.append(
                     WriteItem(
