@@ -42,7 +42,10 @@ the median of torchtitan's own per-step ``tps`` after ``--warmup`` steps; ``step
 
 Where torchtitan 0.2.x is not importable (``make bench-gpu-prepare`` puts its wheel in
 ``.gpu-wheels/torchtitan_peer/``, which ``benchmarks/suite.py`` installs for this row alone: the
-other rows keep 0.3.0), one ``skipped`` line per variant says why and the script exits 0. Without
+other rows keep 0.3.0), one ``skipped`` line per variant says why and the script exits 0. Its
+imports of ``datasets`` and TensorBoard, which the peer never calls, get stand-ins where they do not
+import (``stand_ins``; the lines' ``stood_in_for``): torch, transformers and the carried wheels
+suffice (checked on the CPU in a Python without pyarrow, pandas or TensorBoard). Without
 CUDA everything runs as on a GPU, tiny (``make bench-check``): torchtitan's trainer, which would take
 ``cuda`` for its device and read its memory through ``torch.cuda``, is given the CPU and a memory
 monitor of zeros (``on_the_cpu``); its figures there only show that it ran.
@@ -73,6 +76,12 @@ OURS = {
 }
 PAIRS = {"torchtitan_eager": "train_eager_untied", "torchtitan_compiled": "train_compiled_untied"}
 SPEC = "llama3_seedckpt_peer"  # the train spec registered in torchtitan: its llama3 + 1B + random rows
+# What torchtitan 0.2.2 imports as it loads but the peer never calls (its text datasets: random rows
+# here; its TensorBoard writer: off), by the module whose import may fail
+UNUSED = {
+    "datasets": {"datasets": ("Dataset", "load_dataset"), "datasets.distributed": ("split_dataset_by_node",)},
+    "torch.utils.tensorboard": {"torch.utils.tensorboard": ("SummaryWriter",)},
+}
 # torchtitan's step line: "step:  3  loss: 11.9  grad_norm: ...  memory: 21.05GiB(26.6%)  tps: 41,200  ..."
 STEP_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([\d.eE+-]+|nan).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+)")
 SIZE_LINE = re.compile(r"size:\s*([\d,]+) total parameters")
@@ -149,12 +158,41 @@ class SyntheticRows(torch.utils.data.IterableDataset):
 def trainer(argv: list[str]) -> None:
     """torchtitan's own ``main(Trainer)`` on ``argv``, the peer's spec registered first."""
     sys.argv = ["torchtitan.train", *argv]  # before torchtitan imports: its parse_args binds sys.argv then
+    stand_ins()
     if not torch.cuda.is_available():
         on_the_cpu()
     register()
     from torchtitan.train import Trainer, main
 
     main(Trainer)
+
+
+def stand_ins() -> list[str]:
+    """Stand-ins for the modules of ``UNUSED`` that do not import here (the GPU image may lack
+    ``datasets``' pyarrow and pandas, ~55 MB of wheels, and TensorBoard), each name refusing to be
+    used: torchtitan loads, and runs as it would with them. The modules replaced."""
+    import importlib
+    import types
+
+    missing = []
+    for module in UNUSED:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(module)
+    for module in missing:
+        for name, attrs in UNUSED[module].items():
+            sys.modules[name] = types.ModuleType(name, f"a stand-in: {module} does not import here")
+            for attr in attrs:
+                setattr(sys.modules[name], attr, Unused)
+    return missing
+
+
+class Unused:
+    """A name of a package that is not installed, which the peer never calls."""
+
+    def __init__(self, *args, **kwargs):
+        raise RuntimeError(f"{type(self).__name__}: the torchtitan peer stood in for a package it does not use")
 
 
 def on_the_cpu() -> None:
@@ -319,6 +357,7 @@ def main() -> None:
         p.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     if opts.flavor not in ("1B", "debugmodel"):
         p.error(f"--flavor {opts.flavor}: this peer knows 1B and debugmodel")
+    stood_in = stand_ins()
     reason = importable()
     if reason is not None:
         for variant in variants:
@@ -327,7 +366,7 @@ def main() -> None:
     import importlib.metadata
 
     shape = {"batch": opts.batch, "seq_len": opts.seq_len, "flavor": opts.flavor, "dtype": opts.dtype}
-    version = {"torchtitan": importlib.metadata.version("torchtitan")}
+    version = {"torchtitan": importlib.metadata.version("torchtitan"), "stood_in_for": stood_in}
     with output_dir(opts.out_dir, "torchtitan-peer-") as work:
         theirs = {}
         for variant in variants:
