@@ -33,7 +33,7 @@ A last line compares them: ``dcp_to_hf_throughput_vs_cp``, ``dcp_to_hf_rss_gib``
 measurement line.
 
 ``--big`` measures memory against tensor size instead: a one-layer debug model whose tied embedding
-is ``--big-mib`` MiB (default 512; 128 values a row), then each of ``dcp_to_hf``, ``hf_to_dcp``,
+is ``--big-mib`` MiB (default 256; 128 values a row), then each of ``dcp_to_hf``, ``hf_to_dcp``,
 ``dcp_to_safetensors``, ``diff`` (seed vs HF) and ``verify`` (of the HF directory, which has no
 checksums: every value read) twice, interleaved: ``slabs`` (the product) and ``whole`` (the same code
 with ``SLAB_BYTES`` above every tensor, so each is read, cast and written whole: the baseline). One
@@ -72,7 +72,7 @@ def main() -> None:
         help="do not run format_utils.dcp_to_torch_save (it holds the whole model in RAM)",
     )
     parser.add_argument("--big", action="store_true", help="peak RSS of one large tensor: slabs vs whole")
-    parser.add_argument("--big-mib", type=int, default=512, help="the large tensor's MiB with --big (default 512)")
+    parser.add_argument("--big-mib", type=int, default=256, help="the large tensor's MiB with --big (default 256)")
     opts = parser.parse_args()
     with output_dir(opts.out_dir, "seedckpt-convert-bench-") as out_dir:
         (run_big if opts.big else run_all)(opts, out_dir)

@@ -3,9 +3,10 @@
 A conversion is a lookup: the target's format module (``seedckpt.checkpoint.formats``) writes what
 the source reads, each tensor in slabs of ``SLAB_BYTES`` of rows (read, dequantized, permuted, cast,
 written, freed), so peak memory stays near a few slabs whatever the tensors: a 1 GiB embedding took
-0.36 GiB of peak RSS, 1.3 GiB whole (``benchmarks/convert.py --big``). ``torch``'s single pickle holds
-the model, and a source that reads a tensor only whole (an OSFT checkpoint's dense view) holds it:
-either is refused up front where it exceeds the memory available (``refuse_beyond_memory``).
+0.36 GiB of peak RSS, 1.3 GiB read whole; a 256 MiB one 0.36 against 0.55 (``benchmarks/convert.py
+--big``). ``torch``'s single pickle holds the model, and a source that reads a tensor only whole (an
+OSFT checkpoint's dense view) holds it: either is refused up front where it exceeds the memory
+available (``refuse_beyond_memory``).
 
 * ``dcp``: a DCP checkpoint with our flat FQNs and a manifest (kind ``converted``);
   ``torchtitan``: the same in torchtitan 0.3's names (``qkv_linear``, ``lm_head``).
