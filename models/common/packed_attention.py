@@ -302,15 +302,17 @@ def document_block_mask(change: torch.Tensor, window: int | None):
 
 @functools.cache
 def _compiled_block_mask():
-    """``_block_mask`` compiled, one graph per shape bucket -- rows, row length and window, the
-    sizes static (``dynamic=False``): a training run's batches share one, and each batch's documents
-    are only its input's values. Uncompiled, the mask is evaluated at every (query, key) pair of
-    every row, one op at a time, and kept whole: ``seq^2`` booleans per row before its blocks are
-    counted; compiled, the evaluation and the block counts are fused, as flex's own documentation
-    advises (``torch.compile(create_block_mask)``). Measured on a busy 2-core CPU (4 rows of 2048
-    tokens, ~50-token documents, the median of 5 paired builds): 0.29 s as written, 0.008 s compiled
-    (after 11 s of compiling); CUDA's figure is unmeasured."""
-    return torch.compile(_block_mask, dynamic=False, fullgraph=True)
+    """``_block_mask`` compiled, one graph per shape bucket: a window and the first batch's shape
+    (rows, row length) make one, and each batch's documents are only its input's values, so a
+    training run's batches share it; another shape makes the sizes symbols (a few graphs between
+    them, e.g. 4 graphs for 5 shapes of 256-1024 tokens per window on a CPU). Not ``fullgraph``: past
+    dynamo's recompile limit (8) a new bucket is built uncompiled, not refused. Uncompiled, the mask
+    is evaluated at every (query, key) pair of every row, one op at a time, and kept whole: ``seq^2``
+    booleans per row before its blocks are counted; compiled, the evaluation and the block counts
+    are fused, as flex's own documentation advises (``torch.compile(create_block_mask)``). Measured
+    on a busy 2-core CPU (4 rows of 2048 tokens, ~50-token documents, the median of 5 paired builds):
+    0.29 s as written, 0.008 s compiled (after 11 s of compiling); CUDA's figure is unmeasured."""
+    return torch.compile(_block_mask)
 
 
 def _block_mask(change: torch.Tensor, window: int | None):
