@@ -33,6 +33,10 @@ Three measurements, each printed as one JSON line on stdout:
   ``amdahl_ceiling``, the speedup its core count allows with that part serial and the rest
   divided evenly (``(S + W) / (S + W / n)``, W the 1-worker run less S), and ``cpu_s`` (user +
   system of the run): equal across counts when more workers add no work.
+* ``seed_plan`` (with ``--plan-workers N``): the global plan of ``--model``'s blocks at N workers'
+  block size, planned in one process by the seed's planner (``checkpoint/block_plan.py``) and by
+  DCP's own ``DefaultSavePlanner``, alternated on the same local plan (best of 2 each):
+  ``--model deepseek_v3 --flavor 671B --plan-workers 16 --dtype bfloat16 --skip-baseline``.
 * ``--set KEY=VALUE`` (repeatable): a config override for every seed run, e.g. ``--model deepseek_v3
   --flavor 671B --n-layers 4 --set model.n_experts=32 --dtype bfloat16``: DeepSeek-V3's layers
   (three dense, then MoE) with 32 of its experts, each expert weight 32 x 2048 x 7168, 1.9 GB in
@@ -105,6 +109,7 @@ def main() -> None:
         help="also time --workers 1, 2, 4, ... (each pinned to as many cores with taskset)",
     )
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override, repeatable")
+    parser.add_argument("--plan-workers", type=int, help="also time planning the blocks at this worker count")
     opts = parser.parse_args()
     with output_dir(opts.out_dir, "seedckpt-bench-") as out_dir:
         run_all(opts, out_dir)
@@ -117,6 +122,8 @@ def run_all(opts: argparse.Namespace, out_dir: Path) -> None:
     emit(rng)
     bound_gb_per_s = min(disk_gb_per_s, len(os.sched_getaffinity(0)) * rng["normal_gb_per_s"])
 
+    if opts.plan_workers:
+        emit(plan_times(opts))
     if opts.n_layers:
         seed_layers(opts, out_dir / "layers")
         return
@@ -214,6 +221,45 @@ def rng_rate() -> dict:
         [*pin, sys.executable, "-c", RNG_RATE], cwd=common.ROOT, capture_output=True, text=True, check=True
     )
     return {"benchmark": "rng_rate", "cores": len(os.sched_getaffinity(0)), **json.loads(out.stdout)}
+
+
+# The seconds of one process's global plan of the seed's blocks, as `python -c PLAN_TIMES MODEL FLAVOR
+# WORKERS DTYPE KEY=VALUE...`: the seed's planner and DCP's own, alternated on the same local plan.
+PLAN_TIMES = """
+import gc, json, sys, time, torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from seedckpt.checkpoint import LazySavePlanner
+from seedckpt.config.job_config import load_config
+from seedckpt.materialize.seed import block_numel, blocks, meta_build
+from seedckpt.utils.tensors import state_tensors
+model, flavor, workers, dtype = sys.argv[1], sys.argv[2], int(sys.argv[3]), getattr(torch, sys.argv[4])
+sets = [arg for kv in sys.argv[5:] for arg in ("--" + kv.partition("=")[0], kv.partition("=")[2])]
+cfg = load_config(None, ["--model.name", model, "--model.flavor", flavor, *sets])
+args = cfg.model_args()
+with meta_build(args):
+    built = cfg.model_family().model(args)
+state = {fqn: torch.empty(t.shape, dtype=dtype, device="meta") for fqn, t in state_tensors(built).items()}
+gc.disable()  # as during the seed
+planner = LazySavePlanner(None, lambda shape: blocks(shape, block_numel(workers)))
+planner.set_up_planner(state, None, True)
+local = planner.create_local_plan()
+ways = {"seedckpt_s": planner.create_global_plan, "dcp_s": lambda p: DefaultSavePlanner.create_global_plan(planner, p)}
+times = {name: [] for name in ways}
+for _ in range(2):
+    for name, plan in ways.items():
+        start = time.perf_counter()
+        plan([local])
+        times[name].append(time.perf_counter() - start)
+print(json.dumps({"blocks": len(local.items), **{name: min(t) for name, t in times.items()}}))
+"""
+
+
+def plan_times(opts: argparse.Namespace) -> dict:
+    """``seed_plan``: the seed's one-pass global plan against DCP's own, in one subprocess."""
+    command = [sys.executable, "-c", PLAN_TIMES, opts.model, opts.flavor, str(opts.plan_workers), opts.dtype, *opts.set]
+    line = json.loads(subprocess.run(command, cwd=common.ROOT, capture_output=True, text=True, check=True).stdout)
+    labels = {"model": opts.model, "flavor": opts.flavor, "dtype": opts.dtype, "workers": opts.plan_workers}
+    return {"benchmark": "seed_plan", **labels, **line, "speedup_vs_dcp": line["dcp_s"] / line["seedckpt_s"]}
 
 
 def seed_layers(opts: argparse.Namespace, output: Path) -> None:

@@ -35,7 +35,7 @@ SMALL = {
         "--repeats",
         "1",
     ],
-    "seed": ["seed", "--flavor", "debug", "--skip-baseline"],
+    "seed": ["seed", "--flavor", "debug", "--skip-baseline", "--plan-workers", "2"],
     "osft": ["osft", "--flavor", "debug", "--n-layers", "2", "--measure", "svd,device,forward", "--ranks", ""],
     "attention": ["attention", "--flavor", "debug", "--seq-len", "128", "--repeats", "1"],
     "loss": ["loss", "--tokens", "256", "--dim", "64", "--chunk-tokens", "100", "--repeats", "1"],

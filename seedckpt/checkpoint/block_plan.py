@@ -4,10 +4,10 @@ elements (``LazySavePlanner``'s) -- built and checked in one pass.
 Why not DCP's own ``DefaultSavePlanner.create_global_plan``: it copies every item twice (the
 de-duplication across ranks, then the index hints) and checks that no two chunks overlap with a
 sweep along each tensor's largest dimension, which compares every pair of chunks that share that
-dimension's range: all of a grouped expert weight's blocks, cut within each expert. At 16 workers it
-took 4.5 s for DeepSeek-V3-671B's 91,732 blocks and 1.6 s for Qwen3-235B-A22B's 37,657, against
-0.5 s and 0.45 s here (one run each on a busy machine, the planning timed inside the seed, before its
-first block), with the same ``.metadata``.
+dimension's range: all of a grouped expert weight's blocks, cut within each expert. At 16 workers'
+block size it took 5.70 s for DeepSeek-V3-671B's 91,732 blocks and 0.56 s for Qwen3-235B-A22B's
+37,657, against 0.47 s and 0.125 s here, with the same ``.metadata`` (``benchmarks/seed.py
+--plan-workers 16``, busy 2-core machine).
 
 A run is an interval of the flattened tensor, so sorted by start, runs tile the tensor exactly when
 the first starts at 0, each starts where the one before it ended and the last ends at the element
