@@ -463,7 +463,7 @@ PACKED_SDPA_ARGS = (
 @torch.library.custom_op("seedckpt::packed_sdpa", mutates_args=(), schema=f"({PACKED_SDPA_ARGS}) -> Tensor")
 def _packed_sdpa(q, k, v, index, layout, take, scale, window, sinks, softcap) -> torch.Tensor:
     """``_batched`` as one operator of a compiled graph, run eagerly: traced, its SDPA calls would
-    follow each batch's length classes (their number and sizes), and a compiled block recompile for
+    follow each batch's length classes (their number and sizes), and a compiled block would recompile for
     nearly every batch of other documents (the module docstring's figures). Its inputs' sizes are
     symbols (``_mark_dynamic``) and its output's shape is q's, so one graph serves every layout of
     a row shape. Its backward (``_packed_sdpa_backward``) runs the attention's forward once more: on
