@@ -485,26 +485,28 @@ def test_load_model_takes_dtype_names_and_refuses_the_rest_in_one_line(debug_see
         assert load_model(debug_seed, dtype=name).output.weight.dtype == torch.bfloat16
 
 
-# Converts each seed to HF and back to DCP and diffs the two, with slabs of 2 MiB; prints the
-# process's peak RSS after each seed (an embedding of 16 MiB, then of 64 MiB).
+# Converts each seed to HF and back to DCP, diffs the two and verifies the HF directory's values, with
+# slabs of 2 MiB; prints the process's peak RSS after each seed (an embedding of 16 MiB, then of 64 MiB).
 PEAK_RSS_PROBE = """
-import resource, sys
+import contextlib, io, resource, sys
 import seedckpt.checkpoint.load as load
-from seedckpt.cli import convert as convert_module
 from seedckpt.cli.convert import convert, diff
+from seedckpt.cli.main import main
 load.SLAB_BYTES = 2 << 20
 for seed in sys.argv[1:]:
     convert(seed, f"{seed}-hf", "hf", progress=False)
     convert(f"{seed}-hf", f"{seed}-dcp", "dcp", progress=False)
     assert diff(seed, f"{seed}-dcp")[0]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["verify", f"{seed}-hf", "--quiet"]) == 0
     print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 """
 
 
-def test_peak_memory_of_convert_and_diff_does_not_grow_with_the_tensor(tmp_path):
-    """A tied embedding of 16 MiB, then 64 MiB, through both writers and readers (HF, DCP) and diff:
-    the peak RSS grows by less than a quarter of the difference, so no tensor is ever held whole
-    (held whole, it grew by 540 MiB: read, cast and diff's float64 copies)."""
+def test_peak_memory_of_convert_diff_and_verify_does_not_grow_with_the_tensor(tmp_path):
+    """A tied embedding of 16 MiB, then 64 MiB, through both writers and readers (HF, DCP), diff and
+    verify: the peak RSS grows by less than a quarter of the difference, so no tensor is ever held
+    whole (held whole, it grew by 540 MiB: read, cast and diff's float64 copies)."""
     seeds = []
     for vocab in (32768, 131072):
         cfg = tiny_config(
