@@ -19,8 +19,9 @@ _ENCODE = None  # the tokenizer's batch encoder
 _EOS: np.ndarray | None = None
 _FILE = ""
 # Words whose tokens the tokenizer keeps (BPE, Unigram). tokenizers caches 10,000 and, full, caches no
-# more: on 8 MiB of benchmarks/tokenizing.py's text (82 k distinct pre-tokens in 16 MiB) one thread
-# encoded 5.6 MB per CPU second with 100 k and 5.2 with 10 k (paired runs); a word took ~230 bytes.
+# more: on benchmarks/tokenizing.py's 32 MiB (127 k distinct pre-tokens) one thread encoded 5.9 MB per
+# CPU second with 100 k, 5.3 with 10 k, 6.1 with 1 M (interleaved); the whole command took 0.89x the
+# CPU (2 workers, paired), a worker ~25 MiB more.
 CACHE_WORDS = 100_000
 
 
