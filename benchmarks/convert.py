@@ -25,8 +25,8 @@ import torch: on Linux a child's ru_maxrss starts at its parent's peak RSS at sp
 parent's memory is recorded when the child execs), so a torch-laden parent would floor every reading.
 ``bytes_written`` sums the files in the output; ``gb_per_s`` is that over the wall time (GB = 1e9
 bytes). The convert lines also carry ``rss_bound_gib`` -- 2 x the largest tensor (sizes from the
-seed's ``seedckpt.json`` manifest) + 300 MiB, the "near two tensors" promise of ``seedckpt.cli.convert``
--- and ``rss_within_bound``.
+seed's ``seedckpt.json`` manifest) + 300 MiB, what reading whole tensors once needed (slabs need far
+less: ``--big``) -- and ``rss_within_bound``.
 
 A last line compares them: ``dcp_to_hf_throughput_vs_cp``, ``dcp_to_hf_rss_gib`` and
 ``format_utils_rss_gib`` (null when skipped). The CPU count and OMP_NUM_THREADS are recorded on every

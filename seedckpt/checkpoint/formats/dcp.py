@@ -132,7 +132,7 @@ class DcpCheckpoint(OpenedCheckpoint):
             reason = self.renamed[fqn].unkept_unless_zero(fqn)
             if reason is None:
                 continue
-            if self.read_tensor(fqn).count_nonzero():
+            if any(slab.count_nonzero() for slab in self.slabs(fqn)):
                 raise SeedckptError(f"{self.path}: {reason}")
             del self.infos[fqn], self.all_tensors[fqn]
 

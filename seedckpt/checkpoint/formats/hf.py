@@ -200,16 +200,21 @@ class HFCheckpoint(OpenedCheckpoint):
         different output head. A stored copy of the embedding is a tie: every value is compared, as
         transformers compares them (``torch.equal``)."""
         return any(
-            fqn in stored and source in stored and (stored[fqn] != stored[source] or not self._same_values(fqn, source))
+            fqn in stored
+            and source in stored
+            and (stored[fqn] != stored[source] or not self._same_values(fqn, source, stored[fqn]))
             for fqn, source in layout.aliases.items()
         )
 
-    def _same_values(self, fqn: str, other: str) -> bool:
-        """Whether ``fqn`` and ``other`` hold the same values: their bytes where both are stored plain,
-        1 MiB at a time; else (quantized, or fused with other tensors: the bytes are not the values)
-        both read whole and dequantized."""
+    def _same_values(self, fqn: str, other: str, info: TensorInfo | None = None) -> bool:
+        """Whether ``fqn`` and ``other`` (both ``info``, default ``fqn``'s) hold the same values: their
+        bytes where both are stored plain, 1 MiB at a time; else (quantized, or fused with other
+        tensors: the bytes are not the values) a slab of rows of each at a time, dequantized."""
         plain = all(name in self.spans and self.location[name][1] not in self.quantized for name in (fqn, other))
-        return self._same_bytes(fqn, other) if plain else torch.equal(self.read_tensor(fqn), self.read_tensor(other))
+        if plain:
+            return self._same_bytes(fqn, other)
+        bounds = row_bounds((info or self.infos[fqn]).shape, torch.float32.itemsize)
+        return all(torch.equal(self.read_rows(fqn, *rows), self.read_rows(other, *rows)) for rows in bounds)
 
     def _same_bytes(self, fqn: str, other: str) -> bool:
         """Whether the stored bytes of ``fqn`` and ``other`` (of one size) are the same."""
