@@ -462,6 +462,31 @@ def test_workers_encode_as_transformers_calls_the_tokenizer(tmp_path, tokenizer)
     assert len(ids["split"]) > len(ids["whole"])
 
 
+# A chat worker as the pool runs it: started, then given a record already tokenized (ids, label mask);
+# it prints its arrays and which of the token writer's imports it made.
+CHAT_WORKER_PROBE = """
+import sys
+from seedckpt.data import tokenize_worker
+tokenize_worker.start_chat(sys.argv[1], (("tokens.bin", "<u4"), ("mask.bin", "u1"), ("documents.bin", "<u4")))
+arrays, samples, size = tokenize_worker.encode_conversations(([("a:1", ([5, 6, 7], [False, False, True]))], 9))
+print({name: a.tolist() for name, a in arrays.items()}, samples, size)
+heavy = ("torch.distributed.checkpoint", "seedckpt.checkpoint", "seedckpt.data.token_files")
+print([m for m in heavy if m in sys.modules])
+"""
+
+
+def test_a_chat_worker_starts_without_the_checkpoint_package(tokenizer):
+    """A chat worker loads the tokenizer with transformers and renders with data.chat, but imports
+    neither the token directory's writer nor the checkpoint package (DCP: ~0.6 CPU s a worker): before,
+    it imported the parent's module, and data.tokenizer imported the package for a folder's name."""
+    probe = [sys.executable, "-c", CHAT_WORKER_PROBE, str(tokenizer)]
+    proc = subprocess.run(probe, cwd=REPO, capture_output=True, text=True, timeout=HANG_S)
+    assert proc.returncode == 0, proc.stderr
+    arrays, imported = proc.stdout.strip().splitlines()[-2:]
+    assert arrays == "{'tokens.bin': [5, 6, 7], 'mask.bin': [0, 0, 1], 'documents.bin': [[3, 2]]} 1 9"
+    assert imported == "[]"
+
+
 def test_documents_in_small_pieces_and_blocks_give_the_same_ids_and_a_huge_jsonl_line_is_refused(
     tmp_path, tokenizer, corpus, capsys, monkeypatch
 ):

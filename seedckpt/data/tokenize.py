@@ -26,17 +26,13 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
-import numpy as np
-
 from seedckpt.data import tokenize_worker
-from seedckpt.data.chat import chat_tokenizer, conversation, first_label, pretokenized_record, render_samples
+from seedckpt.data.chat import chat_tokenizer, conversation, pretokenized_record
 from seedckpt.data.sources import IGNORE_INDEX, JSONL_SUFFIXES, TEXT_SUFFIXES, data_files, jsonl_records, pieces
 from seedckpt.data.token_files import (
     CHAT_FILES,
     DOCUMENT_DTYPE,
-    DOCUMENTS_FILE,
     MASK_DTYPE,
-    MASK_FILE,
     TOKEN_DTYPE,
     TOKENS_FILE,
     sha256,
@@ -50,6 +46,7 @@ from seedckpt.utils.progress import Progress
 # threads) grew by 54 MiB, in 1 MiB blocks by 128 MiB, and was no faster.
 BLOCK_CHARS = 1 << 18
 AHEAD = 2  # blocks in flight per worker: one being tokenized, one queued behind it
+_CHAT_DTYPES = (TOKEN_DTYPE.str, MASK_DTYPE.str, DOCUMENT_DTYPE.str)  # CHAT_FILES', for the workers
 INPUT = "input"  # what errors call the command's inputs
 
 
@@ -75,8 +72,8 @@ def tokenize_corpus(
     if chat:
         files = data_files(sources, JSONL_SUFFIXES, INPUT)
         meta["pad_token_id"], meta["pad_note"] = pad_token_id(tokenizer)
-        blocks, work, names = _sft_blocks(files, len(tokenizer)), _tokenize_conversations, CHAT_FILES
-        start = _start_worker, (tokenizer_dir,)
+        blocks, work, names = _sft_blocks(files, len(tokenizer)), tokenize_worker.encode_conversations, CHAT_FILES
+        start = tokenize_worker.start_chat, (tokenizer_dir, tuple(zip(CHAT_FILES, _CHAT_DTYPES)))
     else:
         if tokenizer.eos_token_id is None:
             raise SeedckptError(f"the tokenizer in {tokenizer_dir} has no eos token to separate documents")
@@ -178,18 +175,6 @@ def _text_worker_args(tokenizer) -> tuple:
     return backend, tokenizer.eos_token_id, tokenizer.split_special_tokens, (TOKENS_FILE, TOKEN_DTYPE.str)
 
 
-_TOKENIZER = None
-
-
-def _start_worker(tokenizer_dir: str) -> None:
-    """A chat worker: the tokenizer loaded with transformers, for its chat template."""
-    global _TOKENIZER
-    from seedckpt.data.tokenizer import load_tokenizer
-
-    tokenize_worker.prepare_process()
-    _TOKENIZER = load_tokenizer(tokenizer_dir)
-
-
 def _sft_blocks(files: list[Path], vocab_size: int) -> Iterator[tuple[list, int]]:
     """``([(where, record), ...], source bytes)`` in order, grouped: each record a conversation's
     messages, or the ``(ids, label mask)`` of a record already tokenized (Mini Trainer's format)."""
@@ -218,17 +203,3 @@ def _masked(ids: list[int], labels: list[int], where: str) -> tuple[list[int], l
             f"the ids (labels[i] = input_ids[i] or {IGNORE_INDEX}): train this file as data.kind = 'pretokenized'"
         )
     return ids, [label != IGNORE_INDEX for label in labels]
-
-
-def _tokenize_conversations(block: tuple[list, int]) -> tuple[dict, int, int]:
-    records, size = block
-    samples = [
-        s for where, r in records for s in ([r] if isinstance(r, tuple) else render_samples(_TOKENIZER, r, where))
-    ]
-    ids, masks, index = [], [], np.empty((len(samples), 2), DOCUMENT_DTYPE)
-    for row, (tokens, mask) in zip(index, samples):
-        row[:] = len(tokens), first_label(np.asarray(mask, bool))
-        ids.append(np.asarray(tokens, TOKEN_DTYPE))
-        masks.append(np.asarray(mask, MASK_DTYPE))
-    arrays = {TOKENS_FILE: np.concatenate(ids), MASK_FILE: np.concatenate(masks), DOCUMENTS_FILE: index}
-    return arrays, len(samples), size

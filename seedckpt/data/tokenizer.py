@@ -9,7 +9,6 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
-from seedckpt.checkpoint.manifest import TOKENIZER_DIR
 from seedckpt.utils.errors import SeedckptError
 
 # What travels with an exported model so that ``AutoTokenizer.from_pretrained(export)`` works.
@@ -90,6 +89,10 @@ def own_tokenizer(model_dir: str | Path) -> Path | None:
     """The fast tokenizer a model directory carries, or None: an HF download's ``tokenizer.json``
     beside its ``config.json``, else the ``tokenizer/`` folder where a fine-tuning run's ``step-N``
     and ``convert --to dcp`` keep it. Only looks at file names: nothing is loaded."""
+    # Imported here: the checkpoint package brings DCP (~0.6 CPU s), which a chat tokenize worker
+    # (chat -> this module) never uses.
+    from seedckpt.checkpoint.manifest import TOKENIZER_DIR
+
     for directory in (Path(model_dir), Path(model_dir) / TOKENIZER_DIR):
         if (directory / "tokenizer.json").is_file():
             return directory
