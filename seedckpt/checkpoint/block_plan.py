@@ -11,9 +11,9 @@ block size it took 5.70 s for DeepSeek-V3-671B's 91,732 blocks and 0.56 s for Qw
 
 A run is an interval of the flattened tensor, so sorted by start, runs tile the tensor exactly when
 the first starts at 0, each starts where the one before it ended and the last ends at the element
-count: no overlap and no gap (DCP checks no gap in one process's plan). A chunk that is not a run
-inside its tensor is refused too: ``LazySavePlanner`` produces a block as elements ``[start, stop)``
-of the flattened tensor, which is that chunk's values only when it is a run.
+count: no overlap and no gap (DCP looks for gaps only across several ranks' plans). A chunk that is
+not a run inside its tensor is refused too: ``LazySavePlanner`` produces a block as elements
+``[start, stop)`` of the flattened tensor, which are that chunk's values only when it is a run.
 """
 
 from __future__ import annotations
