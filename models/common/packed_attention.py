@@ -245,8 +245,13 @@ class Documents:
 
 def _groups(index: torch.Tensor, layout: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``Documents.groups`` as views of ``index``, whose calls' shapes ``layout`` holds."""
-    shapes = layout.view(-1, 2).tolist()
+    shapes = _shapes(layout)
     return tuple(g.view(shape) for g, shape in zip(index.split([n * w for n, w in shapes]), shapes))
+
+
+def _shapes(layout: torch.Tensor) -> list[list[int]]:
+    """Each call's (documents, width), from ``Documents.layout``."""
+    return layout.view(-1, 2).tolist()
 
 
 def _mark_dynamic(*tensors: torch.Tensor) -> None:
@@ -349,7 +354,8 @@ def packed_attention(
         return _varlen(q, k, v, documents, scale, window)
     if torch.compiler.is_compiling():  # the calls follow each batch's documents: one op in the graph
         return _packed_sdpa(q, k, v, documents.index, documents.layout, documents.take, scale, window, sinks, softcap)
-    return _batched(q, k, v, documents.groups, documents.take, scale, window, sinks, softcap)
+    shapes = [group.shape for group in documents.groups]
+    return _batched(q, k, v, documents.index, shapes, documents.take, scale, window, sinks, softcap)
 
 
 def _flash_takes(q, k, v) -> bool:
@@ -438,16 +444,29 @@ def _compiled_flex():
     return torch.compile(flex_attention)  # uncompiled, flex computes and keeps every score
 
 
-def _batched(q, k, v, groups, take, scale: float | None, window: int | None, sinks, softcap) -> torch.Tensor:
-    """``causal_attention`` once per call of ``groups`` (``Documents.groups``), each of its documents
-    a row of the call's batch; the outputs put back in place by one gather (``take``)."""
+def _batched(q, k, v, index, shapes, take, scale: float | None, window: int | None, sinks, softcap) -> torch.Tensor:
+    """``causal_attention`` once per call of ``Documents.groups`` -- ``shapes``: each call's documents
+    and width; ``index``: their positions end to end -- each of its documents a row of the call's
+    batch; the outputs put back in place by one gather (``take``).
+
+    Every call's rows come from one ``index_select`` of each input, whose backward is one
+    ``index_add_`` into one zeroed gradient (faster on a CPU than indexing's ``index_put_``), not
+    one per call. Against one per call, forward and backward on 4 rows of 2048 tokens (GQA 8/2 of
+    64, a busy 2-core CPU, the median of 5-11 paired rounds): 1.12x on documents of 1-80 tokens (16
+    calls), 1.18x on 5-60 (5 calls), 1.02-1.06x on 20-80 and 300-900; the same results bitwise."""
     bsz, _, seq, _ = q.shape
-    q, k, v = (x.transpose(1, 2).flatten(0, 1) for x in (q, k, v))  # (bsz * seq, heads, dim)
+    # (bsz, heads, seq, dim) -> (positions, heads, dim), every call's documents end to end
+    q, k, v = (x.transpose(1, 2).flatten(0, 1).index_select(0, index) for x in (q, k, v))
+    parts = [x.split([n * width for n, width in shapes]) for x in (q, k, v)]
+
+    def rows(part, shape):  # (documents * width, heads, dim) -> (documents, heads, width, dim)
+        return part.unflatten(0, shape).transpose(1, 2)
+
     outs = [
-        causal_attention(_rows(q, index), _rows(k, index), _rows(v, index), scale, window, sinks, softcap)
+        causal_attention(*(rows(p[i], shape) for p in parts), scale, window, sinks, softcap)
         .transpose(1, 2)
         .flatten(0, 1)
-        for index in groups
+        for i, shape in enumerate(shapes)
     ]
     out = torch.cat(outs).index_select(0, take)
     return out.unflatten(0, (bsz, seq)).transpose(1, 2)
@@ -467,10 +486,11 @@ def _packed_sdpa(q, k, v, index, layout, take, scale, window, sinks, softcap) ->
     nearly every batch of other documents (the module docstring's figures). Its inputs' sizes are
     symbols (``_mark_dynamic``) and its output's shape is q's, so one graph serves every layout of
     a row shape. Its backward (``_packed_sdpa_backward``) runs the attention's forward once more: on
-    batches already compiled for, the debug Llama's compiled step (2 x 256 tokens) is 0.89-0.95x the
-    eager step, where the traced calls made it 1.07-1.33x (``benchmarks/packed_attention.py
-    --compiled-model``, busy 2-core CPU) -- but a batch of other documents compiles nothing."""
-    return _batched(q, k, v, _groups(index, layout), take, scale, window, sinks, softcap)
+    batches already compiled for, the debug Llama's compiled step (2 x 256 tokens) is 0.92-0.99x the
+    eager step, where the traced calls made it 1.11-1.19x (``benchmarks/packed_attention.py
+    --compiled-model``, busy 2-core CPU, two paired runs) -- but a batch of other documents
+    compiles nothing."""
+    return _batched(q, k, v, index, _shapes(layout), take, scale, window, sinks, softcap)
 
 
 @_packed_sdpa.register_fake
@@ -486,10 +506,10 @@ def _packed_sdpa_backward(grad, q, k, v, index, layout, take, scale, window, sin
     """The gradients of q, k, v (and the sinks, where given) of ``_packed_sdpa``: its forward run
     again under autograd (``torch.func.vjp``: an operator's body runs below autograd's dispatch), then
     backward -- eager's gradients, in the layouts of the inputs."""
-    groups = _groups(index, layout)
+    shapes = _shapes(layout)
 
     def attend(q, k, v, *sink):
-        return _batched(q, k, v, groups, take, scale, window, sinks if not sink else sink[0], softcap)
+        return _batched(q, k, v, index, shapes, take, scale, window, sinks if not sink else sink[0], softcap)
 
     leaves = [x for x in (q, k, v, sinks) if x is not None]
     grads = torch.func.vjp(attend, *leaves)[1](grad)
@@ -515,9 +535,3 @@ def _packed_sdpa_grads(ctx, grad):
 
 
 _packed_sdpa.register_autograd(_packed_sdpa_grads, setup_context=_save_packed_sdpa)
-
-
-def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """(positions, heads, dim) -> (documents, heads, width, dim): the documents ``index`` holds.
-    ``index_select``, whose backward is ``index_add_``: faster on a CPU than indexing's ``index_put_``."""
-    return x.index_select(0, index.flatten()).unflatten(0, index.shape).transpose(1, 2)
