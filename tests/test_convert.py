@@ -519,13 +519,19 @@ def test_peak_memory_of_convert_diff_and_verify_does_not_grow_with_the_tensor(tm
 
 def test_a_conversion_beyond_the_available_memory_is_refused_before_writing(tmp_path, debug_seed, monkeypatch):
     """With 1 MiB available, ``--to torch`` (one pickle of every tensor) is refused in one line naming
-    the fix; ``--to safetensors`` goes a slab at a time and needs no tensor whole."""
+    the fix; ``--to safetensors`` goes a slab at a time. With slabs of 1 KiB and 12 KiB available, HF's
+    RoPE permutation holds whole heads of q and k (16 rows: 16 KiB read and cast), refused naming one."""
     monkeypatch.setattr(convert_module, "available_memory", lambda: 1 << 20)
     with pytest.raises(SeedckptError, match="--to torch pickles every tensor at once.*--to safetensors") as e:
         convert(debug_seed, tmp_path / "m.pt", "torch", progress=False)
     assert "\n" not in str(e.value)
     _assert_nothing_written(tmp_path, "m.pt")
     convert(debug_seed, tmp_path / "m.safetensors", "safetensors", progress=False)
+    monkeypatch.setattr(slabs, "SLAB_BYTES", 1 << 10)  # every other tensor holds 2.8 KiB at most
+    monkeypatch.setattr(convert_module, "available_memory", lambda: 12 << 10)
+    with pytest.raises(SeedckptError, match=r"attention.w[qk].weight is held in slabs of the row groups its target"):
+        convert(debug_seed, tmp_path / "hf", "hf", progress=False)
+    _assert_nothing_written(tmp_path, "hf")
 
 
 def test_conversions_in_slabs_of_a_few_rows_are_bitwise_the_whole_tensors(tmp_path, monkeypatch):

@@ -37,7 +37,7 @@ import torch
 
 from models.family import ModelFamily
 from seedckpt.checkpoint import FORMATS, OpenedCheckpoint, TensorInfo, WriteJob, dtype_name, make_manifest
-from seedckpt.checkpoint.base import nonfinite_count
+from seedckpt.checkpoint.base import nonfinite_count, stored_bounds
 from seedckpt.checkpoint.formats.hf import GENERATION_CONFIG
 from seedckpt.checkpoint.load import row_bounds
 from seedckpt.checkpoint.manifest import TOKENIZER_DIR
@@ -138,7 +138,7 @@ def convert(
             f"--max-shard-size {max_shard_size} is less than the largest tensor, {largest} "
             f"({infos[largest].nbytes:,} bytes): a shard holds whole tensors; give at least that"
         )
-    refuse_beyond_memory(source, infos, to, dst)
+    refuse_beyond_memory(source, infos, to, dst, row_order(codec, source, to))
     out_dtype = cast or next(iter(infos.values())).dtype
     bar = Progress(sum(i.nbytes for i in infos.values()), f"convert {source.kind}->{to}", enabled=progress)
     recorded = source.manifest or {}
@@ -173,18 +173,19 @@ def convert(
         bar.close()
 
 
-def refuse_beyond_memory(source: OpenedCheckpoint, infos: dict[str, TensorInfo], to: str, dst) -> None:
+def refuse_beyond_memory(source: OpenedCheckpoint, infos: dict[str, TensorInfo], to: str, dst, names=None) -> None:
     """Refuse, before anything is written, a conversion that must hold more at once than the machine
     has available (``MemAvailable``), rather than meet the OOM killer midway: a ``torch`` output (one
-    pickle of every tensor), or the largest tensor a source reads only whole (an OSFT checkpoint's
-    rebuilt dense weight) with its cast. Every other tensor goes a slab of rows at a time."""
+    pickle of every tensor), else the tensor held largest -- read and cast whole where the source
+    reads it only whole (an OSFT checkpoint's rebuilt dense weight), else its largest slab, whole
+    groups of rows where the target's ``names`` permute rows within them (one group: the tensor)."""
     if to == "torch":
         need, what = sum(i.nbytes for i in infos.values()), "--to torch pickles every tensor at once"
         fix = "--to safetensors writes one slab at a time"
     else:
-        whole = {f: source.infos[f].nbytes + i.nbytes for f, i in infos.items() if not source.reads_rows(f)}
-        largest = max(whole, key=whole.get, default=None)
-        need, what = whole.get(largest, 0), f"{largest} is read whole (the source reads it no other way) and cast"
+        held = {fqn: _held_at_once(source, fqn, info, names) for fqn, info in infos.items()}
+        largest = max(held, key=held.get, default=None)
+        need, what = held.get(largest, 0), f"{largest} is held {_how_held(source, largest, names)}, read and cast"
         fix = "free memory, or convert on a machine with more"
     available = available_memory()
     if available is not None and need > available:
@@ -192,6 +193,28 @@ def refuse_beyond_memory(source: OpenedCheckpoint, infos: dict[str, TensorInfo],
             f"{source.path}: {what}, {need / 2**30:.2f} GiB at once, but {available / 2**30:.2f} GiB of memory "
             f"are available: {fix} (nothing was written to {dst})"
         )
+
+
+def row_order(codec, source: OpenedCheckpoint, to: str):
+    """The name adapter whose row order a ``to`` output stores (HF's, torchtitan's), None for ours."""
+    if to == "hf":
+        return codec.hf_names(source.layout)
+    return codec.renamings(source.layout).get("torchtitan") if to == "torchtitan" else None
+
+
+def _held_at_once(source: OpenedCheckpoint, fqn: str, info: TensorInfo, names) -> int:
+    """The bytes of ``fqn`` (written as ``info``) a conversion holds at once, its read and its cast."""
+    both = source.infos[fqn].nbytes + info.nbytes
+    if not source.reads_rows(fqn) or not info.shape:
+        return both
+    rows = max((stop - start for start, stop in stored_bounds(info, names, fqn)), default=0)
+    return both * rows // info.shape[0]
+
+
+def _how_held(source: OpenedCheckpoint, fqn: str, names) -> str:
+    if not source.reads_rows(fqn):
+        return "whole (the source reads it no other way)"
+    return "in slabs of the row groups its target permutes" if names and names.row_groups(fqn) else "in slabs"
 
 
 def available_memory() -> int | None:
