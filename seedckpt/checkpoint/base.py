@@ -1,9 +1,10 @@
 """``OpenedCheckpoint``: what every reader offers, whatever the format.
 
-One protocol for every command and the stage builder: the tensor table (our FQNs), the manifest
-and the model it records, ``read_tensor`` (one whole tensor, for convert/diff) and ``load`` (a
-state dict in place, each rank reading only what it asks for), plus the checks that run before
-anything is allocated. What it knows of the model comes from its caller (``checkpoint.model``).
+One protocol for every command and the stage builder: the tensor table (our FQNs), the manifest and
+the model it records, ``read_rows`` (a slab of rows of one tensor, for convert, diff and verify:
+``SLAB_BYTES`` at a time, whatever the tensor) and ``load`` (a state dict in place, each rank
+reading only what it asks for), plus the checks that run before anything is allocated. What it knows
+of the model comes from its caller (``checkpoint.model``).
 """
 
 from __future__ import annotations
