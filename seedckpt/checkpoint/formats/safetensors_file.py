@@ -3,8 +3,9 @@
 Why a safetensors writer of our own: ``safetensors.torch.save_file`` (and DCP's
 ``HuggingFaceStorageWriter``, which calls it per file) needs every tensor of a file in memory at
 once -- 5 GB per default HF shard. The format is an 8-byte length, a JSON header computable from
-shapes alone, and raw bytes, so it is streamed here tensor by tensor. Reading uses ``safetensors``
-itself (and DCP's ``HuggingFaceStorageReader`` for stage loading, see ``hf``).
+shapes alone, and raw bytes, so it is streamed here a slab of rows at a time. Reading takes a
+tensor's rows by one positioned read of their bytes (``read_safetensor_rows``), ``safetensors`` itself
+for a whole one, and DCP's ``HuggingFaceStorageReader`` for stage loading (see ``hf``).
 """
 
 from __future__ import annotations
