@@ -25,8 +25,8 @@ Each rank reads only the stored rows under its own: the FP8 rows of its rows and
 scales covering them (a block row straddling two ranks is read by both); for MXFP4, its experts'
 blocks and scales. A load holds the stored rows it asked for until the read ends (a byte a value
 for FP8, half a byte for MXFP4, beside the destination's four). A whole-tensor read (``verify``,
-``convert``) goes ``SLAB_BYTES`` of rows at a time, reading each slab's stored rows alone: ``verify``
-holds one slab, never the tensor dequantized. Writing these formats is not supported: a converted
+``convert``, ``diff``) goes ``SLAB_BYTES`` of rows at a time, reading each slab's stored rows alone:
+each holds a slab or two, never the tensor dequantized. Writing these formats is not supported: a converted
 checkpoint is dequantized.
 """
 
