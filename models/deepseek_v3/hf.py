@@ -195,6 +195,19 @@ def moe_config(args) -> dict:
 _DEFAULTS = DeepseekV3Args()
 
 
+# The routing fields DeepseekV3Config and the configs built on its routing (Glm4MoeConfig) refuse
+# as null, or whose null their model cannot run
+ROUTING_NOT_NULL = (
+    "first_k_dense_replace",
+    "n_routed_experts",
+    "n_shared_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "n_group",
+    "topk_group",
+    "routed_scaling_factor",
+)
+
 # DeepseekV3Config's fields that refuse null, and those its model cannot run as null (``hf_config.refuse_nulls``)
 NOT_NULL = (
     *hf_config.NOT_NULL,
@@ -205,14 +218,7 @@ NOT_NULL = (
     "qk_rope_head_dim",
     "v_head_dim",
     "head_dim",
-    "first_k_dense_replace",
-    "n_routed_experts",
-    "n_shared_experts",
-    "num_experts_per_tok",
-    "moe_intermediate_size",
-    "n_group",
-    "topk_group",
-    "routed_scaling_factor",
+    *ROUTING_NOT_NULL,
 )
 
 

@@ -28,7 +28,7 @@ import torch
 from models.common import hf_config
 from models.common.args import check_bool, check_float, check_int
 from models.common.hf_names import HFNames, heads_of
-from models.deepseek_v3.hf import DeepseekV3HFNames, moe_config
+from models.deepseek_v3.hf import ROUTING_NOT_NULL, DeepseekV3HFNames, moe_config
 from models.glm4_moe.args import Glm4MoeArgs
 
 ARCHITECTURE, MODEL_TYPE = "Glm4MoeForCausalLM", "glm4_moe"
@@ -99,15 +99,8 @@ NOT_NULL = (
     "head_dim",
     "num_key_value_heads",
     "use_qk_norm",
-    "first_k_dense_replace",
-    "n_routed_experts",
-    "n_shared_experts",
-    "num_experts_per_tok",
-    "moe_intermediate_size",
-    "n_group",
-    "topk_group",
+    *ROUTING_NOT_NULL,
     "norm_topk_prob",
-    "routed_scaling_factor",
     "output_router_logits",
 )
 
