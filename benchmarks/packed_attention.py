@@ -20,9 +20,9 @@ once per forward in the model and shared by its layers, so outside the timed ste
 is the median of the rounds' ratios. One JSON line per variant (its median round), then one
 comparison per variant.
 
-``--compiled-model N``: instead, a model of ``--flavor`` (e.g. debug) with ``training.compile``'s
-blocks over N batches of ``--batch`` rows of ``--seq-lens`` tokens, each packing other documents of
-``--doc-len`` tokens, every step paired with the eager model's on the same batch (one process):
+``--compiled-model N``: instead, a model of ``--model`` (a family) and ``--flavor`` (e.g. debug)
+with ``training.compile``'s blocks over N batches of ``--batch`` rows of ``--seq-lens`` tokens,
+each packing other documents of ``--doc-len`` tokens, every step paired with the eager model's on the same batch (one process):
 steps/s of each over the N batches (the compiled one's compiling included; and after its first
 step, where only a batch of other documents compiles more), the graphs compiled,
 and the compiled step against the eager one on batches already seen (the median of the pairs).
@@ -30,6 +30,7 @@ and the compiled step against the eager one on batches already seen (the median 
   python benchmarks/packed_attention.py                               # CPU: 4 x 2048 tokens, both cases
   python benchmarks/packed_attention.py --device cuda --dtype bfloat16 --heads 32 --kv-heads 8
   python benchmarks/packed_attention.py --compiled-model 6 --flavor debug --batch 2 --seq-lens 256 --doc-len 5-60
+  python benchmarks/packed_attention.py --compiled-model 6 --model qwen3_5 --flavor debug --batch 2 --seq-lens 256
 """
 
 from __future__ import annotations
@@ -166,7 +167,7 @@ def compiled_model(opts) -> dict:
     from seedckpt.parallel.parallelize import apply_compile
 
     opts.seq_len = int(opts.seq_lens.split(",")[0])
-    args = load_config(None, ["--model.flavor", opts.flavor]).model_args()
+    args = load_config(None, ["--model.name", opts.model, "--model.flavor", opts.flavor]).model_args()
     eager, compiled = Transformer(args), Transformer(args)
     init_model(eager, 0)
     compiled.load_state_dict(eager.state_dict())
@@ -183,6 +184,7 @@ def compiled_model(opts) -> dict:
     again = [(step(compiled, ids), step(eager, ids)) for ids in batches]
     return {
         "comparison": "compiled model vs eager, batches of other documents",
+        "model": opts.model,
         "flavor": opts.flavor,
         "batch": opts.batch,
         "seq_len": opts.seq_len,
@@ -210,6 +212,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2, help="timed steps per run (default 2)")
     p.add_argument("--rounds", type=int, default=1, help="runs of every variant, in turn (default 1)")
     p.add_argument("--compiled-model", type=int, metavar="N", help="a compiled model over N batches (see above)")
+    p.add_argument("--model", default="llama3", help="--compiled-model's family (default llama3)")
     p.add_argument("--variant", choices=CUDA_VARIANTS, help=argparse.SUPPRESS)  # one run in this process
     p.add_argument("--seq-len", type=int, help=argparse.SUPPRESS)
     opts = p.parse_args()

@@ -14,7 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from torch._dynamo.utils import counters
 
+from models.common.decoder import Transformer
 from models.common.gated_deltanet import (
     CHUNK,
     GatedDeltaNet,
@@ -29,9 +31,11 @@ from models.registry import get_family
 from seedckpt import load_model
 from seedckpt.materialize.init_recipe import init_model
 from seedckpt.materialize.seed import create_seed_checkpoint
+from seedckpt.parallel.parallelize import apply_compile
 from tests.conftest import tiny_config
 from tests.dist import run_distributed
 from tests.test_deepseek_v3 import _close, assert_both_ways
+from tests.test_packed_attention import _compile_with_aot_eager, random_layouts
 from tests.test_train import losses, torchrun
 
 transformers = pytest.importorskip("transformers")
@@ -201,6 +205,30 @@ def test_packed_rows_compute_each_document_alone(tmp_path):
         whole = load_model(path)(TOKENS)
     assert (packed - alone).abs().max().item() <= 1e-5
     assert (whole[:, 70:] - alone[:, 70:]).abs().max().item() > 1e-3  # the reset changes the logits
+
+
+def test_compiled_model_compiles_no_more_for_batches_of_other_documents(monkeypatch):
+    """The debug Qwen3.5 (3 linear layers, 1 of attention) with ``training.compile``'s blocks: 5
+    batches of 2 x 160 tokens packing other documents (some past the rule's chunk) compile 2 graphs
+    in the first batch and none after (before: one more per batch, as the linear layers' calls
+    followed each batch's documents), with eager's losses and gradients bitwise -- ``A_log``'s and
+    ``dt_bias``'s in float32, the convolution's window emptied at each document -- since the
+    documents' op runs eager's code. Two: one per kind of layer, whatever the batches."""
+    _compile_with_aot_eager(monkeypatch)
+    args = tiny_config(*M).model_args()
+    eager, compiled = Transformer(args), Transformer(args)
+    init_model(eager, 0)
+    compiled.load_state_dict(eager.state_dict())
+    apply_compile(compiled)
+    tokens = torch.randint(0, args.vocab_size, (2, 160), generator=torch.Generator().manual_seed(0))
+    for ids in random_layouts(5, 2, 160, 80):
+        pair = [model(tokens, document_ids=ids, labels=tokens.roll(-1, 1)) for model in (compiled, eager)]
+        for loss in pair:
+            loss.backward()
+        assert torch.equal(pair[0], pair[1])
+        assert counters["stats"]["unique_graphs"] == 2
+    for (name, p), q in zip(compiled.named_parameters(), eager.parameters()):
+        assert torch.equal(p.grad, q.grad), name
 
 
 @pytest.mark.parametrize("flavor", sorted(set(FLAVORS) - {"debug"}))

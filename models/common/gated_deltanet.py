@@ -39,6 +39,10 @@ as ~50-token chats (20-80 tokens), 0.83 s as 300-900-token documents.
 (Resetting by a decay of -inf at each start instead would leave the convolution to mask apart, and
 the chunk's cumulative decays then mix -inf, or, with a large finite stand-in such as -1e4, lose
 float32's precision past it: 2^-10 of the small decays that follow.)
+Compiled blocks (``training.compile``) take the per-document calls, whose number and sizes follow
+each batch's documents, as one operator run eagerly (``_mix_documents``), as packed attention does:
+a batch of other documents compiles nothing more (the debug Qwen3.5: 2 graphs, one per kind of
+layer, for every layout of a row shape; before, one more per batch).
 
 Init (torchtitan 0.3.0's ``qwen3_5``): projections normal with std 0.02 truncated at +-2 absolute,
 ``out_proj`` depth-scaled; ``conv1d`` uniform in +-1/sqrt(conv_kernel) (``nn.Conv1d``'s default);
@@ -55,7 +59,7 @@ from torch import nn
 
 from models.common.feed_forward import TRUNC_BOUND
 from models.common.norms import upcast
-from models.common.packed_attention import Documents
+from models.common.packed_attention import Documents, _groups
 
 CHUNK = 64  # positions per chunk of the chunked rule (FLA's and transformers' size)
 A_LOG_RANGE = (0.01, 16.0)  # A = exp(A_log) is drawn uniformly here (torchtitan, transformers)
@@ -179,17 +183,20 @@ class HeadRMSNorm(nn.Module):
 
 
 class CausalConv1d(nn.Module):
-    """A depthwise causal convolution over positions, then SiLU: (bsz, seq, channels) both ways;
-    ``weight`` is ``nn.Conv1d``'s (channels, 1, taps), and its channels are the ones computed (a
-    tensor-parallel rank's own)."""
+    """The weight of a depthwise causal convolution over positions, then SiLU (``causal_conv1d``):
+    ``nn.Conv1d``'s (channels, 1, taps), its channels the ones computed (a tensor-parallel rank's
+    own). ``GatedDeltaNet`` reads it (``GatedDeltaNet.weights``) to hand it to one operator with the
+    rule's other weights."""
 
     def __init__(self, channels: int, taps: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(channels, 1, taps))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        padded = F.pad(x.transpose(1, 2), (self.weight.shape[-1] - 1, 0))
-        return F.silu(F.conv1d(padded, self.weight, groups=self.weight.shape[0])).transpose(1, 2)
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """(bsz, seq, channels) both ways: the convolution of ``CausalConv1d``'s ``weight``, then SiLU."""
+    padded = F.pad(x.transpose(1, 2), (weight.shape[-1] - 1, 0))
+    return F.silu(F.conv1d(padded, weight, groups=weight.shape[0])).transpose(1, 2)
 
 
 class GatedDeltaNet(nn.Module):
@@ -245,28 +252,113 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(gated.flatten(2))
 
     def mix_documents(self, mixed: torch.Tensor, documents: Documents) -> torch.Tensor:
-        """``mix`` inside each document of a packed batch: its documents gathered into rows of their
-        own, one call per group of ``documents``, the outputs put back in place by one gather."""
-        bsz, seq, _ = mixed.shape
-        flat = mixed.flatten(0, 1)
-        outs = [self.mix(flat.index_select(0, index.flatten()).unflatten(0, index.shape)) for index in documents.groups]
-        out = torch.cat([o.flatten(0, 1) for o in outs]).index_select(0, documents.take)
-        return out.unflatten(0, (bsz, seq))
+        """``mix`` inside each document of a packed batch (``mix_each``); compiled, as one operator
+        of the graph, run eagerly (``_mix_documents``)."""
+        dims = self.k_head_dim, self.v_head_dim, self.values_per_key
+        if torch.compiler.is_compiling():  # the calls follow each batch's documents: one op in the graph
+            return _mix_documents(mixed, *self.weights(), documents.index, documents.layout, documents.take, *dims)
+        return mix_each(mixed, *self.weights(), documents.index, documents.layout, documents.take, *dims)
 
     def mix(self, mixed: torch.Tensor) -> torch.Tensor:
-        """Rows of the projections' outputs (q, k, v, then b and a) -> the rule's output per value
-        head (bsz, seq, v_heads, v_head_dim), each row from a zero state. The heads are those of
-        ``A_log`` (a tensor-parallel rank's own)."""
-        v_heads = self.A_log.shape[0]
-        qkv, b, a = mixed.split([mixed.shape[-1] - 2 * v_heads, v_heads, v_heads], dim=-1)
-        width = self.values_per_key * self.v_head_dim
-        q, k, v = (
-            self.conv1d(qkv)
-            .unflatten(-1, (-1, 2 * self.k_head_dim + width))
-            .split([self.k_head_dim, self.k_head_dim, width], dim=-1)
-        )
-        q, k = (l2_normalize(upcast(x)).repeat_interleave(self.values_per_key, dim=2) for x in (q, k))
-        v = v.flatten(2).unflatten(-1, (-1, self.v_head_dim))
-        g = -upcast(self.A_log).exp() * F.softplus(upcast(a) + self.dt_bias)
-        kernel = delta_rule_kernel(mixed.device)
-        return kernel(q * self.k_head_dim**-0.5, k, v, g, b.sigmoid()).to(mixed.dtype)
+        """``mix_rows`` with this layer's weights."""
+        return mix_rows(mixed, *self.weights(), self.k_head_dim, self.v_head_dim, self.values_per_key)
+
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The convolution's weight, ``A_log`` and ``dt_bias``, each a tensor-parallel rank's own
+        slice: the plan's ``HeadParameter`` hands a module its slice when the module is called, and
+        the convolution is read here, not called, so its DTensor is made local here."""
+        from torch.distributed.tensor import DTensor  # here, not with the module: building a model needs none
+
+        conv = self.conv1d.weight
+        return conv.to_local() if isinstance(conv, DTensor) else conv, self.A_log, self.dt_bias
+
+
+def mix_rows(mixed, conv_weight, A_log, dt_bias, k_head_dim: int, v_head_dim: int, values_per_key: int) -> torch.Tensor:
+    """Rows of the projections' outputs (q, k, v, then b and a) -> the rule's output per value head
+    (bsz, seq, v_heads, v_head_dim), each row from a zero state. The heads are those of ``A_log``
+    (a tensor-parallel rank's own)."""
+    v_heads = A_log.shape[0]
+    qkv, b, a = mixed.split([mixed.shape[-1] - 2 * v_heads, v_heads, v_heads], dim=-1)
+    width = values_per_key * v_head_dim
+    q, k, v = (
+        causal_conv1d(qkv, conv_weight)
+        .unflatten(-1, (-1, 2 * k_head_dim + width))
+        .split([k_head_dim, k_head_dim, width], dim=-1)
+    )
+    q, k = (l2_normalize(upcast(x)).repeat_interleave(values_per_key, dim=2) for x in (q, k))
+    v = v.flatten(2).unflatten(-1, (-1, v_head_dim))
+    g = -upcast(A_log).exp() * F.softplus(upcast(a) + dt_bias)
+    kernel = delta_rule_kernel(mixed.device)
+    return kernel(q * k_head_dim**-0.5, k, v, g, b.sigmoid()).to(mixed.dtype)
+
+
+def mix_each(mixed, conv_weight, A_log, dt_bias, index, layout, take, *dims: int) -> torch.Tensor:
+    """``mix_rows`` inside each document of a packed batch: its documents gathered into rows of their
+    own, one call per group (``Documents.groups``: ``index`` in the shapes ``layout`` holds), the
+    outputs put back in place by one gather (``take``)."""
+    bsz, seq, _ = mixed.shape
+    flat = mixed.flatten(0, 1)
+    outs = [
+        mix_rows(flat.index_select(0, group.flatten()).unflatten(0, group.shape), conv_weight, A_log, dt_bias, *dims)
+        for group in _groups(index, layout)
+    ]
+    out = torch.cat([o.flatten(0, 1) for o in outs]).index_select(0, take)
+    return out.unflatten(0, (bsz, seq))
+
+
+# The inputs of ``_mix_documents``: the differentiable ones first (its backward returns their gradients).
+MIX_DOCUMENTS_ARGS = (
+    "Tensor mixed, Tensor conv_weight, Tensor A_log, Tensor dt_bias, Tensor index, Tensor layout, Tensor take, "
+    "int k_head_dim, int v_head_dim, int values_per_key"
+)
+DIFFERENTIABLE = 4  # mixed, conv_weight, A_log, dt_bias
+
+
+@torch.library.custom_op(
+    "seedckpt::gated_deltanet_documents", mutates_args=(), schema=f"({MIX_DOCUMENTS_ARGS}) -> Tensor"
+)
+def _mix_documents(*inputs) -> torch.Tensor:
+    """``mix_each`` as one operator of a compiled graph, run eagerly, as packed attention's
+    ``_packed_sdpa``: traced, its calls (their number, and each one's rows and chunks) follow each
+    batch's documents, so a compiled block recompiled for nearly every batch of other documents (the
+    debug Qwen3.5, 2 x 256 tokens of 5-60-token documents: 5 graphs in 4 batches). The documents'
+    sizes are symbols (``Documents.of`` marks them) and the output's shape follows ``mixed``'s, so one
+    graph serves every layout of a row shape. Its backward runs the forward once more."""
+    return mix_each(*inputs)
+
+
+@_mix_documents.register_fake
+def _(mixed, conv_weight, A_log, dt_bias, index, layout, take, k_head_dim, v_head_dim, values_per_key):
+    return mixed.new_empty(*mixed.shape[:2], A_log.shape[0], v_head_dim)
+
+
+@torch.library.custom_op(
+    "seedckpt::gated_deltanet_documents_backward",
+    mutates_args=(),
+    schema=f"(Tensor grad, {MIX_DOCUMENTS_ARGS}) -> Tensor[]",
+)
+def _mix_documents_backward(grad, *inputs) -> list[torch.Tensor]:
+    """The gradients of ``_mix_documents``' differentiable inputs: its forward run again under
+    autograd (``torch.func.vjp``: an operator's body runs below autograd's dispatch), then backward
+    -- eager's gradients, float32's ``A_log`` and ``dt_bias`` kept."""
+    leaves, rest = inputs[:DIFFERENTIABLE], inputs[DIFFERENTIABLE:]
+    grads = torch.func.vjp(lambda *xs: mix_each(*xs, *rest), *leaves)[1](grad)
+    return [torch.empty_like(x).copy_(g) for x, g in zip(leaves, grads)]
+
+
+@_mix_documents_backward.register_fake
+def _(grad, *inputs):
+    return [torch.empty_like(x) for x in inputs[:DIFFERENTIABLE]]
+
+
+def _save_inputs(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*(x for x in inputs if isinstance(x, torch.Tensor)))
+    ctx.dims = [x for x in inputs if not isinstance(x, torch.Tensor)]
+
+
+def _mix_documents_grads(ctx, grad):
+    grads = _mix_documents_backward(grad, *ctx.saved_tensors, *ctx.dims)
+    return *grads, *(None for _ in range(len(ctx.saved_tensors) + len(ctx.dims) - DIFFERENTIABLE))
+
+
+_mix_documents.register_autograd(_mix_documents_grads, setup_context=_save_inputs)
