@@ -22,10 +22,10 @@ comparison per variant.
 
 ``--compiled-model N``: instead, a model of ``--model`` (a family) and ``--flavor`` (e.g. debug)
 with ``training.compile``'s blocks over N batches of ``--batch`` rows of ``--seq-lens`` tokens,
-each packing other documents of ``--doc-len`` tokens, every step paired with the eager model's on the same batch (one process):
-steps/s of each over the N batches (the compiled one's compiling included; and after its first
-step, where only a batch of other documents compiles more), the graphs compiled,
-and the compiled step against the eager one on batches already seen (the median of the pairs).
+each packing other documents of ``--doc-len`` tokens, every step paired with the eager model's on
+the same batch (one process): steps/s of each over the N batches (the compiled one's compiling
+included; and after its first step, where only a batch of other documents compiles more), the
+graphs compiled, and the compiled step against the eager one on batches already seen (the median of the pairs).
 
   python benchmarks/packed_attention.py                               # CPU: 4 x 2048 tokens, both cases
   python benchmarks/packed_attention.py --device cuda --dtype bfloat16 --heads 32 --kv-heads 8
