@@ -75,10 +75,12 @@ class Part:
 
 
 # The GPU rows run in one command, in this order: issue 47's priorities first (the loss and train.py
-# against the bare loops eager and compiled, packed SFT against pretraining, torchtitan's own trainer,
-# compiled MoE against torchtitan's MoE layer, the save's stall against stock async_save and pinned
-# staging, the seed against dd), then the rest. A lent machine allows 10 minutes a command: the suite
-# keeps to BUDGET_S from its start (the rest covers make, the wheels' install and the last write).
+# against the bare loops eager and compiled, packed SFT against pretraining, compiled MoE against
+# torchtitan's MoE layer, the save's stall against stock async_save and pinned staging, the seed
+# against dd), then torchtitan's own trainer (item 7's peer: the costliest row and the least known,
+# so an overrun of its estimate cannot push a priority row out), then the rest. A lent machine
+# allows 10 minutes a command: the suite keeps to BUDGET_S from its start, the wheels' install
+# included (the rest covers Python's start, the last row's stop and the last write).
 # A row starts only where its estimate fits in what is left, and is stopped at its cap or at the
 # budget's end, whichever comes first; one that does not fit is recorded as skipped, with why.
 #
@@ -90,10 +92,12 @@ class Part:
 # init, each block's compile, 12 steps), then throughput.py on the same untied 1B (~20 s of probe
 # and seed, bare_eager, train_eager, train_compiled: ~65 s); the MoE layer's three compilations ~20 s
 # each. Priority rows, in seconds:
-#   loss 20 + throughput_eager 85 + throughput_compiled 95 + torchtitan_peer 150 + moe_block 75
-#   + save 60 + seed 20 = 505 of the 570: about a minute is left for the rows after them, in order
+#   loss 20 + throughput_eager 85 + throughput_compiled 95 + moe_block 75 + save 60 + seed 20 = 355,
+#   + torchtitan_peer 150 = 505 of the 570: 65 s are left for the rows after them, in order
 #   (packed_attention 70, attention 15, load 65, osft 20, mla_attention 30, throughput_more 130,
-#   cuda_tests 90, moe_train 330); whatever does not fit waits for `--parts` in a later call.
+#   cuda_tests 90, moe_train 330): after the wheels' install (~10 s) the estimates let attention and
+#   osft run; the rest waits for `--parts` in a later call (packed_attention first), unless rows
+#   finish early.
 BUDGET_S = 570
 # Figures across the rows of one call, tokens/s over tokens/s: (variant, its same-call baseline)
 RATIOS = {
@@ -139,19 +143,6 @@ PARTS = [
         tiny=TINY_TRAINING,
     ),
     Part(
-        "torchtitan_peer",
-        "cuda",
-        ["benchmarks/torchtitan_peer.py", "--steps", "12", "--warmup", "4"],
-        240,
-        "train.py at least 1.0x torchtitan 0.2.2's own trainer's tokens/s, eager and compiled, both on Llama 3.2 "
-        "1B's shape untied (4 x 2048, bf16)",
-        estimate_s=150,
-        tiny=(
-            *("--flavor", "debugmodel", "--batch", "2", "--seq-len", "64", "--dtype", "float32", "--steps", "2"),
-            *("--warmup", "1"),
-        ),
-    ),
-    Part(
         "moe_block",
         "cuda",
         [
@@ -185,6 +176,19 @@ PARTS = [
         "the 1B seed at least 0.8 of dd's write bandwidth on the machine's 16 cores, dd in the same run",
         estimate_s=20,
         tiny=("--flavor", "debug"),
+    ),
+    Part(
+        "torchtitan_peer",
+        "cuda",
+        ["benchmarks/torchtitan_peer.py", "--steps", "12", "--warmup", "4"],
+        240,
+        "train.py at least 1.0x torchtitan 0.2.2's own trainer's tokens/s, eager and compiled, both on Llama 3.2 "
+        "1B's shape untied (4 x 2048, bf16)",
+        estimate_s=150,
+        tiny=(
+            *("--flavor", "debugmodel", "--batch", "2", "--seq-len", "64", "--dtype", "float32", "--steps", "2"),
+            *("--warmup", "1"),
+        ),
     ),
     Part(
         "packed_attention",
@@ -557,22 +561,47 @@ def _on_path(module: str, env: dict) -> bool:
     return any((Path(p) / module).exists() for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)
 
 
-def install_wheels(wheels: Path, env: dict, python: str) -> str:
+def install_wheels(wheels: Path, env: dict, python: str, fill_gaps: bool = True) -> str:
     """``wheels/*.whl`` installed (no index, no dependencies) into a temporary directory put first on
-    the children's ``PYTHONPATH``; a line saying what was done. Where pip refuses the lot (a wheel of
-    another Python, two versions of one), each is installed alone and the refused are named: the rows
-    that need none of them still run."""
+    the children's ``PYTHONPATH``; a line saying what was done. ``fill_gaps``: a wheel of a project
+    ``python`` already has is left out, so the GPU image's own pytest (its plugins loaded by its
+    version), packaging and pygments are not shadowed by the carried ones, which are for an image
+    without them. Where pip refuses the lot (a wheel of another Python, two versions of one), each
+    is installed alone and the refused are named: the rows that need none of them still run."""
     files = sorted(wheels.glob("*.whl")) if wheels.is_dir() else []
     if not files:
         return f"no wheels in {wheels} (make bench-gpu-prepare fetches them): using what is installed"
+    kept = installed(python, [project(f) for f in files], env) if fill_gaps else set()
+    files = [f for f in files if project(f) not in kept]
+    said = f"; kept the installed {', '.join(sorted(kept))}" if kept else ""
+    if not files:
+        return f"every wheel in {wheels} is installed already{said}"
     target = Path(tempfile.mkdtemp(prefix="seedckpt-gpu-site-"))
     pip = [python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(target)]
     refused = []
     if subprocess.run([*pip, *map(str, files)], capture_output=True).returncode != 0:
         refused = [f.name for f in files if subprocess.run([*pip, str(f)], capture_output=True).returncode != 0]
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(target), env.get("PYTHONPATH", "")) if p)
-    names = ", ".join(f.name.split("-")[0] for f in files if f.name not in refused)
-    return f"installed {names} from {wheels} into {target}" + (f"; pip refused {', '.join(refused)}" if refused else "")
+    names = ", ".join(project(f) for f in files if f.name not in refused)
+    said = f"installed {names} from {wheels} into {target}{said}"
+    return said + (f"; pip refused {', '.join(refused)}" if refused else "")
+
+
+def project(wheel: Path) -> str:
+    """The project a wheel's file name holds, as it names it (``docstring_parser-0.18.0-...``)."""
+    return wheel.name.split("-")[0]
+
+
+def installed(python: str, projects: list[str], env: dict) -> set[str]:
+    """Those of ``projects`` that ``python`` has under ``env`` (its site-packages and ``PYTHONPATH``)."""
+    code = (
+        "import importlib.metadata as m, sys\n"
+        "for name in sys.argv[1:]:\n"
+        "    try:\n        m.distribution(name)\n        print(name)\n"
+        "    except m.PackageNotFoundError:\n        pass\n"
+    )
+    out = subprocess.run([python, "-c", code, *projects], env=env, capture_output=True, text=True).stdout
+    return set(out.split())
 
 
 def row_env(part: Part, env: dict, wheels: Path | None) -> dict:
@@ -582,7 +611,8 @@ def row_env(part: Part, env: dict, wheels: Path | None) -> dict:
     if own is None or not own.is_dir():
         return env
     env = dict(env)
-    print(f"{part.name}: {install_wheels(own, env, sys.executable)}", flush=True)
+    # its own version, installed whatever else is
+    print(f"{part.name}: {install_wheels(own, env, sys.executable, fill_gaps=False)}", flush=True)
     return env
 
 
