@@ -253,9 +253,12 @@ class GatedDeltaNet(nn.Module):
 
     def mix_documents(self, mixed: torch.Tensor, documents: Documents) -> torch.Tensor:
         """``mix`` inside each document of a packed batch (``mix_each``); compiled, as one operator
-        of the graph, run eagerly (``_mix_documents``)."""
+        of the graph, run eagerly (``_mix_documents``). Not with FLA's kernel: the operator's
+        backward runs the forward under ``torch.func.vjp``, which takes no ``autograd.Function``
+        without a ``setup_context`` (FLA's has none); FLA's own ``cu_seqlens`` would serve there."""
         dims = self.k_head_dim, self.v_head_dim, self.values_per_key
-        if torch.compiler.is_compiling():  # the calls follow each batch's documents: one op in the graph
+        ours = delta_rule_kernel(mixed.device) is gated_delta_rule
+        if ours and torch.compiler.is_compiling():  # the calls follow each batch's documents: one op in the graph
             return _mix_documents(mixed, *self.weights(), documents.index, documents.layout, documents.take, *dims)
         return mix_each(mixed, *self.weights(), documents.index, documents.layout, documents.take, *dims)
 
