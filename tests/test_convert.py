@@ -20,6 +20,7 @@ from seedckpt.materialize.model_checkpoint import codec_for, open_model_checkpoi
 from seedckpt.materialize.seed import create_seed_checkpoint
 from seedckpt.materialize.stages import build_stages
 from seedckpt.parallel.pipeline import plan_rank_stages
+from seedckpt.utils import resources
 from seedckpt.utils.errors import SeedckptError
 from tests.conftest import check_tied_stock_load, probe_readings, stock_load, tiny_config
 
@@ -532,6 +533,21 @@ def test_a_conversion_beyond_the_available_memory_is_refused_before_writing(tmp_
     with pytest.raises(SeedckptError, match=r"attention.w[qk].weight is held in slabs of the row groups its target"):
         convert(debug_seed, tmp_path / "hf", "hf", progress=False)
     _assert_nothing_written(tmp_path, "hf")
+
+
+@pytest.mark.parametrize("to, name", [("hf", "hf"), ("dcp", "dcp"), ("safetensors", "m.safetensors")])
+def test_a_conversion_larger_than_the_free_disk_is_refused_before_writing(tmp_path, debug_seed, monkeypatch, to, name):
+    """With one byte less free than the output it then writes (tensors, headers, index, manifest,
+    tokenizer), the conversion is refused in one line naming the fix, nothing written: the estimate
+    covers every byte, so hours of a large conversion never end in a full disk."""
+    written = convert(debug_seed, tmp_path / "whole" / name, to, progress=False)
+    size = sum(f.stat().st_size for f in [written, *written.rglob("*")] if f.is_file())
+    real = resources.shutil.disk_usage
+    monkeypatch.setattr(resources.shutil, "disk_usage", lambda p: real(p)._replace(free=size - 1))
+    with pytest.raises(SeedckptError, match=f"the {to} conversion needs .* free; free space, choose another") as e:
+        convert(debug_seed, tmp_path / name, to, progress=False)
+    assert "\n" not in str(e.value)
+    _assert_nothing_written(tmp_path, name)
 
 
 def test_conversions_in_slabs_of_a_few_rows_are_bitwise_the_whole_tensors(tmp_path, monkeypatch):

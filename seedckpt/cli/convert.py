@@ -55,11 +55,15 @@ from seedckpt.materialize.model_checkpoint import (
 )
 from seedckpt.utils.errors import SeedckptError
 from seedckpt.utils.progress import Progress
+from seedckpt.utils.resources import check_free_space
 
 TARGETS = tuple(FORMATS)
 # The most bytes a carried file may take. Released tokenizer.json files are tens of MB at most
 # (262k-token vocabularies); a larger file under one of those names is not a tokenizer's.
 MAX_CARRIED_BYTES = 128 * 2**20
+# Disk an output takes beyond its tensors and carried files: safetensors headers, the HF index, DCP's
+# .metadata, the manifest -- a few hundred bytes a tensor, a few KiB a file.
+OUTPUT_ALLOWANCE, ALLOWANCE_PER_TENSOR = 1 << 20, 1 << 10
 
 
 def parse_size(text: str) -> int:
@@ -155,6 +159,7 @@ def convert(
     )
     token_ids = special_token_ids(source) if to == "hf" else {}
     files, generation_config = carried(source, to, token_ids)
+    check_free_space(Path(dst), output_bytes(infos, files), f"the {to} conversion")
     job = WriteJob(
         infos,
         manifest,
@@ -193,6 +198,12 @@ def refuse_beyond_memory(source: OpenedCheckpoint, infos: dict[str, TensorInfo],
             f"{source.path}: {what}, {need / 2**30:.2f} GiB at once, but {available / 2**30:.2f} GiB of memory "
             f"are available: {fix} (nothing was written to {dst})"
         )
+
+
+def output_bytes(infos: dict[str, TensorInfo], files: dict[str, Path]) -> int:
+    """The disk an output of ``infos`` (the target's tensors in its dtype) and carried ``files`` takes."""
+    carried_bytes = sum(file.stat().st_size for file in files.values())
+    return sum(i.nbytes for i in infos.values()) + carried_bytes + OUTPUT_ALLOWANCE + ALLOWANCE_PER_TENSOR * len(infos)
 
 
 def row_order(codec, source: OpenedCheckpoint, to: str):

@@ -30,7 +30,6 @@ import contextlib
 import itertools
 import math
 import os
-import shutil
 import sys
 import threading
 from collections.abc import Iterator
@@ -49,6 +48,7 @@ from seedckpt.materialize.stages import indexable_sizes
 from seedckpt.utils.collector import collector_paused
 from seedckpt.utils.errors import SeedckptError
 from seedckpt.utils.progress import Progress
+from seedckpt.utils.resources import check_free_space
 from seedckpt.utils.tensors import state_tensors
 
 BLOCK_NUMEL = 16 * CHUNK_NUMEL  # target elements per written block (64 MiB in fp32)
@@ -150,22 +150,6 @@ def exit_now(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def check_free_space(output: Path, nbytes: int) -> None:
-    """Refuse, before any byte is written, a seed larger than the free space where it goes (hours
-    of a 405B seed would otherwise end in a full disk)."""
-    where = next(p for p in (output, *output.parents) if p.exists())
-    free = shutil.disk_usage(where).free
-    if nbytes > free:
-        raise SeedckptError(
-            f"the seed needs {_size(nbytes)} at {output}, but {where} has {_size(free)} free; "
-            "free space, choose another --output, or write --dtype bfloat16 (half the bytes)"
-        )
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / 2**30:,.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:,.1f} MiB"
 
 
 def create_seed_checkpoint(
