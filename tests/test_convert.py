@@ -550,6 +550,48 @@ def test_a_conversion_larger_than_the_free_disk_is_refused_before_writing(tmp_pa
     _assert_nothing_written(tmp_path, name)
 
 
+def _fake_memory(root: Path, files: dict[str, str]) -> Path:
+    """A ``/proc/meminfo`` (8 GiB available), ``/proc/self/cgroup`` (``self``) and cgroup folder
+    (``cg``) under ``root`` holding ``files``."""
+    for name, text in {"meminfo": "MemTotal: 67108864 kB\nMemAvailable: 8388608 kB\n", **files}.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+V1 = "cg/memory/memory.limit_in_bytes", "cg/memory/memory.usage_in_bytes"
+
+
+@pytest.mark.parametrize(
+    "files, gib",
+    [
+        ({}, 8.0),  # no cgroup: MemAvailable's 8 GiB
+        ({"cg/memory.max": "max\n", "cg/memory.current": str(6 << 30)}, 8.0),  # v2 without a limit
+        ({"cg/memory.max": str(2 << 30), "cg/memory.current": str(3 << 29)}, 0.5),  # v2: the limit less usage
+        (  # its inactive page cache is reclaimed before the OOM killer comes
+            {
+                "cg/memory.max": str(2 << 30),
+                "cg/memory.current": str(2 << 30),
+                "cg/memory.stat": "inactive_file 1073741824\n",
+            },
+            1.0,
+        ),
+        (  # a limit on the slice above this process's own cgroup (named in /proc/self/cgroup)
+            {"self": "0::/slice/job\n", "cg/slice/memory.max": str(1 << 30), "cg/slice/memory.current": str(1 << 28)}
+            | {"cg/slice/job/memory.max": "max", "cg/slice/job/memory.current": "1"},
+            0.75,
+        ),
+        (dict(zip(V1, (str(1 << 30), str(1 << 28)))), 0.75),  # v1's memory controller
+        (dict(zip(V1, (str(2**63 - 4096), "1"))), 8.0),  # v1 without a limit
+    ],
+)
+def test_available_memory_is_the_cgroup_limits_room_where_it_leaves_less(tmp_path, files, gib):
+    """In a container MemAvailable is the host's: a cgroup limit (v2 or v1) of 2 GiB with 1.5 in use
+    leaves 0.5 GiB, whatever the host has free, and the up-front memory refusals count that."""
+    root = _fake_memory(tmp_path, files)
+    assert resources.available_memory(root / "meminfo", root / "cg", root / "self") == gib * 2**30
+
+
 def test_conversions_in_slabs_of_a_few_rows_are_bitwise_the_whole_tensors(tmp_path, monkeypatch):
     """Slabs of 8 KiB (a few rows, a few experts, whole RoPE heads of q and k) through every reader and
     writer of a mixture of experts: the HF and safetensors files are byte for byte those written with a

@@ -55,7 +55,7 @@ from seedckpt.materialize.model_checkpoint import (
 )
 from seedckpt.utils.errors import SeedckptError
 from seedckpt.utils.progress import Progress
-from seedckpt.utils.resources import check_free_space
+from seedckpt.utils.resources import available_memory, check_free_space
 
 TARGETS = tuple(FORMATS)
 # The most bytes a carried file may take. Released tokenizer.json files are tens of MB at most
@@ -180,10 +180,11 @@ def convert(
 
 def refuse_beyond_memory(source: OpenedCheckpoint, infos: dict[str, TensorInfo], to: str, dst, names=None) -> None:
     """Refuse, before anything is written, a conversion that must hold more at once than the machine
-    has available (``MemAvailable``), rather than meet the OOM killer midway: a ``torch`` output (one
-    pickle of every tensor), else the tensor held largest -- read and cast whole where the source
-    reads it only whole (an OSFT checkpoint's rebuilt dense weight), else its largest slab, whole
-    groups of rows where the target's ``names`` permute rows within them (one group: the tensor)."""
+    has available (``available_memory``: a cgroup's limit counted), rather than meet the OOM killer
+    midway: a ``torch`` output (one pickle of every tensor), else the tensor held largest -- read and
+    cast whole where the source reads it only whole (an OSFT checkpoint's rebuilt dense weight), else
+    its largest slab, whole groups of rows where the target's ``names`` permute rows within them (one
+    group: the tensor)."""
     if to == "torch":
         need, what = sum(i.nbytes for i in infos.values()), "--to torch pickles every tensor at once"
         fix = "--to safetensors writes one slab at a time"
@@ -226,17 +227,6 @@ def _how_held(source: OpenedCheckpoint, fqn: str, names) -> str:
     if not source.reads_rows(fqn):
         return "whole (the source reads it no other way)"
     return "in slabs of the row groups its target permutes" if names and names.row_groups(fqn) else "in slabs"
-
-
-def available_memory() -> int | None:
-    """The bytes of memory the kernel says can be allocated without swapping (``MemAvailable``); None
-    where ``/proc/meminfo`` does not say."""
-    try:
-        with open("/proc/meminfo") as f:
-            found = next((line.split()[1] for line in f if line.startswith("MemAvailable:")), None)
-    except OSError:
-        return None
-    return int(found) * 1024 if found is not None else None
 
 
 class FiniteReads(OpenedCheckpoint):
