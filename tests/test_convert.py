@@ -550,6 +550,21 @@ def test_a_conversion_larger_than_the_free_disk_is_refused_before_writing(tmp_pa
     _assert_nothing_written(tmp_path, name)
 
 
+def test_a_diff_beyond_the_available_memory_is_refused_before_comparing(debug_seed, monkeypatch):
+    """With 1 MiB available, a diff in 32 MiB slabs (each tensor of the debug model one slab: the
+    embedding's 64 K values at 52 bytes each, two reads, float64 copies and masks, 3.25 MiB) is refused
+    in one line naming the tensor; in slabs of 16 KiB (16 rows, 104 KiB held) the same diff runs."""
+    monkeypatch.setattr(convert_module, "available_memory", lambda: 1 << 20)
+    with pytest.raises(
+        SeedckptError,
+        match=r"tok_embeddings.weight takes 3.2 MiB at once .* 1.0 MiB of memory are available: free memory",
+    ) as e:
+        diff(debug_seed, debug_seed)
+    assert "\n" not in str(e.value)
+    monkeypatch.setattr(slabs, "SLAB_BYTES", 16 << 10)
+    assert diff(debug_seed, debug_seed)[0]
+
+
 def _fake_memory(root: Path, files: dict[str, str]) -> Path:
     """A ``/proc/meminfo`` (8 GiB available), ``/proc/self/cgroup`` (``self``) and cgroup folder
     (``cg``) under ``root`` holding ``files``."""

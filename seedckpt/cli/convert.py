@@ -6,7 +6,7 @@ written, freed), so peak memory stays near a few slabs whatever the tensors: a 1
 0.36 GiB of peak RSS, 1.3 GiB read whole; a 256 MiB one 0.36 against 0.55 (``benchmarks/convert.py
 --big``). ``torch``'s single pickle holds the model, and a source that reads a tensor only whole (an
 OSFT checkpoint's dense view) holds it: either is refused up front where it exceeds the memory
-available (``refuse_beyond_memory``).
+available (``refuse_beyond_memory``), and so is a diff whose slab does (``refuse_diff_beyond_memory``).
 
 * ``dcp``: a DCP checkpoint with our flat FQNs and a manifest (kind ``converted``);
   ``torchtitan``: the same in torchtitan 0.3's names (``qkv_linear``, ``lm_head``).
@@ -55,7 +55,7 @@ from seedckpt.materialize.model_checkpoint import (
 )
 from seedckpt.utils.errors import SeedckptError
 from seedckpt.utils.progress import Progress
-from seedckpt.utils.resources import available_memory, check_free_space
+from seedckpt.utils.resources import available_memory, check_free_space, size_text
 
 TARGETS = tuple(FORMATS)
 # The most bytes a carried file may take. Released tokenizer.json files are tens of MB at most
@@ -64,6 +64,10 @@ MAX_CARRIED_BYTES = 128 * 2**20
 # Disk an output takes beyond its tensors and carried files: safetensors headers, the HF index, DCP's
 # .metadata, the manifest -- a few hundred bytes a tensor, a few KiB a file.
 OUTPUT_ALLOWANCE, ALLOWANCE_PER_TENSOR = 1 << 20, 1 << 10
+# What diff holds a compared value in besides its two reads: both sides in float64, their difference,
+# its masked and absolute values (8 bytes each), and four one-byte masks. Measured: float32 slabs of 4 M
+# values grew the peak RSS by 187 MiB, 208 by this count.
+COMPARE_BYTES = 5 * 8 + 4
 
 
 def parse_size(text: str) -> int:
@@ -410,6 +414,7 @@ def diff(
     opened = [open_model_checkpoint(path, args, verify=verify, model=model) for path in (a, b)]
     codec = codec_for(model)
     (left, right), lines = _comparable(opened, (a, b))
+    refuse_diff_beyond_memory(left, right)
     equal = True
     casts = Counter()  # (left dtype, right dtype) -> tensors compared after casting
     for fqn in _ordered(set(left.infos) | set(right.infos), codec.family):
@@ -445,6 +450,34 @@ def diff(
         f" ({left.kind} vs {right.kind}, atol {atol:g})"
     )
     return equal, lines
+
+
+def refuse_diff_beyond_memory(left: OpenedCheckpoint, right: OpenedCheckpoint) -> None:
+    """Refuse, before comparing, a diff that must hold more at once than the memory available
+    (``available_memory``): it holds a slab of rows of both sides, widened to float64, but a row is
+    never split (one expert of a 3-D MoE tensor is one row, however large) and a side that reads a
+    tensor only whole (an OSFT target rebuilt dense) holds it whole besides."""
+    held = {fqn: _diff_held(left, right, fqn) for fqn in left.infos if fqn in right.infos}
+    largest = max(held, key=held.get, default=None)
+    available = available_memory()
+    if largest is not None and available is not None and held[largest] > available:
+        raise SeedckptError(
+            f"diff of {left.path} and {right.path}: {largest} takes {size_text(held[largest])} at once "
+            f"(its slab of rows of both sides, compared in float64), but {size_text(available)} of memory "
+            "are available: free memory, or diff on a machine with more"
+        )
+
+
+def _diff_held(left: OpenedCheckpoint, right: OpenedCheckpoint, fqn: str) -> int:
+    """The bytes ``_compared`` holds at once for ``fqn``: per value of a slab, both sides as read and
+    ``COMPARE_BYTES``; plus the whole tensor of a side that reads it only whole."""
+    li, ri = left.infos[fqn], right.infos[fqn]
+    if li.shape != ri.shape:
+        return 0
+    rows = max((stop - start for start, stop in row_bounds(li.shape, torch.float64.itemsize)), default=1)
+    values = li.numel * rows // max(1, li.shape[0]) if li.shape else li.numel
+    whole = sum(side.infos[fqn].nbytes for side in (left, right) if not side.reads_rows(fqn))
+    return values * (li.dtype.itemsize + ri.dtype.itemsize + COMPARE_BYTES) + whole
 
 
 def _compared(left: OpenedCheckpoint, right: OpenedCheckpoint, fqn: str) -> tuple[float, bool]:
