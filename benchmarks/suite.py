@@ -95,9 +95,9 @@ class Part:
 #   loss 20 + throughput_eager 85 + throughput_compiled 95 + moe_block 75 + save 60 + seed 20 = 355,
 #   + torchtitan_peer 150 = 505 of the 570: 65 s are left for the rows after them, in order
 #   (packed_attention 70, attention 15, load 65, osft 20, mla_attention 30, throughput_more 130,
-#   cuda_tests 90, moe_train 330): after the wheels' install (~10 s) the estimates let attention and
-#   osft run; the rest waits for `--parts` in a later call (packed_attention first), unless rows
-#   finish early.
+#   cuda_tests 90, moe_train 330): after the wheels' install (2 s on the loaded 2-core box) and
+#   torch's import, the estimates let attention and osft run; the rest waits for `--parts` in a
+#   later call (packed_attention first), unless rows finish early.
 BUDGET_S = 570
 # Figures across the rows of one call, tokens/s over tokens/s: (variant, its same-call baseline)
 RATIOS = {
