@@ -201,10 +201,10 @@ def test_a_seed_larger_than_the_free_space_is_refused_before_writing(tmp_path, m
     from collections import namedtuple
 
     from seedckpt.cli.main import main
-    from seedckpt.materialize import seed
+    from seedckpt.utils import resources
 
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(seed.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 10**6, 10**6))
+    monkeypatch.setattr(resources.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 10**6, 10**6))
     out = tmp_path / "deep" / "seed"  # its parents do not exist yet: the nearest one's free space counts
     assert main(["seed", "--config", "configs/debug.toml", "--output", str(out), "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
