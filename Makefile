@@ -84,9 +84,9 @@ bench-gpu:
 # Each GPU row's command on this CPU with tiny shapes, a step or two (4-5 min of CPU, 10-16 of wall on 2
 # loaded cores; torchtitan's trainers, with the wheels, 1 and 2-4 more): a typo fails here rather than on
 # the lent machine. As it runs them: CHECK_PYTHON=<a Python 3.12 venv with the image's torch 2.11>
-# GPU_SUITE_ARGS="--wheels .gpu-wheels".
+# GPU_SUITE_ARGS="--wheels .gpu-wheels" (the project's venv is installed only where it runs them).
 CHECK_PYTHON ?= $(BIN)/python
-bench-check: install
+bench-check: $(if $(filter $(BIN)/python,$(CHECK_PYTHON)),install)
 	$(CHECK_PYTHON) benchmarks/suite.py --dry-run $(GPU_SUITE_ARGS)
 
 # On a machine with network: the wheels the GPU image lacks, for its Python (GPU_PYTHON_VERSION), into

@@ -563,9 +563,10 @@ def _on_path(module: str, env: dict) -> bool:
     return any((Path(p) / module).exists() for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)
 
 
-def install_wheels(wheels: Path, env: dict, python: str, fill_gaps: bool = True) -> str:
-    """``wheels/*.whl`` installed (no index, no dependencies) into a temporary directory put first on
-    the children's ``PYTHONPATH``; a line saying what was done. ``fill_gaps``: a wheel of a project
+def install_wheels(wheels: Path, env: dict, python: str, target: Path, fill_gaps: bool = True) -> str:
+    """``wheels/*.whl`` installed (no index, no dependencies) into ``target`` (a temporary directory,
+    its caller's to remove: see ``wheel_site``) put first on the children's ``PYTHONPATH``; a line
+    saying what was done. ``fill_gaps``: a wheel of a project
     ``python`` already has is left out, so the GPU image's own pytest (its plugins loaded by its
     version), packaging and pygments are not shadowed by the carried ones, which are for an image
     without them. Where pip refuses the lot (a wheel of another Python, two versions of one), each
@@ -578,7 +579,6 @@ def install_wheels(wheels: Path, env: dict, python: str, fill_gaps: bool = True)
     said = f"; kept the installed {', '.join(sorted(kept))}" if kept else ""
     if not files:
         return f"every wheel in {wheels} is installed already{said}"
-    target = Path(tempfile.mkdtemp(prefix="seedckpt-gpu-site-"))
     pip = [python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(target)]
     refused = []
     if subprocess.run([*pip, *map(str, files)], capture_output=True).returncode != 0:
@@ -606,16 +606,27 @@ def installed(python: str, projects: list[str], env: dict) -> set[str]:
     return set(out.split())
 
 
-def row_env(part: Part, env: dict, wheels: Path | None) -> dict:
+def wheel_site():
+    """A temporary directory for ``install_wheels``, removed when its ``with`` block ends, however it
+    ends: each call's and each row's install (torchtitan and its dependencies, a few MB) would
+    otherwise stay in /tmp."""
+    return tempfile.TemporaryDirectory(prefix="seedckpt-gpu-site-")
+
+
+@contextlib.contextmanager
+def row_env(part: Part, env: dict, wheels: Path | None):
     """``env`` for ``part``: with its own wheels (``wheels/<part name>/``, a version the other rows
-    must not see) installed and first on its ``PYTHONPATH``, the line saying so printed."""
+    must not see) installed and first on its ``PYTHONPATH``, the line saying so printed; their
+    directory removed when the row ends."""
     own = None if wheels is None else wheels / part.name
     if own is None or not own.is_dir():
-        return env
+        yield env
+        return
     env = dict(env)
-    # its own version, installed whatever else is
-    print(f"{part.name}: {install_wheels(own, env, sys.executable, fill_gaps=False)}", flush=True)
-    return env
+    with wheel_site() as site:
+        # its own version, installed whatever else is
+        print(f"{part.name}: {install_wheels(own, env, sys.executable, Path(site), fill_gaps=False)}", flush=True)
+        yield env
 
 
 def label(line: dict) -> str:
@@ -725,7 +736,8 @@ def dry_run(parts: list[Part], env: dict, logs: str | None, wheels: Path | None 
     failed = 0
     for part in parts:
         log = Path(logs) / f"{part.name}.log" if logs else None
-        result = run_part(part, row_env(part, env, wheels), sys.executable, log, 300, part.tiny)
+        with row_env(part, env, wheels) as part_env:
+            result = run_part(part, part_env, sys.executable, log, 300, part.tiny)
         failed += result.status.startswith(("failed", "timed out"))
         print(f"{part.name}: {result.status} in {result.seconds:.0f} s {result.last_line[-200:]}".rstrip(), flush=True)
     return 1 if failed else 0
@@ -745,12 +757,18 @@ def main(argv: list[str] | None = None) -> int:
     if opts.dry_run and opts.device != "cuda":
         p.error("--dry-run checks the GPU rows: leave out --device cpu")
     parts = select(p, opts)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    with wheel_site() as site:
+        return run_suite(opts, parts, env, Path(site), started)
+
+
+def run_suite(opts, parts: list[Part], env: dict, site: Path, started: float) -> int:
+    """``main``'s parts run (or dry-run), the call's wheels installed into ``site``; the exit status."""
     import torch
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     if opts.dry_run:
         if opts.wheels:
-            print(install_wheels(Path(opts.wheels), env, sys.executable), flush=True)
+            print(install_wheels(Path(opts.wheels), env, sys.executable, site), flush=True)
         return dry_run(parts, env, opts.logs, Path(opts.wheels) if opts.wheels else None)
     if opts.device == "cuda" and not torch.cuda.is_available():
         for part in parts:
@@ -764,7 +782,7 @@ def main(argv: list[str] | None = None) -> int:
     budget = opts.budget_s if opts.device == "cuda" else None  # the CPU suite has no lender's limit
     if opts.device == "cuda":
         report["budget_s"] = budget
-        print(install_wheels(Path(opts.wheels or ROOT / ".gpu-wheels"), env, sys.executable), flush=True)
+        print(install_wheels(Path(opts.wheels or ROOT / ".gpu-wheels"), env, sys.executable, site), flush=True)
     deadline = None if budget is None else (budget, started + budget)
     for part in parts:
         run_one(part, report, env, opts, deadline)
@@ -786,7 +804,8 @@ def run_one(part: Part, report: dict, env: dict, opts, budget: tuple[int, float]
         print(f"{part.name}: running (cap {cap} s)", flush=True)
         wheels = Path(opts.wheels or ROOT / ".gpu-wheels") if part.device == "cuda" else None
         log = Path(opts.logs) / f"{part.name}.log" if opts.logs else None
-        result = run_part(part, row_env(part, env, wheels), sys.executable, log, cap)
+        with row_env(part, env, wheels) as part_env:
+            result = run_part(part, part_env, sys.executable, log, cap)
     report["parts"].append({**result.__dict__, "target": part.target})
     report["ratios"] = ratios(report)
     print(f"{part.name}: {result.status} in {result.seconds:.0f} s -- {headline(result.lines)}", flush=True)

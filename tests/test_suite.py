@@ -15,6 +15,8 @@ import time
 import zipfile
 from pathlib import Path
 
+import pytest
+
 from tests.dist import HANG_S
 
 REPO = Path(__file__).resolve().parents[1]
@@ -148,7 +150,9 @@ def test_the_cpu_suite_names_the_processor_and_refuses_a_gpu_part():
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
 
 
-def test_the_gpu_call_rewrites_its_json_after_every_row(tmp_path, monkeypatch):
+def test_the_gpu_call_rewrites_its_json_after_every_row_and_removes_its_wheels_install(tmp_path, monkeypatch):
+    import tempfile
+
     import torch
 
     results = tmp_path / "gpu.json"
@@ -159,10 +163,14 @@ def test_the_gpu_call_rewrites_its_json_after_every_row(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     machine = {"device": "a GPU", "torch": "2.11", "cores": 16, "date": "2026-11-28T03:00:00+00:00"}
     monkeypatch.setattr(suite, "device_report", lambda torch, device: machine)
-    assert suite.main(["--json", str(results), "--wheels", str(tmp_path / "none")]) == 0
+    tiny_wheel(tmp_path / "wheels")
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    assert suite.main(["--json", str(results), "--wheels", str(tmp_path / "wheels")]) == 0
     report = json.loads(results.read_text())
     assert report["parts"][1]["lines"] == [{"seen": ["first"]}]  # the file as the first row left it
     assert report["finished"] and report["budget_s"] == suite.BUDGET_S
+    assert not list((tmp_path / "tmp").iterdir())  # tinypkg's install, gone with the call
 
 
 def tiny_wheel(wheels: Path) -> None:
@@ -182,22 +190,28 @@ def test_a_wheel_pip_refuses_is_named_one_of_an_installed_project_is_left_out_th
     tiny_wheel(wheels)
     (wheels / "other-1.0-cp27-cp27m-win32.whl").write_bytes(b"not for this machine")
     (wheels / "pytest-0.0-py3-none-any.whl").write_bytes(b"pip would refuse this one too")
-    env = {"PYTHONPATH": "/elsewhere"}
-    said = suite.install_wheels(wheels, env, sys.executable)
-    site = env["PYTHONPATH"].split(os.pathsep)[0]
+    env, site = {"PYTHONPATH": "/elsewhere"}, tmp_path / "site"
+    said = suite.install_wheels(wheels, env, sys.executable, site)
     refused = "pip refused other-1.0-cp27-cp27m-win32.whl"
     assert said == f"installed tinypkg from {wheels} into {site}; kept the installed pytest; {refused}"
-    assert (Path(site) / "tinypkg.py").read_text() == "VALUE = 7\n" and env["PYTHONPATH"].endswith("/elsewhere")
-    said = suite.install_wheels(wheels, {}, sys.executable, fill_gaps=False)
+    assert env["PYTHONPATH"] == os.pathsep.join([str(site), "/elsewhere"])
+    assert (site / "tinypkg.py").read_text() == "VALUE = 7\n"
+    said = suite.install_wheels(wheels, {}, sys.executable, tmp_path / "site2", fill_gaps=False)
     assert said.endswith(f"; {refused}, pytest-0.0-py3-none-any.whl")
 
 
-def test_a_rows_own_wheels_go_first_on_its_path_alone(tmp_path, capsys):
-    """``.gpu-wheels/<row>/``: a version only that row sees (torchtitan 0.2.2 for torchtitan_peer)."""
+def test_a_rows_own_wheels_go_first_on_its_path_alone_and_are_removed_when_it_ends(tmp_path, capsys):
+    """``.gpu-wheels/<row>/``: a version only that row sees (torchtitan 0.2.2 for torchtitan_peer),
+    its directory gone once the row ends, as it ends."""
     tiny_wheel(tmp_path / "wheels" / "mine")
     mine, other = (suite.Part(name, "cuda", ["-c", "pass"], 30, "-", estimate_s=1) for name in ("mine", "other"))
     env = {"PYTHONPATH": "/elsewhere"}
-    assert suite.row_env(other, env, tmp_path / "wheels") is env and suite.row_env(mine, env, None) is env
-    site, rest = suite.row_env(mine, env, tmp_path / "wheels")["PYTHONPATH"].split(os.pathsep)
-    assert (Path(site) / "tinypkg.py").is_file() and rest == "/elsewhere" and env == {"PYTHONPATH": "/elsewhere"}
+    for part, wheels in ((other, tmp_path / "wheels"), (mine, None)):
+        with suite.row_env(part, env, wheels) as row:
+            assert row is env
+    with pytest.raises(RuntimeError), suite.row_env(mine, env, tmp_path / "wheels") as row:
+        site, rest = row["PYTHONPATH"].split(os.pathsep)
+        assert (Path(site) / "tinypkg.py").is_file() and rest == "/elsewhere" and env == {"PYTHONPATH": "/elsewhere"}
+        raise RuntimeError("the row failed")
+    assert not Path(site).exists()
     assert capsys.readouterr().out.startswith(f"mine: installed tinypkg from {tmp_path / 'wheels' / 'mine'} into ")
