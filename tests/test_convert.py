@@ -565,6 +565,32 @@ def test_a_diff_beyond_the_available_memory_is_refused_before_comparing(debug_se
     assert diff(debug_seed, debug_seed)[0]
 
 
+def test_the_memory_estimate_counts_the_whole_heads_an_hf_read_widens_a_slab_to(tmp_path, debug_seed, monkeypatch):
+    """Read from HF, q and k come in whole RoPE heads (16 rows of 512 bytes) kept while their slab
+    lives: in slabs of 1 KiB (2 rows; every other tensor holds 2.8 KiB at most, read and cast) with
+    4 KiB available, HF -> DCP is refused naming one (8 KiB read, 1 KiB cast), nothing written."""
+    hf = convert(debug_seed, tmp_path / "hf", "hf", progress=False)
+    monkeypatch.setattr(slabs, "SLAB_BYTES", 1 << 10)
+    monkeypatch.setattr(convert_module, "available_memory", lambda: 4 << 10)
+    with pytest.raises(SeedckptError, match=r"attention.w[qk].weight is held in slabs widened to the row groups"):
+        convert(hf, tmp_path / "dcp", "dcp", progress=False)
+    _assert_nothing_written(tmp_path, "dcp")
+
+
+def test_a_verify_beyond_the_available_memory_is_refused_before_reading(tmp_path, debug_seed, monkeypatch, capsys):
+    """``verify`` of a file without checksums reads every value a slab at a time, a row never split:
+    in slabs of 1 KiB, w2's rows of 1408 bytes take more than 1 KiB available, so it exits 2 with one
+    line naming the tensor and the fix; with 2 KiB available it reads every value."""
+    checkpoint = str(convert(debug_seed, tmp_path / "m.safetensors", "safetensors", progress=False))
+    monkeypatch.setattr(slabs, "SLAB_BYTES", 1 << 10)
+    monkeypatch.setattr(convert_module, "available_memory", lambda: 1 << 10)
+    assert main(["verify", checkpoint, "--quiet"]) == 2
+    error = capsys.readouterr().err
+    assert re.fullmatch(r"seedckpt verify: error: verify of .*w2.weight takes .* at once .* free memory.*\n", error)
+    monkeypatch.setattr(convert_module, "available_memory", lambda: 2 << 10)
+    assert main(["verify", checkpoint, "--quiet"]) == 0
+
+
 def _fake_memory(root: Path, files: dict[str, str]) -> Path:
     """A ``/proc/meminfo`` (8 GiB available), ``/proc/self/cgroup`` (``self``) and cgroup folder
     (``cg``) under ``root`` holding ``files``."""

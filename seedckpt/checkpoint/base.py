@@ -111,6 +111,12 @@ class OpenedCheckpoint:
         tensor once and slices it)."""
         return False
 
+    def read_align(self, fqn: str) -> int:
+        """The rows ``read_rows`` of ``fqn`` reads in whole multiples of (1: those asked for alone): a
+        format that permutes rows within groups as it reads (RoPE heads) reads the whole groups
+        around them, and keeps them while the slab lives -- what a memory estimate counts."""
+        return 1
+
     def read_rows(self, fqn: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)`` (dim 0) of ``fqn`` on CPU, read by this process alone (convert, diff,
         verify). Here the whole tensor is read and kept until another is asked for: a format that

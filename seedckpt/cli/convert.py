@@ -6,7 +6,8 @@ written, freed), so peak memory stays near a few slabs whatever the tensors: a 1
 0.36 GiB of peak RSS, 1.3 GiB read whole; a 256 MiB one 0.36 against 0.55 (``benchmarks/convert.py
 --big``). ``torch``'s single pickle holds the model, and a source that reads a tensor only whole (an
 OSFT checkpoint's dense view) holds it: either is refused up front where it exceeds the memory
-available (``refuse_beyond_memory``), and so is a diff whose slab does (``refuse_diff_beyond_memory``).
+available (``refuse_beyond_memory``), and so is a diff or a ``verify`` whose slab does
+(``refuse_diff_beyond_memory``, ``refuse_verify_beyond_memory``).
 
 * ``dcp``: a DCP checkpoint with our flat FQNs and a manifest (kind ``converted``);
   ``torchtitan``: the same in torchtitan 0.3's names (``qkv_linear``, ``lm_head``).
@@ -219,18 +220,33 @@ def row_order(codec, source: OpenedCheckpoint, to: str):
 
 
 def _held_at_once(source: OpenedCheckpoint, fqn: str, info: TensorInfo, names) -> int:
-    """The bytes of ``fqn`` (written as ``info``) a conversion holds at once, its read and its cast."""
-    both = source.infos[fqn].nbytes + info.nbytes
+    """The bytes of ``fqn`` (written as ``info``) a conversion holds at once, its read
+    (``slab_held``) and its cast."""
     if not source.reads_rows(fqn) or not info.shape:
-        return both
-    rows = max((stop - start for start, stop in stored_bounds(info, names, fqn)), default=0)
-    return both * rows // info.shape[0]
+        return source.infos[fqn].nbytes + info.nbytes
+    bounds = stored_bounds(info, names, fqn)
+    rows = max((stop - start for start, stop in bounds), default=0)
+    return slab_held(source, fqn, bounds) + info.nbytes * rows // info.shape[0]
+
+
+def slab_held(side: OpenedCheckpoint, fqn: str, bounds: list[tuple[int, int]]) -> int:
+    """The bytes ``side`` holds reading ``fqn`` in the slabs ``bounds``: the whole tensor where it
+    reads it no other way, else its largest slab with the whole row groups its read widens to
+    (``read_align``: HF's q/k heads, read whole around a slab's rows and kept while the slab lives)."""
+    info = side.infos[fqn]
+    if not side.reads_rows(fqn) or not info.shape:
+        return info.nbytes
+    per = side.read_align(fqn)
+    rows = max(((-(-stop // per) - start // per) * per for start, stop in bounds), default=0)
+    return info.nbytes * rows // max(1, info.shape[0])
 
 
 def _how_held(source: OpenedCheckpoint, fqn: str, names) -> str:
     if not source.reads_rows(fqn):
         return "whole (the source reads it no other way)"
-    return "in slabs of the row groups its target permutes" if names and names.row_groups(fqn) else "in slabs"
+    if names and names.row_groups(fqn):
+        return "in slabs of the row groups its target permutes"
+    return "in slabs widened to the row groups its source permutes" if source.read_align(fqn) > 1 else "in slabs"
 
 
 class FiniteReads(OpenedCheckpoint):
@@ -250,6 +266,9 @@ class FiniteReads(OpenedCheckpoint):
 
     def reads_rows(self, fqn: str) -> bool:
         return self.source.reads_rows(fqn)
+
+    def read_align(self, fqn: str) -> int:
+        return self.source.read_align(fqn)
 
     def read_rows(self, fqn: str, start: int, stop: int) -> torch.Tensor:
         return self._checked(fqn, self.source.read_rows(fqn, start, stop))
@@ -456,28 +475,56 @@ def refuse_diff_beyond_memory(left: OpenedCheckpoint, right: OpenedCheckpoint) -
     """Refuse, before comparing, a diff that must hold more at once than the memory available
     (``available_memory``): it holds a slab of rows of both sides, widened to float64, but a row is
     never split (one expert of a 3-D MoE tensor is one row, however large) and a side that reads a
-    tensor only whole (an OSFT target rebuilt dense) holds it whole besides."""
-    held = {fqn: _diff_held(left, right, fqn) for fqn in left.infos if fqn in right.infos}
-    largest = max(held, key=held.get, default=None)
-    available = available_memory()
-    if largest is not None and available is not None and held[largest] > available:
+    tensor only whole (an OSFT target rebuilt dense) holds it whole instead."""
+    beyond = _beyond_memory({fqn: _diff_held(left, right, fqn) for fqn in left.infos if fqn in right.infos})
+    if beyond is not None:
+        largest, need, available = beyond
         raise SeedckptError(
-            f"diff of {left.path} and {right.path}: {largest} takes {size_text(held[largest])} at once "
+            f"diff of {left.path} and {right.path}: {largest} takes {size_text(need)} at once "
             f"(its slab of rows of both sides, compared in float64), but {size_text(available)} of memory "
             "are available: free memory, or diff on a machine with more"
         )
 
 
+def refuse_verify_beyond_memory(source: OpenedCheckpoint) -> None:
+    """Refuse, before reading, a ``verify`` of every value (a checkpoint without checksums) that must
+    hold more at once than the memory available: it reads each tensor a slab at a time, but a row is
+    never split (a whole expert), a quantized one is dequantized to float32 slabs, and a tensor its
+    format reads only whole is held whole."""
+    held = {
+        fqn: slab_held(source, fqn, row_bounds(info.shape, info.dtype.itemsize))
+        for fqn, info in source.infos.items()
+        if fqn not in source.aliases
+    }
+    beyond = _beyond_memory(held)
+    if beyond is not None:
+        largest, need, available = beyond
+        raise SeedckptError(
+            f"verify of {source.path}: {largest} takes {size_text(need)} at once (its largest slab as read), "
+            f"but {size_text(available)} of memory are available: free memory, or verify on a machine with more"
+        )
+
+
+def _beyond_memory(held: dict[str, int]) -> tuple[str, int, int] | None:
+    """``(the tensor held largest, its bytes, the memory available)`` where it needs more than is
+    available (``available_memory``), else None."""
+    largest = max(held, key=held.get, default=None)
+    available = available_memory()
+    if largest is None or available is None or held[largest] <= available:
+        return None
+    return largest, held[largest], available
+
+
 def _diff_held(left: OpenedCheckpoint, right: OpenedCheckpoint, fqn: str) -> int:
-    """The bytes ``_compared`` holds at once for ``fqn``: per value of a slab, both sides as read and
-    ``COMPARE_BYTES``; plus the whole tensor of a side that reads it only whole."""
+    """The bytes ``_compared`` holds at once for ``fqn``: each side's read (``slab_held``), and
+    ``COMPARE_BYTES`` per value of a slab."""
     li, ri = left.infos[fqn], right.infos[fqn]
     if li.shape != ri.shape:
         return 0
-    rows = max((stop - start for start, stop in row_bounds(li.shape, torch.float64.itemsize)), default=1)
+    bounds = row_bounds(li.shape, torch.float64.itemsize)
+    rows = max((stop - start for start, stop in bounds), default=1)
     values = li.numel * rows // max(1, li.shape[0]) if li.shape else li.numel
-    whole = sum(side.infos[fqn].nbytes for side in (left, right) if not side.reads_rows(fqn))
-    return values * (li.dtype.itemsize + ri.dtype.itemsize + COMPARE_BYTES) + whole
+    return values * COMPARE_BYTES + slab_held(left, fqn, bounds) + slab_held(right, fqn, bounds)
 
 
 def _compared(left: OpenedCheckpoint, right: OpenedCheckpoint, fqn: str) -> tuple[float, bool]:

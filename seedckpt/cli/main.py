@@ -430,8 +430,10 @@ def _verify_values(source, quiet: bool) -> int:
     quantized, a slab at a time, which checks its scales) and its values checked; each holding NaN or Inf is named.
     Exit 0: its files are whole, whatever their values (as for checksums, non-finite values warn)."""
     from seedckpt.checkpoint.base import nonfinite_count
+    from seedckpt.cli.convert import refuse_verify_beyond_memory
     from seedckpt.utils.progress import Progress
 
+    refuse_verify_beyond_memory(source)
     reads = list(source.stored_reads())
     total = sum(nbytes for _, nbytes, _ in reads)
     bar = Progress(total, "verify", enabled=not quiet)

@@ -424,6 +424,9 @@ class DenseOSFT(OpenedCheckpoint):
         """A target is rebuilt whole (a product of its factors); the other tensors read as stored."""
         return fqn.removesuffix(".weight") not in self.targets and self.source.reads_rows(fqn)
 
+    def read_align(self, fqn: str) -> int:
+        return self.source.read_align(fqn)
+
     def read_rows(self, fqn: str, start: int, stop: int) -> torch.Tensor:
         if fqn.removesuffix(".weight") in self.targets:
             return super().read_rows(fqn, start, stop)

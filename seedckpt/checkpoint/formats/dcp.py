@@ -204,6 +204,11 @@ class DcpCheckpoint(OpenedCheckpoint):
     def reads_rows(self, fqn: str) -> bool:
         return True
 
+    def read_align(self, fqn: str) -> int:
+        names = None if fqn in self.parts else self.renamed.get(fqn)
+        groups = names.row_groups(fqn) if names is not None else None
+        return self.all_tensors[fqn].shape[0] // groups if groups else 1
+
     def read_rows(self, fqn: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)`` of ``fqn``, reading (and checking) only the stored rows they come
         from: a fused or split tensor's through ``load``'s rows; where another tool permutes rows
@@ -217,7 +222,7 @@ class DcpCheckpoint(OpenedCheckpoint):
             return window.dest
         names = self.renamed.get(fqn)
         groups = names.row_groups(fqn) if names is not None else None
-        per = info.shape[0] // groups if groups else 1
+        per = self.read_align(fqn)
         lo, hi = start // per * per, -(-stop // per) * per
         window = RowWindow(torch.empty((hi - lo, *info.shape[1:]), dtype=info.dtype), lo)
         load_state({self.stored.get(fqn, fqn): window}, self.reader(), self.path, no_dist=True)

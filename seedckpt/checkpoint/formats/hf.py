@@ -247,6 +247,10 @@ class HFCheckpoint(OpenedCheckpoint):
     def reads_rows(self, fqn: str) -> bool:
         return True
 
+    def read_align(self, fqn: str) -> int:
+        groups = None if fqn in self.slices or fqn in self.parts else self.names.row_groups(fqn)
+        return self.infos[fqn].shape[0] // groups if groups else 1
+
     def read_rows(self, fqn: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)`` of ``fqn``: those of the stored tensor under it (dequantized), of the
         fused one holding it (split; dim 0 is the experts of both), or one stored slice (expert) per
@@ -260,7 +264,7 @@ class HFCheckpoint(OpenedCheckpoint):
         groups = self.names.row_groups(fqn)
         if not groups:
             return self._read_stored_rows(file, name, start, stop)
-        per = self.infos[fqn].shape[0] // groups
+        per = self.read_align(fqn)
         lo, hi = start // per * per, -(-stop // per) * per
         rows = self.names.from_stored_rows(self._read_stored_rows(file, name, lo, hi), (hi - lo) // per)
         return rows[start - lo : stop - lo]
