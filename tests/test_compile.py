@@ -18,6 +18,7 @@ from seedckpt.finetune.osft import convert_to_osft, decompose
 from seedckpt.materialize.init_recipe import init_model
 from seedckpt.parallel.parallelize import apply_activation_checkpointing, apply_compile, check_compile_supported
 from seedckpt.utils.errors import SeedckptError
+from tests.compiled import compile_with_aot_eager, eager_and_compiled, graph_count
 from tests.conftest import tiny_config
 from tests.dist import run_distributed
 from tests.test_expert_parallel import ONE, ep
@@ -95,14 +96,11 @@ def test_compiled_blocks_compute_a_sliding_window():
     counters.clear()
     window = ["--model.name", "mistral", "--model.sliding_window", "8", "--model.n_layers", "2"]
     args = tiny_config(*window).model_args()
-    eager, compiled = Transformer(args), Transformer(args)
-    init_model(eager, 0)
-    compiled.load_state_dict(eager.state_dict())
-    apply_compile(compiled)
+    eager, compiled = eager_and_compiled(args)
     tokens = torch.randint(0, args.vocab_size, (2, 300), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(compiled(tokens), eager(tokens), rtol=1e-5, atol=1e-5)
-        assert counters["stats"]["unique_graphs"] == 1
+        assert graph_count() == 1
 
 
 def test_missing_cpp_compiler_is_refused_with_the_fix(monkeypatch):
@@ -148,25 +146,12 @@ def _grouped_mm_calls(trace) -> tuple[int, int]:
     return inside, len(calls)
 
 
-def _graphs() -> int:
-    return counters["stats"]["unique_graphs"]
-
-
 def _eager_and_compiled_moe(monkeypatch, ac: str, *overrides: str):
     """The tiny Qwen3-MoE's args, an eager model and a copy under AC ``ac`` compiled by
-    ``apply_compile`` with ``aot_eager``: dynamo and AOT autograd decide what these tests check;
-    inductor's C++ code generation (minutes of a busy CPU) runs in the training test."""
-    torch._dynamo.reset()
-    counters.clear()
-    compile_with = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_with(fn, backend="aot_eager", **kw))
+    ``apply_compile`` with ``aot_eager`` (inductor's C++ code generation runs in the training test)."""
+    compile_with_aot_eager(monkeypatch)
     args = tiny_config("--model.name", "qwen3_moe", *overrides).model_args()
-    eager, compiled = Transformer(args), Transformer(args)
-    init_model(eager, 0)
-    compiled.load_state_dict(eager.state_dict())
-    apply_activation_checkpointing(compiled, ac, 1)
-    apply_compile(compiled)
-    return args, eager, compiled
+    return args, *eager_and_compiled(args, ac)
 
 
 def test_moe_blocks_compile_once_whatever_the_routing(monkeypatch):
@@ -183,7 +168,7 @@ def test_moe_blocks_compile_once_whatever_the_routing(monkeypatch):
         logits = [model(tokens) for model in (compiled, eager)]
         for out in logits:
             out.square().mean().backward()
-        graphs.append(_graphs())
+        graphs.append(graph_count())
         torch.testing.assert_close(*logits, rtol=1e-5, atol=1e-6)
     assert graphs[0] == graphs[-1] == 2  # the dense block's and one for the three MoE blocks
     counts = [[c.tolist() for c, _ in layer.routed] for layer in moe_modules(compiled)]
@@ -199,7 +184,7 @@ def test_moe_blocks_compile_once_whatever_the_routing(monkeypatch):
         owned[1, owned_tokens:] = False
         with torch.no_grad():
             block(h, compiled.freqs_cis[:16], None, owned)
-        padded.append(_graphs())
+        padded.append(graph_count())
     assert padded[0] == padded[-1] == graphs[-1] + 1  # one graph for a mask, whatever it routes
 
 
@@ -214,7 +199,7 @@ def test_moe_blocks_compile_with_the_per_expert_loop(monkeypatch):
         tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(step))
         with torch.no_grad():
             torch.testing.assert_close(compiled(tokens), eager(tokens), rtol=1e-5, atol=1e-6)
-        assert _graphs() == 2  # the dense block's and the MoE block's
+        assert graph_count() == 2  # the dense block's and the MoE block's
 
 
 @pytest.mark.cuda
@@ -236,7 +221,7 @@ def test_compiled_moe_block_on_cuda_is_eagers():
         for out in logits:
             out.float().square().mean().backward()
         assert _relative_gap(*logits) < 3e-2
-    assert _graphs() == 2  # the dense block's and the MoE block's
+    assert graph_count() == 2  # the dense block's and the MoE block's
     for (name, p), q in zip(compiled.named_parameters(), eager.parameters()):
         assert _relative_gap(p.grad, q.grad) < 5e-2, name
 

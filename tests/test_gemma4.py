@@ -6,7 +6,6 @@ against eager."""
 
 from __future__ import annotations
 
-import functools
 import json
 import warnings
 
@@ -389,15 +388,12 @@ def test_compiled_blocks_train_as_eager_with_the_shared_keys_and_experts(monkeyp
     Measured: equal. Not inductor: its fused norms round one ulp off eager's, which Gemma 4's
     unscaled scores amplify to 9e-5 here by step 2 (``models.gemma4``'s docstring)."""
     from models.common.moe import moe_modules
-    from seedckpt.parallel.parallelize import apply_compile
+    from tests.compiled import compile_with_aot_eager, eager_and_compiled
     from tests.conftest import tiny_config
 
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    compile_with_aot_eager(monkeypatch)
     args = tiny_config("--model.name", "gemma4", *EXPERTS).model_args()
-    eager, compiled = models = [Gemma4Transformer(args) for _ in range(2)]
-    init_model(eager, 0)
-    compiled.load_state_dict(eager.state_dict())
-    apply_compile(compiled)
+    eager, compiled = models = eager_and_compiled(args, model=Gemma4Transformer)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in models]
     generator = torch.Generator().manual_seed(0)
     for step in range(3):

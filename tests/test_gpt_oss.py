@@ -419,13 +419,11 @@ def test_compiled_attention_computes_eager_logits_and_gradients(tmp_path, monkey
     from torch._dynamo.utils import counters
 
     from seedckpt.parallel.parallelize import apply_compile
+    from tests.compiled import compile_with_aot_eager
 
-    torch._dynamo.reset()
-    counters.clear()
+    compile_with_aot_eager(monkeypatch)
     path = hf_model(tmp_path / "hf")
     eager, compiled = load_model(path), load_model(path)
-    compile_with = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_with(fn, backend="aot_eager", **kw))
     apply_compile(compiled, whole_blocks=False)
     out, reference = compiled(TOKENS), eager(TOKENS)
     out.square().mean().backward()

@@ -16,10 +16,8 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from models.common import packed_attention as pa
-from models.common.decoder import Transformer
 from models.common.packed_attention import ALONE, Documents, causal_attention, packed_attention
-from seedckpt.materialize.init_recipe import init_model
-from seedckpt.parallel.parallelize import apply_compile
+from tests.compiled import compile_with_aot_eager, eager_and_compiled, graph_count
 from tests.conftest import tiny_config
 
 # Three rows of 400 positions: documents of every length class, one at least ALONE long, padding at
@@ -280,15 +278,6 @@ def random_layouts(count: int, bsz: int, seq: int, longest: int) -> list[torch.T
     ]
 
 
-def _compile_with_aot_eager(monkeypatch):
-    """``torch.compile`` with ``aot_eager``: dynamo and AOT autograd decide the graphs these tests
-    count; inductor's C++ code generation (tens of seconds of a busy CPU) is not what they check."""
-    torch._dynamo.reset()
-    counters.clear()
-    compile_with = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_with(fn, backend="aot_eager", **kw))
-
-
 def _assert_compiled_is_eager(compiled, documents: Documents, inputs, window, softcap, **tolerance) -> None:
     """``compiled`` (``packed_attention`` under ``torch.compile``) computes eager's outputs and
     gradients (scale 0.3)."""
@@ -309,12 +298,12 @@ def test_compiled_packed_attention_runs_one_graph_for_every_layout(window, sinks
     the graph: 5 batches of other documents run the first one's graph (before: a graph for nearly
     every batch, as the length classes' number and sizes changed), with eager's outputs and the
     gradients of q, k, v and the sinks within 1e-5 (GQA 4/2, a narrower value head)."""
-    _compile_with_aot_eager(monkeypatch)
+    compile_with_aot_eager(monkeypatch)
     compiled = torch.compile(packed_attention, fullgraph=True)
     inputs = _inputs(v_dim=8, sinks=sinks)
     for ids in random_layouts(5, len(LENGTHS), 400, 150):
         _assert_compiled_is_eager(compiled, Documents.of(ids), inputs, window, softcap, rtol=1e-5, atol=1e-5)
-    assert counters["stats"]["unique_graphs"] == 1
+    assert graph_count() == 1
 
 
 def test_compiled_model_compiles_no_more_for_batches_of_other_documents(monkeypatch):
@@ -324,12 +313,9 @@ def test_compiled_model_compiles_no_more_for_batches_of_other_documents(monkeypa
     eager's within 1e-5. Two: one per kind of layer (a window is a constant of its graph), whatever
     the batches; nothing in a graph follows the documents (``_packed_sdpa`` takes them as inputs
     whose sizes are symbols from the first batch)."""
-    _compile_with_aot_eager(monkeypatch)
+    compile_with_aot_eager(monkeypatch)
     args = tiny_config("--model.name", "gemma2", "--model.n_layers", "2", "--model.window_layers", "0").model_args()
-    eager, compiled = Transformer(args), Transformer(args)
-    init_model(eager, 0)
-    compiled.load_state_dict(eager.state_dict())
-    apply_compile(compiled)
+    eager, compiled = eager_and_compiled(args)
     tokens = torch.randint(0, args.vocab_size, (2, 256), generator=torch.Generator().manual_seed(0))
     graphs = []
     for ids in random_layouts(5, 2, 256, 60):
@@ -337,7 +323,7 @@ def test_compiled_model_compiles_no_more_for_batches_of_other_documents(monkeypa
         for loss in losses:
             loss.backward()
         torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-5)
-        graphs.append(counters["stats"]["unique_graphs"])
+        graphs.append(graph_count())
     assert graphs == [2] * 5
     for (name, p), q in zip(compiled.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5, msg=name)

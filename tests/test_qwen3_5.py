@@ -14,9 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from torch._dynamo.utils import counters
 
-from models.common.decoder import Transformer
 from models.common.gated_deltanet import (
     CHUNK,
     GatedDeltaNet,
@@ -31,11 +29,11 @@ from models.registry import get_family
 from seedckpt import load_model
 from seedckpt.materialize.init_recipe import init_model
 from seedckpt.materialize.seed import create_seed_checkpoint
-from seedckpt.parallel.parallelize import apply_compile
+from tests.compiled import compile_with_aot_eager, eager_and_compiled, graph_count
 from tests.conftest import tiny_config
 from tests.dist import run_distributed
 from tests.test_deepseek_v3 import _close, assert_both_ways
-from tests.test_packed_attention import _compile_with_aot_eager, random_layouts
+from tests.test_packed_attention import random_layouts
 from tests.test_train import losses, torchrun
 
 transformers = pytest.importorskip("transformers")
@@ -214,19 +212,16 @@ def test_compiled_model_compiles_no_more_for_batches_of_other_documents(monkeypa
     followed each batch's documents), with eager's losses and gradients bitwise -- ``A_log``'s and
     ``dt_bias``'s in float32, the convolution's window emptied at each document -- since the
     documents' op runs eager's code. Two: one per kind of layer, whatever the batches."""
-    _compile_with_aot_eager(monkeypatch)
+    compile_with_aot_eager(monkeypatch)
     args = tiny_config(*M).model_args()
-    eager, compiled = Transformer(args), Transformer(args)
-    init_model(eager, 0)
-    compiled.load_state_dict(eager.state_dict())
-    apply_compile(compiled)
+    eager, compiled = eager_and_compiled(args)
     tokens = torch.randint(0, args.vocab_size, (2, 160), generator=torch.Generator().manual_seed(0))
     for ids in random_layouts(5, 2, 160, 80):
         pair = [model(tokens, document_ids=ids, labels=tokens.roll(-1, 1)) for model in (compiled, eager)]
         for loss in pair:
             loss.backward()
         assert torch.equal(pair[0], pair[1])
-        assert counters["stats"]["unique_graphs"] == 2
+        assert graph_count() == 2
     for (name, p), q in zip(compiled.named_parameters(), eager.parameters()):
         assert torch.equal(p.grad, q.grad), name
 
