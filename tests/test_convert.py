@@ -568,13 +568,16 @@ def test_a_diff_beyond_the_available_memory_is_refused_before_comparing(debug_se
 def test_the_memory_estimate_counts_the_whole_heads_an_hf_read_widens_a_slab_to(tmp_path, debug_seed, monkeypatch):
     """Read from HF, q and k come in whole RoPE heads (16 rows of 512 bytes) kept while their slab
     lives: in slabs of 1 KiB (2 rows; every other tensor holds 2.8 KiB at most, read and cast) with
-    4 KiB available, HF -> DCP is refused naming one (8 KiB read, 1 KiB cast), nothing written."""
+    4 KiB available, HF -> DCP is refused naming one (8 KiB read, 1 KiB cast), nothing written; diff's
+    estimate of q against the seed counts the 8 KiB as well (a row of 128 values compared: 6.5 KiB)."""
     hf = convert(debug_seed, tmp_path / "hf", "hf", progress=False)
     monkeypatch.setattr(slabs, "SLAB_BYTES", 1 << 10)
     monkeypatch.setattr(convert_module, "available_memory", lambda: 4 << 10)
     with pytest.raises(SeedckptError, match=r"attention.w[qk].weight is held in slabs widened to the row groups"):
         convert(hf, tmp_path / "dcp", "dcp", progress=False)
     _assert_nothing_written(tmp_path, "dcp")
+    sides = [open_model_checkpoint(path) for path in (hf, debug_seed)]
+    assert convert_module._diff_held(*sides, "layers.0.attention.wq.weight") > 8 << 10
 
 
 def test_a_verify_beyond_the_available_memory_is_refused_before_reading(tmp_path, debug_seed, monkeypatch, capsys):
