@@ -31,7 +31,7 @@ class OffsetRMSNorm(nn.Module):
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
     """``x`` in float32 at least: bfloat16 and float16 computed in float32, float64 kept, so a float64
-    model computes in float64 (how tests tell a layout's error from float32's rounding)."""
+    model's norms compute in float64 (RoPE and the router still round to float32)."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
