@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+import seedckpt.checkpoint.load as slabs
 from models.common.decoder import Transformer
 from models.qwen3_5.args import Qwen35Args
 from models.qwen3_5.torchtitan import Qwen35TorchtitanNames
@@ -23,6 +24,7 @@ from models.qwen3_5_moe.torchtitan import Qwen35MoeTorchtitanNames
 from seedckpt import load_model
 from seedckpt.checkpoint import RowWindow
 from seedckpt.checkpoint.owned_reads import OwnedFileSystemReader
+from seedckpt.cli import convert as convert_module
 from seedckpt.cli.convert import convert, diff
 from seedckpt.materialize.model_checkpoint import open_model_checkpoint
 from seedckpt.materialize.seed import create_seed_checkpoint
@@ -188,6 +190,19 @@ def test_ours_to_torchtitan_and_back_is_bitwise(titan, tmp_path):
     assert written.keys() == original.keys() and all(torch.equal(t, original[k]) for k, t in written.items())
     equal, lines = diff(ours, convert(back, tmp_path / "again", "dcp", progress=False))
     assert equal, lines
+
+
+def test_the_memory_estimate_counts_a_tensor_torchtitan_stores_split_whole(titan, tmp_path, monkeypatch):
+    """Going to torchtitan, our fused ``in_proj_qkv`` (20 KiB) is read whole and copied into its
+    q, k and v: in slabs of 1 KiB with 32 KiB available, the estimate counts 60 KiB (read, parts,
+    cast) and refuses it, nothing written; counted as one slab (2 KiB) it was let through."""
+    _, path, args = titan
+    ours = convert(path, tmp_path / "ours", "dcp", progress=False, args=args, model="qwen3_5")
+    monkeypatch.setattr(slabs, "SLAB_BYTES", 1 << 10)
+    monkeypatch.setattr(convert_module, "available_memory", lambda: 32 << 10)
+    with pytest.raises(SeedckptError, match=r"in_proj_qkv.weight is held whole and copied into the parts"):
+        convert(ours, tmp_path / "titan", "torchtitan", progress=False)
+    assert not list(tmp_path.glob("*titan*"))
 
 
 def test_a_rank_holding_some_rows_reads_only_the_stored_rows_they_come_from(titan, monkeypatch):

@@ -18,7 +18,7 @@ import torch
 
 from seedckpt.checkpoint.load import RowWindow, row_bounds, tensor_problems
 from seedckpt.checkpoint.manifest import TensorInfo, dtype_name, is_model_key
-from seedckpt.checkpoint.model import ModelCodec, ModelLayout
+from seedckpt.checkpoint.model import ModelCodec, ModelLayout, StoredSplit
 from seedckpt.utils.errors import SeedckptError
 from seedckpt.utils.tensors import all_finite, copy_full_into
 
@@ -226,6 +226,13 @@ def stored_bounds(info: TensorInfo, names=None, fqn: str = "") -> list[tuple[int
     groups (RoPE heads), so that each slab is read from the same rows of ours."""
     groups = names.row_groups(fqn) if names is not None and info.shape else None
     return row_bounds(info.shape, info.dtype.itemsize, align=info.shape[0] // groups if groups else 1)
+
+
+def stored_split(names, fqn: str) -> StoredSplit | None:
+    """The ``StoredSplit`` in which ``names`` (another tool's name adapter, None: ours) stores ``fqn``
+    as several tensors (a writer reads it whole, once for its parts), else None."""
+    parts = names.from_stored(names.to_stored(fqn)) if names is not None else None
+    return parts if isinstance(parts, StoredSplit) else None
 
 
 def read_stored_rows(source: OpenedCheckpoint, fqn: str, names, start: int, stop: int) -> torch.Tensor:

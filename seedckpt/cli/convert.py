@@ -38,7 +38,7 @@ import torch
 
 from models.family import ModelFamily
 from seedckpt.checkpoint import FORMATS, OpenedCheckpoint, TensorInfo, WriteJob, dtype_name, make_manifest
-from seedckpt.checkpoint.base import nonfinite_count, stored_bounds
+from seedckpt.checkpoint.base import nonfinite_count, stored_bounds, stored_split
 from seedckpt.checkpoint.formats.hf import GENERATION_CONFIG
 from seedckpt.checkpoint.load import row_bounds
 from seedckpt.checkpoint.manifest import TOKENIZER_DIR
@@ -221,9 +221,13 @@ def row_order(codec, source: OpenedCheckpoint, to: str):
 
 def _held_at_once(source: OpenedCheckpoint, fqn: str, info: TensorInfo, names) -> int:
     """The bytes of ``fqn`` (written as ``info``) a conversion holds at once, its read
-    (``slab_held``) and its cast."""
+    (``slab_held``) and its cast; one the target stores split (``stored_split``) is read whole and
+    copied into its parts."""
+    read = source.infos[fqn].nbytes
+    if stored_split(names, fqn) is not None:
+        return 2 * read + info.nbytes
     if not source.reads_rows(fqn) or not info.shape:
-        return source.infos[fqn].nbytes + info.nbytes
+        return read + info.nbytes
     bounds = stored_bounds(info, names, fqn)
     rows = max((stop - start for start, stop in bounds), default=0)
     return slab_held(source, fqn, bounds) + info.nbytes * rows // info.shape[0]
@@ -242,6 +246,8 @@ def slab_held(side: OpenedCheckpoint, fqn: str, bounds: list[tuple[int, int]]) -
 
 
 def _how_held(source: OpenedCheckpoint, fqn: str, names) -> str:
+    if stored_split(names, fqn) is not None:
+        return "whole and copied into the parts its target stores"
     if not source.reads_rows(fqn):
         return "whole (the source reads it no other way)"
     if names and names.row_groups(fqn):
