@@ -183,27 +183,30 @@ def convert(
         bar.close()
 
 
-def refuse_beyond_memory(source: OpenedCheckpoint, infos: dict[str, TensorInfo], to: str, dst, names=None) -> None:
+def refuse_beyond_memory(source: OpenedCheckpoint, infos: dict[str, TensorInfo], to: str, dst, names) -> None:
     """Refuse, before anything is written, a conversion that must hold more at once than the machine
     has available (``available_memory``: a cgroup's limit counted), rather than meet the OOM killer
     midway: a ``torch`` output (one pickle of every tensor), else the tensor held largest -- read and
-    cast whole where the source reads it only whole (an OSFT checkpoint's rebuilt dense weight), else
-    its largest slab, whole groups of rows where the target's ``names`` permute rows within them (one
-    group: the tensor)."""
+    cast whole where the source reads it only whole (an OSFT checkpoint's rebuilt dense weight) or the
+    target stores it split, else its largest slab, whole groups of rows where the target's ``names``
+    permute rows within them (one group: the tensor)."""
     if to == "torch":
-        need, what = sum(i.nbytes for i in infos.values()), "--to torch pickles every tensor at once"
-        fix = "--to safetensors writes one slab at a time"
+        held = {"--to torch": sum(i.nbytes for i in infos.values())}
     else:
         held = {fqn: _held_at_once(source, fqn, info, names) for fqn, info in infos.items()}
-        largest = max(held, key=held.get, default=None)
-        need, what = held.get(largest, 0), f"{largest} is held {_how_held(source, largest, names)}, read and cast"
+    beyond = _beyond_memory(held)
+    if beyond is None:
+        return
+    largest, need, available = beyond
+    if to == "torch":
+        what, fix = "--to torch pickles every tensor at once", "--to safetensors writes one slab at a time"
+    else:
+        what = f"{largest} is held {_how_held(source, largest, names)}, read and cast"
         fix = "free memory, or convert on a machine with more"
-    available = available_memory()
-    if available is not None and need > available:
-        raise SeedckptError(
-            f"{source.path}: {what}, {need / 2**30:.2f} GiB at once, but {available / 2**30:.2f} GiB of memory "
-            f"are available: {fix} (nothing was written to {dst})"
-        )
+    raise SeedckptError(
+        f"{source.path}: {what}, {size_text(need)} at once, but {size_text(available)} of memory are "
+        f"available: {fix} (nothing was written to {dst})"
+    )
 
 
 def output_bytes(infos: dict[str, TensorInfo], files: dict[str, Path]) -> int:
