@@ -5,8 +5,7 @@ python create_seed_checkpoint.py --config configs/debug.toml --output seeds/debu
 
 import sys
 
-from seedckpt.cli.main import main
-from seedckpt.materialize.seed import exit_now
+from seedckpt.cli.main import run
 
 if __name__ == "__main__":
-    exit_now(main(["seed", *sys.argv[1:]]))
+    run(["seed", *sys.argv[1:]])

@@ -126,7 +126,9 @@ def test_refuses_to_run_under_torchrun(tmp_path, monkeypatch):
     assert not (tmp_path / "seed").exists()
 
 
-# Runs the seed script and, from an exit handler, prints whether it touched CUDA.
+# Runs the seed's entry (argv[1]: the script, or `seedckpt.cli` as `python -m` runs it) and, from an
+# exit handler, prints whether it touched CUDA; a SystemExit (the ordinary exit, Python's teardown
+# to follow) is printed on its way out.
 SCRIPT_PROBE = """
 import atexit, os, runpy, sys
 def report():
@@ -134,18 +136,27 @@ def report():
     hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
     print("CUDA_VISIBLE_DEVICES=%r initialized=%s" % (hidden, torch.cuda.is_initialized()))
 atexit.register(report)
-sys.argv = ["create_seed_checkpoint.py", *sys.argv[1:]]
-runpy.run_path("create_seed_checkpoint.py", run_name="__main__")
+entry, sys.argv = sys.argv[1], [sys.argv[1], *sys.argv[2:]]
+try:
+    if entry.endswith(".py"):
+        runpy.run_path(entry, run_name="__main__")
+    else:
+        runpy.run_module(entry, run_name="__main__")
+except SystemExit:
+    print("SystemExit")
+    raise
 """
 
 
-def test_script_is_cpu_only_reports_progress_and_runs_exit_handlers(tmp_path):
-    """The script hides GPUs and shows its progress to the end; its exit skips Python's teardown
-    (``exit_now``) but still runs the exit handlers and flushes what they print."""
+@pytest.mark.parametrize("entry", [["create_seed_checkpoint.py"], ["seedckpt.cli", "seed"]])
+def test_seed_entries_are_cpu_only_report_progress_and_skip_teardown(tmp_path, entry):
+    """The script and the ``seedckpt seed`` command hide GPUs and show their progress to the end;
+    both exit through ``run``, which skips Python's teardown (``exit_now``) but still runs the exit
+    handlers and flushes what they print."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("CUDA_VISIBLE_DEVICES", None)
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT_PROBE, "--config", "configs/debug.toml", "--output", str(tmp_path / "seed")],
+        [sys.executable, "-c", SCRIPT_PROBE, *entry, "--config", "configs/debug.toml", "--output", str(tmp_path / "s")],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -154,8 +165,9 @@ def test_script_is_cpu_only_reports_progress_and_runs_exit_handlers(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert "CUDA_VISIBLE_DEVICES='' initialized=False" in proc.stdout
+    assert "SystemExit" not in proc.stdout
     assert "100.0%" in proc.stderr  # the progress line reached the end
-    assert (tmp_path / "seed" / ".metadata").is_file()
+    assert (tmp_path / "s" / ".metadata").is_file()
 
 
 def test_workers_write_one_file_each_and_the_same_tensors(tmp_path, debug_seed):

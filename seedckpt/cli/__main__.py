@@ -1,7 +1,5 @@
 """``python -m seedckpt.cli``: the ``seedckpt`` command."""
 
-import sys
+from seedckpt.cli.main import run
 
-from seedckpt.cli.main import main
-
-sys.exit(main())
+run()
