@@ -207,6 +207,22 @@ def test_a_kv_shared_layers_stored_keys_and_values_are_skipped_with_one_line(tmp
         assert (model(TOKENS) - hf(TOKENS).logits).abs().max().item() <= 1e-5
 
 
+def test_a_fused_gate_up_of_an_odd_row_count_is_refused_in_one_line(tmp_path, capsys):
+    """``experts.gate_up_proj`` with 33 rows (not a gate's and an up projection's halves): convert
+    exits non-zero with one line naming the layout, and writes nothing."""
+    from seedckpt.cli.main import main as cli
+
+    tiny_text(**MOE).save_pretrained(tmp_path / "hf")
+    stored = load_file(tmp_path / "hf" / "model.safetensors")
+    stored["model.layers.1.experts.gate_up_proj"] = torch.ones(8, 33, 64)
+    save_file(stored, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    capsys.readouterr()
+    assert cli(["convert", str(tmp_path / "hf"), str(tmp_path / "dcp"), "--to", "dcp", "--quiet"]) != 0
+    err = capsys.readouterr().err
+    assert "as [8, 33, 64], which is not its layout: a fused gate_up_proj is" in err and err.count("\n") == 1
+    assert not (tmp_path / "dcp").exists()
+
+
 def test_the_per_layer_table_counts_as_a_lookup_and_a_windowed_layer_over_its_window():
     """E2B at 4096 tokens: 6 FLOPs per parameter but the per-layer table's 2.35 B (15.4 GFLOPs a
     token, not 29.5), each layer's attention in its kind's head size, a windowed one over 512."""

@@ -101,6 +101,22 @@ def permute_from_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, -1).transpose(1, 2).reshape(w.shape)
 
 
+def split_gate_up(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fused ``experts.gate_up_proj`` (``[experts, 2 * ffn, dim]``, the gate's rows first, as
+    Qwen3.5-MoE and Gemma 4 store it) -> our ``w1`` and ``w3`` (its halves on dim 1). Checked here,
+    not left to the shapes' later comparison: ``chunk`` of an odd row count gives unequal halves,
+    and the reader then names a mismatch rather than the layout."""
+    if t.dim() != 3 or t.shape[1] % 2:
+        raise ValueError("a fused gate_up_proj is [experts, 2 * intermediate size, hidden size], the gate's rows first")
+    gate, up = t.chunk(2, dim=1)
+    return gate, up
+
+
+def join_gate_up(parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Our ``w1`` and ``w3`` -> the fused ``gate_up_proj`` (``split_gate_up``'s inverse)."""
+    return torch.cat(parts, dim=1)
+
+
 @dataclass(frozen=True)
 class ExpertNames:
     """How an HF family names a layer's mixture of experts: ``model.layers.{i}.{block}.gate.weight``

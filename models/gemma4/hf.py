@@ -33,7 +33,7 @@ import torch
 
 from models.common import hf_config
 from models.common.args import check_bool, check_float, check_int
-from models.common.hf_names import ExpertNames, HFNames
+from models.common.hf_names import ExpertNames, HFNames, join_gate_up, split_gate_up
 from models.gemma3 import hf as gemma3_hf
 from models.gemma4.args import Gemma4Args, sliding_layers
 from seedckpt.utils.stored_parts import StoredParts
@@ -301,14 +301,6 @@ def text_name(name: str) -> str | None:
     return plain + name[len(prefix) :]
 
 
-def _split_gate_up(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return tuple(t.chunk(2, dim=1))
-
-
-def _join_gate_up(parts) -> torch.Tensor:
-    return torch.cat(parts, dim=1)
-
-
 class Gemma4Names(HFNames):
     """The name adapter between our FQNs and Gemma 4's (see the module docstring)."""
 
@@ -340,7 +332,7 @@ class Gemma4Names(HFNames):
         if rest in _RENAMED_INV:
             return f"layers.{m.group(2)}.{_RENAMED_INV[rest]}"
         if rest == _GATE_UP:
-            return StoredParts(tuple(f"layers.{m.group(2)}.{p}" for p in _GATE_UP_PARTS), _split_gate_up, _join_gate_up)
+            return StoredParts(tuple(f"layers.{m.group(2)}.{p}" for p in _GATE_UP_PARTS), split_gate_up, join_gate_up)
         return super().from_stored(plain)
 
     def unused_kv(self, plain: str) -> bool:

@@ -37,6 +37,7 @@ import torch
 
 from models.common import hf_config
 from models.common.args import check_bool
+from models.common.hf_names import join_gate_up, split_gate_up
 from models.qwen3_5 import hf as dense
 from models.qwen3_5.hf import Qwen35Names, text_name
 from models.qwen3_5_moe.args import Qwen35MoeArgs
@@ -68,18 +69,10 @@ _THEIRS = re.compile(r"model\.layers\.(\d+)\.mlp\.(shared_expert.+)")
 _FUSED_THEIRS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
 
 
-def _halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``gate_up_proj``'s rows (dim 1) -> the gate's (the first half) and the up projection's."""
-    if t.dim() != 3 or t.shape[1] % 2:
-        raise ValueError("gate_up_proj is [experts, 2 * moe_intermediate_size, hidden_size], the gate's rows first")
-    gate, up = t.chunk(2, dim=1)
-    return gate, up
-
-
 # The release's fused experts, within a layer's ``mlp.experts.``: (ours, split, join); both are
 # already ours' orientation, ``[experts, out, in]``
 _FUSED = {
-    "gate_up_proj": (("w1", "w3"), _halves, lambda ours: torch.cat(ours, dim=1)),
+    "gate_up_proj": (("w1", "w3"), split_gate_up, join_gate_up),
     "down_proj": (("w2",), lambda t: (t,), lambda ours: ours[0]),
 }
 
