@@ -185,12 +185,16 @@ class HeadRMSNorm(nn.Module):
 class CausalConv1d(nn.Module):
     """The weight of a depthwise causal convolution over positions, then SiLU (``causal_conv1d``):
     ``nn.Conv1d``'s (channels, 1, taps), its channels the ones computed (a tensor-parallel rank's
-    own). ``GatedDeltaNet`` reads it (``GatedDeltaNet.weights``) to hand it to one operator with the
-    rule's other weights."""
+    own). Called, it returns the weight (``GatedDeltaNet.weights``), which ``GatedDeltaNet`` hands to
+    one operator with the rule's other weights: the call is what lets a tensor-parallel plan's module
+    hooks (``HeadParameter``) hand it a rank's local slice."""
 
     def __init__(self, channels: int, taps: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(channels, 1, taps))
+
+    def forward(self) -> torch.Tensor:
+        return self.weight
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -268,12 +272,9 @@ class GatedDeltaNet(nn.Module):
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The convolution's weight, ``A_log`` and ``dt_bias``, each a tensor-parallel rank's own
-        slice: the plan's ``HeadParameter`` hands a module its slice when the module is called, and
-        the convolution is read here, not called, so its DTensor is made local here."""
-        from torch.distributed.tensor import DTensor  # here, not with the module: building a model needs none
-
-        conv = self.conv1d.weight
-        return conv.to_local() if isinstance(conv, DTensor) else conv, self.A_log, self.dt_bias
+        slice: the plan's ``HeadParameter`` hands a module its slice when the module is called, so
+        the convolution is called for its weight."""
+        return self.conv1d(), self.A_log, self.dt_bias
 
 
 def mix_rows(mixed, conv_weight, A_log, dt_bias, k_head_dim: int, v_head_dim: int, values_per_key: int) -> torch.Tensor:
