@@ -1,7 +1,7 @@
 """Whole-tensor reads of quantized tensors hold a bounded slab, not the tensor dequantized.
 
 ``seedckpt verify`` dequantized a stored MXFP4 expert tensor whole: 8.5 GB of float32 for one of
-gpt-oss-120B's (128 x 2880 x 5760 values). It now reads and checks ``quantized.SLAB_BYTES`` of rows
+gpt-oss-120B's (128 x 2880 x 5760 values). It now reads and checks ``load.SLAB_BYTES`` of rows
 at a time, so a process capped far below the dequantized tensor verifies it; and every slab, FP8,
 MXFP4 and INT4 alike, holds the bits the whole-tensor dequantization makes.
 """
@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from seedckpt.checkpoint import load
 from seedckpt.checkpoint.formats import quantized
 from seedckpt.checkpoint.formats.compressed_tensors import packed_tensors
 from seedckpt.checkpoint.formats.quantized import Stored, quantized_tensors
@@ -103,14 +104,15 @@ def _quantized_kinds(tmp_path: Path) -> list:
 
 
 def test_slabs_and_reads_hold_the_bits_of_the_whole_tensor_dequantized_at_once(tmp_path, monkeypatch):
-    """Slabs of 2 MXFP4 experts, 40 FP8 rows, 24 INT4 rows (``SLAB_BYTES`` shrunk to fit): put
-    together, and ``read`` (which fills its output a slab at a time), they equal bitwise the tensor
-    dequantized in one call from its whole stored tensors, the way it was read before."""
+    """Slabs of 2 MXFP4 experts, 40 FP8 rows, 24 INT4 rows (``load.SLAB_BYTES``, the one setting the
+    memory estimates read too, shrunk to fit): put together, and ``read`` (which fills its output a
+    slab at a time), they equal bitwise the tensor dequantized in one call from its whole stored
+    tensors, the way it was read before."""
     from safetensors.torch import load_file
 
     kinds = _quantized_kinds(tmp_path)
     for q, rows in zip(kinds, (40, 2, 24)):
-        monkeypatch.setattr(quantized, "SLAB_BYTES", rows * q.info.nbytes // q.info.shape[0])
+        monkeypatch.setattr(load, "SLAB_BYTES", rows * q.info.nbytes // q.info.shape[0])
         whole = torch.empty(q.info.shape)
         q.dequantize_into({p.name: load_file(p.file)[p.name] for p in q.parts}, whole, 0)
         slabs = [slab.clone() for slab in q.slabs()]

@@ -41,7 +41,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from seedckpt.checkpoint.formats.safetensors_file import read_safetensor_rows
-from seedckpt.checkpoint.load import SLAB_BYTES, RowWindow, row_bounds
+from seedckpt.checkpoint.load import RowWindow, row_bounds
 from seedckpt.checkpoint.manifest import TensorInfo, dtype_name
 from seedckpt.utils.errors import SeedckptError
 from seedckpt.utils.tensors import copy_full_into, local, local_rows
@@ -115,8 +115,9 @@ class Quantized:
             yield buffer[: stop - start]
 
     def slab_bounds(self) -> list[tuple[int, int]]:
-        """``[start, stop)`` of each slab of dim-0 rows: ``SLAB_BYTES`` of float32, one row at least."""
-        return row_bounds(self.info.shape, self.info.dtype.itemsize, slab_bytes=SLAB_BYTES)
+        """``[start, stop)`` of each slab of dim-0 rows: ``SLAB_BYTES`` of float32, one row at least --
+        ``row_bounds``' cut, read as it is called, so the memory estimates count these very slabs."""
+        return row_bounds(self.info.shape, self.info.dtype.itemsize)
 
     def read_rows_into(self, dest: torch.Tensor, start: int) -> None:
         """Rows ``[start, start + len(dest))`` of the tensor into ``dest``, read from the files."""
