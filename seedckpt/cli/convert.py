@@ -2,9 +2,9 @@
 
 A conversion is a lookup: the target's format module (``seedckpt.checkpoint.formats``) writes what
 the source reads, each tensor in slabs of ``SLAB_BYTES`` of rows (read, dequantized, permuted, cast,
-written, freed), so peak memory stays near a few slabs whatever the tensors: a 1 GiB embedding took
-0.36 GiB of peak RSS, 1.3 GiB read whole; a 256 MiB one 0.36 against 0.55 (``benchmarks/convert.py
---big``). ``torch``'s single pickle holds the model, and a source that reads a tensor only whole (an
+written, freed), so peak memory stays near a few slabs whatever the tensors: a 512 MiB embedding took
+0.36 GiB of peak RSS, 0.80 GiB read whole; a 256 MiB one 0.36 against 0.55 (``benchmarks/convert.py
+--big``, DCP to HF). ``torch``'s single pickle holds the model, and a source that reads a tensor only whole (an
 OSFT checkpoint's dense view) holds it: either is refused up front where it exceeds the memory
 available (``refuse_beyond_memory``), and so is a diff or a ``verify`` whose slab does
 (``refuse_diff_beyond_memory``, ``refuse_verify_beyond_memory``).
