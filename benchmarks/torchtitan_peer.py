@@ -36,9 +36,9 @@ the row keeps like with like:
 Prints one JSON line per variant: ``torchtitan_eager``, ``torchtitan_compiled`` (``tokens_per_s``:
 the median of torchtitan's own per-step ``tps`` after ``--warmup`` steps; ``step_time_s``;
 ``peak_reserved_gib`` and ``final_loss`` from its log; ``n_params`` as it counts them), then
-``throughput.py``'s lines relabelled ``*_untied``, then one ``comparison`` line:
-``train_eager_untied_vs_torchtitan_eager`` and ``train_compiled_untied_vs_torchtitan_compiled``
-(tokens/s over tokens/s; above 1, ``train.py`` is faster).
+``throughput.py``'s lines relabelled ``*_untied``. ``benchmarks/suite.py`` sets each ``train_*_untied``
+over its torchtitan pair (tokens/s over tokens/s; above 1, ``train.py`` is faster), as it does
+``throughput.py``'s rows.
 
 Where torchtitan 0.2.x is not importable (``make bench-gpu-prepare`` puts its wheel in
 ``.gpu-wheels/torchtitan_peer/``, which ``benchmarks/suite.py`` installs for this row alone: the
@@ -374,18 +374,6 @@ def main() -> None:
             emit({**theirs[variant], **shape, **version})
         ours = run_ours(opts, work, variants)
         same_size(theirs[variants[0]]["n_params"], ours)
-        rate = {line["variant"]: line["tokens_per_s"] for line in ours if "tokens_per_s" in line}
-        rate.update({variant: record["tokens_per_s"] for variant, record in theirs.items()})
-        emit({"comparison": "train.py over torchtitan's trainer, tokens/s", **ratios(rate), **version})
-
-
-def ratios(rate: dict[str, float]) -> dict[str, float]:
-    """``train_*_untied`` over its torchtitan pair, for the pairs measured."""
-    return {
-        f"{ours}_vs_{theirs}": rate[ours] / rate[theirs]
-        for theirs, ours in PAIRS.items()
-        if {ours, theirs} <= set(rate)
-    }
 
 
 if __name__ == "__main__":

@@ -88,11 +88,6 @@ def test_train_py_runs_the_shape_of_torchtitans_flavor_untied(theirs, n_params, 
     )
 
 
-def test_train_pys_rows_are_set_over_torchtitans_of_the_same_mode():
-    rate = {"train_eager_untied": 30.0, "torchtitan_eager": 40.0, "train_compiled_untied": 50.0}
-    assert torchtitan_peer.ratios(rate) == {"train_eager_untied_vs_torchtitan_eager": 0.75}
-
-
 def test_a_module_the_peer_never_calls_is_stood_in_only_where_it_does_not_import(monkeypatch):
     """The GPU image may lack ``datasets``' pyarrow and TensorBoard, which torchtitan imports as it
     loads but the peer never calls: stand-ins that refuse use, and only for what does not import."""
