@@ -196,8 +196,8 @@ PARTS = [
         "packed_attention",
         "cuda",
         [
-            *["benchmarks/packed_attention.py", "--device", "cuda", "--dtype", "bfloat16", "--heads", "32"],
-            *["--kv-heads", "8", "--variants", "varlen,flex_sinks"],
+            *["benchmarks/packed_attention.py", "--device", "cuda", "--dtype", "bfloat16"],
+            *["--heads", "32", "--kv-heads", "8"],
         ],
         120,  # not yet run on a GPU in this form: 8 processes of ~7 s (the H200's) and flex attention's compile
         "varlen_attn (and flex attention with sinks) faster than one SDPA call per document on ~50-token "
