@@ -264,6 +264,15 @@ def parse_steps(log: str) -> list[dict]:
     return steps
 
 
+def failure(returncode: int, steps: list[dict], size: re.Match | None) -> str | None:
+    """Why a torchtitan run gave no figures: its status where it failed, else the line its log lacks."""
+    if returncode != 0:
+        return f"exited with status {returncode}"
+    if not steps:
+        return "logged no step line"
+    return None if size else "logged no 'total parameters' line"
+
+
 def run_variant(opts, variant: str, work: Path) -> dict:
     """One torchrun job of torchtitan's trainer (one rank); its figures from its log."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
@@ -274,8 +283,9 @@ def run_variant(opts, variant: str, work: Path) -> dict:
     sys.stderr.write(log)  # the whole log, for the suite's part log
     steps = parse_steps(log)
     size = SIZE_LINE.search(log)
-    if proc.returncode != 0 or not steps or not size:
-        raise SystemExit(f"benchmark failed: torchtitan's {variant} run exited with status {proc.returncode}")
+    why = failure(proc.returncode, steps, size)
+    if why:
+        raise SystemExit(f"benchmark failed: torchtitan's {variant} run {why}")
     steady = [s for s in steps if s["step"] > opts.warmup] or steps[-1:]
     tps = statistics.median(s["tps"] for s in steady)
     return {

@@ -58,6 +58,14 @@ def test_the_step_lines_of_torchtitans_log_are_read_with_or_without_colors():
     ]
 
 
+def test_a_run_without_figures_says_its_status_only_where_it_failed():
+    steps, size = torchtitan_peer.parse_steps(LOG), torchtitan_peer.SIZE_LINE.search("size: 1,234 total parameters")
+    assert torchtitan_peer.failure(1, steps, size) == "exited with status 1"
+    assert torchtitan_peer.failure(0, [], size) == "logged no step line"
+    assert torchtitan_peer.failure(0, steps, None) == "logged no 'total parameters' line"
+    assert torchtitan_peer.failure(0, steps, size) is None
+
+
 def test_the_peer_runs_the_shapes_batch_and_precision_of_train_pys_gpu_rows(tmp_path):
     opts = argparse.Namespace(flavor="1B", batch=4, seq_len=2048, steps=12, dtype="bfloat16")
     eager = torchtitan_peer.trainer_args(opts, "torchtitan_eager", tmp_path)
