@@ -271,3 +271,22 @@ def test_mixtral_export_writes_no_norm_topk_prob_and_reads_renormalized():
     with pytest.raises(ValueError) as refused:
         config(dataclasses.replace(FLAVORS["debug"], norm_topk_prob=False), torch.float32)
     assert "norm_topk_prob = false" in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_mixtral_export_refuses_no_renormalization_before_the_first_shard(tmp_path, capsys, monkeypatch):
+    """A Mixtral that does not renormalize is refused by ``convert --to hf`` in one line before any
+    shard is written (not after all of them, at ``config.json``): no shard, no partial directory."""
+    from seedckpt.checkpoint.formats import hf as hf_format
+    from seedckpt.materialize.seed import create_seed_checkpoint
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config("--model.name", "mixtral", "--model.norm_topk_prob", "false")
+    seed = create_seed_checkpoint(cfg, tmp_path / "seed", seed=0, progress=False, workers=1)
+    shards = []
+    write = hf_format.write_safetensors
+    monkeypatch.setattr(hf_format, "write_safetensors", lambda path, *rest: shards.append(path) or write(path, *rest))
+    capsys.readouterr()
+    assert main(["convert", str(seed), str(tmp_path / "out"), "--to", "hf", "--quiet"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "norm_topk_prob = false: transformers' Mixtral always renormalizes" in err
+    assert shards == [] and not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))

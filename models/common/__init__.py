@@ -71,7 +71,9 @@ def moe_decoder_family(
     """A family on the shared decoder with mixture-of-experts layers (``args``: a
     ``MoEDecoderArgs``): HF's names for its experts (``experts``), FLOPs of the active parameters.
     The decoder's TP plan covers it: attention and dense layers split, mixtures of experts whole on
-    every TP rank (or split over them by expert parallelism)."""
+    every TP rank (or split over them by expert parallelism); a family whose name adapter is more
+    than that passes its own (``names``)."""
+    hooks.setdefault("names", lambda model_args: HFNames(model_args, experts))
     return decoder_family(
         name,
         args,
@@ -80,7 +82,6 @@ def moe_decoder_family(
         config,
         args_from_config,
         shape_fields=MOE_SHAPE_FIELDS,
-        names=lambda model_args: HFNames(model_args, experts),
         flops_per_token=moe_flops_per_token,
         **hooks,
     )

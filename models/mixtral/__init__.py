@@ -24,7 +24,7 @@ import torch
 from models.common import hf_config, moe_decoder_family
 from models.common.args import MoEDecoderArgs
 from models.common.decoder import DecoderOptions
-from models.common.hf_names import ExpertNames
+from models.common.hf_names import ExpertNames, HFNames
 
 ARCHITECTURE, MODEL_TYPE = "MixtralForCausalLM", "mixtral"
 EXPERTS = ExpertNames("block_sparse_moe", (("w1", "w1"), ("w2", "w2"), ("w3", "w3")))
@@ -78,13 +78,35 @@ FLAVORS = {
 }
 
 
+def export_refusal(args: MixtralArgs) -> str | None:
+    """Why ``MixtralForCausalLM`` does not compute ``args``' routing, or None: the class always
+    renormalizes the kept experts' scores, so a model that does not would export other logits."""
+    if not args.norm_topk_prob:
+        return "norm_topk_prob = false: transformers' Mixtral always renormalizes; export to dcp or torchtitan"
+    return None
+
+
+class MixtralNames(HFNames):
+    """The shared decoder's names with Mixtral's experts; a routing the class does not compute
+    (``export_refusal``) is refused at the first name asked, before any shard is written (the
+    writer asks for ``config.json`` only after the last shard)."""
+
+    def __init__(self, args: MixtralArgs):
+        super().__init__(args, EXPERTS)
+
+    def to_stored(self, fqn: str) -> str:
+        reason = export_refusal(self.args)
+        if reason is not None:
+            raise ValueError(reason)
+        return super().to_stored(fqn)
+
+
 def config(args: MixtralArgs, dtype: torch.dtype) -> dict:
     """``MixtralConfig`` has no ``norm_topk_prob`` (it always renormalizes): none is written, and a
-    model that does not renormalize is refused, as the class would compute other logits."""
-    if not args.norm_topk_prob:
-        raise ValueError(
-            "norm_topk_prob = false: transformers' Mixtral always renormalizes; export to dcp or torchtitan"
-        )
+    model that does not renormalize is refused (``export_refusal``)."""
+    reason = export_refusal(args)
+    if reason is not None:
+        raise ValueError(reason)
     moe = hf_config.moe_config(args)
     del moe["norm_topk_prob"]
     return {
@@ -128,4 +150,6 @@ def args_from_config(cfg: dict) -> MixtralArgs:
     )
 
 
-MIXTRAL = moe_decoder_family("mixtral", MixtralArgs, FLAVORS, (MODEL_TYPE,), config, args_from_config, EXPERTS)
+MIXTRAL = moe_decoder_family(
+    "mixtral", MixtralArgs, FLAVORS, (MODEL_TYPE,), config, args_from_config, EXPERTS, names=MixtralNames
+)
