@@ -230,8 +230,13 @@ def stored_bounds(info: TensorInfo, names=None, fqn: str = "") -> list[tuple[int
 
 def stored_split(names, fqn: str) -> StoredSplit | None:
     """The ``StoredSplit`` in which ``names`` (another tool's name adapter, None: ours) stores ``fqn``
-    as several tensors (a writer reads it whole, once for its parts), else None."""
-    parts = names.from_stored(names.to_stored(fqn)) if names is not None else None
+    as several tensors (a writer reads it whole, once for its parts), else None; None too where
+    ``names`` has no one name for ``fqn`` (an expert weight HF stores one tensor per expert) or refuses
+    the export (DeepSeek's, Mixtral's routings): the writer names that in one line, before writing."""
+    try:
+        parts = names.from_stored(names.to_stored(fqn)) if names is not None else None
+    except ValueError:
+        return None
     return parts if isinstance(parts, StoredSplit) else None
 
 
