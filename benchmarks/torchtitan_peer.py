@@ -99,10 +99,10 @@ def llama3_1b_args():
     from models.llama3.args import LLAMA3_FLAVORS
 
     ours = LLAMA3_FLAVORS["1B"]
-    shared = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "ffn_dim_multiplier")
+    fields = "dim n_layers n_heads n_kv_heads vocab_size multiple_of ffn_dim_multiplier norm_eps rope_theta".split()
     rope = ours.rope_scaling
     return TransformerModelArgs(
-        **{field: getattr(ours, field) for field in (*shared, "norm_eps", "rope_theta")},
+        **{field: getattr(ours, field) for field in fields},
         rope_scaling_args=RoPEScalingArgs(
             scaling_factor=rope.factor,
             low_freq_factor=rope.low_freq_factor,
@@ -224,8 +224,9 @@ class NoDeviceMemory:
 
 
 # -- the driver -------------------------------------------------------------------------------------
-def importable() -> str | None:
-    """None where torchtitan 0.2.x's trainer imports here, else the one-line reason it does not."""
+def importable() -> tuple[str, str | None]:
+    """torchtitan's version ("" where it does not import) and None where its 0.2.x trainer imports
+    here, else the one-line reason it does not."""
     import importlib.metadata
 
     fix = "pip install torchtitan==0.2.2 (make bench-gpu-prepare puts its wheel in .gpu-wheels/torchtitan_peer/)"
@@ -233,10 +234,12 @@ def importable() -> str | None:
         version = importlib.metadata.version("torchtitan")
         import torchtitan.train  # noqa: F401
     except Exception as e:  # not installed, or an AttributeError of a torch too old for it
-        return f"torchtitan's trainer does not import with torch {torch.__version__}: {type(e).__name__}: {e}; {fix}"
+        why = f"{type(e).__name__}: {e}"
+        return "", f"torchtitan's trainer does not import with torch {torch.__version__}: {why}; {fix}"
     if not version.startswith("0.2."):
-        return f"torchtitan {version} is installed; this peer drives 0.2.x's trainer (0.3.0's needs torch 2.13): {fix}"
-    return None
+        drives = "this peer drives 0.2.x's trainer (0.3.0's needs torch 2.13)"
+        return version, f"torchtitan {version} is installed; {drives}: {fix}"
+    return version, None
 
 
 def trainer_args(opts, variant: str, work: Path) -> list[str]:
@@ -368,15 +371,13 @@ def main() -> None:
     if opts.flavor not in ("1B", "debugmodel"):
         p.error(f"--flavor {opts.flavor}: this peer knows 1B and debugmodel")
     stood_in = stand_ins()
-    reason = importable()
+    torchtitan, reason = importable()
     if reason is not None:
         for variant in variants:
             emit({"variant": variant, "skipped": True, "reason": reason})
         return
-    import importlib.metadata
-
     shape = {"batch": opts.batch, "seq_len": opts.seq_len, "flavor": opts.flavor, "dtype": opts.dtype}
-    version = {"torchtitan": importlib.metadata.version("torchtitan"), "stood_in_for": stood_in}
+    version = {"torchtitan": torchtitan, "stood_in_for": stood_in}
     with output_dir(opts.out_dir, "torchtitan-peer-") as work:
         theirs = {}
         for variant in variants:
