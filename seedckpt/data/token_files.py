@@ -43,8 +43,10 @@ from seedckpt.utils.errors import SeedckptError
 from seedckpt.utils.files import pread_into
 
 TOKENS_FILE, MANIFEST_FILE, MASK_FILE, DOCUMENTS_FILE = "tokens.bin", "tokens.json", "mask.bin", "documents.bin"
-CHAT_FILES = (TOKENS_FILE, MASK_FILE, DOCUMENTS_FILE)
 TOKEN_DTYPE, MASK_DTYPE, DOCUMENT_DTYPE = np.dtype("<u4"), np.dtype("u1"), np.dtype("<u4")
+# A chat directory's files, each with its dtype (as a string: the tokenize workers receive plain ones)
+CHAT_LAYOUT = ((TOKENS_FILE, TOKEN_DTYPE.str), (MASK_FILE, MASK_DTYPE.str), (DOCUMENTS_FILE, DOCUMENT_DTYPE.str))
+CHAT_FILES = tuple(name for name, _ in CHAT_LAYOUT)
 CHECK_PIECE_BYTES = 64 << 20
 MAX_CHECK_PIECE_BYTES = 1 << 30  # the largest piece a manifest may claim: verify reads one piece at a time
 FORMAT = "seedckpt-tokens-1"

@@ -31,8 +31,7 @@ from seedckpt.data.chat import chat_tokenizer, conversation, pretokenized_record
 from seedckpt.data.sources import IGNORE_INDEX, JSONL_SUFFIXES, TEXT_SUFFIXES, data_files, jsonl_records, pieces
 from seedckpt.data.token_files import (
     CHAT_FILES,
-    DOCUMENT_DTYPE,
-    MASK_DTYPE,
+    CHAT_LAYOUT,
     TOKEN_DTYPE,
     TOKENS_FILE,
     sha256,
@@ -46,7 +45,6 @@ from seedckpt.utils.progress import Progress
 # threads) grew by 54 MiB, in 1 MiB blocks by 128 MiB, and was no faster.
 BLOCK_CHARS = 1 << 18
 AHEAD = 2  # blocks in flight per worker: one being tokenized, one queued behind it
-_CHAT_DTYPES = (TOKEN_DTYPE.str, MASK_DTYPE.str, DOCUMENT_DTYPE.str)  # CHAT_FILES', for the workers
 INPUT = "input"  # what errors call the command's inputs
 
 
@@ -73,7 +71,7 @@ def tokenize_corpus(
         files = data_files(sources, JSONL_SUFFIXES, INPUT)
         meta["pad_token_id"], meta["pad_note"] = pad_token_id(tokenizer)
         blocks, work, names = _sft_blocks(files, len(tokenizer)), tokenize_worker.encode_conversations, CHAT_FILES
-        start = tokenize_worker.start_chat, (tokenizer_dir, tuple(zip(CHAT_FILES, _CHAT_DTYPES)))
+        start = tokenize_worker.start_chat, (tokenizer_dir, CHAT_LAYOUT)
     else:
         if tokenizer.eos_token_id is None:
             raise SeedckptError(f"the tokenizer in {tokenizer_dir} has no eos token to separate documents")
