@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import weakref
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 import seedckpt.checkpoint.load as slabs
 from models.common.hf_names import permute_from_hf, permute_to_hf
+from seedckpt.checkpoint import OpenedCheckpoint, TensorInfo
 from seedckpt.cli import convert as convert_module
 from seedckpt.cli.convert import convert, diff
 from seedckpt.cli.main import main
@@ -592,6 +594,30 @@ def test_a_verify_beyond_the_available_memory_is_refused_before_reading(tmp_path
     assert re.fullmatch(r"seedckpt verify: error: verify of .*w2.weight takes .* at once .* free memory.*\n", error)
     monkeypatch.setattr(convert_module, "available_memory", lambda: 2 << 10)
     assert main(["verify", checkpoint, "--quiet"]) == 0
+
+
+class _ReadWhole(OpenedCheckpoint):
+    """A format that reads a tensor only whole (``read_tensor``), counting its reads."""
+
+    def __init__(self, shape: tuple[int, ...]):
+        super().__init__(Path("whole"), {"w": TensorInfo(shape, torch.float32)}, None)
+        self.reads = 0
+
+    def read_tensor(self, fqn: str) -> torch.Tensor:
+        self.reads += 1
+        return torch.arange(float(self.infos[fqn].numel)).reshape(self.infos[fqn].shape)
+
+
+def test_a_tensor_read_only_whole_is_read_once_and_dropped_after_its_last_slab():
+    """Read in slabs of 4 rows, a tensor its format reads only whole is read once for all of them,
+    and once its last slab is freed nothing holds it (it was kept until another tensor was read, so
+    a conversion's last dense OSFT weight stayed in memory to the end)."""
+    reader = _ReadWhole((10, 3))
+    slabs_read = list(reader.slabs("w", [(0, 4), (4, 8), (8, 10)]))
+    assert reader.reads == 1 and torch.equal(torch.cat(slabs_read), reader.read_tensor("w"))
+    whole = weakref.ref(slabs_read[0]._base)
+    del slabs_read
+    assert whole() is None
 
 
 def _fake_memory(root: Path, files: dict[str, str]) -> Path:

@@ -119,13 +119,18 @@ class OpenedCheckpoint:
 
     def read_rows(self, fqn: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)`` (dim 0) of ``fqn`` on CPU, read by this process alone (convert, diff,
-        verify). Here the whole tensor is read and kept until another is asked for: a format that
-        reads rows alone (``reads_rows``) overrides this."""
+        verify). Here the whole tensor is read and kept until its last row is asked for (a slab is a
+        view of it: it goes when that slab does), so the last tensor read is not kept to the end (an
+        OSFT checkpoint's dense weight): a format that reads rows alone (``reads_rows``) overrides this."""
+        shape = self.infos[fqn].shape
         with self._whole_lock:
             if self._whole[0] != fqn:
                 self._whole = (None, None)  # dropped before the next is read
                 self._whole = (fqn, self.read_tensor(fqn))
-            return self._whole[1][start:stop] if self.infos[fqn].shape else self._whole[1]
+            whole = self._whole[1]
+            if not shape or stop >= shape[0]:
+                self._whole = (None, None)
+        return whole[start:stop] if shape else whole
 
     def slabs(self, fqn: str, bounds: list[tuple[int, int]] | None = None) -> Iterator[torch.Tensor]:
         """``fqn`` in dim-0 slabs (``bounds``; default ``row_bounds``: ``SLAB_BYTES`` each), which
