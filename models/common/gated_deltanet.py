@@ -42,7 +42,7 @@ float32's precision past it: 2^-10 of the small decays that follow.)
 Compiled blocks (``training.compile``) take the per-document calls, whose number and sizes follow
 each batch's documents, as one operator run eagerly (``_mix_documents``), as packed attention does:
 a batch of other documents compiles nothing more (the debug Qwen3.5: 2 graphs, one per kind of
-layer, for every layout of a row shape; before, one more per batch; ``_mix_documents``'s figures).
+layer, for every layout of a row shape; before, one more per batch; ``_mix_each_documents``' figures).
 
 Init (torchtitan 0.3.0's ``qwen3_5``): projections normal with std 0.02 truncated at +-2 absolute,
 ``out_proj`` depth-scaled; ``conv1d`` uniform in +-1/sqrt(conv_kernel) (``nn.Conv1d``'s default);
@@ -57,6 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.common.eager_op import eager_op
 from models.common.feed_forward import TRUNC_BOUND
 from models.common.norms import upcast
 from models.common.packed_attention import Documents, _groups
@@ -310,63 +311,32 @@ def mix_each(mixed, conv_weight, A_log, dt_bias, index, layout, take, *dims: int
     return out.unflatten(0, (bsz, seq))
 
 
-# The inputs of ``_mix_documents``: the differentiable ones first (its backward returns their gradients).
-MIX_DOCUMENTS_ARGS = (
-    "Tensor mixed, Tensor conv_weight, Tensor A_log, Tensor dt_bias, Tensor index, Tensor layout, Tensor take, "
-    "int k_head_dim, int v_head_dim, int values_per_key"
-)
-DIFFERENTIABLE = 4  # mixed, conv_weight, A_log, dt_bias
-
-
-@torch.library.custom_op(
-    "seedckpt::gated_deltanet_documents", mutates_args=(), schema=f"({MIX_DOCUMENTS_ARGS}) -> Tensor"
-)
-def _mix_documents(*inputs) -> torch.Tensor:
-    """``mix_each`` as one operator of a compiled graph, run eagerly, as packed attention's
-    ``_packed_sdpa``: traced, its calls (their number, and each one's rows and chunks) follow each
-    batch's documents, so a compiled block recompiled for nearly every batch of other documents. The
-    documents' sizes are symbols (``Documents.of`` marks them) and the output's shape follows
-    ``mixed``'s, so one graph serves every layout of a row shape. Its backward runs the forward once
-    more. The debug Qwen3.5 on 6 batches of 2 x 256 tokens of 5-60-token documents (busy 2-core CPU,
-    inductor, ``benchmarks/packed_attention.py --compiled-model 6 --model qwen3_5``): 2 graphs, 0.78
-    steps/s over the 6 with the compiling; traced, 7 graphs and 0.0087 steps/s (115 s of compiling a
-    step). The price, on batches already compiled for: the compiled step is 0.80x the eager one
-    (traced: 1.22x), the rule's forward run twice and the layer's pointwise ops left unfused."""
+def _mix_each_documents(*inputs) -> torch.Tensor:
+    """``mix_each`` as one operator of a compiled graph, run eagerly (``_mix_documents``, an
+    ``eager_op``, as packed attention's ``_packed_sdpa``): traced, its calls (their number, and each
+    one's rows and chunks) follow each batch's documents, so a compiled block recompiled for nearly
+    every batch of other documents. The documents' sizes are symbols (``Documents.of`` marks them)
+    and the output's shape follows ``mixed``'s, so one graph serves every layout of a row shape. Its
+    backward runs the forward once more. The debug Qwen3.5 on 6 batches of 2 x 256 tokens of
+    5-60-token documents (busy 2-core CPU, inductor, ``benchmarks/packed_attention.py
+    --compiled-model 6 --model qwen3_5``): 2 graphs, 0.78 steps/s over the 6 with the compiling;
+    traced, 7 graphs and 0.0087 steps/s (115 s of compiling a step). The price, on batches already
+    compiled for: the compiled step is 0.80x the eager one (traced: 1.22x), the rule's forward run
+    twice and the layer's pointwise ops left unfused."""
     return mix_each(*inputs)
 
 
-@_mix_documents.register_fake
-def _(mixed, conv_weight, A_log, dt_bias, index, layout, take, k_head_dim, v_head_dim, values_per_key):
+def _mix_documents_shape(
+    mixed, conv_weight, A_log, dt_bias, index, layout, take, k_head_dim, v_head_dim, values_per_key
+):
     return mixed.new_empty(*mixed.shape[:2], A_log.shape[0], v_head_dim)
 
 
-@torch.library.custom_op(
-    "seedckpt::gated_deltanet_documents_backward",
-    mutates_args=(),
-    schema=f"(Tensor grad, {MIX_DOCUMENTS_ARGS}) -> Tensor[]",
+_mix_documents = eager_op(
+    "gated_deltanet_documents",
+    "Tensor mixed, Tensor conv_weight, Tensor A_log, Tensor dt_bias, Tensor index, Tensor layout, Tensor take, "
+    "int k_head_dim, int v_head_dim, int values_per_key",
+    _mix_each_documents,
+    _mix_documents_shape,
+    differentiable=(0, 1, 2, 3),  # mixed and the weights: float32's A_log and dt_bias kept
 )
-def _mix_documents_backward(grad, *inputs) -> list[torch.Tensor]:
-    """The gradients of ``_mix_documents``' differentiable inputs: its forward run again under
-    autograd (``torch.func.vjp``: an operator's body runs below autograd's dispatch), then backward
-    -- eager's gradients, float32's ``A_log`` and ``dt_bias`` kept."""
-    leaves, rest = inputs[:DIFFERENTIABLE], inputs[DIFFERENTIABLE:]
-    grads = torch.func.vjp(lambda *xs: mix_each(*xs, *rest), *leaves)[1](grad)
-    return [torch.empty_like(x).copy_(g) for x, g in zip(leaves, grads)]
-
-
-@_mix_documents_backward.register_fake
-def _(grad, *inputs):
-    return [torch.empty_like(x) for x in inputs[:DIFFERENTIABLE]]
-
-
-def _save_inputs(ctx, inputs, output) -> None:
-    ctx.save_for_backward(*(x for x in inputs if isinstance(x, torch.Tensor)))
-    ctx.dims = [x for x in inputs if not isinstance(x, torch.Tensor)]
-
-
-def _mix_documents_grads(ctx, grad):
-    grads = _mix_documents_backward(grad, *ctx.saved_tensors, *ctx.dims)
-    return *grads, *(None for _ in range(len(ctx.saved_tensors) + len(ctx.dims) - DIFFERENTIABLE))
-
-
-_mix_documents.register_autograd(_mix_documents_grads, setup_context=_save_inputs)

@@ -49,6 +49,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from models.common.eager_op import eager_op
+
 # Documents this long or longer take an SDPA call of their own: a call's fixed cost is small beside
 # their work, and padding one to its class's longest would add up to 3x the scores. On 2 rows of
 # ~50-token chats 128 and 256 measured alike within the noise, 64 slower (it splits their classes).
@@ -472,66 +474,29 @@ def _batched(q, k, v, index, shapes, take, scale: float | None, window: int | No
     return out.unflatten(0, (bsz, seq)).transpose(1, 2)
 
 
-# The inputs of ``_packed_sdpa`` (its backward takes the gradient of its output first).
-PACKED_SDPA_ARGS = (
-    "Tensor q, Tensor k, Tensor v, Tensor index, Tensor layout, Tensor take, "
-    "float? scale, int? window, Tensor? sinks, float? softcap"
-)
-
-
-@torch.library.custom_op("seedckpt::packed_sdpa", mutates_args=(), schema=f"({PACKED_SDPA_ARGS}) -> Tensor")
-def _packed_sdpa(q, k, v, index, layout, take, scale, window, sinks, softcap) -> torch.Tensor:
-    """``_batched`` as one operator of a compiled graph, run eagerly: traced, its SDPA calls would
-    follow each batch's length classes (their number and sizes), and a compiled block would recompile for
-    nearly every batch of other documents (the module docstring's figures). Its inputs' sizes are
-    symbols (``_mark_dynamic``) and its output's shape is q's, so one graph serves every layout of
-    a row shape. Its backward (``_packed_sdpa_backward``) runs the attention's forward once more: on
-    batches already compiled for, the debug Llama's compiled step (2 x 256 tokens) is 0.92-0.99x the
-    eager step, where the traced calls made it 1.11-1.19x (``benchmarks/packed_attention.py
-    --compiled-model``, busy 2-core CPU, two paired runs) -- but a batch of other documents
-    compiles nothing."""
+def _batched_documents(q, k, v, index, layout, take, scale, window, sinks, softcap) -> torch.Tensor:
+    """``_batched`` as one operator of a compiled graph, run eagerly (``_packed_sdpa``, an
+    ``eager_op``): traced, its SDPA calls would follow each batch's length classes (their number and
+    sizes), and a compiled block would recompile for nearly every batch of other documents (the
+    module docstring's figures). Its inputs' sizes are symbols (``_mark_dynamic``) and its output's
+    shape is q's, so one graph serves every layout of a row shape. Its backward runs the attention's
+    forward once more: on batches already compiled for, the debug Llama's compiled step (2 x 256
+    tokens) is 0.92-0.99x the eager step, where the traced calls made it 1.11-1.19x
+    (``benchmarks/packed_attention.py --compiled-model``, busy 2-core CPU, two paired runs) -- but a
+    batch of other documents compiles nothing."""
     return _batched(q, k, v, index, _shapes(layout), take, scale, window, sinks, softcap)
 
 
-@_packed_sdpa.register_fake
-def _(q, k, v, *args):
+def _packed_sdpa_shape(q, k, v, *args):
     bsz, heads, seq, _ = q.shape
     return q.new_empty(bsz, seq, heads, v.shape[-1]).transpose(1, 2)  # ``_batched``'s layout
 
 
-@torch.library.custom_op(
-    "seedckpt::packed_sdpa_backward", mutates_args=(), schema=f"(Tensor grad, {PACKED_SDPA_ARGS}) -> Tensor[]"
+_packed_sdpa = eager_op(
+    "packed_sdpa",
+    "Tensor q, Tensor k, Tensor v, Tensor index, Tensor layout, Tensor take, "
+    "float? scale, int? window, Tensor? sinks, float? softcap",
+    _batched_documents,
+    _packed_sdpa_shape,
+    differentiable=(0, 1, 2, 8),  # q, k, v and the sinks, where given
 )
-def _packed_sdpa_backward(grad, q, k, v, index, layout, take, scale, window, sinks, softcap) -> list[torch.Tensor]:
-    """The gradients of q, k, v (and the sinks, where given) of ``_packed_sdpa``: its forward run
-    again under autograd (``torch.func.vjp``: an operator's body runs below autograd's dispatch), then
-    backward -- eager's gradients, in the layouts of the inputs."""
-    shapes = _shapes(layout)
-
-    def attend(q, k, v, *sink):
-        return _batched(q, k, v, index, shapes, take, scale, window, sinks if not sink else sink[0], softcap)
-
-    leaves = [x for x in (q, k, v, sinks) if x is not None]
-    grads = torch.func.vjp(attend, *leaves)[1](grad)
-    return [torch.empty_like(x).copy_(g) for x, g in zip(leaves, grads)]
-
-
-@_packed_sdpa_backward.register_fake
-def _(grad, q, k, v, index, layout, take, scale, window, sinks, softcap):
-    return [torch.empty_like(x) for x in (q, k, v, sinks) if x is not None]
-
-
-def _save_packed_sdpa(ctx, inputs, output) -> None:
-    q, k, v, index, layout, take, scale, window, sinks, softcap = inputs
-    ctx.save_for_backward(q, k, v, index, layout, take, sinks)
-    ctx.options = scale, window, softcap
-
-
-def _packed_sdpa_grads(ctx, grad):
-    q, k, v, index, layout, take, sinks = ctx.saved_tensors
-    scale, window, softcap = ctx.options
-    grads = _packed_sdpa_backward(grad, q, k, v, index, layout, take, scale, window, sinks, softcap)
-    return *grads[:3], None, None, None, None, None, grads[3] if sinks is not None else None, None
-
-
-_packed_sdpa.register_autograd(_packed_sdpa_grads, setup_context=_save_packed_sdpa)
