@@ -30,7 +30,7 @@ a tensor-parallel rank's contiguous slice is whole heads with everything they re
 
 Packed rows: each document starts from a zero state and an empty convolution window, as it would
 alone -- the recurrence's counterpart of attention's document mask. The documents are gathered into
-rows of their own (``Documents.groups``: those of a length class side by side, padded at the end,
+rows of their own (``document_groups``: those of a length class side by side, padded at the end,
 which a causal recurrence never reads back) and the convolution and the rule run on those rows; the
 projections, the norm and ``out_proj`` are per position and run on the packed rows as they are.
 It costs nothing over whole rows: one layer (dim 256, 4 value heads of 64), forward and backward on
@@ -60,7 +60,7 @@ from torch import nn
 from models.common.eager_op import eager_op
 from models.common.feed_forward import TRUNC_BOUND
 from models.common.norms import upcast
-from models.common.packed_attention import Documents, _groups
+from models.common.packed_attention import Documents, document_groups
 
 CHUNK = 64  # positions per chunk of the chunked rule (FLA's and transformers' size)
 A_LOG_RANGE = (0.01, 16.0)  # A = exp(A_log) is drawn uniformly here (torchtitan, transformers)
@@ -299,13 +299,13 @@ def mix_rows(mixed, conv_weight, A_log, dt_bias, k_head_dim: int, v_head_dim: in
 
 def mix_each(mixed, conv_weight, A_log, dt_bias, index, layout, take, *dims: int) -> torch.Tensor:
     """``mix_rows`` inside each document of a packed batch: its documents gathered into rows of their
-    own, one call per group (``Documents.groups``: ``index`` in the shapes ``layout`` holds), the
+    own, one call per group (``document_groups``: ``index`` in the shapes ``layout`` holds), the
     outputs put back in place by one gather (``take``)."""
     bsz, seq, _ = mixed.shape
     flat = mixed.flatten(0, 1)
     outs = [
         mix_rows(flat.index_select(0, group.flatten()).unflatten(0, group.shape), conv_weight, A_log, dt_bias, *dims)
-        for group in _groups(index, layout)
+        for group in document_groups(index, layout)
     ]
     out = torch.cat([o.flatten(0, 1) for o in outs]).index_select(0, take)
     return out.unflatten(0, (bsz, seq))

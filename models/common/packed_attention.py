@@ -207,9 +207,8 @@ class Documents:
 
     cu_seqlens: torch.Tensor  # (documents + 1,) int32: where each document starts, then the end
     max_len: int  # the longest document's length rounded up to a power of two (>= 128, <= seq)
-    groups: tuple[torch.Tensor, ...]  # per SDPA call, (documents, width): each one's positions, padded
     take: torch.Tensor  # (bsz * seq,): each position's row in the SDPA calls' outputs laid end to end
-    index: torch.Tensor  # ``groups`` flattened end to end (views of it): one size-varying graph input
+    index: torch.Tensor  # every SDPA call's documents' positions, padded, end to end: one size-varying graph input
     layout: torch.Tensor  # (2 * calls,) int64 on the host: each call's documents and width, in turn
     flash: bool  # varlen_attn's kernel runs on this device (CUDA, compute capability 8.0 or later)
     block_masks: dict  # window -> flex attention's block mask of the documents (CUDA, layers taking flex)
@@ -236,7 +235,6 @@ class Documents:
         return cls(
             cu_seqlens=cu_seqlens,
             max_len=min(seq, max(128, 1 << (int(lengths.max()) - 1).bit_length())),
-            groups=_groups(index, layout),
             take=take,
             index=index,
             layout=layout,
@@ -245,8 +243,9 @@ class Documents:
         )
 
 
-def _groups(index: torch.Tensor, layout: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``Documents.groups`` as views of ``index``, whose calls' shapes ``layout`` holds."""
+def document_groups(index: torch.Tensor, layout: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each call's (documents, width) positions of ``Documents.index``, as views of it: the shapes
+    ``Documents.layout`` holds."""
     shapes = _shapes(layout)
     return tuple(g.view(shape) for g, shape in zip(index.split([n * w for n, w in shapes]), shapes))
 
@@ -356,7 +355,7 @@ def packed_attention(
         return _varlen(q, k, v, documents, scale, window)
     if torch.compiler.is_compiling():  # the calls follow each batch's documents: one op in the graph
         return _packed_sdpa(q, k, v, documents.index, documents.layout, documents.take, scale, window, sinks, softcap)
-    shapes = [group.shape for group in documents.groups]
+    shapes = _shapes(documents.layout)
     return _batched(q, k, v, documents.index, shapes, documents.take, scale, window, sinks, softcap)
 
 
@@ -447,7 +446,7 @@ def _compiled_flex():
 
 
 def _batched(q, k, v, index, shapes, take, scale: float | None, window: int | None, sinks, softcap) -> torch.Tensor:
-    """``causal_attention`` once per call of ``Documents.groups`` -- ``shapes``: each call's documents
+    """``causal_attention`` once per call of ``Documents.index`` -- ``shapes``: each call's documents
     and width; ``index``: their positions end to end -- each of its documents a row of the call's
     batch; the outputs put back in place by one gather (``take``).
 
