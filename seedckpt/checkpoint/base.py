@@ -229,8 +229,30 @@ def stored_bounds(info: TensorInfo, names=None, fqn: str = "") -> list[tuple[int
     """The dim-0 slabs in which a writer puts ``fqn`` (``info``) in the rows ``names`` (another
     tool's name adapter) stores it: ``row_bounds``, in whole groups where it permutes rows within
     groups (RoPE heads), so that each slab is read from the same rows of ours."""
-    groups = names.row_groups(fqn) if names is not None and info.shape else None
-    return row_bounds(info.shape, info.dtype.itemsize, align=info.shape[0] // groups if groups else 1)
+    return row_bounds(info.shape, info.dtype.itemsize, align=group_rows(names, fqn, info.shape[0]) if info.shape else 1)
+
+
+def group_rows(names, fqn: str, rows: int) -> int:
+    """The rows of each group within which ``names`` (another tool's name adapter, None: ours)
+    permutes ``fqn``'s ``rows`` (RoPE heads): what a read of some of them widens to; 1 where none."""
+    groups = names.row_groups(fqn) if names is not None else None
+    return rows // groups if groups else 1
+
+
+def whole_groups(start: int, stop: int, per: int) -> tuple[int, int]:
+    """``[start, stop)`` widened to whole groups of ``per`` rows."""
+    return start // per * per, -(-stop // per) * per
+
+
+def read_in_groups(names, fqn: str, start: int, stop: int, read, read_align) -> torch.Tensor:
+    """Rows ``[start, stop)`` of ``fqn`` from ``read(lo, hi)``, its stored rows: where ``names``
+    permutes rows within groups (of ``read_align(fqn)`` rows), the whole groups around them read, put
+    in our order (``from_stored_rows``) and sliced -- bitwise those rows of the whole tensor."""
+    if names is None or not names.row_groups(fqn):
+        return read(start, stop)
+    per = read_align(fqn)
+    lo, hi = whole_groups(start, stop, per)
+    return names.from_stored_rows(read(lo, hi), (hi - lo) // per)[start - lo : stop - lo]
 
 
 def stored_split(names, fqn: str) -> StoredSplit | None:

@@ -38,7 +38,7 @@ import torch
 
 from models.family import ModelFamily
 from seedckpt.checkpoint import FORMATS, OpenedCheckpoint, TensorInfo, WriteJob, dtype_name, make_manifest
-from seedckpt.checkpoint.base import nonfinite_count, stored_bounds, stored_split
+from seedckpt.checkpoint.base import nonfinite_count, stored_bounds, stored_split, whole_groups
 from seedckpt.checkpoint.formats.hf import GENERATION_CONFIG
 from seedckpt.checkpoint.load import row_bounds
 from seedckpt.checkpoint.manifest import TOKENIZER_DIR
@@ -244,7 +244,7 @@ def slab_held(side: OpenedCheckpoint, fqn: str, bounds: list[tuple[int, int]]) -
     if not side.reads_rows(fqn) or not info.shape:
         return info.nbytes
     per = side.read_align(fqn)
-    rows = max(((-(-stop // per) - start // per) * per for start, stop in bounds), default=0)
+    rows = max((hi - lo for lo, hi in (whole_groups(start, stop, per) for start, stop in bounds)), default=0)
     return info.nbytes * rows // max(1, info.shape[0])
 
 

@@ -20,7 +20,15 @@ from pathlib import Path
 import torch
 
 from seedckpt.checkpoint.atomic import refuse_partial
-from seedckpt.checkpoint.base import OpenedCheckpoint, WriteJob, read_stored_rows, recorded_layout, stored_bounds
+from seedckpt.checkpoint.base import (
+    OpenedCheckpoint,
+    WriteJob,
+    group_rows,
+    read_in_groups,
+    read_stored_rows,
+    recorded_layout,
+    stored_bounds,
+)
 from seedckpt.checkpoint.fused import (
     PartsRead,
     SplitOnce,
@@ -205,9 +213,7 @@ class DcpCheckpoint(OpenedCheckpoint):
         return True
 
     def read_align(self, fqn: str) -> int:
-        names = None if fqn in self.parts else self.renamed.get(fqn)
-        groups = names.row_groups(fqn) if names is not None else None
-        return self.all_tensors[fqn].shape[0] // groups if groups else 1
+        return group_rows(None if fqn in self.parts else self.renamed.get(fqn), fqn, self.all_tensors[fqn].shape[0])
 
     def read_rows(self, fqn: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)`` of ``fqn``, reading (and checking) only the stored rows they come
@@ -220,14 +226,13 @@ class DcpCheckpoint(OpenedCheckpoint):
             window = RowWindow(torch.empty((stop - start, *info.shape[1:]), dtype=info.dtype), start)
             self.load({fqn: window})
             return window.dest
-        names = self.renamed.get(fqn)
-        groups = names.row_groups(fqn) if names is not None else None
-        per = self.read_align(fqn)
-        lo, hi = start // per * per, -(-stop // per) * per
-        window = RowWindow(torch.empty((hi - lo, *info.shape[1:]), dtype=info.dtype), lo)
-        load_state({self.stored.get(fqn, fqn): window}, self.reader(), self.path, no_dist=True)
-        rows = names.from_stored_rows(window.dest, (hi - lo) // per) if groups else window.dest
-        return rows[start - lo : stop - lo]
+
+        def stored(lo: int, hi: int) -> torch.Tensor:
+            window = RowWindow(torch.empty((hi - lo, *info.shape[1:]), dtype=info.dtype), lo)
+            load_state({self.stored.get(fqn, fqn): window}, self.reader(), self.path, no_dist=True)
+            return window.dest
+
+        return read_in_groups(self.renamed.get(fqn), fqn, start, stop, stored, self.read_align)
 
     def _read_whole(self, key: str, shape: tuple[int, ...], fqn: str) -> torch.Tensor:
         """The stored ``key`` as it is stored, whole (of ``shape``, in ``fqn``'s dtype)."""

@@ -38,7 +38,14 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from seedckpt.checkpoint.atomic import atomic_output, write_json_synced
-from seedckpt.checkpoint.base import OpenedCheckpoint, WriteJob, read_stored_rows, stored_bounds
+from seedckpt.checkpoint.base import (
+    OpenedCheckpoint,
+    WriteJob,
+    group_rows,
+    read_in_groups,
+    read_stored_rows,
+    stored_bounds,
+)
 from seedckpt.checkpoint.formats.compressed_tensors import packed_tensors
 from seedckpt.checkpoint.formats.quantized import DequantizedLoad, Stored, quantized_tensors
 from seedckpt.checkpoint.formats.safetensors_file import read_safetensor, read_safetensor_rows, write_safetensors
@@ -248,8 +255,8 @@ class HFCheckpoint(OpenedCheckpoint):
         return True
 
     def read_align(self, fqn: str) -> int:
-        groups = None if fqn in self.slices or fqn in self.parts else self.names.row_groups(fqn)
-        return self.infos[fqn].shape[0] // groups if groups else 1
+        names = None if fqn in self.slices or fqn in self.parts else self.names
+        return group_rows(names, fqn, self.infos[fqn].shape[0])
 
     def read_rows(self, fqn: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)`` of ``fqn``: those of the stored tensor under it (dequantized), of the
@@ -261,13 +268,8 @@ class HFCheckpoint(OpenedCheckpoint):
         if fqn in self.parts:
             rows = lambda: self._read_stored_rows(file, name, start, stop)  # noqa: E731
             return self.split_once.read_rows(fqn, self.parts[fqn][0], (start, stop), rows)
-        groups = self.names.row_groups(fqn)
-        if not groups:
-            return self._read_stored_rows(file, name, start, stop)
-        per = self.read_align(fqn)
-        lo, hi = start // per * per, -(-stop // per) * per
-        rows = self.names.from_stored_rows(self._read_stored_rows(file, name, lo, hi), (hi - lo) // per)
-        return rows[start - lo : stop - lo]
+        stored = lambda lo, hi: self._read_stored_rows(file, name, lo, hi)  # noqa: E731
+        return read_in_groups(self.names, fqn, start, stop, stored, self.read_align)
 
     def _read_stored_rows(self, file: Path, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)`` of the stored ``name``, their bytes alone (dequantized to float32)."""
