@@ -1,5 +1,5 @@
 """An eager model and its compiled twin, for the tests that compare them and count the graphs
-``training.compile`` (``apply_compile``) builds."""
+``training.compile`` (``apply_compile``) builds, and batches of other documents to feed them."""
 
 from __future__ import annotations
 
@@ -36,3 +36,13 @@ def eager_and_compiled(args, ac: str = "none", model=Transformer) -> tuple[torch
 def graph_count() -> int:
     """The graphs dynamo has compiled since the counters were last emptied."""
     return counters["stats"]["unique_graphs"]
+
+
+def random_layouts(count: int, bsz: int, seq: int, longest: int) -> list[torch.Tensor]:
+    """``count`` batches of (bsz, seq) document ids, each row documents of 1 to ``longest`` tokens
+    (seeded), so that batches differ in documents, length classes and their sizes."""
+    gen = torch.Generator().manual_seed(1)
+    return [
+        torch.stack([torch.cumsum(torch.rand(seq, generator=gen) < 2 / longest, 0) for _ in range(bsz)])
+        for _ in range(count)
+    ]

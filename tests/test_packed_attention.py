@@ -17,7 +17,7 @@ from torch._dynamo.utils import counters
 
 from models.common import packed_attention as pa
 from models.common.packed_attention import ALONE, Documents, causal_attention, packed_attention
-from tests.compiled import compile_with_aot_eager, eager_and_compiled, graph_count
+from tests.compiled import compile_with_aot_eager, eager_and_compiled, graph_count, random_layouts
 from tests.conftest import tiny_config
 
 # Three rows of 400 positions: documents of every length class, one at least ALONE long, padding at
@@ -268,16 +268,6 @@ def test_varlen_attn_compiles_once_for_batches_of_other_documents():
 
 
 # -- compiled: one graph for every layout of documents -----------------------------------------------
-def random_layouts(count: int, bsz: int, seq: int, longest: int) -> list[torch.Tensor]:
-    """``count`` batches of (bsz, seq) document ids, each row documents of 1 to ``longest`` tokens
-    (seeded), so that batches differ in documents, length classes and their sizes."""
-    gen = torch.Generator().manual_seed(1)
-    return [
-        torch.stack([torch.cumsum(torch.rand(seq, generator=gen) < 2 / longest, 0) for _ in range(bsz)])
-        for _ in range(count)
-    ]
-
-
 def _assert_compiled_is_eager(compiled, documents: Documents, inputs, window, softcap, **tolerance) -> None:
     """``compiled`` (``packed_attention`` under ``torch.compile``) computes eager's outputs and
     gradients (scale 0.3)."""

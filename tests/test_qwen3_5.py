@@ -29,11 +29,10 @@ from models.registry import get_family
 from seedckpt import load_model
 from seedckpt.materialize.init_recipe import init_model
 from seedckpt.materialize.seed import create_seed_checkpoint
-from tests.compiled import compile_with_aot_eager, eager_and_compiled, graph_count
+from tests.compiled import compile_with_aot_eager, eager_and_compiled, graph_count, random_layouts
 from tests.conftest import tiny_config
 from tests.dist import run_distributed
 from tests.test_deepseek_v3 import _close, assert_both_ways
-from tests.test_packed_attention import random_layouts
 from tests.test_train import losses, torchrun
 
 transformers = pytest.importorskip("transformers")
