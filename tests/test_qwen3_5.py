@@ -356,7 +356,7 @@ def test_tensor_parallel_linear_layers_are_one_process_in_float64():
     """tp2 of the debug model in float64 on packed documents: the loss within 1e-9 of one process's
     and every gradient of the linear layers (projections, convolution, ``A_log``, ``dt_bias``, the
     gated norm) within 1e-6 of its size. Measured: 0 and 2e-15 (up to 7e-9 with RoPE's table left
-    complex64: the decoder's norms and RoPE's input compute in float32 in both layouts). A head out
+    complex64: RoPE's input computes in float32 in both layouts). A head out
     of place (``b``'s reversed, q/k repeated instead of interleaved) moves gradients by 1.5-1.7x their
     size, and the float32 loss by 4.9e-6 only, inside the 1e-5 the training test allows. In float32
     the layouts' gradients here are 2.4e-6 apart (``A_log``'s; 1.5e-4 before ``segment_sums``), each
